@@ -1,0 +1,55 @@
+# The two commands:   make lab    (set up, then open the course in JupyterLab)
+#                     make test   (set up, then run every test: library, notebooks, grader)
+# Both create .venv on first use (Python 3.11) and reinstall when pyproject.toml changes.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PORT   ?= 8888
+NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
+
+.PHONY: setup lab test test-fast test-lib test-notebooks lint execute-notebooks benchmarks clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "the course needs Python 3.11, found " + sys.version.split()[0]'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (LLM scaling course)"
+	@touch $(STAMP)
+
+## Open the course: JupyterLab on 127.0.0.1 with token authentication, at the start page.
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) --ServerApp.open_browser=True \
+		notebooks/START_HERE.ipynb
+
+## Every test: lint, the library (pytest), every notebook (nbval). This is what CI runs.
+test: $(STAMP) lint test-lib test-notebooks
+
+test-lib: $(STAMP)
+	$(PY) -m pytest tests
+
+test-notebooks: $(STAMP)
+	$(PY) -m pytest $(NBVAL) notebooks
+
+## Quick loop while editing: library tests without the slow multi-launch ones, no notebooks.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow" -x -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+## Re-execute the notebooks in place (their outputs are committed and compared by nbval).
+execute-notebooks: $(STAMP)
+	for nb in notebooks/*.ipynb; do \
+		$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 $$nb || exit 1; \
+	done
+
+benchmarks: $(STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,325 @@
+"""A tiny decoder-only GPT you can read in one sitting, and the real shapes of famous models.
+
+The same ``GPTConfig`` describes two kinds of model:
+
+* tiny ones (a few hundred thousand parameters) that the course instantiates and trains on CPU ranks, and
+* presets with the real shapes of Llama 2/3, Mixtral 8x7B and GPT-3 175B, used only by the estimators
+  (memory, FLOPs, planner). They are never instantiated.
+
+``param_count(config)`` computes the parameter count from the formula; a test checks that it equals the
+module's real count for every option (MHA/GQA, GELU/SwiGLU, LayerNorm/RMSNorm, learned/rotary positions,
+tied/untied head, dense/MoE).
+
+Formulas (h = d_model, f = d_ff, L = n_layer, v = vocab, h_kv = n_kv_head * d_head):
+
+* attention: q and o are h x h, k and v are h x h_kv  -> 2h^2 + 2*h*h_kv weights (+ 2h + 2h_kv biases)
+* MLP: GELU uses two h x f matrices (+ f + h biases); SwiGLU uses three (gate, up, down)
+* GPT-2 style block (MHA, f = 4h, biases, LayerNorm): 12h^2 + 13h
+* MoE: E experts each with its own MLP, plus a router h x E
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a decoder-only transformer.
+
+    ``n_kv_head`` < ``n_head`` gives grouped-query attention (GQA); ``n_expert`` > 0 turns every MLP into a
+    mixture of experts with ``top_k`` experts per token.
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    n_kv_head: int | None = None
+    d_ff: int | None = None
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    pos: Literal["learned", "rope"] = "learned"
+    bias: bool = True
+    tie_embeddings: bool = False
+    n_expert: int = 0
+    top_k: int = 2
+    name: str = "tiny"
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.kv_heads}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
+            raise ValueError(f"top_k={self.top_k} must be in [1, n_expert={self.n_expert}]")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def with_(self, **changes: object) -> GPTConfig:
+        """A copy with some fields changed (``cfg.with_(n_layer=4)``)."""
+        return replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter counts from the formula
+
+
+def attention_params(c: GPTConfig) -> int:
+    """q, k, v, o projections: 2h^2 + 2*h*h_kv (+ biases 2h + 2h_kv)."""
+    h, hkv = c.d_model, c.kv_heads * c.head_dim
+    return 2 * h * h + 2 * h * hkv + (2 * h + 2 * hkv if c.bias else 0)
+
+
+def mlp_params(c: GPTConfig) -> int:
+    """One dense MLP: GELU 2hf (+ f + h), SwiGLU 3hf (+ 2f + h)."""
+    h, f = c.d_model, c.ffn_dim
+    if c.mlp == "gelu":
+        return 2 * h * f + (f + h if c.bias else 0)
+    return 3 * h * f + (2 * f + h if c.bias else 0)
+
+
+def norm_params(c: GPTConfig) -> int:
+    return 2 * c.d_model if c.norm == "layernorm" else c.d_model
+
+
+def block_params(c: GPTConfig, active_only: bool = False) -> int:
+    """One transformer block. With MoE, ``active_only`` counts the top_k experts a token uses."""
+    if c.n_expert:
+        experts = c.top_k if active_only else c.n_expert
+        ffn = experts * mlp_params(c) + c.d_model * c.n_expert  # experts + router
+    else:
+        ffn = mlp_params(c)
+    return attention_params(c) + ffn + 2 * norm_params(c)
+
+
+def param_count(c: GPTConfig, active_only: bool = False) -> int:
+    """Total parameters: embeddings + L blocks + final norm + head (untied)."""
+    emb = c.vocab_size * c.d_model + (c.seq_len * c.d_model if c.pos == "learned" else 0)
+    head = 0 if c.tie_embeddings else c.vocab_size * c.d_model
+    return emb + c.n_layer * block_params(c, active_only) + norm_params(c) + head
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Presets: real shapes, for estimators only (never instantiated)
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "gpt2-124m": GPTConfig(name="gpt2-124m", vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768,
+                           tie_embeddings=True),
+    "gpt3-175b": GPTConfig(name="gpt3-175b", vocab_size=50257, seq_len=2048, n_layer=96, n_head=96,
+                           d_model=12288, tie_embeddings=True),
+    "llama2-7b": GPTConfig(name="llama2-7b", vocab_size=32000, seq_len=4096, n_layer=32, n_head=32, d_model=4096,
+                           d_ff=11008, mlp="swiglu", norm="rmsnorm", pos="rope", bias=False),
+    "llama2-70b": GPTConfig(name="llama2-70b", vocab_size=32000, seq_len=4096, n_layer=80, n_head=64,
+                            n_kv_head=8, d_model=8192, d_ff=28672, mlp="swiglu", norm="rmsnorm", pos="rope",
+                            bias=False),
+    "llama3-8b": GPTConfig(name="llama3-8b", vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8,
+                           d_model=4096, d_ff=14336, mlp="swiglu", norm="rmsnorm", pos="rope", bias=False),
+    "llama3-70b": GPTConfig(name="llama3-70b", vocab_size=128256, seq_len=8192, n_layer=80, n_head=64,
+                            n_kv_head=8, d_model=8192, d_ff=28672, mlp="swiglu", norm="rmsnorm", pos="rope",
+                            bias=False),
+    "mixtral-8x7b": GPTConfig(name="mixtral-8x7b", vocab_size=32000, seq_len=32768, n_layer=32, n_head=32,
+                              n_kv_head=8, d_model=4096, d_ff=14336, mlp="swiglu", norm="rmsnorm", pos="rope",
+                              bias=False, n_expert=8, top_k=2),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The module
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * g (Zhang & Sennrich 2019); no bias, no mean subtraction."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(c: GPTConfig) -> nn.Module:
+    return nn.LayerNorm(c.d_model) if c.norm == "layernorm" else RMSNorm(c.d_model)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables (Su et al. 2021): angle(pos, i) = pos / base^(2i/d). Shapes [T, d/2]."""
+    pos = torch.arange(seq_len, dtype=torch.float32) if positions is None else positions.float()
+    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.outer(pos, inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [B, H, T, d] by the angles in cos/sin [T, d/2]."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with optional grouped-query K/V heads (Ainslie et al. 2023)."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.kv_heads, c.head_dim
+        kv_dim = c.kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.d_model, c.d_model, bias=c.bias)
+        self.k_proj = nn.Linear(c.d_model, kv_dim, bias=c.bias)
+        self.v_proj = nn.Linear(c.d_model, kv_dim, bias=c.bias)
+        self.o_proj = nn.Linear(c.d_model, c.d_model, bias=c.bias)
+        self.rope = c.pos == "rope"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H, T, d]
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, d]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.rope:
+            cos, sin = rope_cos_sin(T, self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # GQA: each K/V head serves n_head / n_kv_head query heads
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """GELU MLP h -> f -> h, or SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.swiglu = c.mlp == "swiglu"
+        self.fc1 = nn.Linear(c.d_model, c.ffn_dim, bias=c.bias)  # "up"
+        self.gate = nn.Linear(c.d_model, c.ffn_dim, bias=c.bias) if self.swiglu else None
+        self.fc2 = nn.Linear(c.ffn_dim, c.d_model, bias=c.bias)  # "down"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoE(nn.Module):
+    """Top-k mixture of experts (Shazeer et al. 2017; Mixtral): a router picks ``top_k`` experts per token and
+    mixes their outputs with the softmax of the selected router logits. Single-process reference; the
+    expert-parallel version lives in ``course_lib.parallel.ep``."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = c.top_k
+        self.router = nn.Linear(c.d_model, c.n_expert, bias=False)
+        self.experts = nn.ModuleList(MLP(c) for _ in range(c.n_expert))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).topk(self.top_k, dim=-1)  # [N, k]
+        weights = weights.softmax(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, weights[token, slot, None] * expert(flat[token]))
+        return out.view_as(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = make_norm(c)
+        self.attn = Attention(c)
+        self.norm2 = make_norm(c)
+        self.mlp = MoE(c) if c.n_expert else MLP(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token (+ learned position) embedding -> L blocks -> final norm -> LM head.
+
+    ``embed``, ``blocks`` and ``head`` are separate so that pipeline stages can run a slice of the model.
+    Initialisation is deterministic from ``seed`` (its own generator; the global RNG is untouched):
+    weights ~ N(0, 0.02), residual output projections ~ N(0, 0.02 / sqrt(2L)) (GPT-2), biases 0, norms 1.
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
+        super().__init__()
+        c = self.config = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = nn.Embedding(c.seq_len, c.d_model) if c.pos == "learned" else None
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.norm_f = make_norm(c)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # norm gains
+                p.fill_(1.0)
+            else:
+                std = resid_std if name.endswith(("o_proj.weight", "fc2.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm_f(x))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx [B, T] token ids -> logits [B, T, vocab]."""
+        if idx.shape[1] > self.config.seq_len:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds seq_len={self.config.seq_len}")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def num_params(model: nn.Module) -> int:
+    """Real parameter count of a module (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

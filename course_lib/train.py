@@ -1,0 +1,139 @@
+"""The single-process baseline every chapter is checked against, and the parity check itself.
+
+A parallel implementation is *correct* when, trained on the same global batches from the same initial weights,
+it produces the same per-step losses and the same final parameters as ``train_baseline`` -- up to floating-point
+reassociation (fp32, default tolerance |a - b| <= atol + rtol * |b| with rtol = 1e-5, atol = 1e-6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from course_lib.data import global_batch
+from course_lib.model import GPT, GPTConfig, lm_loss
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What every parity run shares: steps, global batch (rows per optimizer step, over all ranks), optimizer."""
+
+    steps: int = 3
+    global_batch: int = 8
+    lr: float = 1e-2
+    optimizer: Literal["sgd", "adamw"] = "adamw"
+    weight_decay: float = 0.01
+    momentum: float = 0.9
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    """Per-step losses (mean over the global batch) and the final full parameters, by name."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor] = field(repr=False)
+
+
+def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], tc: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``tc`` over ``params`` (plain for-loop implementation: identical across layouts)."""
+    if tc.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay,
+                               foreach=False)
+    if tc.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, foreach=False)
+    raise ValueError(f"unknown optimizer {tc.optimizer!r}: use 'sgd' or 'adamw'")
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached fp32 copies of every parameter, by name (what parity compares)."""
+    return {k: v.detach().float().clone() for k, v in model.named_parameters()}
+
+
+def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig()) -> TrainResult:
+    """Train ``GPT(cfg, seed=tc.seed)`` on one process: the reference for every parallel layout."""
+    model = GPT(cfg, seed=tc.seed)
+    opt = make_optimizer(list(model.parameters()), tc)
+    losses = []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        loss = lm_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return TrainResult(losses, full_params(model))
+
+
+@dataclass
+class ParityReport:
+    """How far a candidate run is from the reference: max |diff| of losses and of parameters."""
+
+    max_loss_diff: float
+    max_param_diff: float
+    worst_param: str
+    rtol: float
+    atol: float
+    ok: bool
+    problems: list[str]
+
+    def __str__(self) -> str:
+        verdict = "PASS" if self.ok else "FAIL"
+        text = (f"parity {verdict}: max |loss diff| = {self.max_loss_diff:.3e}, "
+                f"max |param diff| = {self.max_param_diff:.3e} ({self.worst_param}); "
+                f"tolerance |a-b| <= {self.atol:g} + {self.rtol:g}*|ref|")
+        return "\n".join([text, *self.problems[:10]])
+
+
+def _within(a: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> bool:
+    return bool(((a - ref).abs() <= atol + rtol * ref.abs()).all())
+
+
+def compare(reference: TrainResult, candidate: TrainResult, rtol: float = RTOL, atol: float = ATOL) -> ParityReport:
+    """Compare per-step losses and final parameters of ``candidate`` with ``reference``."""
+    problems = []
+    ref_l, cand_l = torch.tensor(reference.losses, dtype=torch.float64), torch.tensor(candidate.losses,
+                                                                                        dtype=torch.float64)
+    if ref_l.shape != cand_l.shape:
+        problems.append(f"{len(candidate.losses)} losses, expected {len(reference.losses)}")
+        max_loss = float("inf")
+    else:
+        max_loss = float((ref_l - cand_l).abs().max()) if ref_l.numel() else 0.0
+        if not _within(cand_l, ref_l, rtol, atol):
+            problems.append(f"losses differ: got {candidate.losses}, expected {reference.losses}")
+    missing = sorted(set(reference.params) - set(candidate.params))
+    extra = sorted(set(candidate.params) - set(reference.params))
+    if missing:
+        problems.append(f"missing parameters: {missing}")
+    if extra:
+        problems.append(f"unexpected parameters: {extra}")
+    max_param, worst = 0.0, "-"
+    for name in sorted(set(reference.params) & set(candidate.params)):
+        ref, got = reference.params[name].double(), candidate.params[name].double()
+        if ref.shape != got.shape:
+            problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+            max_param, worst = float("inf"), name
+            continue
+        diff = float((ref - got).abs().max()) if ref.numel() else 0.0
+        if diff > max_param:
+            max_param, worst = diff, name
+        if not _within(got, ref, rtol, atol):
+            problems.append(f"{name}: max |diff| {diff:.3e}")
+    if not reference.params:
+        problems.append("the reference has no parameters: nothing was compared")
+    return ParityReport(max_loss, max_param, worst, rtol, atol, not problems, problems)
+
+
+def assert_parity(reference: TrainResult, candidate: TrainResult, rtol: float = RTOL, atol: float = ATOL) -> \
+        ParityReport:
+    """``compare`` and raise ``AssertionError`` with the report when it fails; return the report otherwise."""
+    report = compare(reference, candidate, rtol, atol)
+    if not report.ok:
+        raise AssertionError(str(report))
+    return report
