@@ -1,0 +1,11 @@
+"""Graded exercises: the checks of every chapter and the papermill grader.
+
+* ``core``: ``CheckResult``, ``Exercise`` and the helpers checks are written with (compare tensors, first
+  difference, a time limit).
+* ``chNN`` (one module per chapter): the exercises of chapter NN; each has a ``check_<name>(fn, ...)`` function
+  that the notebook's visible self-check cell calls, and hidden variants (other world sizes, shapes, seeds) that only
+  the grader runs.
+* ``notebooks``: exercise notebooks generated from solution notebooks (``### BEGIN SOLUTION`` blocks stripped).
+* ``grader`` and ``python -m course_lib.grading``: run a learner's notebook with papermill in a child process with a
+  time limit, then the hidden checks, and print a score report.
+"""

@@ -1,0 +1,261 @@
+"""The grader: run a learner's notebook with papermill, then the chapter's hidden checks, and score it.
+
+    python -m course_lib.grading exercises/01_collectives.ipynb          # one notebook
+    python -m course_lib.grading submissions/ --out report.json           # a class's folder
+    python -m course_lib.grading submissions/ --always-exit-zero          # batch grading
+
+How a notebook is graded:
+
+1. It is copied into a temporary folder (the learner's file is never modified). Every code cell gets the
+   ``raises-exception`` tag, so one broken cell costs only the exercises that need it, and a last cell is appended
+   that runs the hidden checks in the notebook's own namespace and writes their results, one exercise at a time.
+2. papermill executes the copy in a child process, with the chapter's parameters injected (another seed, other
+   sizes: a hard-coded answer does not pass), a time limit per cell (the kernel is interrupted and execution goes
+   on) and one for the whole notebook (the child, its kernel and any ranks it started are killed).
+3. Each exercise scores its points only if its visible check *and* all hidden checks pass. A missing result (the
+   kernel died, the notebook timed out) scores 0 with the reason.
+
+Graded code runs with the rights of the user who runs the grader, like any notebook you execute: grade untrusted
+submissions in a container or a throw-away account.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import nbformat
+import psutil
+
+from course_lib.grading.core import CheckResult, Exercise, time_limit
+
+CELL_TIMEOUT_S = 120
+NOTEBOOK_TIMEOUT_S = 600
+CHECK_TIMEOUT_S = 60
+
+
+@dataclass
+class ExerciseScore:
+    key: str
+    title: str
+    points: int
+    max_points: int
+    ok: bool
+    reason: str
+
+
+@dataclass
+class NotebookReport:
+    notebook: str
+    chapter: str
+    scores: list[ExerciseScore] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def points(self) -> int:
+        return sum(s.points for s in self.scores)
+
+    @property
+    def max_points(self) -> int:
+        return sum(s.max_points for s in self.scores)
+
+    def table(self) -> str:
+        rows = [(s.key, f"{s.points}/{s.max_points}", "pass" if s.ok else "FAIL", s.reason) for s in self.scores]
+        w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+             for i, h in enumerate(("exercise", "points", "result"))]
+        lines = [f"{self.notebook} (chapter {self.chapter}): {self.points}/{self.max_points} points"]
+        lines += [f"  ! {p}" for p in self.problems]
+        lines.append(f"  {'exercise'.ljust(w[0])}  {'points'.ljust(w[1])}  {'result'.ljust(w[2])}  reason")
+        lines += [f"  {k.ljust(w[0])}  {p.ljust(w[1])}  {r.ljust(w[2])}  {why}" for k, p, r, why in rows]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inside the learner's kernel
+
+
+def chapter_module(chapter: str) -> ModuleType:
+    return importlib.import_module(f"course_lib.grading.ch{chapter}")
+
+
+def grade_exercise(ex: Exercise, namespace: dict[str, Any]) -> CheckResult:
+    """Run the visible and hidden checks of ``ex`` against the function the notebook defined."""
+    fn = namespace.get(ex.function)
+    if fn is None:
+        return CheckResult(ex.key, False, f"the notebook defines no `{ex.function}`")
+    settings = [ex.visible, *ex.hidden]
+    for i, kwargs in enumerate(settings):
+        with time_limit(CHECK_TIMEOUT_S, f"check {i + 1} of {ex.key}"):
+            try:
+                result = ex.check(fn, **kwargs)
+            except AssertionError as exc:  # CheckFailed from the time limit
+                result = CheckResult(ex.key, False, str(exc))
+        if not result.ok:
+            where = "the visible check" if i == 0 else f"hidden check {i} ({_describe(kwargs)})"
+            return CheckResult(ex.key, False, f"{where}: {result.message}")
+    return CheckResult(ex.key, True, f"all {len(settings)} checks passed")
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "defaults"
+
+
+def run_hidden_checks(chapter: str, namespace: dict[str, Any], results_path: str) -> None:
+    """Appended to the notebook by the grader: grade every exercise, writing results as they come."""
+    results: dict[str, dict[str, Any]] = {}
+    for ex in chapter_module(chapter).EXERCISES:
+        res = grade_exercise(ex, namespace)
+        results[ex.key] = {"ok": res.ok, "message": res.message}
+        Path(results_path).write_text(json.dumps(results))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The grader process
+
+
+def notebook_chapter(path: Path, nb: nbformat.NotebookNode) -> str:
+    chapter = nb.metadata.get("course", {}).get("chapter") or path.name[:2]
+    if not (len(chapter) == 2 and chapter.isdigit()):
+        raise ValueError(f"{path}: cannot tell the chapter (name it NN_topic.ipynb or set metadata.course.chapter)")
+    return chapter
+
+
+def _prepare(nb: nbformat.NotebookNode, chapter: str, results_path: Path) -> nbformat.NotebookNode:
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            tags = cell.metadata.setdefault("tags", [])
+            if "raises-exception" not in tags:
+                tags.append("raises-exception")
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "from course_lib.grading.grader import run_hidden_checks\n"
+        f"run_hidden_checks({chapter!r}, globals(), {str(results_path)!r})"))
+    return nb
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill the papermill child, its kernel (its own session) and anything the kernel started (ranks)."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for p in [*family, psutil.Process(proc.pid)] if proc.poll() is None else family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(family, timeout=5)
+
+
+def _execute(src: Path, dst: Path, parameters: dict[str, Any], cwd: Path, timeout: float,
+             cell_timeout: float) -> str | None:
+    """Run papermill on ``src`` in a child process; return a problem description or None."""
+    cmd = [sys.executable, "-m", "course_lib.grading.grader", "--execute", str(src), str(dst), json.dumps(parameters),
+           str(cell_timeout)]
+    env = {**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        return f"the notebook did not finish within {timeout:g} s and was stopped"
+    if proc.returncode != 0:
+        if "DeadKernelError" in out or "Kernel died" in out:
+            return "the kernel died while running the notebook"
+        return "the notebook could not be executed: " + (out.strip().splitlines() or ["(no output)"])[-1][:300]
+    return None
+
+
+def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S) -> \
+        NotebookReport:
+    """Grade one notebook; never raises for problems in the notebook itself."""
+    start = time.monotonic()
+    nb = nbformat.read(path, as_version=4)
+    chapter = notebook_chapter(path, nb)
+    module = chapter_module(chapter)
+    report = NotebookReport(str(path), chapter)
+    work = Path(tempfile.mkdtemp(prefix="course_grade_"))
+    try:
+        results_path = work / "results.json"
+        src, dst = work / path.name, work / f"executed_{path.name}"
+        nbformat.write(_prepare(nb, chapter, results_path), src)
+        problem = _execute(src, dst, getattr(module, "GRADER_PARAMETERS", {}), work, timeout, cell_timeout)
+        if problem:
+            report.problems.append(problem)
+        results = json.loads(results_path.read_text()) if results_path.exists() else {}
+        for ex in module.EXERCISES:
+            res = results.get(ex.key)
+            if res is None:
+                reason = problem or "the grading cell did not run"
+                report.scores.append(ExerciseScore(ex.key, ex.title, 0, ex.points, False, reason))
+            else:
+                pts = ex.points if res["ok"] else 0
+                report.scores.append(ExerciseScore(ex.key, ex.title, pts, ex.points, res["ok"], res["message"]))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S,
+          progress: bool = True) -> list[NotebookReport]:
+    notebooks = [nb for p in paths for nb in (sorted(p.rglob("*.ipynb")) if p.is_dir() else [p])
+                 if ".ipynb_checkpoints" not in nb.parts]
+    reports = []
+    for i, nb in enumerate(notebooks, 1):
+        if progress:
+            print(f"[{i}/{len(notebooks)}] grading {nb} ...", flush=True)
+        report = grade_notebook(nb, timeout, cell_timeout)
+        reports.append(report)
+        if progress:
+            print(report.table(), flush=True)
+    return reports
+
+
+def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str) -> None:
+    import papermill
+
+    limit = int(float(cell_timeout))
+    papermill.execute_notebook(
+        src, dst, parameters=json.loads(parameters_json), kernel_name="python3", progress_bar=False,
+        execution_timeout=limit, interrupt_on_timeout=True, raise_on_iopub_timeout=False,
+        error_on_timeout={"ename": "CellTimeout", "evalue": f"cell exceeded {limit} s", "traceback": []},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib.grading", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", type=Path, help="notebooks or folders of notebooks")
+    parser.add_argument("--out", type=Path, help="write the reports as JSON here")
+    parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT_S, help="seconds per notebook")
+    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
+    parser.add_argument("--always-exit-zero", action="store_true", help="exit 0 even without full marks")
+    args = parser.parse_args(argv)
+    reports = grade(args.paths, args.timeout, args.cell_timeout)
+    total, best = sum(r.points for r in reports), sum(r.max_points for r in reports)
+    print(f"total: {total}/{best} points over {len(reports)} notebook(s)")
+    if args.out:
+        args.out.write_text(json.dumps([{**asdict(r), "points": r.points, "max_points": r.max_points}
+                                        for r in reports], indent=2))
+    return 0 if args.always_exit_zero or (reports and total == best) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--execute":
+        _papermill_child(*sys.argv[2:])
+    else:
+        sys.exit(main())

@@ -1,0 +1,1 @@
+"""Realistic wrong answers, per chapter and exercise: each must be rejected by the exercise's checks."""

@@ -1,0 +1,133 @@
+"""The grader: exercises generated from solutions, full marks for solutions, zero for untouched exercises, wrong
+answers rejected, and broken notebooks graded in bounded time with nothing left running."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+import torch
+
+from course_lib.grading import core, grader, notebooks
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
+CHAPTERS = [p.name[:2] for p in SOLUTIONS]
+
+
+def test_there_are_solutions_and_each_has_at_least_three_exercises():
+    assert SOLUTIONS
+    for ch in CHAPTERS:
+        assert len(grader.chapter_module(ch).EXERCISES) >= 3, ch
+
+
+def test_exercises_are_in_sync_with_their_solutions():
+    stale = notebooks.sync(check=True)
+    assert not stale, f"run `python -m course_lib.grading.notebooks`: out of date {stale}"
+
+
+def test_strip_source_replaces_blocks_at_their_indentation_with_the_hint():
+    src = "def f(x):\n    ### BEGIN SOLUTION hint: double it\n    y = 2 * x\n    return y\n    ### END SOLUTION\n"
+    assert notebooks.strip_source(src) == 'def f(x):\n    raise NotImplementedError("double it")'
+    with pytest.raises(ValueError, match="without ### END"):
+        notebooks.strip_source("### BEGIN SOLUTION\nx = 1\n")
+
+
+def test_exercise_notebooks_contain_no_solution_and_no_outputs():
+    for sol in SOLUTIONS:
+        ex = nbformat.read(REPO / "exercises" / sol.name, as_version=4)
+        for cell in ex.cells:
+            assert "BEGIN SOLUTION" not in cell.source
+            if cell.cell_type == "code":
+                assert not cell.outputs
+
+
+def _wrong_answers():
+    for ch in CHAPTERS:
+        fixtures = importlib.import_module(f"tests.grading_fixtures.ch{ch}").WRONG
+        for ex in grader.chapter_module(ch).EXERCISES:
+            assert len(fixtures.get(ex.key, [])) >= 2, f"chapter {ch}, {ex.key}: needs two wrong answers"
+            for wrong in fixtures[ex.key]:
+                yield pytest.param(ch, ex, wrong, id=f"{ch}-{ex.key}-{wrong.__name__}")
+
+
+@pytest.mark.parametrize("chapter, exercise, wrong", list(_wrong_answers()))
+def test_realistic_wrong_answers_are_rejected(chapter, exercise, wrong):
+    result = grader.grade_exercise(exercise, {exercise.function: wrong})
+    assert not result.ok, f"{wrong.__name__} ({wrong.__doc__}) was accepted"
+    assert result.message
+
+
+def test_checkers_do_not_accept_a_tensor_or_a_list_for_a_number():
+    for got in (torch.tensor(6.0), [6], [[6]], True):
+        with pytest.raises(core.CheckFailed):
+            core.expect_number(got, 6, "x")
+    core.expect_number(6, 6, "x")
+    with pytest.raises(core.CheckFailed, match="shape"):
+        core.expect_close(torch.ones(2, 1), torch.ones(2), "t")
+    with pytest.raises(core.CheckFailed, match=r"index \(1,\)"):
+        core.expect_close(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), "t")
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_solution_scores_full_marks_and_untouched_exercise_scores_zero(solution):
+    full = grader.grade_notebook(solution)
+    assert full.points == full.max_points > 0, full.table()
+    empty = grader.grade_notebook(REPO / "exercises" / solution.name)
+    assert empty.points == 0, empty.table()
+    assert all("not implemented" in s.reason for s in empty.scores), empty.table()
+
+
+def _with_extra_cell(tmp_path: Path, source: str, after: int) -> Path:
+    nb = nbformat.read(REPO / "solutions" / "00_budgets.ipynb", as_version=4)
+    nb.cells.insert(after, nbformat.v4.new_code_cell(source))
+    path = tmp_path / "00_budgets.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def _no_children_left():
+    assert not psutil.Process().children(recursive=True), "grading left processes running"
+
+
+def test_an_infinite_loop_costs_only_time_not_the_other_exercises(tmp_path):
+    path = _with_extra_cell(tmp_path, "while True:\n    pass", after=3)
+    start = time.monotonic()
+    report = grader.grade_notebook(path, timeout=150, cell_timeout=20)
+    assert report.points == report.max_points, report.table()
+    assert time.monotonic() - start < 120
+    _no_children_left()
+
+
+def test_a_notebook_that_kills_its_kernel_scores_zero_with_the_reason(tmp_path):
+    path = _with_extra_cell(tmp_path, "import os\nos._exit(1)", after=5)
+    report = grader.grade_notebook(path, timeout=120, cell_timeout=30)
+    assert report.points == 0
+    assert any("kernel died" in s.reason for s in report.scores), report.table()
+    _no_children_left()
+
+
+def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
+    path = _with_extra_cell(tmp_path, "import time\ntime.sleep(600)", after=3)
+    start = time.monotonic()
+    report = grader.grade_notebook(path, timeout=25, cell_timeout=300)
+    assert time.monotonic() - start < 60
+    assert report.points == 0
+    assert any("did not finish within 25 s" in s.reason for s in report.scores), report.table()
+    _no_children_left()
+
+
+def test_the_cli_exits_nonzero_without_full_marks_and_writes_json(tmp_path, monkeypatch):
+    out = tmp_path / "report.json"
+    code = grader.main([str(REPO / "exercises" / "00_budgets.ipynb"), "--out", str(out)])
+    assert code == 1
+    assert '"points": 0' in out.read_text()
+    reports = []
+    monkeypatch.setattr(grader, "grade", lambda *a, **k: reports)  # exit codes for a report without full marks
+    reports.append(grader.NotebookReport("x.ipynb", "00", [grader.ExerciseScore("k", "t", 0, 2, False, "no")]))
+    assert grader.main(["x.ipynb"]) == 1
+    assert grader.main(["x.ipynb", "--always-exit-zero"]) == 0
