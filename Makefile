@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 PORT   ?= 8888
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
 
-.PHONY: setup lab test test-fast test-lib test-notebooks lint execute-notebooks benchmarks clean
+.PHONY: setup lab test test-fast test-lib test-notebooks lint execute-notebooks exercises grade benchmarks clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,14 @@ execute-notebooks: $(STAMP)
 	for nb in notebooks/*.ipynb; do \
 		$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 $$nb || exit 1; \
 	done
+
+## Regenerate exercises/ from solutions/ (the solutions are the single source of truth).
+exercises: $(STAMP)
+	$(PY) -m course_lib.grading.notebooks
+
+## Grade notebooks: make grade NB=path/to/notebook_or_folder
+grade: $(STAMP)
+	$(PY) -m course_lib.grading $(NB)
 
 benchmarks: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
