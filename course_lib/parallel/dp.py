@@ -1,0 +1,475 @@
+"""Data parallelism from scratch: naive, bucketed and overlapped gradient all-reduce, and gradient accumulation.
+
+Every rank holds a full replica of the model and processes its own slice of the global batch; after the
+backward pass the ranks average their gradients, so every replica takes the same optimizer step and the
+replicas never drift apart. With equal slices, the average of the local mean-loss gradients *is* the gradient
+of the mean loss over the global batch, which is why the result matches one process trained on the whole batch
+(``course_lib.train.train_baseline``), up to floating-point reassociation.
+
+Batch arithmetic (b = micro-batch per rank, m = gradient-accumulation steps, N = DP degree)::
+
+    global batch B = b x m x N          (rows per optimizer step)
+
+Communication per optimizer step, per rank, for Psi gradient elements of ``s`` bytes each (V = Psi * s), with
+the bandwidth-optimal ring all-reduce (reduce-scatter then all-gather, Patarasuk & Yuan 2009)::
+
+    bytes sent = 2 (N-1)/N x V          (exact when every all-reduced buffer divides by N, else
+                                         ``comm.ring_bytes`` gives the exact per-rank count)
+
+It does not depend on how the gradients are grouped (one call per parameter or a few buckets): grouping changes
+the number of calls, i.e. the latency term alpha x calls of the alpha-beta model, not the bandwidth term. It does
+not depend on m either: accumulation skips the all-reduce on all but the last micro-batch (``no_sync``).
+
+Three ways to do the same all-reduce, from the textbook to what ``torch.nn.parallel.DistributedDataParallel``
+does (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 13(12),
+arXiv:2006.15704, sections 3.2.2-3.2.3):
+
+* ``"naive"``: after backward, one all-reduce per parameter gradient, then divide by N. Many small calls: each
+  pays the per-call latency, and nothing overlaps with compute.
+* ``"bucketed"``: gradients are packed into flat buckets of about ``bucket_mb`` MiB, formed in *reverse*
+  parameter order (roughly the order backward produces them), one all-reduce per bucket, then unpacked back
+  into ``.grad``. Fewer, larger messages use the bandwidth better (Li et al., Fig. 2).
+* ``"overlapped"``: each parameter's ``register_post_accumulate_grad_hook`` marks its gradient ready; when a
+  bucket's last gradient arrives the bucket is all-reduced **asynchronously** (``async_op=True``) while
+  backward goes on computing earlier layers. ``finish_gradient_sync()`` waits for every bucket before the
+  optimizer step. Buckets are launched strictly in bucket order (bucket i+1 never before bucket i), so every
+  rank issues the same collectives in the same order even when gradients arrive in a different order -- the
+  rule DDP follows too (Li et al., section 3.2.3).
+
+Gradient accumulation (DDP semantics): inside ``with dp.no_sync():`` the forward/backward only accumulates into
+``.grad`` locally, no communication; the last micro-batch runs outside it and its backward (or
+``finish_gradient_sync``) averages the accumulated gradients. Each micro-batch loss is scaled by 1/m so that the
+accumulated gradient is the gradient of the mean over the m micro-batches.
+
+Special parameters:
+
+* frozen (``requires_grad=False``): never bucketed, never communicated.
+* tied (the same ``Parameter`` in two modules, e.g. ``GPTConfig(tie_embeddings=True)``): ``Module.parameters()``
+  yields it once, its ``.grad`` already holds the sum of both uses, and its hook fires once per backward: it is
+  reduced exactly once. (Reducing it twice would give the same average but twice the bytes.)
+* no gradient in this step (``.grad is None`` after backward, e.g. an expert no token chose): **treated as
+  zeros** in the all-reduce, as DDP does. A parameter that got a gradient on some ranks but not on others thus
+  receives the average with zero contributions -- exactly the baseline's gradient of the global mean loss. A
+  parameter unused on *every* rank is different: the baseline leaves its ``.grad`` None and the optimizer skips
+  it (no weight decay, no momentum step). With ``find_unused_parameters=True`` (DDP's flag) one extra small
+  all-reduce of a per-parameter "used" map detects that case and leaves ``.grad`` None, matching the baseline
+  exactly; with the default ``False`` it gets a zero gradient (which AdamW's weight decay and SGD's momentum
+  still act on). Unlike DDP, which raises when a parameter is unused and the flag is off, this version carries on.
+
+What is left out compared with DDP: the smaller first bucket, rebuilding buckets in the order gradients really
+arrived after the first iteration, ``gradient_as_bucket_view`` (``.grad`` as a view into the bucket, saving the
+copies), communication hooks (fp16/bf16 compression, PowerSGD), buffer broadcasting every forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import comm
+from course_lib.data import global_batch, micro_batches, shard
+from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
+
+Mode = Literal["naive", "bucketed", "overlapped"]
+MODES: tuple[Mode, ...] = ("naive", "bucketed", "overlapped")
+MiB = 1024 * 1024
+DEFAULT_BUCKET_MB = 25.0
+"""DDP's default ``bucket_cap_mb``."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def global_batch_size(micro_batch: int, accumulation_steps: int, dp_degree: int) -> int:
+    """Rows per optimizer step: B = micro-batch x accumulation steps x DP degree."""
+    return micro_batch * accumulation_steps * dp_degree
+
+
+def allreduce_bytes_per_rank(grad_bytes: float, n: int) -> float:
+    """Bytes one rank sends per optimizer step in a ring all-reduce of all gradients: 2 (N-1)/N x V."""
+    return 2 * (n - 1) / n * grad_bytes
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0, group: comm.Group = None) -> None:
+    """Make every rank's parameters and buffers equal to those of global rank ``src`` (one logged broadcast per
+    tensor; tied parameters once). DDP does this in its constructor, so replicas start identical even when each
+    rank initialised its model with a different seed."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            comm.broadcast(tensor.detach(), src, group=group)
+
+
+def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Group ``params`` (given in the order their gradients are expected, i.e. already reversed) into buckets.
+
+    Greedy, as DDP's ``compute_bucket_assignment_by_size``: add tensors to the current bucket and close it as soon
+    as it holds at least ``bucket_bytes`` (so a bucket may exceed the cap by its last tensor; ``bucket_bytes=0``
+    puts every tensor in its own bucket); a change of dtype also closes it (a flat buffer has one dtype).
+    Returns lists of indices into ``params``.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, p in enumerate(params):
+        if current and p.dtype != params[current[0]].dtype:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A flat buffer holding the gradients of ``params`` back to back (``offsets[i]`` = where param i starts)."""
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    pending: int = 0  # gradients not ready yet in this backward (overlapped mode)
+    work: Any = None  # the async all-reduce handle once launched
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter i's slice of the buffer, shaped like the parameter."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The wrapper
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` so that its gradients are averaged over the ranks of ``group`` (default: all ranks).
+
+    Usage, one optimizer step with m micro-batches::
+
+        dp = DataParallel(model, mode="overlapped", bucket_mb=25)
+        for i, (x, y) in enumerate(micro):
+            with dp.no_sync() if i < m - 1 else contextlib.nullcontext():
+                (lm_loss(dp(x), y) / m).backward()
+        dp.finish_gradient_sync()     # must come before optimizer.step(): waits for / runs the all-reduces
+        optimizer.step()
+
+    ``mode``: ``"naive"`` (one all-reduce per parameter after backward), ``"bucketed"`` (one per bucket after
+    backward) or ``"overlapped"`` (bucket all-reduces launched asynchronously from gradient hooks during
+    backward). ``bucket_mb``: bucket capacity in MiB (bucketed / overlapped). ``find_unused_parameters``: exchange
+    a "used" map so that parameters without a gradient on any rank keep ``.grad = None`` (see the module
+    docstring). ``broadcast_from``: global rank whose initial parameters every rank copies (None: skip).
+    """
+
+    def __init__(self, module: nn.Module, group: comm.Group = None, mode: Mode = "overlapped",
+                 bucket_mb: float = DEFAULT_BUCKET_MB, find_unused_parameters: bool = False,
+                 broadcast_from: int | None = 0) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
+        self.module = module
+        self.group = group
+        self.mode: Mode = mode
+        self.bucket_bytes = int(bucket_mb * MiB)
+        self.find_unused_parameters = find_unused_parameters
+        self.world_size = dist.get_world_size(group)
+        if broadcast_from is not None:
+            broadcast_parameters(module, broadcast_from, group)
+        # Trainable parameters, each once (tied weights are one Parameter), in the order backward produces
+        # their gradients: the reverse of the order they are defined (and, in a GPT, used) in forward.
+        self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.buckets: list[Bucket] = self._build_buckets() if mode != "naive" else []
+        self._bucket_of: dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
+        self._require_sync = True  # False inside no_sync()
+        self._sync_this_backward = False  # decided at forward time, as DDP does
+        self._unsynced = False  # a synchronising forward ran and finish_gradient_sync() has not yet
+        self._next_bucket = 0  # overlapped: buckets launched so far, in order
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if mode == "overlapped":
+            for p in self.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -- building -------------------------------------------------------------------------------------------------
+
+    def _build_buckets(self) -> list[Bucket]:
+        buckets = []
+        for index, members in enumerate(assign_buckets(self.params, self.bucket_bytes)):
+            params = [self.params[i] for i in members]
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += p.numel()
+            buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+            buckets.append(Bucket(index, params, offsets, buffer))
+        return buckets
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (overlapped mode) from the parameters."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # -- the training-loop interface ------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module. Outside ``no_sync()`` (and with autograd on) this also arms the coming
+        backward: the buckets are reset and, in overlapped mode, the hooks will launch their all-reduces."""
+        if self._require_sync and torch.is_grad_enabled():
+            if self._unsynced:
+                raise RuntimeError("forward() of a synchronising step while the previous step's gradients were never "
+                                   "averaged: call finish_gradient_sync() after the last backward, before "
+                                   "optimizer.step()")
+            self._sync_this_backward, self._unsynced = True, True
+            for b in self.buckets:
+                b.pending, b.work = len(b.params), None
+            self._next_bucket = 0
+        else:
+            self._sync_this_backward = False
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward/backward inside this block only accumulate gradients locally (no communication)."""
+        saved, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = saved
+
+    def finish_gradient_sync(self) -> None:
+        """Average the gradients over the group; call after the last backward and before ``optimizer.step()``.
+
+        naive / bucketed: runs every all-reduce now. overlapped: launches the buckets whose hooks never completed
+        (gradients that were None), then waits for all of them and copies the averages back into ``.grad``.
+        """
+        if not self._unsynced:
+            raise RuntimeError("finish_gradient_sync() without a synchronising forward/backward: the last "
+                               "micro-batch must run outside no_sync()")
+        with torch.no_grad():
+            used = [p.grad is not None for p in self.params]
+            if self.mode == "naive":
+                self._sync_naive()
+            else:
+                if self.mode == "bucketed":
+                    for b in self.buckets:
+                        self._launch(b, async_op=False)
+                else:
+                    self._next_bucket = self._launch_in_order(self._next_bucket, force=True)
+                for b in self.buckets:
+                    if b.work is not None:
+                        b.work.wait()
+                    self._average(b.buffer)
+                    self._unpack(b)
+            if self.find_unused_parameters:
+                self._restore_globally_unused(used)
+        self._unsynced = False
+
+    # -- naive ----------------------------------------------------------------------------------------------------
+
+    def _sync_naive(self) -> None:
+        """One blocking all-reduce per parameter gradient (in the same order on every rank), then / N."""
+        for p in self.params:
+            if p.grad is None:  # no gradient on this rank: contributes zeros
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, group=self.group)
+            self._average(p.grad)
+
+    # -- buckets --------------------------------------------------------------------------------------------------
+
+    def _average(self, summed: torch.Tensor) -> None:
+        """Sum over the ranks -> mean over the ranks."""
+        summed.div_(self.world_size)
+
+    def _pack(self, b: Bucket) -> None:
+        for i, p in enumerate(b.params):
+            if p.grad is None:
+                b.view(i).zero_()
+            else:
+                b.view(i).copy_(p.grad)
+
+    def _launch(self, b: Bucket, async_op: bool) -> None:
+        self._pack(b)
+        b.work = comm.all_reduce(b.buffer, group=self.group, async_op=async_op)
+
+    def _unpack(self, b: Bucket) -> None:
+        for i, p in enumerate(b.params):
+            if p.grad is None:
+                p.grad = b.view(i).clone()
+            else:
+                p.grad.copy_(b.view(i))
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Overlapped mode: ``p.grad`` is final for this backward. Launch every bucket that is now complete."""
+        if not self._sync_this_backward:
+            return
+        b = self._bucket_of[id(p)]
+        b.pending -= 1
+        if b.pending < 0:
+            raise RuntimeError("a gradient became ready twice for one synchronising forward: a parameter hooked "
+                               "twice, or a second backward without a new forward through the DataParallel wrapper")
+        if b.pending == 0:
+            self._next_bucket = self._launch_in_order(self._next_bucket, force=False)
+
+    def _launch_in_order(self, start: int, force: bool) -> int:
+        """Launch buckets start, start+1, ... asynchronously while they are complete (all of them if ``force``).
+        Never out of order: every rank must issue the same collectives in the same sequence."""
+        i = start
+        while i < len(self.buckets) and (force or self.buckets[i].pending == 0):
+            self._launch(self.buckets[i], async_op=True)
+            i += 1
+        return i
+
+    # -- unused parameters ----------------------------------------------------------------------------------------
+
+    def _restore_globally_unused(self, used: list[bool]) -> None:
+        """One small all-reduce of the "used" map (DDP's ``local_used_map``); parameters no rank used get their
+        ``.grad`` back to None so the optimizer skips them, as it does in the single-process baseline."""
+        counts = torch.tensor(used, dtype=torch.int32, device=self.params[0].device if self.params else None)
+        comm.all_reduce(counts, group=self.group)
+        for p, c in zip(self.params, counts.tolist(), strict=True):
+            if c == 0:
+                p.grad = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training loop
+
+
+@dataclass
+class StepTime:
+    """One optimizer step on one rank. ``compute_s``: forward + backward of all micro-batches (in overlapped
+    mode this includes launching the bucket all-reduces from the hooks); ``exposed_comm_s``: time in
+    ``finish_gradient_sync`` -- communication the compute did not hide; ``comm_s``: the collectives' own
+    durations (issue -> completion), which may overlap compute; ``micro_comm_calls``: collectives issued during
+    each micro-batch (the last one includes ``finish_gradient_sync``)."""
+
+    step: int
+    compute_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    comm_s: float
+    comm_calls: int
+    sent_bytes: int
+    micro_comm_calls: list[int]
+
+
+@dataclass
+class DPResult(TrainResult):
+    """``TrainResult`` (losses, params) plus each step's timeline and communication records on this rank."""
+
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
+
+
+ModelFn = Callable[[GPTConfig, int], nn.Module]
+
+
+def build_model(cfg: GPTConfig, seed: int, model_fn: ModelFn | None = None, freeze: Sequence[str] = ()) -> nn.Module:
+    """``model_fn(cfg, seed)`` (default ``GPT``) with the parameters named in ``freeze`` set to requires_grad=False."""
+    model = (model_fn or GPT)(cfg, seed)
+    names = dict(model.named_parameters())
+    unknown = sorted(set(freeze) - set(names))
+    if unknown:
+        raise ValueError(f"cannot freeze unknown parameters {unknown}")
+    for name in freeze:
+        names[name].requires_grad_(False)
+    return model
+
+
+def train_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, mode: Mode = "overlapped",
+             bucket_mb: float = DEFAULT_BUCKET_MB, accumulation: int = 1, find_unused_parameters: bool = False,
+             model_fn: ModelFn | None = None, freeze: Sequence[str] = (), group: comm.Group = None,
+             dp_class: type[DataParallel] = DataParallel) -> DPResult:
+    """Train with data parallelism over ``group`` (a ``launch`` target: ``launch(train_dp, 4, cfg, tc)``).
+
+    Each step every DP rank takes its shard of ``global_batch(step, tc.global_batch, ...)``, splits it into
+    ``accumulation`` micro-batches (all but the last under ``no_sync``), averages gradients, steps. Returns the
+    per-step loss averaged over the ranks (= the mean over the global batch, comparable with ``train_baseline``),
+    the final full parameters, and the per-step timeline and communication records of this rank.
+    ``dp_class`` lets a notebook or test swap in a variant of ``DataParallel``.
+    """
+    tc = tc or TrainConfig()
+    dp_rank, dp_size = dist.get_rank(group), dist.get_world_size(group)
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    dp = dp_class(model, group=group, mode=mode, bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+    local_losses: list[float] = []
+    timeline: list[StepTime] = []
+    step_comm: list[list[comm.CommRecord]] = []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        micro = micro_batches(shard(x, dp_rank, dp_size), shard(y, dp_rank, dp_size), accumulation)
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        marks = []
+        with comm.recording() as log:
+            t0 = time.perf_counter()
+            for i, (xm, ym) in enumerate(micro):
+                with dp.no_sync() if i < accumulation - 1 else contextlib.nullcontext():
+                    loss = lm_loss(dp(xm), ym) / accumulation
+                    loss.backward()
+                loss_sum += loss.item()
+                marks.append(len(log.records))
+            t1 = time.perf_counter()
+            dp.finish_gradient_sync()
+            t2 = time.perf_counter()
+        marks[-1] = len(log.records)
+        opt.step()
+        t3 = time.perf_counter()
+        local_losses.append(loss_sum)
+        step_comm.append(list(log.records))
+        timeline.append(StepTime(step, t1 - t0, t2 - t1, t3 - t2, log.seconds(), log.count(), log.sent_bytes(),
+                                 [b - a for a, b in zip([0, *marks[:-1]], marks, strict=True)]))
+    losses = torch.tensor(local_losses, dtype=torch.float64)
+    comm.all_reduce(losses, group=group)  # one call after training: the reported loss is the global-batch mean
+    return DPResult((losses / dp_size).tolist(), full_params(model), timeline, step_comm)
+
+
+def train_torch_ddp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None,
+                    bucket_mb: float = DEFAULT_BUCKET_MB, accumulation: int = 1, find_unused_parameters: bool = False,
+                    model_fn: ModelFn | None = None, freeze: Sequence[str] = (),
+                    group: comm.Group = None) -> TrainResult:
+    """The same loop with PyTorch's ``DistributedDataParallel`` (the production API; second oracle). Its traffic
+    goes straight to ``torch.distributed`` and is not in the comm log."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    tc = tc or TrainConfig()
+    dp_rank, dp_size = dist.get_rank(group), dist.get_world_size(group)
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb,
+                                  find_unused_parameters=find_unused_parameters)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+    local_losses = []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        micro = micro_batches(shard(x, dp_rank, dp_size), shard(y, dp_rank, dp_size), accumulation)
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i, (xm, ym) in enumerate(micro):
+            with ddp.no_sync() if i < accumulation - 1 else contextlib.nullcontext():
+                loss = lm_loss(ddp(xm), ym) / accumulation
+                loss.backward()
+            loss_sum += loss.item()
+        opt.step()
+        local_losses.append(loss_sum)
+    losses = torch.tensor(local_losses, dtype=torch.float64)
+    dist.all_reduce(losses, group=group)
+    return TrainResult((losses / dp_size).tolist(), full_params(model))
