@@ -1,0 +1,881 @@
+"""ZeRO stages 0-3 and FSDP, from scratch: flat-parameter sharding, unit-by-unit gathering, sharded checkpoints.
+
+Data parallelism (chapter 02) keeps a full copy of every *model state* on every rank. ZeRO (Rajbhandari et al.
+2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20, arXiv:1910.02054) removes
+that redundancy by partitioning the states over the N_d data-parallel ranks; PyTorch FSDP (Zhao et al. 2023,
+"PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12), arXiv:2304.11277) is the
+production form of the last stage. With Ψ parameters, K optimizer bytes per parameter and 16-bit weights and
+gradients, the model states per rank are (ZeRO, Sec. 5 and Figure 1; ``course_lib.memory.zero_memory_per_device``)::
+
+    stage 0  plain DP                         (2 + 2 + K) Ψ
+    stage 1  P_os      optimizer states       (2 + 2) Ψ + K Ψ / N_d
+    stage 2  P_os+g    + gradients            2 Ψ + (2 + K) Ψ / N_d
+    stage 3  P_os+g+p  + parameters           (2 + 2 + K) Ψ / N_d
+
+The parity tests run in fp32: 4 (weights) + 4 (grads) + K = 8 (Adam m and v) = 16 bytes per parameter, so the
+same table reads 4Ψ + 4Ψ + 8Ψ with the divisions by N_d above. (Mixed precision: K = 12 = 4 master + 4 + 4.)
+
+Communication per rank and training step, ring collectives (``course_lib.comm``), V = Ψ x bytes per element::
+
+    stage 0     all-reduce of the gradients                     2 (N-1)/N V
+    stage 1, 2  reduce-scatter gradients + all-gather params    (N-1)/N V + (N-1)/N V = 2 (N-1)/N V
+    stage 3     all-gather forward + all-gather backward + RS   3 (N-1)/N V   (ZeRO Sec. 7.2.2: 1.5x DP)
+
+Stage 1 here reduce-scatters (not all-reduces) the gradients: every rank needs the reduced gradient only for
+the shard it updates, so the all-reduce's second half would be wasted; DeepSpeed does the same. What separates
+stage 1 from stage 2 is *when* and *what is kept*: stage 1 lets the backward pass fill a full gradient buffer
+(Ψ per rank, kept until the step) and reduce-scatters it afterwards; stage 2 reduce-scatters each unit's
+gradients as soon as backward has produced them and frees the full ones, keeping only Ψ/N_d.
+
+Exact byte counts of *this* implementation (``comm_bytes_per_step``): every unit is padded to a multiple of N, so
+each ring chunk is equal and a rank sends exactly (N-1)/N x 4 x Ψ_pad per phase (Ψ_pad = Σ padded unit sizes,
+at most N-1 elements per unit above Ψ). Stage 3 with the default ``reshard_after_forward=None`` keeps the root
+unit (embeddings, final norm, head) gathered from forward to backward, as FSDP2 does for its root: the
+backward all-gathers skip it, 2Ψ_pad - Ψ_root,pad all-gathered instead of 2Ψ_pad. ``reshard_after_forward=True``
+re-gathers every unit (the paper's 3Ψ exactly); ``False`` keeps every unit gathered until its backward is done
+(2Ψ like stage 2, but the full parameters of the whole model are alive between forward and backward).
+
+Building blocks, in the literature's names:
+
+* **flat parameter** (FSDP1's ``FlatParameter``; DeepSpeed's flattened partitions): the parameters of one
+  *unit* are copied into one contiguous fp32 buffer, padded to a multiple of N; rank r owns the contiguous
+  shard [r S, (r+1) S), S = padded / N (``FlatLayout``, ``shard_bounds``). The module's own parameters become
+  views into the unit's full flat buffer, so the model code is untouched.
+* **unit** (``FlatParamUnit``): the parameters of one module not already owned by a unit below it. Units are
+  applied bottom-up -- one per transformer block, then the root for what is left (embeddings, final norm,
+  head) -- exactly like ``fully_shard(block)`` for every block and then ``fully_shard(model)``.
+* **stage 3 schedule** (``ZeroDataParallel``): all-gather a unit just before its forward (forward pre-hook),
+  free it after (forward post-hook: the storage is resized to 0 bytes -- every view keeps its shape, only the
+  memory goes), all-gather it again just before its backward, reduce-scatter its gradients just after, free.
+  ``prefetch=True`` issues the next unit's all-gather asynchronously one unit ahead, in forward (order recorded
+  during the previous forward) and in backward (reverse of this forward's post-forward order), as FSDP's
+  ``forward_prefetch`` / ``BACKWARD_PRE`` prefetch do.
+
+Hooks, and why these. *Pre-forward* / *post-forward*: ``register_forward_pre_hook`` / ``register_forward_hook``
+on the unit's module. *Pre-backward*: in the post-forward hook, a tensor hook (``Tensor.register_hook``) on each
+output that requires grad; it fires when the output's gradient is ready, i.e. just before the unit's own
+backward -- what FSDP2 does (``FSDPState._register_pre_backward_hook``). It needs no wrapping of inputs or
+outputs (unlike ``register_full_backward_pre_hook``, which inserts an identity autograd Function and breaks on
+in-place ops on outputs). *Post-backward*: ``register_post_accumulate_grad_hook`` on each of the unit's
+parameters; when the last of them has its gradient accumulated, no backward node that reads the unit's
+parameters is left (every such node also feeds a parameter's AccumulateGrad), so the unit can reduce-scatter
+and free. *End of backward*: the first pre-backward hook queues a final callback
+(``Variable._execution_engine.queue_callback``) that reduces whatever units did not complete (parameters that got
+no gradient count as zeros) and, in stages 0/1, reduces all units. Gradients: at pre-backward each parameter's
+``.grad`` is set to a zeroed view into the unit's flat gradient buffer; autograd then accumulates in place
+(``AccumulateGrad`` adds into an existing ``.grad``), so the reduce-scatter reads the buffer without a copy --
+DDP's ``gradient_as_bucket_view``.
+
+Caveat of the counting: a unit whose parameters get no gradient on *some* ranks only (a routed expert)
+would be reduced in the hook on some ranks and in the final callback on others -- collectives out of order.
+The course's dense GPT uses every parameter on every rank; FSDP2 triggers the reduce from the unit's inputs'
+gradients instead, at the price of subtler ordering arguments.
+
+Left out compared with FSDP2/DeepSpeed: meta-device initialisation (here every rank builds the full model once,
+then shards it), CUDA streams and rate limiting (CPU gloo runs collectives on its own threads), CPU offload,
+gradient accumulation without communication (``no_sync``), hybrid sharding (HSDP), per-parameter (DTensor)
+sharding -- FSDP2 shards each parameter on dim 0 instead of a flat buffer, which makes the state dict and
+composition with tensor parallelism simpler.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from course_lib import comm
+from course_lib.data import global_batch, shard
+from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "FlatLayout",
+    "FlatParamUnit",
+    "ZeroDataParallel",
+    "ZeroTrainResult",
+    "comm_bytes_per_step",
+    "default_units",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "load_into_model",
+    "model_state_bytes",
+    "save_checkpoint",
+    "shard_bounds",
+    "train_fsdp2",
+    "train_zero",
+]
+
+CHECKPOINT_FORMAT = "course_lib.zero/v1"
+DEFAULT_TRAIN = TrainConfig()
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flat layout: which element of which parameter lives where, and which rank owns it
+
+
+def shard_bounds(rank: int, shard_numel: int) -> tuple[int, int]:
+    """The owner rule: rank r owns elements [r S, (r+1) S) of a unit's padded flat buffer (S = padded / N)."""
+    return rank * shard_numel, (rank + 1) * shard_numel
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """How a unit's parameters sit in its flat buffer.
+
+    Parameter i occupies ``[offsets[i], offsets[i] + numel(shapes[i]))``; ``numel`` = Ψ_u, the sum of their
+    sizes; ``padded_numel`` = Ψ_u rounded up to a multiple of ``world_size`` (the padding is zeros, gets zero
+    gradients and stays zero under SGD/AdamW); each rank owns ``shard_numel`` = padded / N elements.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    world_size: int
+
+    @classmethod
+    def build(cls, names: Sequence[str], shapes: Sequence[Sequence[int]], world_size: int) -> FlatLayout:
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        offsets, total = [], 0
+        for s in shapes:
+            offsets.append(total)
+            total += math.prod(s)
+        padded = -(-total // world_size) * world_size  # ceil to a multiple of N
+        return cls(tuple(names), shapes, tuple(offsets), total, padded, world_size)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        return shard_bounds(rank, self.shard_numel)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of ``flat``, shaped like the parameter (views: no copy)."""
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes, strict=True)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"params": [{"name": n, "shape": list(s), "offset": o}
+                           for n, s, o in zip(self.names, self.shapes, self.offsets, strict=True)],
+                "numel": self.numel, "padded_numel": self.padded_numel, "world_size": self.world_size}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FlatLayout:
+        ps = d["params"]
+        return cls(tuple(p["name"] for p in ps), tuple(tuple(p["shape"]) for p in ps),
+                   tuple(p["offset"] for p in ps), d["numel"], d["padded_numel"], d["world_size"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One unit
+
+
+class UnitState(Enum):
+    SHARDED = "sharded"  # only the shard exists; the full buffer has 0 bytes of storage
+    GATHERING = "gathering"  # an async all-gather into the full buffer is in flight (prefetch)
+    UNSHARDED = "unsharded"  # the full buffer holds every rank's shard: the module can run
+
+
+class FlatParamUnit:
+    """The parameters of one module (minus those owned by units below it), flattened and sharded.
+
+    * ``full``: the padded flat buffer in the compute dtype; the module's parameters are views into it.
+      Stages 0-2 keep it; stage 3 gives its storage back after use (``reshard``) and re-fills it (``unshard``).
+    * ``shard``: the ``nn.Parameter`` the optimizer sees, fp32, ``shard_numel`` elements (the whole buffer in
+      stage 0). In fp32 stages 0-2 it is a *view* of the rank's own chunk of ``full`` (no second copy: the
+      optimizer updates the full buffer in place, and the all-gather reads its input from the buffer it fills);
+      otherwise a separate tensor (stage 3's only resident weights; the fp32 master copy under mixed precision).
+    * ``flat_grad``: the flat gradient buffer the module's ``.grad`` are views of: persistent in stages 0/1,
+      allocated at the unit's pre-backward and freed after its reduce-scatter in stages 2/3.
+
+    ``name`` is the module's path in the model ("blocks.0"; the root's is "").
+    """
+
+    def __init__(self, name: str, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], stage: int,
+                 group: comm.Group = None, param_dtype: torch.dtype = torch.float32,
+                 events: list[tuple[str, str]] | None = None) -> None:
+        if not named_params:
+            raise ValueError(f"unit {name!r} has no parameters of its own (all belong to units below it)")
+        self.name, self.module, self.stage, self.group = name, module, stage, group
+        self.params = [p for _, p in named_params]
+        self.param_dtype = param_dtype
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.events = events if events is not None else []
+        shard_world = 1 if stage == 0 else self.world_size  # stage 0 = plain DP: every rank owns everything
+        self.shard_rank = 0 if stage == 0 else self.rank
+        self.layout = FlatLayout.build([n for n, _ in named_params], [p.shape for p in self.params], shard_world)
+        lo, hi = self.layout.bounds(self.shard_rank)
+        with torch.no_grad():
+            flat32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32)
+            for view, p in zip(self.layout.views(flat32), self.params, strict=True):
+                view.copy_(p.detach())
+        self.aliased = stage < 3 and param_dtype == torch.float32
+        if self.aliased:
+            self.full = flat32
+            self.shard = nn.Parameter(flat32[lo:hi])
+        else:
+            self.shard = nn.Parameter(flat32[lo:hi].clone())
+            self.full = flat32.to(param_dtype) if stage < 3 else torch.empty(self.layout.padded_numel,
+                                                                              dtype=param_dtype)
+        for p, view in zip(self.params, self.layout.views(self.full), strict=True):
+            p.data = view  # the module now computes with views into the full flat buffer
+        self.flat_grad: torch.Tensor | None = None
+        if stage < 2:
+            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=param_dtype)
+            self.install_grad_views()
+        self.reshard_after_forward = True  # stage 3; ZeroDataParallel sets it per unit
+        self.state = UnitState.UNSHARDED
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        if stage == 3:
+            self.full.untyped_storage().resize_(0)
+            self.state = UnitState.SHARDED
+        # per-backward bookkeeping
+        self.grads_ready = 0
+        self.backward_started = False
+        self.reduced = False
+
+    @property
+    def label(self) -> str:
+        return self.name or "(root)"
+
+    # ---- parameters
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Stage 3: all-gather the shards into the full buffer (allocated again first). Other stages: no-op."""
+        if self.state is UnitState.UNSHARDED:
+            return
+        if self.state is UnitState.GATHERING:
+            if not async_op:
+                self.wait()
+            return
+        elem = self.full.element_size()
+        self.full.untyped_storage().resize_(self.layout.padded_numel * elem)
+        src = self.shard.detach().to(self.param_dtype)  # no copy in fp32; the bf16 cast otherwise
+        work = comm.all_gather(self.full, src, group=self.group, async_op=async_op)
+        self.events.append(("all_gather", self.name))
+        if async_op:
+            self._pending = (work, src)  # keep the input alive until the collective has read it
+            self.state = UnitState.GATHERING
+        else:
+            self.state = UnitState.UNSHARDED
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            assert self._pending is not None
+            self._pending[0].wait()
+            self._pending = None
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Stage 3: free the full parameters (storage resized to 0 bytes; every view keeps its shape)."""
+        if self.stage < 3 or self.state is UnitState.SHARDED:
+            return
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    def refresh_full(self) -> None:
+        """After the optimizer step (stages 0-2): make every rank's full parameters the updated ones.
+
+        Stages 1/2: all-gather the updated shards (in place when the shard is a view of ``full``)."""
+        if self.stage == 3:
+            return
+        if self.stage == 0:
+            if not self.aliased:
+                with torch.no_grad():
+                    self.full.copy_(self.shard)
+            return
+        lo, hi = self.layout.bounds(self.rank)
+        src = self.full[lo:hi] if self.aliased else self.shard.detach().to(self.param_dtype)
+        comm.all_gather(self.full, src, group=self.group)
+        self.events.append(("all_gather", self.name))
+
+    # ---- gradients
+
+    def install_grad_views(self) -> None:
+        """Point every parameter's ``.grad`` at its slice of the flat gradient buffer (zeros if new)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype)
+        for p, view in zip(self.params, self.layout.views(self.flat_grad), strict=True):
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():  # someone replaced it (e.g. module.zero_grad())
+                view.copy_(p.grad)
+                p.grad = view
+
+    def _average(self, g: torch.Tensor) -> None:
+        """Sum over ranks -> mean: each rank's loss is the mean over its B/N rows, the baseline's over all B."""
+        g.div_(self.world_size)
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """Reduce this unit's gradients and give the optimizer its shard's gradient (``shard.grad``).
+
+        stage 0: all-reduce the whole flat gradient; stage 1: reduce-scatter *in place* (my chunk of the full
+        buffer receives the sum; the buffer stays until the next step); stages 2/3: reduce-scatter into a
+        fresh shard-sized tensor and free the full gradient buffer."""
+        self.install_grad_views()  # a no-op unless the pre-backward hook did not run for this unit
+        flat = self.flat_grad
+        assert flat is not None
+        if self.stage == 0:
+            comm.all_reduce(flat, group=self.group)
+            self.events.append(("all_reduce", self.name))
+            g = flat
+        elif self.stage == 1:
+            lo, hi = self.layout.bounds(self.rank)
+            g = flat[lo:hi]
+            comm.reduce_scatter(g, flat, group=self.group)
+            self.events.append(("reduce_scatter", self.name))
+        else:
+            g = torch.empty(self.layout.shard_numel, dtype=flat.dtype)
+            comm.reduce_scatter(g, flat, group=self.group)
+            self.events.append(("reduce_scatter", self.name))
+        self._average(g)
+        self.reduced = True
+        return g
+
+    def accept_shard_grad(self, g: torch.Tensor) -> None:
+        g32 = g if g.dtype == torch.float32 else g.float()
+        if self.shard.grad is None or self.shard.grad.data_ptr() == g32.data_ptr():
+            self.shard.grad = g32
+        else:  # gradient accumulation over several backward passes (stages 2/3)
+            self.shard.grad += g32
+
+    def free_grads(self) -> None:
+        """Stages 2/3: drop the full gradients once reduce-scattered."""
+        if self.stage >= 2:
+            for p in self.params:
+                p.grad = None
+            self.flat_grad = None
+
+    def zero_flat_grad(self) -> None:
+        if self.stage < 2 and self.flat_grad is not None:
+            self.flat_grad.zero_()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine: units, hooks, the step
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Units bottom-up: one per transformer block (``model.blocks``), then the root for everything else."""
+    blocks = getattr(model, "blocks", None)
+    return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
+
+
+class ZeroDataParallel:
+    """Data parallelism with ZeRO stage 0 (plain DP), 1, 2 or 3 (FSDP) over ``group``.
+
+    Usage (one optimizer step; every rank runs it on its own slice of the global batch)::
+
+        zdp = ZeroDataParallel(GPT(cfg), stage=3, prefetch=True)
+        opt = make_optimizer(zdp.parameters(), tc)   # the shards: each rank's optimizer sees Ψ/N elements
+        loss = lm_loss(zdp(x), y)                     # stage 3: gathers unit by unit, frees after each
+        loss.backward()                               # stages 2/3: reduce-scatter unit by unit; 0/1: at the end
+        opt.step()                                    # each rank updates its own shard only
+        zdp.after_step()                              # stages 1/2: all-gather the updated parameters
+        opt.zero_grad(set_to_none=True)
+
+    ``units``: modules in bottom-up order, the last being ``module`` itself (default ``default_units``).
+    ``reshard_after_forward`` (stage 3): ``None`` frees every unit but the root after forward (FSDP2's
+    default), ``True`` every unit, ``False`` none (ZeRO-2-like: more memory, no backward all-gather).
+    ``param_dtype``: compute dtype (``torch.bfloat16`` for mixed precision with fp32 master shards).
+    Parameters that do not require grad stay replicated, untouched. After construction ``peak_bytes`` holds the
+    largest parameter / gradient bytes seen at the hooks (``model_state_bytes`` sampled at each event).
+    """
+
+    def __init__(self, module: nn.Module, stage: int = 3, *, units: Iterable[nn.Module] | None = None,
+                 group: comm.Group = None, prefetch: bool = False, reshard_after_forward: bool | None = None,
+                 param_dtype: torch.dtype = torch.float32) -> None:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroDataParallel needs a process group: run it under course_lib.launch.launch")
+        self.module, self.stage, self.group, self.prefetch = module, stage, group, prefetch
+        self.param_dtype = param_dtype
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.events: list[tuple[str, str]] = []  # (collective, unit name) in issue order
+        unit_modules = list(default_units(module) if units is None else units)
+        if not unit_modules or unit_modules[-1] is not module:
+            raise ValueError("units are applied bottom-up: the last unit must be the root module itself")
+        paths = {m: name for name, m in module.named_modules()}
+        owned: set[int] = set()
+        self.units: list[FlatParamUnit] = []
+        for m in unit_modules:
+            if m not in paths:
+                raise ValueError(f"unit {type(m).__name__} is not a submodule of the model")
+            prefix = paths[m] + "." if paths[m] else ""
+            named = [(prefix + n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned]
+            owned.update(id(p) for _, p in named)
+            self.units.append(FlatParamUnit(paths[m], m, named, stage, group, param_dtype, self.events))
+        self.root = self.units[-1]
+        for unit in self.units:
+            unit.reshard_after_forward = (unit is not self.root) if reshard_after_forward is None \
+                else bool(reshard_after_forward)
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(partial(self._post_accumulate_grad, unit))
+        self._forward_order: list[FlatParamUnit] = []  # pre-forward order of this iteration
+        self._prev_forward_order: list[FlatParamUnit] = []  # ... of the previous one (forward prefetch)
+        self._post_forward_order: list[FlatParamUnit] = []  # its reverse is the backward order
+        self._callback_queued = False
+        self._reduced_since_step = False  # stages 0/1: one backward per optimizer step
+        self.peak_bytes = {"parameters": 0, "gradients": 0}
+        self._sample()
+
+    # ---- what the optimizer and the loop see
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The shards, one flat fp32 parameter per unit: what each rank's optimizer updates."""
+        return [u.shard for u in self.units]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: stages 1/2 all-gather the updated shards into every rank's full
+        parameters; stages 0/1 clear their persistent full-gradient buffers for the next backward."""
+        for unit in self.units:
+            unit.refresh_full()
+            unit.zero_flat_grad()
+        self._reduced_since_step = False
+        self._sample()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full and fp32, by the model's names (a collective: every rank must call it)."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
+            if unit.layout.world_size == 1:
+                flat.copy_(unit.shard.detach())
+            else:
+                comm.all_gather(flat, unit.shard.detach(), group=self.group)
+            for name, view in zip(unit.layout.names, unit.layout.views(flat), strict=True):
+                out[name] = view.clone()
+        for name, p in self.module.named_parameters():  # frozen parameters were never sharded
+            if name not in out:
+                out[name] = p.detach().float().clone()
+        return {name: out[name] for name, _ in self.module.named_parameters()}
+
+    # ---- hooks
+
+    def _pre_forward(self, unit: FlatParamUnit, module: nn.Module, args: Any) -> None:
+        if unit is self.root:  # a new forward: reset the per-iteration state
+            self._prev_forward_order = self._forward_order
+            self._forward_order, self._post_forward_order = [], []
+        self._forward_order.append(unit)
+        unit.unshard()
+        if self.prefetch:
+            order = self._prev_forward_order
+            if unit in order and order.index(unit) + 1 < len(order):
+                order[order.index(unit) + 1].unshard(async_op=True)
+        self._sample()
+
+    def _post_forward(self, unit: FlatParamUnit, module: nn.Module, args: Any, output: Any) -> None:
+        self._post_forward_order.append(unit)
+        if not torch.is_grad_enabled():  # no backward will come: free everything now
+            unit.reshard()
+            return
+        if unit.reshard_after_forward:
+            unit.reshard()
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(partial(self._pre_backward, unit))
+        unit.backward_started = unit.reduced = False
+        unit.grads_ready = 0
+
+    def _pre_backward(self, unit: FlatParamUnit, grad: torch.Tensor) -> None:
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        if unit.backward_started:  # a unit with several outputs: act on the first gradient only
+            return
+        unit.backward_started = True
+        unit.unshard()  # stage 3: gather again (or wait for the prefetch)
+        unit.install_grad_views()
+        if self.prefetch:
+            order = self._post_forward_order[::-1]  # the order backward visits the units
+            i = order.index(unit) if unit in order else len(order)
+            if i + 1 < len(order):
+                order[i + 1].unshard(async_op=True)
+        self._sample()
+
+    def _post_accumulate_grad(self, unit: FlatParamUnit, param: torch.Tensor) -> None:
+        unit.grads_ready += 1
+        if self.stage >= 2 and unit.grads_ready == len(unit.params) and not unit.reduced:
+            self._post_backward(unit)
+
+    def _post_backward(self, unit: FlatParamUnit) -> None:
+        unit.accept_shard_grad(unit.reduce_gradients())
+        self._sample()  # the gradient peak: the full gradient buffer and its reduced shard are both alive
+        unit.free_grads()
+        unit.reshard()
+
+    def _end_of_backward(self) -> None:
+        """Final callback: reduce the units the hooks did not (all of them in stages 0/1), free, reset."""
+        self._callback_queued = False
+        if self.stage < 2 and self._reduced_since_step:
+            raise RuntimeError(f"ZeRO stage {self.stage} reduces its full gradient buffer in place: one backward per "
+                               "optimizer step (call after_step() before the next backward; gradient accumulation "
+                               "is supported by stages 2 and 3)")
+        self._reduced_since_step = True
+        for unit in self.units:
+            if not unit.reduced:
+                self._post_backward(unit)
+            unit.backward_started = False
+            unit.grads_ready = 0
+            unit.reduced = False
+            unit.reshard()  # e.g. a unit prefetched but never used
+        self._sample()
+
+    # ---- memory
+
+    def _sample(self) -> None:
+        now = model_state_bytes(self)
+        for k in self.peak_bytes:
+            self.peak_bytes[k] = max(self.peak_bytes[k], now[k])
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    if isinstance(x, dict):
+        return [t for item in x.values() for t in _tensors(item)]
+    return []
+
+
+def model_state_bytes(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Live bytes of model states on this rank, by ZeRO's categories, summing the storages that exist now.
+
+    * ``parameters``: the compute-dtype weights: the full flat buffers (0 bytes while resharded) and, when the
+      shard *is* the weights (fp32), the shards;
+    * ``gradients``: the module parameters' ``.grad`` (views of the flat gradient buffers) and the shards' grads;
+    * ``optimizer_state``: every tensor in ``optimizer.state`` (Adam's m and v, the ``step`` counters) and the
+      fp32 master shards under mixed precision (memory.py's convention: the master copy is part of K).
+
+    A storage is counted once (views share it), in the first category that claims it. Transient buffers of
+    the collectives (a bf16 cast of a shard) are not model states and are not counted."""
+    seen: set[int] = set()
+
+    def total(tensors: Iterable[torch.Tensor | None]) -> int:
+        n = 0
+        for t in tensors:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st._cdata not in seen:
+                seen.add(st._cdata)
+                n += st.nbytes()
+        return n
+
+    fp32_weights = zdp.param_dtype == torch.float32
+    units = zdp.units
+    params = total([u.full for u in units] + [p for u in units for p in u.params]
+                   + ([u.shard for u in units] if fp32_weights else []))
+    grads = total([p.grad for u in units for p in u.params] + [u.shard.grad for u in units])
+    opt_tensors = [] if fp32_weights else [u.shard for u in units]
+    if optimizer is not None:
+        opt_tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {"parameters": params, "gradients": grads, "optimizer_state": total(opt_tensors)}
+
+
+def comm_bytes_per_step(padded_numels: Sequence[int], world_size: int, stage: int,
+                        reshard_after_forward: bool | None = None, element_size: int = 4,
+                        rank: int = 0) -> dict[str, int]:
+    """Bytes rank ``rank`` sends per training step in this implementation, by collective (ring algorithm).
+
+    ``padded_numels``: the units' flat sizes in ``ZeroDataParallel.units`` order (the root last): multiples of
+    N in stages 1-3, so every ring chunk is equal and each all-gather or reduce-scatter of V bytes sends exactly
+    (N-1)/N V; stage 0 does not pad (the all-reduce's chunks may differ by one element: ``comm.ring_bytes``).
+    Stage 3 all-gathers every unit in forward, and again in backward every unit freed after forward
+    (``reshard_after_forward``: None = all but the root, True = all, False = none)."""
+    n = world_size
+
+    def sent(op: str, numels: Sequence[int]) -> int:
+        return sum(comm.ring_bytes(op, p, element_size, n, rank)[0] for p in numels)
+
+    out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    if stage == 0:
+        out["all_reduce"] = sent("all_reduce", padded_numels)
+        return out
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    if any(p % n for p in padded_numels):
+        raise ValueError(f"padded sizes {list(padded_numels)} must be multiples of world_size={n}")
+    out["reduce_scatter"] = out["all_gather"] = sent("all_gather", padded_numels)
+    if stage == 3:
+        if reshard_after_forward is None:
+            again = padded_numels[:-1]
+        else:
+            again = padded_numels if reshard_after_forward else []
+        out["all_gather"] += sent("all_gather", again)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sharded checkpoints
+
+
+def _shard_file(path: Path, shard_rank: int, num_shards: int) -> Path:
+    return path / f"shard_{shard_rank:05d}_of_{num_shards:05d}.pt"
+
+
+def save_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path, step: int) -> None:
+    """Each rank writes only what it owns: its shard of every unit and the optimizer state of that shard.
+
+    Layout of ``path``: ``metadata.json`` (rank 0: format, step, world size, stage, and per unit the parameter
+    names, shapes and offsets in the flat buffer, its sizes and padding) and ``shard_<r>_of_<N>.pt`` per
+    rank (stage 0: one file, every rank holds the same). A collective: every rank must call it; it returns once
+    every file is on disk (a barrier)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    num_shards = zdp.units[0].layout.world_size
+    if zdp.units[0].shard_rank == zdp.rank and zdp.rank < num_shards:
+        units = {}
+        for u in zdp.units:
+            state = optimizer.state.get(u.shard, {})
+            units[u.name] = {"param": u.shard.detach().clone(),
+                             "state": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                       for k, v in state.items()}}
+        torch.save({"step": step, "units": units}, _shard_file(path, zdp.rank, num_shards))
+    if zdp.rank == 0:
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": zdp.world_size, "num_shards": num_shards,
+                "stage": zdp.stage, "optimizer": type(optimizer).__name__,
+                "units": [{"name": u.name, **u.layout.to_json()} for u in zdp.units]}
+        (path / "metadata.json").write_text(json.dumps(meta, indent=1))
+    comm.barrier(zdp.group)
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    meta = json.loads((path / "metadata.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint (format {meta.get('format')!r})")
+    return meta
+
+
+class _ShardReader:
+    """Reads the old ranks' files lazily (memory-mapped) and assembles any element range of a unit."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path, self.meta = path, meta
+        self._files: dict[int, dict[str, Any]] = {}
+
+    def file(self, j: int) -> dict[str, Any]:
+        if j not in self._files:
+            self._files[j] = torch.load(_shard_file(self.path, j, self.meta["num_shards"]), mmap=True,
+                                        weights_only=True)
+        return self._files[j]
+
+    def gather(self, unit_name: str, layout: FlatLayout, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the unit's flat ``key`` ("param" or a per-element optimizer state), in the
+        unpadded coordinates shared by every layout; elements past Ψ_u are padding (zeros)."""
+        out = torch.zeros(hi - lo, dtype=torch.float32)
+        s_old = layout.shard_numel
+        end = min(hi, layout.numel)
+        first, last = lo // s_old, -(-end // s_old)  # the old shards that overlap [lo, end)
+        for j in range(first, last if end > lo else first):
+            a, b = max(lo, j * s_old), min(end, (j + 1) * s_old)
+            entry = self.file(j)["units"][unit_name]
+            src = entry["param"] if key == "param" else entry["state"][key]
+            out[a - lo:b - lo] = src[a - j * s_old:b - j * s_old]
+        return out
+
+    def scalars(self, unit_name: str) -> dict[str, Any]:
+        state = self.file(0)["units"][unit_name]["state"]
+        return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)}
+
+    def vector_keys(self, unit_name: str) -> list[str]:
+        state = self.file(0)["units"][unit_name]["state"]
+        return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
+
+
+def _check_units(meta: dict[str, Any], names: list[tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...]]]) -> None:
+    saved = [(u["name"], tuple(p["name"] for p in u["params"]), tuple(tuple(p["shape"]) for p in u["params"]))
+             for u in meta["units"]]
+    if saved != names:
+        raise ValueError("the checkpoint's units do not match this model's: saved "
+                         f"{[(n, len(ps)) for n, ps, _ in saved]}, here {[(n, len(ps)) for n, ps, _ in names]}")
+
+
+def load_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
+    """Load a checkpoint saved by ``save_checkpoint`` at *any* data-parallel degree and stage into ``zdp``.
+
+    Each rank computes its new range [lo, hi) of each unit and copies it from the old shards that overlap it
+    (old shard j holds [j S_old, (j+1) S_old)): a re-sharding by offsets, reading only the files it needs.
+    Per-element optimizer states (Adam's m and v, SGD's momentum) follow the same rule; scalar ones (``step``)
+    are copied. Returns the step the checkpoint was taken at."""
+    path = Path(path)
+    meta = _read_metadata(path)
+    _check_units(meta, [(u.name, u.layout.names, u.layout.shapes) for u in zdp.units])
+    reader = _ShardReader(path, meta)
+    for u, saved in zip(zdp.units, meta["units"], strict=True):
+        old = FlatLayout.from_json(saved)
+        lo, hi = u.layout.bounds(u.shard_rank)
+        with torch.no_grad():
+            u.shard.copy_(reader.gather(u.name, old, "param", lo, hi))
+        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in reader.scalars(u.name).items()}
+        for key in reader.vector_keys(u.name):
+            state[key] = reader.gather(u.name, old, key, lo, hi)
+        if state:
+            optimizer.state[u.shard] = state
+        u.refresh_full()  # stages 0-2: every rank's full parameters from the loaded shards
+    return int(meta["step"])
+
+
+def load_full_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], int]:
+    """A sharded checkpoint as one process sees it: (parameters by name, optimizer state by parameter name,
+    step). No process group needed: this is how a checkpoint from N ranks becomes a plain single-process one."""
+    path = Path(path)
+    meta = _read_metadata(path)
+    reader = _ShardReader(path, meta)
+    params: dict[str, torch.Tensor] = {}
+    states: dict[str, dict[str, Any]] = {}
+    for saved in meta["units"]:
+        layout = FlatLayout.from_json(saved)
+        flat = reader.gather(saved["name"], layout, "param", 0, layout.numel)
+        vectors = {k: reader.gather(saved["name"], layout, k, 0, layout.numel)
+                   for k in reader.vector_keys(saved["name"])}
+        scalars = reader.scalars(saved["name"])
+        for i, name in enumerate(layout.names):
+            o, n, s = layout.offsets[i], layout.numels[i], layout.shapes[i]
+            params[name] = flat[o:o + n].view(s).clone()
+            if vectors or scalars:
+                states[name] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()},
+                                **{k: v[o:o + n].view(s).clone() for k, v in vectors.items()}}
+    return params, states, int(meta["step"])
+
+
+def load_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> int:
+    """Load a sharded checkpoint into a plain single-process model (and its per-parameter optimizer, built over
+    ``model.parameters()``). Returns the step."""
+    params, states, step = load_full_state_dict(path)
+    named = dict(model.named_parameters())
+    missing = sorted(set(named) - set(params))
+    if missing:
+        raise ValueError(f"the checkpoint has no values for {missing}")
+    with torch.no_grad():
+        for name, p in named.items():
+            p.copy_(params[name])
+    if optimizer is not None:
+        for name, p in named.items():
+            if name in states:
+                optimizer.state[p] = states[name]
+    return step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training loops: ours, and PyTorch's FSDP2 as the second oracle
+
+
+@dataclass
+class ZeroTrainResult(TrainResult):
+    """``TrainResult`` (losses, final full parameters) plus what this rank measured.
+
+    * ``comm``: one ``CommLog`` per step run: the collectives this rank issued in that step;
+    * ``events``: per step, (collective, unit name) in issue order -- the counts per unit;
+    * ``memory``: model-state bytes (``model_state_bytes``) right after the first ``optimizer.step()``;
+    * ``peak``: the largest parameter / gradient bytes seen at any hook during the run;
+    * ``units``: per unit {name, numel, padded_numel, shard_numel}."""
+
+    comm: list[comm.CommLog] = field(default_factory=list, repr=False)
+    events: list[list[tuple[str, str]]] = field(default_factory=list, repr=False)
+    memory: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+    units: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    start_step: int = 0
+
+
+def train_zero(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEFAULT_TRAIN, stage: int = 3, *,
+               prefetch: bool = False, reshard_after_forward: bool | None = None,
+               param_dtype: torch.dtype = torch.float32, save_to: str | Path | None = None,
+               resume_from: str | Path | None = None) -> ZeroTrainResult:
+    """Train ``GPT(cfg, seed=tc.seed)`` with ZeRO ``stage`` on ``world_size`` ranks (a ``launch`` target).
+
+    Every rank takes its contiguous slice of the same global batches as ``train_baseline``. ``losses``: the mean
+    over the global batch per step (the ranks' means, averaged once at the end); ``params``: the final full
+    parameters by GPT's names (stages 0-2 in fp32: this rank's replica; else gathered from the shards).
+    ``resume_from``: continue from a ``save_checkpoint`` directory (any N, any stage) at its step; ``save_to``:
+    save one after the last step. Stop a run at step k with ``replace(tc, steps=k)`` and ``save_to``; resume it
+    with the full ``tc`` and ``resume_from``."""
+    model = GPT(cfg, seed=tc.seed)
+    zdp = ZeroDataParallel(model, stage, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                           param_dtype=param_dtype)
+    opt = make_optimizer(zdp.parameters(), tc)
+    start = load_checkpoint(zdp, opt, resume_from) if resume_from is not None else 0
+    result = ZeroTrainResult([], {}, start_step=start,
+                             units=[{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
+                                     "shard_numel": u.layout.shard_numel} for u in zdp.units])
+    local_losses = []
+    for step in range(start, tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
+        first_event = len(zdp.events)
+        with comm.recording() as log:
+            loss = lm_loss(zdp(x).float(), y)
+            loss.backward()
+            opt.step()
+            if not result.memory:
+                result.memory = model_state_bytes(zdp, opt)
+            zdp.after_step()
+            opt.zero_grad(set_to_none=True)
+        local_losses.append(loss.item())
+        result.comm.append(log)
+        result.events.append(zdp.events[first_event:])
+    if save_to is not None:
+        save_checkpoint(zdp, opt, save_to, step=tc.steps)
+    losses = torch.tensor(local_losses, dtype=torch.float64)
+    if world_size > 1 and losses.numel():
+        comm.all_reduce(losses)
+    result.losses = (losses / world_size).tolist()
+    # stages 0-2 in fp32: this rank's own replica, what it computes with; otherwise gathered from the shards
+    result.params = full_params(model) if stage < 3 and param_dtype == torch.float32 else zdp.full_state_dict()
+    result.peak = dict(zdp.peak_bytes)
+    return result
+
+
+def train_fsdp2(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEFAULT_TRAIN,
+                reshard_after_forward: bool | None = None) -> TrainResult:
+    """The same training with PyTorch's FSDP2: ``fully_shard`` on every block, then on the root, over a 1-D
+    ``init_device_mesh("cpu", (N,))`` (gloo). Parameters become DTensors sharded on dim 0 (per parameter,
+    not flat); gradients are reduce-scattered and divided by N, like ours."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = GPT(cfg, seed=tc.seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer(list(model.parameters()), tc)
+    local_losses = []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        loss = lm_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        local_losses.append(loss.item())
+    losses = torch.tensor(local_losses, dtype=torch.float64)
+    dist.all_reduce(losses)
+    params = {name: p.full_tensor().detach().float().clone() for name, p in model.named_parameters()}
+    return TrainResult((losses / world_size).tolist(), params)
+
