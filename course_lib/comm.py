@@ -84,8 +84,8 @@ class CommLog:
         cols = ["op", "group", "calls", "tensor_bytes", "sent_bytes", "recv_bytes"] + (["seconds"] if timings else [])
         rows = [[f"{row[c]:.4f}" if c == "seconds" else str(row[c]) for c in cols] for row in self.summary()]
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join(lines)
 
     def clear(self) -> None:

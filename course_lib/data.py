@@ -61,6 +61,8 @@ def shard(t: torch.Tensor, rank: int, world_size: int, dim: int = 0) -> torch.Te
 
 def micro_batches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Split a batch into ``m`` equal micro-batches (gradient accumulation, pipelines)."""
+    if m < 1:
+        raise ValueError(f"the number of micro-batches must be >= 1, got {m}")
     if x.shape[0] % m:
         raise ValueError(f"batch of {x.shape[0]} does not split into {m} equal micro-batches")
     return list(zip(x.chunk(m), y.chunk(m), strict=True))

@@ -54,6 +54,12 @@ class GPTConfig:
     name: str = "tiny"
 
     def __post_init__(self) -> None:
+        sizes = {"vocab_size": self.vocab_size, "seq_len": self.seq_len, "n_layer": self.n_layer,
+                 "n_head": self.n_head, "d_model": self.d_model}
+        sizes |= {k: v for k, v in (("n_kv_head", self.n_kv_head), ("d_ff", self.d_ff)) if v is not None}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
@@ -274,11 +280,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         c = self.config = config
-        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-        self.pos_emb = nn.Embedding(c.seq_len, c.d_model) if c.pos == "learned" else None
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
-        self.norm_f = make_norm(c)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        with torch.random.fork_rng(devices=[]):  # torch's default inits draw from the global RNG: leave it as it was
+            self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+            self.pos_emb = nn.Embedding(c.seq_len, c.d_model) if c.pos == "learned" else None
+            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+            self.norm_f = make_norm(c)
+            self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters(seed)

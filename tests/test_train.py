@@ -1,0 +1,267 @@
+"""course_lib.train: the single-process baseline, the parity check, and a real data-parallel run against both.
+
+The distributed check is a naive data-parallel loop written here (same seed, rank r trains on its shard of the
+global batch, gradients all-reduced through course_lib.comm and divided by the world size, same optimizer). It
+must match ``train_baseline`` within the default tolerance at world sizes 2 and 4; the same loop without the
+division must fail -- so the harness is shown able to fail.
+
+SGD (with momentum) is the optimizer of the distributed check because it shows a wrong gradient scale at once.
+Adam would hide a missing 1/N (it is nearly scale-invariant), and it turns rounding noise into full-size steps
+for parameters whose gradient is mathematically zero (the key bias: softmax ignores a per-query constant), so an
+AdamW parity run needs a looser tolerance than the default.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+
+from course_lib import comm, data
+from course_lib.launch import launch
+from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.train import (
+    ATOL,
+    RTOL,
+    TrainConfig,
+    TrainResult,
+    assert_parity,
+    compare,
+    full_params,
+    make_optimizer,
+    train_baseline,
+)
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+CFG = GPTConfig()  # the default tiny model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's spin-waiting makes
+    them tens of times slower (measured: 6 baseline steps 0.1 s with one thread, 8 s with two under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference() -> TrainResult:
+    return train_baseline(CFG, TrainConfig(steps=3, optimizer="sgd", lr=1e-2))
+
+
+# ------------------------------------------------------------------------------------------ the baseline
+
+
+@pytest.mark.parametrize(("optimizer", "drop"), [("sgd", 0.2), ("adamw", 1.0)])
+def test_baseline_loss_decreases(optimizer, drop):
+    losses = train_baseline(CFG, TrainConfig(steps=5, optimizer=optimizer, lr=1e-2)).losses
+    assert len(losses) == 5
+    assert losses[0] == pytest.approx(math.log(CFG.vocab_size), abs=0.05)  # untrained: about uniform
+    assert losses[-1] < losses[0] - drop, losses
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
+
+
+def test_baseline_is_bitwise_deterministic(reference):
+    torch.manual_seed(1234)  # the global RNG must play no part
+    again = train_baseline(CFG, TrainConfig(steps=3, optimizer="sgd"))
+    assert again.losses == reference.losses
+    assert again.params.keys() == reference.params.keys()
+    assert all(torch.equal(again.params[k], reference.params[k]) for k in reference.params)
+    other = train_baseline(CFG, TrainConfig(steps=3, optimizer="sgd", seed=1))
+    assert other.losses != reference.losses
+
+
+def test_baseline_starts_from_the_seeded_model_and_trains_every_parameter(reference):
+    untrained = train_baseline(CFG, TrainConfig(steps=0))
+    assert untrained.losses == []
+    init = full_params(GPT(CFG, seed=0))
+    assert all(torch.equal(untrained.params[k], init[k]) for k in init)
+    assert reference.params.keys() == init.keys()
+    # the key bias is the exception: its gradient is mathematically zero (softmax ignores a constant per query)
+    assert all(not torch.equal(reference.params[k], init[k]) for k in init if "k_proj.bias" not in k)
+
+
+@pytest.mark.parametrize(("optimizer", "cls"), [("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)])
+def test_make_optimizer_uses_every_setting(optimizer, cls):
+    tc = TrainConfig(optimizer=optimizer, lr=0.3, weight_decay=0.125, momentum=0.5)
+    params = list(GPT(CFG).parameters())
+    opt = make_optimizer(params, tc)
+    assert type(opt) is cls
+    (group,) = opt.param_groups
+    assert group["params"] == params
+    assert (group["lr"], group["weight_decay"], group["foreach"]) == (0.3, 0.125, False)
+    if optimizer == "sgd":
+        assert group["momentum"] == 0.5
+
+
+def test_unknown_optimizer_is_refused():
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        make_optimizer(list(model.parameters()), TrainConfig(optimizer="lamb"))
+
+
+# ------------------------------------------------------------------------------------------ compare
+
+
+def _copy(result: TrainResult) -> TrainResult:
+    return copy.deepcopy(result)
+
+
+def test_compare_passes_identical_results(reference):
+    report = compare(reference, _copy(reference))
+    assert report.ok and report.problems == []
+    assert report.max_loss_diff == 0 and report.max_param_diff == 0
+    assert (report.rtol, report.atol) == (RTOL, ATOL) == (1e-5, 1e-6)
+    assert str(report).startswith("parity PASS")
+    assert assert_parity(reference, _copy(reference)).ok
+
+
+def test_compare_accepts_differences_within_tolerance(reference):
+    cand = _copy(reference)
+    name = "blocks.0.mlp.fc1.weight"
+    cand.params[name] += 0.5 * (ATOL + RTOL * reference.params[name].abs())
+    cand.losses = [v * (1 + 0.5 * RTOL) for v in cand.losses]
+    report = compare(reference, cand)
+    assert report.ok, str(report)
+    assert 0 < report.max_param_diff < ATOL + RTOL * reference.params[name].abs().max()
+
+
+def test_compare_names_a_parameter_perturbed_beyond_tolerance(reference):
+    cand = _copy(reference)
+    name = "blocks.1.attn.v_proj.weight"
+    cand.params[name][3, 5] += 1e-3
+    report = compare(reference, cand)
+    assert not report.ok
+    assert report.worst_param == name
+    assert report.max_param_diff == pytest.approx(1e-3, rel=1e-3)
+    assert report.max_loss_diff == 0
+    assert len(report.problems) == 1 and name in report.problems[0]
+    assert "FAIL" in str(report) and name in str(report)
+
+
+def test_compare_catches_a_nan_parameter(reference):
+    cand = _copy(reference)
+    cand.params["lm_head.weight"][0, 0] = float("nan")
+    report = compare(reference, cand)
+    assert not report.ok
+    assert any("lm_head.weight" in p for p in report.problems)
+
+
+def test_compare_catches_a_perturbed_loss(reference):
+    cand = _copy(reference)
+    cand.losses[1] += 1e-3
+    report = compare(reference, cand)
+    assert not report.ok
+    assert report.max_loss_diff == pytest.approx(1e-3, rel=1e-3)
+    assert len(report.problems) == 1 and "losses differ" in report.problems[0]
+
+
+def test_compare_catches_a_missing_step(reference):
+    cand = _copy(reference)
+    cand.losses = cand.losses[:-1]
+    report = compare(reference, cand)
+    assert not report.ok and report.max_loss_diff == float("inf")
+    assert f"{len(reference.losses) - 1} losses, expected {len(reference.losses)}" in report.problems
+
+
+def test_compare_catches_missing_and_extra_parameters(reference):
+    cand = _copy(reference)
+    del cand.params["norm_f.weight"]
+    cand.params["blocks.0.attn.q_proj.weight.shard0"] = torch.zeros(2)
+    report = compare(reference, cand)
+    assert not report.ok
+    assert "missing parameters: ['norm_f.weight']" in report.problems
+    assert "unexpected parameters: ['blocks.0.attn.q_proj.weight.shard0']" in report.problems
+
+
+def test_compare_catches_a_shape_mismatch(reference):
+    cand = _copy(reference)
+    name = "blocks.0.attn.q_proj.weight"
+    cand.params[name] = cand.params[name][:32]  # e.g. a tensor-parallel shard returned instead of the full weight
+    report = compare(reference, cand)
+    assert not report.ok
+    assert report.worst_param == name and report.max_param_diff == float("inf")
+    assert f"{name}: shape (32, 64), expected (64, 64)" in report.problems
+
+
+def test_compare_refuses_an_empty_reference():
+    report = compare(TrainResult([], {}), TrainResult([], {}))
+    assert not report.ok  # nothing compared is not a pass
+
+
+def test_assert_parity_raises_with_the_report(reference):
+    cand = _copy(reference)
+    cand.params["tok_emb.weight"] *= 1.01
+    with pytest.raises(AssertionError) as info:
+        assert_parity(reference, cand)
+    assert str(info.value) == str(compare(reference, cand))
+    assert "parity FAIL" in str(info.value) and "tok_emb.weight" in str(info.value)
+    assert assert_parity(reference, cand, rtol=0.02).ok  # a looser tolerance passes it
+
+
+def test_report_lists_at_most_ten_problems(reference):
+    cand = _copy(reference)
+    for k in cand.params:
+        cand.params[k] = cand.params[k] + 1.0
+    report = compare(reference, cand)
+    assert len(report.problems) == len(reference.params) > 10
+    assert len(str(report).splitlines()) == 1 + 10
+
+
+# ------------------------------------------------------------------------------------------ data parallel
+
+
+def _naive_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, divide: bool) -> TrainResult:
+    model = GPT(cfg, seed=tc.seed)  # same seed on every rank: nothing to broadcast
+    opt = make_optimizer(list(model.parameters()), tc)
+    losses = []
+    for step in range(tc.steps):
+        x, y = data.global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        x, y = data.shard(x, rank, world_size), data.shard(y, rank, world_size)
+        loss = lm_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        # one all-reduce per step: every gradient and the loss in one flat buffer (38 small calls cost more
+        # than the training itself on two oversubscribed cores)
+        params = list(model.parameters())
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
+        comm.all_reduce(flat)
+        losses.append(flat[-1].item() / world_size)  # equal shards: the global mean is the mean of rank means
+        if divide:
+            flat /= world_size
+        for p, g in zip(params, flat[:-1].split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p.grad))
+        opt.step()
+    return TrainResult(losses, full_params(model))
+
+
+def _dp_both_ways(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig) -> dict:
+    comm.log().clear()
+    right = _naive_dp(rank, world_size, cfg, tc, divide=True)
+    calls, nbytes = comm.log().count("all_reduce"), sum(r.tensor_bytes for r in comm.log().select("all_reduce"))
+    wrong = _naive_dp(rank, world_size, cfg, tc, divide=False)
+    return {"right": right, "wrong": wrong, "all_reduce_calls": calls, "all_reduce_bytes": nbytes}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_naive_data_parallel_matches_the_baseline_and_a_missing_division_is_caught(reference, world_size):
+    tc = TrainConfig(steps=3, optimizer="sgd", lr=1e-2)
+    out = launch(_dp_both_ways, world_size, CFG, tc, timeout=120)
+    n_params = sum(p.numel() for p in reference.params.values())
+    for rank, got in enumerate(out):
+        assert got["all_reduce_calls"] == tc.steps
+        assert got["all_reduce_bytes"] == tc.steps * 4 * (n_params + 1)
+        report = compare(reference, got["right"])
+        assert report.ok, f"rank {rank}: {report}"
+        bad = compare(reference, got["wrong"])
+        assert not bad.ok, f"rank {rank}: the harness missed gradients {world_size}x too large"
+        assert bad.max_param_diff > 100 * ATOL
+        assert bad.max_loss_diff > 1e-3  # the second step already sees the wrong update
+    first = out[0]["right"].params
+    for got in out[1:]:  # every replica holds the same weights
+        assert all(torch.equal(got["right"].params[k], first[k]) for k in first)
