@@ -1,0 +1,291 @@
+"""Chapter 01 — collectives from send/recv, checked on real ranks.
+
+1. ``ring_reduce_scatter(tensor)``: this rank's chunk of the sum over ranks, by the ring (Patarasuk & Yuan 2009).
+2. ``ring_all_gather(chunk, numel)``: every rank's chunk, laid end to end, by the ring.
+3. ``ring_all_reduce_bytes(numel, element_size, n, rank)``: the exact (sent, received) bytes of one rank in a ring
+   all-reduce, chunks not necessarily equal (``comm.ring_bytes``).
+4. ``pairwise_all_to_all(blocks)``: block j to rank j, by pairwise exchange (Thakur et al. 2005).
+
+The launched exercises run the learner's function on ``world_size`` real gloo ranks (``course_lib.launch``, with a
+time limit, so a deadlock fails the check instead of hanging it). On the ranks, the process group only lets
+point-to-point messages through: every byte sent and received is counted (``ProcessGroup.send``/``recv``, which
+``dist.send``, ``isend``, ``batch_isend_irecv`` and ``course_lib.comm`` all end in), and a collective
+(``dist.all_reduce``, ``dist.reduce_scatter``, ...) raises. Chunking follows ``comm.chunk_numels``: a tensor of
+``numel`` elements is flattened and cut into n chunks, the first ``numel % n`` one element longer.
+
+The result is compared with a single-process computation on the same per-rank inputs (float32 normal data; sums
+within rtol 1e-5, data movement exact), and the bytes with the ring's: a correct answer through another route
+(everyone to rank 0) is rejected with the byte counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.comm import chunk_numels, ring_bytes
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
+from course_lib.launch import RankError, RankTimeout, launch
+
+GRADER_PARAMETERS = {"seed": 1}
+LAUNCH_TIMEOUT_S = 30.0
+"""A launched check stops the ranks after this long (below the grader's 60 s per check)."""
+
+_TORCH_NAME = {  # ProcessGroup method -> the torch.distributed call that ends in it
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "allgather": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced", "allgather_into_tensor_coalesced": "all_gather_into_tensor",
+    "_allgather_base": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all_single", "broadcast": "broadcast", "reduce": "reduce",
+    "gather": "gather", "scatter": "scatter",
+}
+
+
+class ForbiddenCollective(RuntimeError):  # noqa: N818 - reads as what happened
+    """Raised on a rank when the learner's function calls a collective instead of sending messages."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On the ranks
+
+
+@contextlib.contextmanager
+def _point_to_point_only(counts: dict[str, int]) -> Iterator[None]:
+    """Count the bytes of every send and receive of this process; make every collective raise."""
+    pg = dist.ProcessGroup
+    saved = {name: getattr(pg, name) for name in ("send", "recv", *_TORCH_NAME) if hasattr(pg, name)}
+
+    def counting(name: str, key: str) -> Callable[..., Any]:
+        original = saved[name]
+
+        def wrapper(self: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            counts[key] += sum(t.numel() * t.element_size() for t in tensors)
+            return original(self, tensors, *args, **kwargs)
+        return wrapper
+
+    def forbidden(name: str) -> Callable[..., Any]:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise ForbiddenCollective(
+                f"it called the collective dist.{_TORCH_NAME[name]}: this exercise builds the collective from "
+                "point-to-point messages only (dist.isend / dist.irecv, dist.send / dist.recv, "
+                "dist.batch_isend_irecv, or course_lib.comm's)")
+        return wrapper
+
+    pg.send, pg.recv = counting("send", "sent"), counting("recv", "recv")
+    for name in _TORCH_NAME:
+        if name in saved:
+            setattr(pg, name, forbidden(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(pg, name, method)
+
+
+def _generator(seed: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1000 * seed + rank)
+
+
+def _inputs(exercise: str, rank: int, n: int, size: Any, seed: int) -> tuple:
+    """The arguments rank ``rank`` passes to the learner's function (the same on every process)."""
+    g = _generator(seed, rank)
+    if exercise == "reduce_scatter":
+        return (torch.randn(size, generator=g),)
+    if exercise == "all_gather":
+        return torch.randn(chunk_numels(size, n)[rank], generator=g), size
+    if exercise == "all_to_all":
+        return ([torch.randn(size, generator=g) for _ in range(n)],)
+    raise ValueError(exercise)
+
+
+def _run_on_rank(rank: int, world_size: int, exercise: str, fn: Callable[..., Any], size: Any,
+                 seed: int) -> dict[str, Any]:
+    """What every rank runs: the learner's function on its inputs, with the point-to-point guard on."""
+    args = _inputs(exercise, rank, world_size, size, seed)
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    counts = {"sent": 0, "recv": 0}
+    with _point_to_point_only(counts):
+        got = fn(*args)
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    modified = any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    return {"got": got, "sent": counts["sent"], "recv": counts["recv"], "modified": modified}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In the learner's process
+
+
+def _where(traceback_text: str) -> str:
+    """'in fn, line 12' for the innermost frame of a rank's traceback."""
+    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return ""
+    last = frames[-1]  # File "...", line 12, in fn
+    parts = [p.strip() for p in last.split(",")]
+    return f" (at {parts[-1].removeprefix('in ')}, {parts[1]})" if len(parts) >= 3 else ""
+
+
+def _waiting_in(stack: str) -> str:
+    """'in recv, called from my_fn line 9' from a faulthandler stack (most recent call first)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
+    if not frames:
+        return ""
+    inner = frames[0][2]
+    mine = next(((f, ln, fn) for f, ln, fn in frames
+                 if "/torch/" not in f and not f.endswith(("course_lib/grading/ch01.py", "course_lib/comm.py"))), None)
+    return f"in {inner}" + (f", called from {mine[2]} line {mine[1]}" if mine and mine[2] != inner else "")
+
+
+def _launch(exercise: str, fn: Callable[..., Any], world_size: int, size: Any, seed: int,
+            timeout: float) -> list[dict[str, Any]]:
+    """Run ``fn`` on ``world_size`` ranks; turn a rank's exception or a hang into a readable failure."""
+    try:
+        return launch(_run_on_rank, world_size, exercise, fn, size, seed, timeout=timeout)
+    except RankTimeout as err:
+        r = err.ranks[0]
+        where = _waiting_in(err.stacks.get(r, ""))
+        where = f"; rank {r} was waiting {where}" if where else ""
+        raise CheckFailed(f"ranks {err.ranks} of {world_size} did not finish within {timeout:g} s and were stopped "
+                          "(a receive whose send never comes, a wait() on the wrong request, or ranks posting "
+                          f"blocking sends to each other?){where}") from None
+    except RankError as err:
+        message = str(err.original) if err.original is not None else str(err).split("\n")[0]
+        if err.exc_type == "NotImplementedError":
+            raise NotImplementedError(message) from None
+        if err.exc_type == "ForbiddenCollective":
+            raise CheckFailed(f"rank {err.rank}: {message}") from None
+        raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"
+                          f"{_where(err.remote_traceback)}") from None
+
+
+def _check_bytes(results: list[dict[str, Any]], op: str, numel: int, what: str) -> list[int]:
+    n = len(results)
+    for r, res in enumerate(results):
+        want_sent, want_recv = ring_bytes(op, numel, 4, n, r)
+        if (res["sent"], res["recv"]) != (want_sent, want_recv):
+            raise CheckFailed(
+                f"rank {r} sent {res['sent']} bytes and received {res['recv']}; {what} on {n} ranks over "
+                f"{numel} float32 elements (chunks {chunk_numels(numel, n)}) sends {want_sent} and receives "
+                f"{want_recv} (comm.ring_bytes({op!r}, {numel}, 4, {n}, {r})). The values were right: they took "
+                "another route than the ring")
+    return [res["sent"] for res in results]
+
+
+def _expect_unmodified(results: list[dict[str, Any]], what: str) -> None:
+    for r, res in enumerate(results):
+        if res["modified"]:
+            raise CheckFailed(f"rank {r}: the function modified its input {what}; leave it as it was (work on a "
+                              "copy: the caller may still need it)")
+
+
+def check_ring_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor], world_size: int = 4,
+                              shape: tuple[int, ...] = (10,), seed: int = 0,
+                              timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Rank r must return chunk r (``comm.chunk_numels``) of the flattened sum over ranks, as a 1-D float32
+    tensor, leave its input unchanged, and send and receive exactly a ring reduce-scatter's bytes."""
+    def body() -> str:
+        n, numel = world_size, math.prod(shape)
+        sizes = chunk_numels(numel, n)
+        total = sum(_inputs("reduce_scatter", r, n, shape, seed)[0] for r in range(n)).reshape(-1)
+        expected = total.split(sizes)
+        results = _launch("reduce_scatter", fn, n, shape, seed, timeout)
+        for r, res in enumerate(results):
+            expect_close(res["got"], expected[r], f"rank {r}'s chunk ({n} ranks, input shape {shape}, chunk sizes "
+                         f"{sizes}; chunk {r} of the sum, flattened)", rtol=1e-5, atol=1e-5)
+        _expect_unmodified(results, "tensor")
+        sent = _check_bytes(results, "reduce_scatter", numel, "a ring reduce-scatter")
+        return f"{n} ranks, shape {shape}, chunks {sizes}: every chunk right; bytes sent per rank {sent} (the ring's)"
+    return run_check("ring_reduce_scatter", body)
+
+
+def check_ring_all_gather(fn: Callable[[torch.Tensor, int], torch.Tensor], world_size: int = 4, numel: int = 10,
+                          seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Every rank must return the 1-D tensor of ``numel`` elements made of the ranks' chunks in rank order
+    (rank r brings ``chunk_numels(numel, n)[r]`` elements), exactly, with a ring all-gather's bytes."""
+    def body() -> str:
+        n = world_size
+        sizes = chunk_numels(numel, n)
+        expected = torch.cat([_inputs("all_gather", r, n, numel, seed)[0] for r in range(n)])
+        results = _launch("all_gather", fn, n, numel, seed, timeout)
+        for r, res in enumerate(results):
+            expect_close(res["got"], expected, f"rank {r}'s gathered tensor ({n} ranks, numel {numel}, chunk sizes "
+                         f"{sizes})", rtol=0.0, atol=0.0)
+        _expect_unmodified(results, "chunk")
+        sent = _check_bytes(results, "all_gather", numel, "a ring all-gather")
+        return f"{n} ranks, numel {numel}, chunks {sizes}: every rank has every chunk; bytes sent per rank {sent}"
+    return run_check("ring_all_gather", body)
+
+
+def check_pairwise_all_to_all(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], world_size: int = 4,
+                              block: tuple[int, ...] = (3,), seed: int = 0,
+                              timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Rank r gets ``blocks`` (one tensor of shape ``block`` per destination rank) and must return a list whose
+    j-th element is the block rank j addressed to rank r, exactly; it sends all but the block it keeps."""
+    def body() -> str:
+        n = world_size
+        inputs = [_inputs("all_to_all", r, n, block, seed)[0] for r in range(n)]
+        results = _launch("all_to_all", fn, n, block, seed, timeout)
+        for r, res in enumerate(results):
+            got = res["got"]
+            if not isinstance(got, list | tuple) or len(got) != n:
+                raise CheckFailed(f"rank {r} must return a list of {n} tensors (one per source rank), got "
+                                  f"{type(got).__name__}{f' of length {len(got)}' if hasattr(got, '__len__') else ''}")
+            for j in range(n):
+                expect_close(got[j], inputs[j][r], f"rank {r}'s block {j} (what rank {j} sent to rank {r})",
+                             rtol=0.0, atol=0.0)
+        _expect_unmodified(results, "blocks")
+        v = n * math.prod(block) * 4
+        for r, res in enumerate(results):
+            want = v - math.prod(block) * 4
+            if (res["sent"], res["recv"]) != (want, want):
+                raise CheckFailed(f"rank {r} sent {res['sent']} bytes and received {res['recv']}; an all-to-all of "
+                                  f"{n} blocks of {math.prod(block)} float32 sends and receives every block but the "
+                                  f"one it keeps: {want} bytes each way")
+        return f"{n} ranks, blocks of shape {block}: every block in its place; {v - v // n} bytes sent per rank"
+    return run_check("pairwise_all_to_all", body)
+
+
+def check_ring_all_reduce_bytes(fn: Callable[[int, int, int, int], tuple[int, int]],
+                                cases: tuple[tuple[int, int, int], ...] = ((10, 4, 4), (1000, 2, 8))) -> CheckResult:
+    """``fn(numel, element_size, n, rank)`` must return (sent, received) bytes of that rank in a ring all-reduce,
+    for every rank of every (numel, element_size, n) case, exactly as ``comm.ring_bytes("all_reduce", ...)``."""
+    def body() -> str:
+        count = 0
+        for numel, es, n in cases:
+            for r in range(n):
+                got = fn(numel, es, n, r)
+                if not isinstance(got, tuple | list) or len(got) != 2:
+                    raise CheckFailed(f"ring_all_reduce_bytes({numel}, {es}, {n}, {r}) must return a pair "
+                                      f"(sent, received), got {got!r}")
+                want = ring_bytes("all_reduce", numel, es, n, r)
+                what = (f"ring_all_reduce_bytes(numel={numel}, element_size={es}, n={n}, rank={r}) with chunks "
+                        f"{chunk_numels(numel, n)[:8]}{'...' if n > 8 else ''}")
+                expect_equal(got[0], want[0], f"{what}: bytes sent")
+                expect_equal(got[1], want[1], f"{what}: bytes received")
+                count += 1
+        return f"{count} (case, rank) pairs exact"
+    return run_check("ring_all_reduce_bytes", body)
+
+
+EXERCISES = [
+    Exercise("ring_reduce_scatter", "Ring reduce-scatter from send/recv", 4, "ring_reduce_scatter",
+             check_ring_reduce_scatter,
+             hidden=[{"world_size": 2, "shape": (7,), "seed": 1}, {"world_size": 3, "shape": (4, 5), "seed": 2},
+                     {"world_size": 4, "shape": (1003,), "seed": 3}]),
+    Exercise("ring_all_gather", "Ring all-gather from send/recv", 3, "ring_all_gather", check_ring_all_gather,
+             hidden=[{"world_size": 2, "numel": 5, "seed": 1}, {"world_size": 3, "numel": 1000, "seed": 2},
+                     {"world_size": 4, "numel": 4, "seed": 3}]),
+    Exercise("ring_all_reduce_bytes", "Exact bytes of a ring all-reduce", 2, "ring_all_reduce_bytes",
+             check_ring_all_reduce_bytes,
+             hidden=[{"cases": ((1, 4, 1), (7, 4, 2), (11, 2, 3), (3, 4, 5), (4096, 4, 4), (1001, 2, 7),
+                                (6_738_415_616, 2, 64))}]),
+    Exercise("pairwise_all_to_all", "All-to-all by pairwise exchange", 3, "pairwise_all_to_all",
+             check_pairwise_all_to_all,
+             hidden=[{"world_size": 2, "block": (5,), "seed": 1}, {"world_size": 3, "block": (2, 3), "seed": 2}]),
+]

@@ -1,0 +1,231 @@
+"""Wrong answers for chapter 01 (collectives from send/recv). The launched ones run on real ranks: this module is
+shipped to them by value (as a notebook cell's functions are), so the ranks need not import the tests package."""
+
+import sys
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from course_lib.comm import chunk_numels
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _exchange(send, dst, recv, src):
+    reqs = [dist.irecv(recv, src), dist.isend(send, dst)]
+    for q in reqs:
+        q.wait()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ring_reduce_scatter
+
+
+def rs_off_by_one_step(tensor):
+    """Sends chunk (r-k) mod n at step k instead of (r-k-1): chunk r leaves first and rank r keeps a partial sum."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.reshape(-1).clone().split(chunk_numels(tensor.numel(), n)))
+    for k in range(n - 1):
+        send, recv = (r - k) % n, (r - k - 1) % n
+        buf = torch.empty_like(chunks[recv])
+        _exchange(chunks[send], (r + 1) % n, buf, (r - 1) % n)
+        chunks[recv] += buf
+    return chunks[r].clone()
+
+
+def rs_sums_own_data_twice(tensor):
+    """Adds its own chunk again at the end, 'to include itself': its contribution counts twice."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = tensor.reshape(-1)
+    chunks = list(flat.clone().split(chunk_numels(flat.numel(), n)))
+    for k in range(n - 1):
+        send, recv = (r - k - 1) % n, (r - k - 2) % n
+        buf = torch.empty_like(chunks[recv])
+        _exchange(chunks[send], (r + 1) % n, buf, (r - 1) % n)
+        chunks[recv] += buf
+    return chunks[r] + flat.split(chunk_numels(flat.numel(), n))[r]
+
+
+def rs_equal_chunks(tensor):
+    """Cuts numel // n elements per chunk: with numel not divisible by n the remainder is lost."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    size = tensor.numel() // n
+    chunks = [tensor.reshape(-1)[i * size:(i + 1) * size].clone() for i in range(n)]
+    for k in range(n - 1):
+        send, recv = (r - k - 1) % n, (r - k - 2) % n
+        buf = torch.empty_like(chunks[recv])
+        _exchange(chunks[send], (r + 1) % n, buf, (r - 1) % n)
+        chunks[recv] += buf
+    return chunks[r]
+
+
+def rs_through_rank_zero(tensor):
+    """Right values the parameter-server way: everyone sends everything to rank 0, which sums and sends chunk r
+    back to rank r -- (n-1) V through rank 0's link."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = tensor.reshape(-1).clone()
+    sizes = chunk_numels(flat.numel(), n)
+    if r == 0:
+        for src in range(1, n):
+            buf = torch.empty_like(flat)
+            dist.recv(buf, src)
+            flat += buf
+        parts = flat.split(sizes)
+        for dst in range(1, n):
+            dist.send(parts[dst].clone(), dst)
+        return parts[0].clone()
+    dist.send(flat, 0)
+    mine = torch.empty(sizes[r])
+    dist.recv(mine, 0)
+    return mine
+
+
+def rs_modifies_input(tensor):
+    """Works in place in the caller's tensor (a view of it): right chunk, but the input is destroyed."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.view(-1).split(chunk_numels(tensor.numel(), n)))
+    for k in range(n - 1):
+        send, recv = (r - k - 1) % n, (r - k - 2) % n
+        buf = torch.empty_like(chunks[recv])
+        _exchange(chunks[send], (r + 1) % n, buf, (r - 1) % n)
+        chunks[recv] += buf
+    return chunks[r].clone()
+
+
+def rs_calls_dist_reduce_scatter(tensor):
+    """Calls the library collective instead of building it."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = tensor.reshape(-1)
+    sizes = chunk_numels(flat.numel(), n)
+    out = torch.empty(sizes[r])
+    dist.reduce_scatter(out, [c.clone() for c in flat.split(sizes)])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ring_all_gather
+
+
+def ag_off_by_one_step(chunk, numel):
+    """Sends chunk (r-k-1) at step k: at step 0 it forwards a chunk it does not have yet."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = torch.zeros(numel)
+    chunks = list(out.split(chunk_numels(numel, n)))
+    chunks[r].copy_(chunk)
+    for k in range(n - 1):
+        send, recv = (r - k - 1) % n, (r - k - 2) % n
+        _exchange(chunks[send].clone(), (r + 1) % n, chunks[recv], (r - 1) % n)
+    return out
+
+
+def ag_stores_at_senders_slot(chunk, numel):
+    """Forwards correctly but writes whatever arrives from rank r-1 into rank r-1's slot, whichever chunk it is
+    (wrong chunk owner): the other slots stay empty."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    sizes = chunk_numels(numel, n)
+    out = torch.zeros(numel)
+    slots = list(out.split(sizes))
+    slots[r].copy_(chunk)
+    current = chunk.clone()
+    for k in range(n - 1):
+        buf = torch.empty(sizes[(r - k - 1) % n])
+        _exchange(current, (r + 1) % n, buf, (r - 1) % n)
+        if buf.numel() == slots[(r - 1) % n].numel():
+            slots[(r - 1) % n].copy_(buf)
+        current = buf
+    return out
+
+
+def ag_equal_chunks(chunk, numel):
+    """Assumes every rank brings numel // n elements (right only when n divides numel)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    size = numel // n
+    out = torch.zeros(numel)
+    chunks = [out[i * size:(i + 1) * size] for i in range(n)]
+    chunks[r].copy_(chunk[:size])
+    for k in range(n - 1):
+        send, recv = (r - k) % n, (r - k - 1) % n
+        _exchange(chunks[send].clone(), (r + 1) % n, chunks[recv], (r - 1) % n)
+    return out
+
+
+def ag_own_chunk_to_everyone(chunk, numel):
+    """Right values, but not a ring: each rank sends its own chunk straight to every other rank."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    sizes = chunk_numels(numel, n)
+    out = torch.empty(numel)
+    chunks = list(out.split(sizes))
+    chunks[r].copy_(chunk)
+    for k in range(1, n):
+        _exchange(chunk, (r + k) % n, chunks[(r - k) % n], (r - k) % n)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ring_all_reduce_bytes
+
+
+def bytes_float_formula(numel, element_size, n, rank):
+    """2(n-1)/n * V for everyone: right only when n divides numel (and a float)."""
+    v = numel * element_size
+    return 2 * (n - 1) / n * v, 2 * (n - 1) / n * v
+
+
+def bytes_one_phase(numel, element_size, n, rank):
+    """Counts the reduce-scatter only, forgetting the all-gather."""
+    c = chunk_numels(numel, n)
+    return (numel - c[rank]) * element_size, (numel - c[(rank - 1) % n]) * element_size
+
+
+def bytes_same_chunk_in_both_phases(numel, element_size, n, rank):
+    """Thinks a rank skips its own chunk in both phases (the all-gather skips chunk r+1 when sending)."""
+    c = chunk_numels(numel, n)
+    return 2 * (numel - c[rank]) * element_size, 2 * (numel - c[rank]) * element_size
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pairwise_all_to_all
+
+
+def a2a_no_exchange(blocks):
+    """Returns its own blocks: nothing was exchanged."""
+    return [b.clone() for b in blocks]
+
+
+def a2a_wrong_slot(blocks):
+    """Stores the block received from rank r-k in slot r+k."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = [b.clone() for b in blocks]
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        buf = torch.empty_like(blocks[src])
+        _exchange(blocks[dst], dst, buf, src)
+        out[dst] = buf
+    return out
+
+
+def a2a_forgets_own_block(blocks):
+    """Exchanges correctly but leaves its own slot empty (zeros) instead of keeping blocks[r]."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = [torch.zeros_like(b) for b in blocks]
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        _exchange(blocks[dst], dst, out[src], src)
+    return out
+
+
+def a2a_calls_dist_all_to_all(blocks):
+    """Calls the library collective instead of building it."""
+    out = [torch.empty_like(b) for b in blocks]
+    dist.all_to_all(out, [b.contiguous() for b in blocks])
+    return out
+
+
+WRONG = {
+    "ring_reduce_scatter": [rs_off_by_one_step, rs_sums_own_data_twice, rs_equal_chunks, rs_through_rank_zero,
+                            rs_modifies_input, rs_calls_dist_reduce_scatter],
+    "ring_all_gather": [ag_off_by_one_step, ag_stores_at_senders_slot, ag_equal_chunks, ag_own_chunk_to_everyone],
+    "ring_all_reduce_bytes": [bytes_float_formula, bytes_one_phase, bytes_same_chunk_in_both_phases],
+    "pairwise_all_to_all": [a2a_no_exchange, a2a_wrong_slot, a2a_forgets_own_block, a2a_calls_dist_all_to_all],
+}
