@@ -290,7 +290,7 @@ class MemoryBudgetWidget(W.VBox):
         self.controls: dict[str, Any] = {
             "model": drop("model", names, model if model in PRESETS else "llama2-70b", "220px"),
             "mode": W.ToggleButtons(options=["training", "inference"], value=mode, description=d["mode"],
-                                    style={"description_width": "initial", "button_width": "80px"}),
+                                    style={"description_width": "initial", "button_width": "100px"}),
             "gpu": drop("gpu", list(GPUS), gpu, "220px"),
             "n_layer": num("n_layer", c0.n_layer, 1, 1000),
             "d_model": num("d_model", c0.d_model, 1),

@@ -18,7 +18,8 @@ version, an exception that only happens in the browser. These fixtures start wha
   ``artifacts/browser/``, no uncaught page exception, kernels shut down.
 * :class:`WidgetUI` (from ``lab.widget``): controls by their label (``CONTROL_DESCRIPTIONS``):
   ``select_by_mouse``, ``choose_by_keyboard``, ``press`` (type-ahead), ``type_into``, ``set_slider_by_keyboard``,
-  ``click``; ``html(n)``, ``text``, ``image_bytes``/``expect_image``; ``screenshot(step)`` to
+  ``press_slider``, ``type_into_readout``, ``click``; ``html(n)``, ``text``, ``image_bytes``/``expect_image``
+  (``expect_new_image`` for a figure drawn from the notebook's measurements); ``screenshot(step)`` to
   ``artifacts/browser/<widget>/NN_<step>.png``.
 
 Keyboard in JupyterLab: keys that are notebook command-mode shortcuts (ArrowUp/Down, A, B, M, Y, 1-6, ...) go to
@@ -382,6 +383,25 @@ class WidgetUI:
             expect(handle, f"slider {description!r} did not move").not_to_have_attribute("aria-valuenow", before)
         raise AssertionError(f"slider {description!r} did not reach {value} in {max_presses} presses")
 
+    def press_slider(self, description: str, key: str, times: int = 1) -> None:
+        """Focus a slider's handle and press ``key`` (ArrowLeft/ArrowRight: one step each) ``times`` times. For
+        sliders :meth:`set_slider_by_keyboard` cannot read: noUiSlider writes ``aria-valuenow`` with one decimal
+        (a step of 0.05 may not change it) and a log slider's handle holds the exponent, not the value."""
+        self.slider(description).focus()
+        for _ in range(times):
+            self.page.keyboard.press(key)
+
+    def readout(self, description: str) -> Locator:
+        """A slider's readout: the number beside it, which ipywidgets lets the learner edit."""
+        return self.control(description).locator(".widget-readout")
+
+    def type_into_readout(self, description: str, text: str) -> None:
+        """Select a slider's readout, type ``text`` and press Enter: the slider takes the typed value (clamped to
+        its range; a log slider's value, not its exponent)."""
+        self.readout(description).click(click_count=3)
+        self.page.keyboard.type(text)
+        self.page.keyboard.press("Enter")
+
     def click(self, text: str) -> None:
         self.button(text).click()
 
@@ -421,6 +441,23 @@ class WidgetUI:
         (self.dir / f"{step or 'image'}_shown.png").write_bytes(got)
         raise AssertionError(f"{self.name}: the figure shown ({len(got)} B) is not the one expected "
                              f"({len(expected)} B) after {step!r}; both saved in {self.dir}")
+
+    def expect_new_image(self, seen: list[bytes], nth: int = 0, timeout_s: float = EXPECT_MS / 1000,
+                         step: str = "") -> bytes:
+        """Wait until the ``nth`` image shows a figure that is none of ``seen``, append it to ``seen``, return it.
+        For a figure the test process cannot rebuild byte for byte (drawn from the notebook's measurements):
+        call it once the page shows the step's final text and the kernel is idle, so that the figure is that
+        step's, not one drawn on the way (a slider moved by several key presses redraws after each)."""
+        deadline = time.monotonic() + timeout_s
+        got = self.image_bytes(nth)
+        while got in seen and time.monotonic() < deadline:
+            time.sleep(0.2)
+            got = self.image_bytes(nth)
+        if got in seen:
+            raise AssertionError(f"{self.name}: the figure did not change after {step!r} (it is the one shown "
+                                 f"{len(seen) - seen.index(got)} step(s) before)")
+        seen.append(got)
+        return got
 
     def screenshot(self, step: str) -> Path:
         """Save the widget as ``artifacts/browser/<widget>/<NN>_<step>.png``."""

@@ -8,7 +8,9 @@ Skip them with ``make test-fast`` or ``pytest -m "not browser"``.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 
 import pytest
 
@@ -20,6 +22,9 @@ except ImportError:  # a learner without the test extras; CI has them (and fails
     pytest.skip("Playwright for Python is missing: pip install -e '.[test]' (or make setup)",
                 allow_module_level=True)
 
+from course_lib.cost import collective_time
+from course_lib.viz.comm import CONTROL_DESCRIPTIONS as COMM
+from course_lib.viz.comm import FITTED, CollectiveCostWidget, collective_cost_widget, format_bytes
 from course_lib.viz.memory import CONTROL_DESCRIPTIONS as MEMORY
 from course_lib.viz.memory import MemoryBudgetWidget, memory_budget_widget
 from tests.browser.conftest import WidgetUI, mirror_from_notebook
@@ -87,3 +92,126 @@ def test_memory_budget_widget(lab):
     lab.page.keyboard.press("Space")
     step("training_by_keyboard", mode="training")
     expect(ui.input(MEMORY["zero"])).to_be_enabled()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 01_collectives: the collective-cost calculator
+
+_NUM = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"  # a number as format_seconds / :.3g write it (captured)
+_TIME = _NUM + r"\s+(ns|µs|ms|s)"  # format_seconds: captures the number and its unit
+_UNIT_S = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex, any run of whitespace matching any run (the page's inner text breaks lines at <br>
+    and drops leading spaces)."""
+    return r"\s+".join(re.escape(word) for word in text.split())
+
+
+def _fitted_pattern(mirror: CollectiveCostWidget) -> str:
+    """What the page shows on the link "this machine (fitted)" for ``mirror``'s op, size and ranks: the parts that
+    do not depend on the link (size, steps, bytes per step and per rank, busbw factor: ``mirror.breakdown``)
+    literally, the measured ones (time, alpha, beta, latency, bandwidth, algbw, busbw, the note) as captured
+    numbers. Groups: t, unit, alpha, unit, beta GB/s, latency, unit, bandwidth, unit, algbw, busbw."""
+    v, b = mirror.values(), mirror.breakdown
+    ws = r"\s+"
+    return "".join([
+        r"^\s*", _literal(f"{v['op']} of {format_bytes(b['nbytes'])} on {v['world_size']} ranks over {FITTED}:"),
+        ws, _TIME, ws, _literal(f"= {b['steps']:.0f} steps x (alpha"), ws, _TIME, ws,
+        _literal(f"+ {format_bytes(b['step_bytes'])} / beta"), ws, _NUM, ws, _literal("GB/s) = latency"), ws, _TIME,
+        ws, _literal("+ bandwidth"), ws, _TIME, ws,
+        _literal(f"each rank sends {format_bytes(b['bytes_per_rank'])}; algbw = V/t ="), ws, _NUM, ws,
+        _literal(f"GB/s, busbw = algbw x {b['busbw_factor']:.3g} ="), ws, _NUM, ws,
+        _literal("GB/s (nccl-tests convention)"), r"\s+\S[\s\S]*$",  # then the note: where the fit comes from
+    ])
+
+
+def _expect_collective_cost(ui: WidgetUI, mirror: CollectiveCostWidget, shown: list[bytes], step: str) -> None:
+    """The page shows ``mirror``'s prediction, word for word, and the link's source; the figure changed (it also
+    draws the link fitted in the notebook, which this process cannot rebuild); then a screenshot."""
+    link = mirror.links[mirror.controls["link"].value]
+    expect(ui.html(0), f"prediction after {step!r}").to_have_text("\n".join([*mirror.text.split("\n"), link.source]),
+                                                                  use_inner_text=True)
+    ui.lab.wait_kernel_idle()  # the figure is drawn after the text: wait for the step's last redraw
+    ui.expect_new_image(shown, step=step)
+    ui.screenshot(step)
+
+
+def _expect_collective_cost_fitted(ui: WidgetUI, mirror: CollectiveCostWidget, shown: list[bytes],
+                                   step: str) -> None:
+    """On "this machine (fitted)": the page shows ``_fitted_pattern(mirror)``, and its measured numbers agree with
+    each other as ``course_lib.cost`` computes them (within the rounding of three significant digits)."""
+    pattern = _fitted_pattern(mirror)
+    expect(ui.html(0), f"prediction after {step!r}").to_have_text(re.compile(pattern), use_inner_text=True)
+    ui.lab.wait_kernel_idle()
+    ui.expect_new_image(shown, step=step)
+    ui.screenshot(step)
+    g = re.match(pattern, ui.html(0).inner_text()).groups()  # type: ignore[union-attr]
+    t, alpha, latency, bandwidth = (float(g[i]) * _UNIT_S[g[i + 1]] for i in (0, 2, 5, 7))
+    beta, algbw, busbw = float(g[4]) * 1e9, float(g[9]) * 1e9, float(g[10]) * 1e9
+    v, b = mirror.values(), mirror.breakdown
+    assert beta > 0 and alpha >= 0, f"{step}: the fitted link shows alpha {alpha} s, beta {beta} B/s"
+    model = collective_time(v["op"], b["nbytes"], v["world_size"], alpha, beta)
+    for name, got, want in (("time", t, model), ("latency", latency, b["steps"] * alpha),
+                            ("bandwidth", bandwidth, b["steps"] * b["step_bytes"] / beta),
+                            ("algbw", algbw, b["nbytes"] / t), ("busbw", busbw, algbw * b["busbw_factor"])):
+        assert math.isclose(got, want, rel_tol=0.02, abs_tol=1e-9), (
+            f"{step}: the page's {name} {got:.4g} is not what course_lib.cost gives for its alpha {alpha:.4g} s and "
+            f"beta {beta:.4g} B/s: {want:.4g}")
+
+
+def test_collective_cost_widget(lab):
+    lab.open_notebook("01_collectives.ipynb")
+    lab.run_all()
+    ui = lab.widget("course-collective-cost", name="collective_cost")
+
+    # the same widget, built here from the notebook's own call, less what the notebook measures (the fitted link,
+    # the measured points, their note): it gives the exact text of every vendor link
+    mirror = mirror_from_notebook("01_collectives.ipynb", collective_cost_widget, fitted=None, measured=(),
+                                  note=None, draw=False)
+    shown: list[bytes] = []
+    _expect_collective_cost(ui, mirror, shown, "initial")
+
+    def step(name: str, **change) -> None:
+        mirror.set(**change)
+        _expect_collective_cost(ui, mirror, shown, name)
+
+    # the collective, by mouse: open the dropdown, pick another one
+    assert mirror.controls["op"].value != "reduce_scatter"
+    ui.select_by_mouse(COMM["op"], "reduce_scatter")
+    step("collective_by_mouse", op="reduce_scatter")
+
+    # the size, by typing into the slider's readout (in MB: a log slider takes the value, not its exponent)
+    assert mirror.controls["size_mb"].value != 1000
+    ui.type_into_readout(COMM["size_mb"], "1000")
+    expect(ui.slider(COMM["size_mb"])).to_have_attribute("aria-valuenow", "3.0")  # the handle holds log10(MB)
+    step("size_by_typing", size_mb=1000.0)
+
+    # the size, by the slider's keys: 4 steps of 0.05 down in log10(MB) -> 10^2.8 MB
+    ui.press_slider(COMM["size_mb"], "ArrowLeft", 4)
+    expect(ui.slider(COMM["size_mb"])).to_have_attribute("aria-valuenow", "2.8")
+    expect(ui.readout(COMM["size_mb"])).to_have_text(f"{10**2.8:.3g}")
+    step("size_by_keyboard", size_mb=10**2.8)
+
+    # the number of ranks, by keyboard: open the list (Alt+ArrowDown), two options down, Enter
+    ranks = mirror.controls["world_size"]
+    ui.choose_by_keyboard(COMM["world_size"], "ArrowDown", "ArrowDown")
+    step("ranks_by_keyboard", world_size=ranks.options[ranks.index + 2])
+
+    # a fixed link preset, by mouse: InfiniBand between nodes
+    assert mirror.controls["link"].value != "InfiniBand NDR 400G"
+    ui.select_by_mouse(COMM["link"], "InfiniBand NDR 400G")
+    step("link_by_mouse", link="InfiniBand NDR 400G")
+
+    # the link fitted in the notebook, by keyboard (offered only when the notebook's fit succeeded)
+    # (ipywidgets writes option labels with non-breaking spaces)
+    options = [o.replace("\xa0", " ") for o in ui.input(COMM["link"]).locator("option").all_inner_texts()]
+    assert options[:-1] == list(mirror.links) or options == list(mirror.links), options
+    if options[-1] == FITTED:
+        down = options.index(FITTED) - options.index("InfiniBand NDR 400G")
+        ui.choose_by_keyboard(COMM["link"], *["ArrowDown"] * down)
+        _expect_collective_cost_fitted(ui, mirror, shown, "fitted_link_by_keyboard")
+
+    # back to a vendor link, by mouse: exact text again
+    ui.select_by_mouse(COMM["link"], "NVLink 3 (A100)")
+    step("link_back_by_mouse", link="NVLink 3 (A100)")
