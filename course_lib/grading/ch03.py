@@ -1,0 +1,317 @@
+"""Chapter 03 — ZeRO and FSDP, checked on real ranks.
+
+1. ``shard_range(numel, world_size, rank)``: the owner rule with padding. A unit of ``numel`` elements is padded to
+   a multiple of N; rank r owns the contiguous range [r S, (r+1) S), S = padded / N
+   (``course_lib.parallel.zero.FlatLayout``).
+2. ``zero1_sgd_step(param, grad, state, lr, momentum)``: one ZeRO-1 step of SGD with momentum on one rank. Every
+   rank holds the full flat ``param`` (its numel a multiple of N) and its own local ``grad``; the step must
+   average the gradients over ranks, update only this rank's shard, keep only this shard's momentum in
+   ``state["momentum_buffer"]``, and all-gather so that every rank ends with the full updated ``param``.
+   Checked against single-process SGD (``torch.optim.SGD`` semantics: the first step's buffer is the gradient)
+   over several steps, and on the wire: a reduce-scatter plus an all-gather, 2 (N-1)/N x V bytes per step.
+3. ``gather_unit(shard, numel, shapes)``: rebuild an FSDP unit's parameters from each rank's shard of the
+   padded flat buffer: one all-gather into one buffer, and the parameters as *views* of it (so that one
+   storage resize frees the whole unit), (N-1)/N x V bytes.
+
+On the ranks every collective call is counted (``torch.distributed.ProcessGroup`` methods, which ``dist.*``,
+``course_lib.comm`` and point-to-point messages all end in), with the bytes a rank sends under the ring algorithm
+(chapter 01), exactly: the buffers here are multiples of N. All-reduce, broadcast and the other collectives are
+refused with a message: ZeRO moves gradients with a reduce-scatter and parameters with an all-gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
+from course_lib.launch import RankError, RankTimeout, launch
+from course_lib.parallel.zero import FlatLayout
+
+GRADER_PARAMETERS = {"seed": 1, "world_size": 2}
+LAUNCH_TIMEOUT_S = 30.0
+"""A launched check stops the ranks after this long (below the grader's 60 s per check)."""
+
+_ALLOWED = {  # ProcessGroup method -> the torch.distributed call that ends in it
+    "all_gather_single": "dist.all_gather_into_tensor", "_allgather_base": "dist.all_gather_into_tensor",
+    "allgather": "dist.all_gather", "reduce_scatter_single": "dist.reduce_scatter_tensor",
+    "_reduce_scatter_base": "dist.reduce_scatter_tensor", "reduce_scatter": "dist.reduce_scatter",
+    "send": "dist.send", "recv": "dist.recv", "barrier": "dist.barrier",
+}
+_REFUSED = {
+    "allreduce": "dist.all_reduce", "allreduce_coalesced": "dist.all_reduce_coalesced",
+    "broadcast": "dist.broadcast", "reduce": "dist.reduce", "gather": "dist.gather", "scatter": "dist.scatter",
+    "alltoall": "dist.all_to_all", "alltoall_base": "dist.all_to_all_single",
+    "all_to_all_single": "dist.all_to_all_single", "allgather_coalesced": "dist.all_gather_coalesced",
+    "allgather_into_tensor_coalesced": "dist.all_gather_into_tensor (coalesced)",
+    "reduce_scatter_tensor_coalesced": "dist.reduce_scatter_tensor (coalesced)",
+    "all_gather_single_coalesced": "dist.all_gather_into_tensor (coalesced)",
+    "reduce_scatter_single_coalesced": "dist.reduce_scatter_tensor (coalesced)",
+}
+
+
+class RefusedCollective(RuntimeError):  # noqa: N818 - reads as what happened
+    """Raised on a rank when the learner's function calls a collective ZeRO does not use here."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On the ranks
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def _counting(log: list[tuple[str, int]]) -> Iterator[None]:
+    """Record (torch.distributed call, bytes this rank sends on a ring) for every collective of this process;
+    make the refused ones raise."""
+    pg = dist.ProcessGroup
+    names = [n for n in (*_ALLOWED, *_REFUSED) if hasattr(pg, n)]
+    saved = {n: getattr(pg, n) for n in names}
+
+    def sent(name: str, n: int, args: tuple) -> int:
+        if name in ("all_gather_single", "_allgather_base"):
+            return (n - 1) * _nbytes(args[0]) // n  # output: V
+        if name in ("reduce_scatter_single", "_reduce_scatter_base"):
+            return (n - 1) * _nbytes(args[1]) // n  # input: V
+        if name == "allgather":
+            return (n - 1) * sum(_nbytes(t) for t in args[1])  # N-1 chunks of the input
+        if name == "reduce_scatter":
+            return (n - 1) * sum(_nbytes(t) for t in args[0])  # N-1 chunks the size of the output
+        if name == "send":
+            return sum(_nbytes(t) for t in args[0])
+        return 0
+
+    def allowed(name: str) -> Callable[..., Any]:
+        original = saved[name]
+
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            log.append((_ALLOWED[name], sent(name, self.size(), args)))
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    def refused(name: str) -> Callable[..., Any]:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise RefusedCollective(
+                f"it called {_REFUSED[name]}: ZeRO reduce-scatters gradients (dist.reduce_scatter_tensor) and "
+                "all-gathers parameters (dist.all_gather_into_tensor); an all-reduce would put the whole reduced "
+                "tensor on every rank, which is what ZeRO avoids")
+        return wrapper
+
+    for n in names:
+        setattr(pg, n, allowed(n) if n in _ALLOWED else refused(n))
+    try:
+        yield
+    finally:
+        for n, method in saved.items():
+            setattr(pg, n, method)
+
+
+def _param0(numel: int, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def _grad(numel: int, seed: int, step: int, rank: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * seed + 100 * step + rank + 1))
+
+
+def _zero1_on_rank(rank: int, world_size: int, fn: Callable[..., Any], numel: int, steps: int, lr: float,
+                   momentum: float, seed: int) -> dict[str, Any]:
+    param = _param0(numel, seed)
+    state: dict[str, Any] = {}
+    out: dict[str, Any] = {"params": [], "buffers": [], "comm": []}
+    for step in range(steps):
+        grad = _grad(numel, seed, step, rank)  # the function may modify it: the caller does not reuse it
+        log: list[tuple[str, int]] = []
+        with _counting(log):
+            fn(param, grad, state, lr, momentum)
+        buf = state.get("momentum_buffer")
+        out["params"].append(param.detach().clone())
+        out["buffers"].append(buf.detach().clone() if isinstance(buf, torch.Tensor) else buf)
+        out["comm"].append(log)
+    return out
+
+
+def _storage_facts(t: Any) -> dict[str, Any]:
+    if not isinstance(t, torch.Tensor):
+        return {"tensor": False}
+    st = t.untyped_storage()
+    return {"tensor": True, "storage": st.data_ptr(), "storage_bytes": st.nbytes(),
+            "offset_bytes": t.data_ptr() - st.data_ptr(), "value": t.detach().clone()}
+
+
+def _gather_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shapes: Sequence[tuple[int, ...]],
+                    seed: int) -> dict[str, Any]:
+    numel = sum(math.prod(s) for s in shapes)
+    padded = -(-numel // world_size) * world_size
+    s = padded // world_size
+    flat = torch.zeros(padded)
+    flat[:numel] = _param0(numel, seed)
+    shard = flat[rank * s:(rank + 1) * s].clone()
+    before = shard.clone()
+    log: list[tuple[str, int]] = []
+    with _counting(log):
+        got = fn(shard, numel, [tuple(x) for x in shapes])
+    facts = [_storage_facts(t) for t in got] if isinstance(got, list | tuple) else None
+    return {"type": type(got).__name__, "facts": facts, "comm": log, "shard_modified": not torch.equal(shard, before)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In the learner's process
+
+
+def _where(traceback_text: str) -> str:
+    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return ""
+    parts = [p.strip() for p in frames[-1].split(",")]
+    return f" (at {parts[-1].removeprefix('in ')}, {parts[1]})" if len(parts) >= 3 else ""
+
+
+def _launch(target: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[dict[str, Any]]:
+    """Run ``target`` on ``world_size`` ranks; a rank's exception or a hang becomes a readable failure."""
+    try:
+        return launch(target, world_size, *args, timeout=timeout)
+    except RankTimeout as err:
+        raise CheckFailed(f"ranks {err.ranks} of {world_size} did not finish within {timeout:g} s and were stopped: "
+                          "a collective that some ranks called and others did not, or with other sizes?") from None
+    except RankError as err:
+        message = str(err.original) if err.original is not None else str(err).split("\n")[0]
+        if err.exc_type == "NotImplementedError":
+            raise NotImplementedError(message) from None
+        if err.exc_type == "RefusedCollective":
+            raise CheckFailed(f"rank {err.rank}: {message}") from None
+        raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"
+                          f"{_where(err.remote_traceback)}") from None
+
+
+def _check_comm(log: list[tuple[str, int]], want: int, what: str, rank: int) -> None:
+    sent = sum(b for _, b in log)
+    if sent != want:
+        calls = ", ".join(f"{name} ({b:,} B)" for name, b in log) or "no collective at all"
+        raise CheckFailed(f"rank {rank} sent {sent:,} bytes in {what}; {want:,} expected. It called: {calls}")
+
+
+def check_shard_range(fn: Callable[[int, int, int], tuple[int, int]],
+                      cases: tuple[tuple[int, int], ...] = ((10, 4), (8, 4), (1, 3))) -> CheckResult:
+    """For every (numel, world_size) case and every rank: ``fn(numel, world_size, rank)`` must be the pair of
+    ints ``FlatLayout.build([...], [(numel,)], world_size).bounds(rank)``."""
+    def body() -> str:
+        count = 0
+        for numel, n in cases:
+            lay = FlatLayout.build(["x"], [(numel,)], n)
+            for r in range(n):
+                got = fn(numel, n, r)
+                what = (f"shard_range(numel={numel}, world_size={n}, rank={r}) (padded to {lay.padded_numel}, "
+                        f"S = {lay.shard_numel})")
+                if not isinstance(got, tuple) or len(got) != 2 or not all(
+                        isinstance(v, int) and not isinstance(v, bool) for v in got):
+                    raise CheckFailed(f"{what} must return a tuple of two ints (start, end), got {got!r}")
+                expect_equal(got, lay.bounds(r), what)
+                count += 1
+        return f"{count} (case, rank) pairs correct"
+    return run_check("shard_range", body)
+
+
+def check_zero1_sgd_step(fn: Callable[..., None], world_size: int = 4, numel: int = 16, steps: int = 2,
+                         lr: float = 0.1, momentum: float = 0.9, seed: int = 0,
+                         timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """After each of ``steps`` calls every rank's ``param`` must equal single-process SGD with momentum on the
+    gradient averaged over ranks; ``state["momentum_buffer"]`` must be this rank's shard of the momentum
+    (numel / N elements); each call sends 2 (N-1)/N x 4 numel bytes (reduce-scatter + all-gather)."""
+    def body() -> str:
+        n = world_size
+        if numel % n:
+            raise ValueError(f"the check needs numel ({numel}) divisible by world_size ({n})")
+        s = numel // n
+        results = _launch(_zero1_on_rank, n, fn, numel, steps, lr, momentum, seed, timeout=timeout)
+        ref, buf = _param0(numel, seed), None
+        for step in range(steps):
+            g = sum(_grad(numel, seed, step, r) for r in range(n)) / n
+            buf = g.clone() if buf is None else momentum * buf + g
+            ref = ref - lr * buf
+            for r, res in enumerate(results):
+                expect_close(res["params"][step], ref, f"rank {r}'s param after step {step + 1} ({n} ranks, numel "
+                             f"{numel}; SGD lr={lr}, momentum={momentum} on the gradient averaged over ranks)")
+                mine = res["buffers"][step]
+                if not isinstance(mine, torch.Tensor):
+                    raise CheckFailed(f"rank {r}: state['momentum_buffer'] after step {step + 1} should be a tensor "
+                                      f"(this rank's shard of the momentum), got {type(mine).__name__}")
+                if mine.shape != (s,):
+                    raise CheckFailed(f"rank {r}: state['momentum_buffer'] has shape {tuple(mine.shape)}; ZeRO-1 "
+                                      f"keeps only this rank's shard of the optimizer state: shape ({s},) "
+                                      f"(numel {numel} / {n} ranks)")
+                expect_close(mine, buf[r * s:(r + 1) * s], f"rank {r}'s momentum shard after step {step + 1} "
+                             f"(elements [{r * s}, {(r + 1) * s}) of the momentum)")
+                _check_comm(res["comm"][step], 2 * (n - 1) * 4 * numel // n,
+                            f"step {step + 1} (a reduce-scatter and an all-gather of {4 * numel:,} bytes each "
+                            f"send 2 x (N-1)/N x V)", r)
+        return (f"{n} ranks, numel {numel}, {steps} steps: every rank's param and momentum shard right; "
+                f"{2 * (n - 1) * 4 * numel // n:,} bytes sent per rank and step")
+    return run_check("zero1_sgd_step", body)
+
+
+def check_gather_unit(fn: Callable[..., list[torch.Tensor]], world_size: int = 4,
+                      shapes: tuple[tuple[int, ...], ...] = ((3, 5), (7,), (2, 2)), seed: int = 0,
+                      timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Every rank must return the unit's parameters (shapes ``shapes``, in order, float32) exactly, as views of
+    one buffer holding the whole padded unit (parameter i at its offset), leave its shard unchanged, and send
+    (N-1)/N x 4 padded bytes (one all-gather)."""
+    def body() -> str:
+        n = world_size
+        lay = FlatLayout.build([f"p{i}" for i in range(len(shapes))], shapes, n)
+        flat = torch.zeros(lay.padded_numel)
+        flat[:lay.numel] = _param0(lay.numel, seed)
+        expected = lay.views(flat)
+        results = _launch(_gather_on_rank, n, fn, [tuple(s) for s in shapes], seed, timeout=timeout)
+        for r, res in enumerate(results):
+            facts = res["facts"]
+            if facts is None or len(facts) != len(shapes):
+                raise CheckFailed(f"rank {r}: gather_unit must return a list of {len(shapes)} tensors (one per shape "
+                                  f"{list(shapes)}), got {res['type']}" + (f" of {len(facts)}" if facts else ""))
+            for i, (f, e) in enumerate(zip(facts, expected, strict=True)):
+                if not f["tensor"]:
+                    raise CheckFailed(f"rank {r}: element {i} of the result is not a tensor")
+                expect_close(f["value"], e, f"rank {r}'s parameter {i} (shape {tuple(e.shape)}, at offset "
+                             f"{lay.offsets[i]} of the unit; {n} ranks, {lay.numel} elements padded to "
+                             f"{lay.padded_numel})", rtol=0.0, atol=0.0)
+            storages = {f["storage"] for f in facts}
+            if len(storages) != 1:
+                raise CheckFailed(f"rank {r}: the {len(shapes)} parameters live in {len(storages)} different storages;"
+                                  " they must be views of the one gathered buffer (no copies: a copy doubles the "
+                                  "unit's memory at the peak, and one resize of the buffer must free them all)")
+            if facts[0]["storage_bytes"] != 4 * lay.padded_numel:
+                raise CheckFailed(f"rank {r}: the parameters are views of a buffer of {facts[0]['storage_bytes']:,} "
+                                  f"bytes; the gathered unit is {lay.padded_numel} float32 = "
+                                  f"{4 * lay.padded_numel:,} bytes")
+            for i, f in enumerate(facts):
+                if f["offset_bytes"] != 4 * lay.offsets[i]:
+                    raise CheckFailed(f"rank {r}: parameter {i} starts {f['offset_bytes']} bytes into the buffer; "
+                                      f"expected {4 * lay.offsets[i]} (element {lay.offsets[i]})")
+            if res["shard_modified"]:
+                raise CheckFailed(f"rank {r}: the function modified its input shard; leave it as it was")
+            _check_comm(res["comm"], (n - 1) * 4 * lay.padded_numel // n,
+                        f"gathering the unit (one all-gather of {4 * lay.padded_numel:,} bytes sends (N-1)/N x V)", r)
+        return (f"{n} ranks, shapes {list(shapes)} ({lay.numel} elements padded to {lay.padded_numel}): views of one "
+                f"buffer, exact; {(n - 1) * 4 * lay.padded_numel // n:,} bytes sent per rank")
+    return run_check("gather_unit", body)
+
+
+EXERCISES = [
+    Exercise("shard_range", "Owner rule with padding", 2, "shard_range", check_shard_range,
+             hidden=[{"cases": ((1, 1), (7, 2), (9, 3), (2, 8), (1000, 7), (43791, 4), (6_738_415_616, 64))}]),
+    Exercise("zero1_sgd_step", "A ZeRO-1 optimizer step on real ranks", 4, "zero1_sgd_step", check_zero1_sgd_step,
+             hidden=[{"world_size": 2, "numel": 10, "steps": 3, "seed": 1},
+                     {"world_size": 3, "numel": 9, "steps": 2, "lr": 0.05, "momentum": 0.5, "seed": 2},
+                     {"world_size": 4, "numel": 1000, "steps": 2, "seed": 3}]),
+    Exercise("gather_unit", "Gather an FSDP unit as views of one buffer", 3, "gather_unit", check_gather_unit,
+             hidden=[{"world_size": 2, "shapes": ((5,), (2, 3)), "seed": 1},
+                     {"world_size": 3, "shapes": ((4, 4), (1,), (3,)), "seed": 2},
+                     {"world_size": 4, "shapes": ((33, 33), (65,)), "seed": 3}]),
+]
