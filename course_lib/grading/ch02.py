@@ -1,0 +1,326 @@
+"""Chapter 02 — data parallelism.
+
+1. ``assign_buckets(sizes, cap)``: DDP's bucket assignment. ``sizes``: gradient bytes of each parameter in
+   *definition* order; buckets are filled in *reverse* order (backward produces the last layers' gradients
+   first), a bucket closes as soon as it holds at least ``cap`` bytes (so it may exceed the cap by its last
+   tensor; ``cap = 0`` gives one bucket per tensor). Returns lists of indices into ``sizes``. Checked against
+   ``course_lib.parallel.dp.assign_buckets``.
+2. ``average_gradients(model, group=None)``: after a local backward, all-reduce every ``.grad`` over ``group``
+   and divide by its size (parameters without a gradient are skipped). Checked on real ranks (2 and 4, inside
+   sub-groups, with a frozen parameter) against the gradient of one process on the group's rows.
+3. ``accumulation_step(model, optimizer, micro)``: one optimizer step of a ``dp.DataParallel`` model over the
+   micro-batches ``micro`` — all but the last under ``no_sync()``, each loss divided by their number,
+   ``finish_gradient_sync()``, ``optimizer.step()`` — returning this rank's mean loss. Checked on real ranks
+   against ``train_baseline`` (SGD, which exposes a missing 1/m), and its all-reduces counted: one per bucket,
+   on the last micro-batch only.
+4. ``dp_bytes_per_step(n_params, bytes_per_grad, n, accumulation)``: bytes one rank sends per optimizer step in
+   the ring all-reduce of the gradients, 2 (N-1)/N x V, whatever the number of micro-batches.
+
+Launched checks run the learner's function (shipped by cloudpickle, as a notebook cell's) on ``world_size`` gloo
+ranks through ``course_lib.launch`` with a time limit, so a hang fails the check with where each rank waited.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib import comm
+from course_lib.data import global_batch, micro_batches, shard
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_number, run_check
+from course_lib.launch import RankError, RankTimeout, launch
+from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.parallel import dp
+from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
+
+GRADER_PARAMETERS = {"seed": 1}
+LAUNCH_TIMEOUT_S = 40.0
+"""A launched check stops the ranks after this long (below the grader's 60 s per check)."""
+CFG = GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, bias=False)
+"""The model of the launched checks: 15 gradient tensors, 117 kB; bias-free (see ``course_lib.parallel.dp``)."""
+BUCKET_MB = 0.02
+"""~20 kB buckets: the checks' model makes 3 of them."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launching the learner's function
+
+
+def _waiting_in(stack: str) -> str:
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
+    if not frames:
+        return ""
+    inner = frames[0][2]
+    mine = next(((f, ln, fn) for f, ln, fn in frames
+                 if "/torch/" not in f and not f.endswith(("course_lib/grading/ch02.py", "course_lib/comm.py",
+                                                            "course_lib/parallel/dp.py"))), None)
+    return f"in {inner}" + (f", called from {mine[2]} line {mine[1]}" if mine and mine[2] != inner else "")
+
+
+def _where(traceback_text: str) -> str:
+    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return ""
+    parts = [p.strip() for p in frames[-1].split(",")]
+    return f" (at {parts[-1].removeprefix('in ')}, {parts[1]})" if len(parts) >= 3 else ""
+
+
+def _launch(target: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:
+    """Run ``target`` on ``world_size`` ranks; a rank's exception or a hang becomes a readable failure."""
+    try:
+        return launch(target, world_size, *args, timeout=timeout)
+    except RankTimeout as err:
+        r = err.ranks[0]
+        where = _waiting_in(err.stacks.get(r, ""))
+        where = f"; rank {r} was waiting {where}" if where else ""
+        raise CheckFailed(f"ranks {err.ranks} of {world_size} did not finish within {timeout:g} s and were stopped "
+                          "(a collective that not every rank of the group calls, or calls in another order?)"
+                          f"{where}") from None
+    except RankError as err:
+        message = str(err.original) if err.original is not None else str(err).split("\n")[0]
+        if err.exc_type == "NotImplementedError":
+            raise NotImplementedError(message) from None
+        raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"
+                          f"{_where(err.remote_traceback)}") from None
+
+
+def _group_of(rank: int, world_size: int, groups: int) -> tuple[Any, list[int]]:
+    """Split the ranks into ``groups`` consecutive DP groups (every rank creates every group, in order)."""
+    size = world_size // groups
+    mine, members = None, []
+    for g in range(groups):
+        ranks = list(range(g * size, (g + 1) * size))
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            mine, members = pg, ranks
+    return mine, members
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. assign_buckets
+
+
+def reference_buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:
+    """The answer, from ``dp.assign_buckets`` (which takes tensors already in reverse order)."""
+    tensors = [torch.empty(s, dtype=torch.uint8, device="meta") for s in reversed(sizes)]
+    n = len(sizes)
+    return [[n - 1 - i for i in bucket] for bucket in dp.assign_buckets(tensors, cap)]
+
+
+def _describe_buckets(buckets: list[list[int]], sizes: Sequence[int]) -> str:
+    return ", ".join(f"{b} ({sum(sizes[i] for i in b)} B)" for b in buckets[:4]) + (" ..." if len(buckets) > 4 else "")
+
+
+DEFAULT_BUCKET_CASES: tuple[tuple[tuple[int, ...], int], ...] = (
+    ((400, 100, 300, 200, 500, 100), 500),
+    ((4, 4, 4, 4), 0),
+)
+
+
+def check_assign_buckets(fn: Callable[[list[int], int], list[list[int]]],
+                         cases: tuple[tuple[tuple[int, ...], int], ...] = DEFAULT_BUCKET_CASES) -> CheckResult:
+    """``fn(sizes, cap)`` must return ``reference_buckets(sizes, cap)`` exactly: a list of lists of ints."""
+    def body() -> str:
+        for sizes, cap in cases:
+            what = f"assign_buckets({list(sizes)}, cap={cap})"
+            got = fn(list(sizes), cap)
+            expected = reference_buckets(sizes, cap)
+            if not isinstance(got, list) or not all(isinstance(b, list) and all(isinstance(i, int) for i in b)
+                                                    for b in got):
+                raise CheckFailed(f"{what} must return a list of lists of ints (parameter indices), got {got!r}")
+            if got != expected:
+                k = next((k for k, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
+                         min(len(got), len(expected)))
+                g = got[k] if k < len(got) else "(none)"
+                e = expected[k] if k < len(expected) else "(none)"
+                raise CheckFailed(f"{what}: first difference at bucket {k}: expected {e}, got {g}. Expected "
+                                  f"{len(expected)} buckets {_describe_buckets(expected, sizes)}; got {len(got)}: "
+                                  f"{_describe_buckets(got, sizes) if got else '[]'}")
+        return f"{len(cases)} cases exact"
+    return run_check("assign_buckets", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. average_gradients
+
+
+def _average_on_rank(rank: int, world_size: int, fn: Callable[..., Any], batch: int, seed: int, groups: int,
+                     freeze: tuple[str, ...]) -> dict[str, Any]:
+    model = GPT(CFG, seed=seed)
+    for name in freeze:
+        model.get_parameter(name).requires_grad_(False)
+    x, y = global_batch(seed, batch, CFG.seq_len, seed)
+    lm_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    if groups > 1:
+        group, _ = _group_of(rank, world_size, groups)
+        fn(model, group=group)
+    else:
+        fn(model)
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _single_process_grads(batch: int, seed: int, part: int, parts: int,
+                          freeze: tuple[str, ...]) -> dict[str, torch.Tensor | None]:
+    """Gradient of the mean loss over rows ``part`` of ``parts`` (a group's rows: its ranks' shards, together)."""
+    model = GPT(CFG, seed=seed)
+    for name in freeze:
+        model.get_parameter(name).requires_grad_(False)
+    x, y = global_batch(seed, batch, CFG.seq_len, seed)
+    lm_loss(model(shard(x, part, parts)), shard(y, part, parts)).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def check_average_gradients(fn: Callable[..., None], world_size: int = 4, batch: int = 8, seed: int = 0,
+                            groups: int = 1, freeze: tuple[str, ...] = (),
+                            timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """On each rank: a local backward on its shard of the global batch, then ``fn(model)`` (``fn(model,
+    group=g)`` with ``groups`` > 1: consecutive groups of world_size / groups ranks). Every rank's ``.grad``
+    must then be the single-process gradient of the mean loss over its group's rows (rtol 1e-4), identical on
+    the ranks of a group; frozen parameters keep ``.grad = None``."""
+    def body() -> str:
+        results = _launch(_average_on_rank, world_size, fn, batch, seed, groups, tuple(freeze), timeout=timeout)
+        size = world_size // groups
+        where = f"{world_size} ranks" + (f", {groups} groups of {size} (group=...)" if groups > 1 else "")
+        for rank, grads in enumerate(results):
+            g = rank // size
+            expected = _single_process_grads(batch, seed, g, groups, tuple(freeze))
+            for name, want in expected.items():
+                got = grads[name]
+                if want is None:
+                    if got is not None:
+                        raise CheckFailed(f"rank {rank}: {name} is frozen (requires_grad=False, .grad None) but has a "
+                                          "gradient after average_gradients: skip parameters whose .grad is None")
+                    continue
+                if got is None:
+                    raise CheckFailed(f"rank {rank}: {name}.grad is None after average_gradients")
+                expect_close(got, want, f"rank {rank} ({where}): {name}.grad vs one process on the "
+                             f"{batch // groups} rows of its group", rtol=1e-4, atol=1e-7)
+            first = results[g * size]
+            for name, got in grads.items():
+                if got is not None and not torch.equal(got, first[name]):
+                    raise CheckFailed(f"rank {rank} and rank {g * size} hold different {name}.grad: every replica "
+                                      "must end with the same averaged gradient")
+        return f"{where}: every gradient is the group's average"
+    return run_check("average_gradients", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. accumulation_step
+
+
+def _accumulate_on_rank(rank: int, world_size: int, fn: Callable[..., Any], tc: TrainConfig,
+                        accumulation: int) -> dict[str, Any]:
+    model = GPT(CFG, seed=tc.seed)
+    wrapped = dp.DataParallel(model, mode="overlapped", bucket_mb=BUCKET_MB)
+    opt = make_optimizer(list(model.parameters()), tc)
+    losses, calls = [], []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, CFG.seq_len, tc.seed)
+        micro = micro_batches(shard(x, rank, world_size), shard(y, rank, world_size), accumulation)
+        with comm.recording() as log:
+            loss = fn(wrapped, opt, micro)
+        calls.append([log.count("all_reduce"), len(log.records)])
+        losses.append(loss)
+    return {"losses": losses, "calls": calls, "params": full_params(model), "buckets": len(wrapped.buckets)}
+
+
+def check_accumulation_step(fn: Callable[..., Any], world_size: int = 2, accumulation: int = 2, seed: int = 0,
+                            steps: int = 2, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """``steps`` optimizer steps, each a call ``fn(model, optimizer, micro)`` with a ``dp.DataParallel``
+    (overlapped, 0.02 MiB buckets) model, SGD (lr 1e-2, momentum) and this rank's ``accumulation`` micro-batches
+    of the global batch of 8. The losses (mean over ranks of the returned values) and the final parameters must
+    match ``train_baseline`` (rtol 1e-5), every replica must be identical, and each step must issue exactly one
+    all-reduce per bucket."""
+    def body() -> str:
+        tc = TrainConfig(optimizer="sgd", steps=steps, global_batch=8, seed=seed)
+        try:
+            results = _launch(_accumulate_on_rank, world_size, fn, tc, accumulation, timeout=timeout)
+        except CheckFailed as err:
+            if "previous step's gradients were never averaged" in str(err):
+                raise CheckFailed(f"{err} [with several micro-batches: every micro-batch but the last must run under "
+                                  "`with model.no_sync():`; after the last backward, model.finish_gradient_sync()]"
+                                  ) from None
+            raise
+        rows = 8 // world_size // accumulation
+        where = f"{world_size} ranks, {accumulation} micro-batch{'es' if accumulation > 1 else ''} of {rows} " \
+                f"row{'s' if rows > 1 else ''}"
+        buckets = results[0]["buckets"]
+        for rank, res in enumerate(results):
+            for step, (calls, records) in enumerate(res["calls"]):
+                if calls != buckets:
+                    more = (" — an all-reduce for every micro-batch: the first ones must run under no_sync()"
+                            if calls > buckets else "")
+                    raise CheckFailed(f"rank {rank}, step {step} ({where}): {calls} all-reduces during the step, "
+                                      f"expected {buckets} (one per bucket, on the last micro-batch only){more}")
+                if records != calls:
+                    raise CheckFailed(f"rank {rank}, step {step}: {records - calls} communication calls besides the "
+                                      "gradient all-reduces (a step needs no other)")
+            for step, loss in enumerate(res["losses"]):
+                if isinstance(loss, bool) or not isinstance(loss, int | float):
+                    raise CheckFailed(f"rank {rank}, step {step}: return this rank's mean loss as a Python float "
+                                      f"(loss.item()), got {type(loss).__name__} ({loss!r})")
+        ref = train_baseline(CFG, tc)
+        mean_losses = [sum(r["losses"][s] for r in results) / world_size for s in range(steps)]
+        if not math.isclose(mean_losses[0], ref.losses[0], rel_tol=1e-5, abs_tol=1e-6):
+            raise CheckFailed(f"step 0 ({where}): the mean over ranks of the returned losses is {mean_losses[0]:.6g}, "
+                              f"one process gets {ref.losses[0]:.6g} (return this rank's mean loss over its "
+                              "micro-batches: the sum of the micro-batch losses divided by their number)")
+        report = compare(ref, TrainResult(ref.losses, results[0]["params"]))
+        if not report.ok:
+            raise CheckFailed(f"{where}: after {steps} SGD steps rank 0's parameters differ from one process trained "
+                              f"on the same global batches: {report.problems[0]} (max |diff| "
+                              f"{report.max_param_diff:.3g} on {report.worst_param}). The accumulated gradient must be "
+                              "that of the mean loss over all micro-batches: each loss divided by their number, "
+                              "gradients zeroed once per step")
+        for step, (got, want) in enumerate(zip(mean_losses, ref.losses, strict=True)):
+            if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6):
+                raise CheckFailed(f"step {step} ({where}): the mean over ranks of the returned losses is {got:.6g}, "
+                                  f"one process gets {want:.6g}")
+        for rank, res in enumerate(results[1:], start=1):
+            for name, value in res["params"].items():
+                if not torch.equal(value, results[0]["params"][name]):
+                    raise CheckFailed(f"rank {rank}'s {name} differs from rank 0's: the replicas drifted apart")
+        return f"{where}: same training as one process, {buckets} all-reduces per step"
+    return run_check("accumulation_step", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. dp_bytes_per_step
+
+
+DEFAULT_BYTES_CASES: tuple[tuple[int, int, int, int], ...] = ((6_738_415_616, 2, 8, 1), (1_000_000, 4, 4, 4))
+
+
+def check_dp_bytes_per_step(fn: Callable[[int, int, int, int], float],
+                            cases: tuple[tuple[int, int, int, int], ...] = DEFAULT_BYTES_CASES) -> CheckResult:
+    """``fn(n_params, bytes_per_grad, n, accumulation)`` must return 2 (n-1)/n x n_params x bytes_per_grad."""
+    def body() -> str:
+        for n_params, es, n, m in cases:
+            want = dp.allreduce_bytes_per_rank(n_params * es, n)
+            expect_number(fn(n_params, es, n, m), want, f"dp_bytes_per_step(n_params={n_params:,}, bytes_per_grad="
+                          f"{es}, n={n}, accumulation={m})")
+        return f"{len(cases)} cases correct"
+    return run_check("dp_bytes_per_step", body)
+
+
+EXERCISES = [
+    Exercise("assign_buckets", "DDP's bucket assignment", 3, "assign_buckets", check_assign_buckets,
+             hidden=[{"cases": (((10, 20, 30), 1000), ((), 25), ((5, 5, 5, 5, 5), 10), ((1, 2, 3, 4, 5, 6, 7), 6),
+                                ((8, 8, 8), 8), ((100,), 1))}]),
+    Exercise("average_gradients", "All-reduce and average the gradients", 3, "average_gradients",
+             check_average_gradients,
+             hidden=[{"world_size": 2, "seed": 1}, {"world_size": 4, "groups": 2, "seed": 2},
+                     {"world_size": 2, "freeze": ("pos_emb.weight",), "seed": 3}]),
+    Exercise("accumulation_step", "A gradient-accumulation step with no_sync", 4, "accumulation_step",
+             check_accumulation_step,
+             hidden=[{"world_size": 4, "accumulation": 2, "seed": 1}, {"world_size": 2, "accumulation": 4, "seed": 2},
+                     {"world_size": 2, "accumulation": 1, "seed": 3}]),
+    Exercise("dp_bytes_per_step", "Bytes per rank and optimizer step", 2, "dp_bytes_per_step",
+             check_dp_bytes_per_step,
+             hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}]),
+]

@@ -1,0 +1,231 @@
+"""Wrong answers for chapter 02 (data parallelism). The launched ones run on real ranks: this module is shipped to
+them by value (as a notebook cell's functions are), so the ranks need not import the tests package."""
+
+import contextlib
+import sys
+
+import cloudpickle
+import torch.distributed as dist
+
+from course_lib.model import lm_loss
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# assign_buckets
+
+
+def buckets_in_forward_order(sizes, cap):
+    """Fills the buckets from the first parameter: the first bucket would wait for the end of backward."""
+    buckets, current, total = [], [], 0
+    for i in range(len(sizes)):
+        current.append(i)
+        total += sizes[i]
+        if total >= cap:
+            buckets.append(current)
+            current, total = [], 0
+    return buckets + ([current] if current else [])
+
+
+def buckets_never_exceed_the_cap(sizes, cap):
+    """Closes a bucket *before* the tensor that would exceed the cap (not DDP's rule)."""
+    buckets, current, total = [], [], 0
+    for i in reversed(range(len(sizes))):
+        if current and total + sizes[i] > cap:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += sizes[i]
+    return buckets + ([current] if current else [])
+
+
+def buckets_close_only_above_the_cap(sizes, cap):
+    """Closes when the bucket holds more than cap bytes, not at least cap."""
+    buckets, current, total = [], [], 0
+    for i in reversed(range(len(sizes))):
+        current.append(i)
+        total += sizes[i]
+        if total > cap:
+            buckets.append(current)
+            current, total = [], 0
+    return buckets + ([current] if current else [])
+
+
+def buckets_drop_the_last_partial_one(sizes, cap):
+    """Forgets the last bucket when it is not full: its gradients would never be reduced."""
+    buckets, current, total = [], [], 0
+    for i in reversed(range(len(sizes))):
+        current.append(i)
+        total += sizes[i]
+        if total >= cap:
+            buckets.append(current)
+            current, total = [], 0
+    return buckets
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# average_gradients
+
+
+def average_forgets_to_divide(model, group=None):
+    """Sums the gradients: N times too large."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+def average_divides_by_the_global_world_size(model, group=None):
+    """Divides by all ranks, not by the ranks of the group: wrong as soon as the group is a sub-group."""
+    n = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= n
+
+
+def average_on_rank_zero_only(model, group=None):
+    """Reduces to rank 0 and divides there: the other replicas keep their local gradients."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.reduce(p.grad, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            p.grad /= n
+
+
+def average_a_copy(model, group=None):
+    """All-reduces a copy of each gradient and drops it: .grad is never changed."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.clone()
+            dist.all_reduce(g, group=group)
+            g /= n
+
+
+def average_ignores_frozen_parameters(model, group=None):
+    """All-reduces every parameter's .grad, even None (a frozen parameter)."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# accumulation_step
+
+
+def step_loss_not_divided_by_m(model, optimizer, micro):
+    """Gradients m times too large (the pipeline bug of the anchors; SGD shows it)."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, (x, y) in enumerate(micro):
+        with model.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+            loss = lm_loss(model(x), y)
+            loss.backward()
+        total += loss.item() / len(micro)
+    model.finish_gradient_sync()
+    optimizer.step()
+    return total
+
+
+def step_communicates_on_every_micro_batch(model, optimizer, micro):
+    """Averages after every micro-batch instead of using no_sync: the same gradients, m times the traffic."""
+    m = len(micro)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in micro:
+        loss = lm_loss(model(x), y) / m
+        loss.backward()
+        model.finish_gradient_sync()
+        total += loss.item()
+    optimizer.step()
+    return total
+
+
+def step_without_no_sync(model, optimizer, micro):
+    """Never enters no_sync: every micro-batch's forward arms a synchronising backward."""
+    m = len(micro)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in micro:
+        loss = lm_loss(model(x), y) / m
+        loss.backward()
+        total += loss.item()
+    model.finish_gradient_sync()
+    optimizer.step()
+    return total
+
+
+def step_zeroes_inside_the_loop(model, optimizer, micro):
+    """Zeroes the gradients before every micro-batch: only the last one counts."""
+    m = len(micro)
+    total = 0.0
+    for i, (x, y) in enumerate(micro):
+        optimizer.zero_grad(set_to_none=True)
+        with model.no_sync() if i < m - 1 else contextlib.nullcontext():
+            loss = lm_loss(model(x), y) / m
+            loss.backward()
+        total += loss.item()
+    model.finish_gradient_sync()
+    optimizer.step()
+    return total
+
+
+def step_forgets_finish_gradient_sync(model, optimizer, micro):
+    """Steps on the local gradients: the replicas drift apart."""
+    m = len(micro)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, (x, y) in enumerate(micro):
+        with model.no_sync() if i < m - 1 else contextlib.nullcontext():
+            loss = lm_loss(model(x), y) / m
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+
+
+def step_returns_the_loss_tensor(model, optimizer, micro):
+    """Right training, but returns a tensor (that keeps the graph alive) instead of a float."""
+    m = len(micro)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, (x, y) in enumerate(micro):
+        with model.no_sync() if i < m - 1 else contextlib.nullcontext():
+            loss = lm_loss(model(x), y) / m
+            loss.backward()
+        total = total + loss.detach()
+    model.finish_gradient_sync()
+    optimizer.step()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dp_bytes_per_step
+
+
+def bytes_one_phase(n_params, bytes_per_grad, n, accumulation):
+    """(n-1)/n V: a reduce-scatter only, not the all-gather that follows."""
+    return (n - 1) / n * n_params * bytes_per_grad
+
+
+def bytes_every_micro_batch(n_params, bytes_per_grad, n, accumulation):
+    """Counts an all-reduce per micro-batch, as if no_sync did not exist."""
+    return accumulation * 2 * (n - 1) / n * n_params * bytes_per_grad
+
+
+def bytes_2v(n_params, bytes_per_grad, n, accumulation):
+    """The large-N limit 2V for every N (wrong for small N, and for N = 1)."""
+    return 2 * n_params * bytes_per_grad
+
+
+WRONG = {
+    "assign_buckets": [buckets_in_forward_order, buckets_never_exceed_the_cap, buckets_close_only_above_the_cap,
+                       buckets_drop_the_last_partial_one],
+    "average_gradients": [average_forgets_to_divide, average_divides_by_the_global_world_size,
+                          average_on_rank_zero_only, average_a_copy, average_ignores_frozen_parameters],
+    "accumulation_step": [step_loss_not_divided_by_m, step_communicates_on_every_micro_batch, step_without_no_sync,
+                          step_zeroes_inside_the_loop, step_forgets_finish_gradient_sync, step_returns_the_loss_tensor],
+    "dp_bytes_per_step": [bytes_one_phase, bytes_every_micro_batch, bytes_2v],
+}
