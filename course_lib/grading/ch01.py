@@ -21,17 +21,16 @@ within rtol 1e-5, data movement exact), and the bytes with the ring's: a correct
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from course_lib.comm import chunk_numels, ring_bytes
+from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
-from course_lib.launch import RankError, RankTimeout, launch
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 30.0
@@ -55,37 +54,22 @@ class ForbiddenCollective(RuntimeError):  # noqa: N818 - reads as what happened
 # On the ranks
 
 
-@contextlib.contextmanager
-def _point_to_point_only(counts: dict[str, int]) -> Iterator[None]:
+def _point_to_point_only(counts: dict[str, int]) -> contextlib.AbstractContextManager[None]:
     """Count the bytes of every send and receive of this process; make every collective raise."""
-    pg = dist.ProcessGroup
-    saved = {name: getattr(pg, name) for name in ("send", "recv", *_TORCH_NAME) if hasattr(pg, name)}
+    def guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        if name not in ("send", "recv"):
+            return core.refusal(ForbiddenCollective,
+                           f"it called the collective dist.{_TORCH_NAME[name]}: this exercise builds the collective "
+                           "from point-to-point messages only (dist.isend / dist.irecv, dist.send / dist.recv, "
+                           "dist.batch_isend_irecv, or course_lib.comm's)")
+        key = "sent" if name == "send" else "recv"
 
-    def counting(name: str, key: str) -> Callable[..., Any]:
-        original = saved[name]
-
-        def wrapper(self: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        def counting(self: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             counts[key] += sum(t.numel() * t.element_size() for t in tensors)
             return original(self, tensors, *args, **kwargs)
-        return wrapper
+        return counting
 
-    def forbidden(name: str) -> Callable[..., Any]:
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            raise ForbiddenCollective(
-                f"it called the collective dist.{_TORCH_NAME[name]}: this exercise builds the collective from "
-                "point-to-point messages only (dist.isend / dist.irecv, dist.send / dist.recv, "
-                "dist.batch_isend_irecv, or course_lib.comm's)")
-        return wrapper
-
-    pg.send, pg.recv = counting("send", "sent"), counting("recv", "recv")
-    for name in _TORCH_NAME:
-        if name in saved:
-            setattr(pg, name, forbidden(name))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(pg, name, method)
+    return core.patch_process_group(("send", "recv", *_TORCH_NAME), guard)
 
 
 def _generator(seed: int, rank: int) -> torch.Generator:
@@ -121,47 +105,12 @@ def _run_on_rank(rank: int, world_size: int, exercise: str, fn: Callable[..., An
 # In the learner's process
 
 
-def _where(traceback_text: str) -> str:
-    """'in fn, line 12' for the innermost frame of a rank's traceback."""
-    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
-    if not frames:
-        return ""
-    last = frames[-1]  # File "...", line 12, in fn
-    parts = [p.strip() for p in last.split(",")]
-    return f" (at {parts[-1].removeprefix('in ')}, {parts[1]})" if len(parts) >= 3 else ""
-
-
-def _waiting_in(stack: str) -> str:
-    """'in recv, called from my_fn line 9' from a faulthandler stack (most recent call first)."""
-    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
-    if not frames:
-        return ""
-    inner = frames[0][2]
-    mine = next(((f, ln, fn) for f, ln, fn in frames
-                 if "/torch/" not in f and not f.endswith(("course_lib/grading/ch01.py", "course_lib/comm.py"))), None)
-    return f"in {inner}" + (f", called from {mine[2]} line {mine[1]}" if mine and mine[2] != inner else "")
-
-
-def _launch(exercise: str, fn: Callable[..., Any], world_size: int, size: Any, seed: int,
-            timeout: float) -> list[dict[str, Any]]:
-    """Run ``fn`` on ``world_size`` ranks; turn a rank's exception or a hang into a readable failure."""
-    try:
-        return launch(_run_on_rank, world_size, exercise, fn, size, seed, timeout=timeout)
-    except RankTimeout as err:
-        r = err.ranks[0]
-        where = _waiting_in(err.stacks.get(r, ""))
-        where = f"; rank {r} was waiting {where}" if where else ""
-        raise CheckFailed(f"ranks {err.ranks} of {world_size} did not finish within {timeout:g} s and were stopped "
-                          "(a receive whose send never comes, a wait() on the wrong request, or ranks posting "
-                          f"blocking sends to each other?){where}") from None
-    except RankError as err:
-        message = str(err.original) if err.original is not None else str(err).split("\n")[0]
-        if err.exc_type == "NotImplementedError":
-            raise NotImplementedError(message) from None
-        if err.exc_type == "ForbiddenCollective":
-            raise CheckFailed(f"rank {err.rank}: {message}") from None
-        raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"
-                          f"{_where(err.remote_traceback)}") from None
+_launch = functools.partial(
+    core.launch_check, hang_hint=" (a receive whose send never comes, a wait() on the wrong request, or ranks posting "
+    "blocking sends to each other?)", course_files=("course_lib/grading/ch01.py", "course_lib/comm.py"),
+    guard_errors=("ForbiddenCollective",))
+"""``launch_check(_run_on_rank, world_size, exercise, fn, size, seed, timeout=...)`` with this chapter's hang hint;
+a ``ForbiddenCollective`` is reported with its own message."""
 
 
 def _check_bytes(results: list[dict[str, Any]], op: str, numel: int, what: str) -> list[int]:
@@ -194,7 +143,7 @@ def check_ring_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor], world_
         sizes = chunk_numels(numel, n)
         total = sum(_inputs("reduce_scatter", r, n, shape, seed)[0] for r in range(n)).reshape(-1)
         expected = total.split(sizes)
-        results = _launch("reduce_scatter", fn, n, shape, seed, timeout)
+        results = _launch(_run_on_rank, n, "reduce_scatter", fn, shape, seed, timeout=timeout)
         for r, res in enumerate(results):
             expect_close(res["got"], expected[r], f"rank {r}'s chunk ({n} ranks, input shape {shape}, chunk sizes "
                          f"{sizes}; chunk {r} of the sum, flattened)", rtol=1e-5, atol=1e-5)
@@ -212,7 +161,7 @@ def check_ring_all_gather(fn: Callable[[torch.Tensor, int], torch.Tensor], world
         n = world_size
         sizes = chunk_numels(numel, n)
         expected = torch.cat([_inputs("all_gather", r, n, numel, seed)[0] for r in range(n)])
-        results = _launch("all_gather", fn, n, numel, seed, timeout)
+        results = _launch(_run_on_rank, n, "all_gather", fn, numel, seed, timeout=timeout)
         for r, res in enumerate(results):
             expect_close(res["got"], expected, f"rank {r}'s gathered tensor ({n} ranks, numel {numel}, chunk sizes "
                          f"{sizes})", rtol=0.0, atol=0.0)
@@ -230,7 +179,7 @@ def check_pairwise_all_to_all(fn: Callable[[list[torch.Tensor]], list[torch.Tens
     def body() -> str:
         n = world_size
         inputs = [_inputs("all_to_all", r, n, block, seed)[0] for r in range(n)]
-        results = _launch("all_to_all", fn, n, block, seed, timeout)
+        results = _launch(_run_on_rank, n, "all_to_all", fn, block, seed, timeout=timeout)
         for r, res in enumerate(results):
             got = res["got"]
             if not isinstance(got, list | tuple) or len(got) != n:

@@ -22,8 +22,8 @@ ranks through ``course_lib.launch`` with a time limit, so a hang fails the check
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
+from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_number, run_check
-from course_lib.launch import RankError, RankTimeout, launch
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel import dp
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
@@ -51,42 +51,10 @@ BUCKET_MB = 0.02
 # Launching the learner's function
 
 
-def _waiting_in(stack: str) -> str:
-    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
-    if not frames:
-        return ""
-    inner = frames[0][2]
-    mine = next(((f, ln, fn) for f, ln, fn in frames
-                 if "/torch/" not in f and not f.endswith(("course_lib/grading/ch02.py", "course_lib/comm.py",
-                                                            "course_lib/parallel/dp.py"))), None)
-    return f"in {inner}" + (f", called from {mine[2]} line {mine[1]}" if mine and mine[2] != inner else "")
-
-
-def _where(traceback_text: str) -> str:
-    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
-    if not frames:
-        return ""
-    parts = [p.strip() for p in frames[-1].split(",")]
-    return f" (at {parts[-1].removeprefix('in ')}, {parts[1]})" if len(parts) >= 3 else ""
-
-
-def _launch(target: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:
-    """Run ``target`` on ``world_size`` ranks; a rank's exception or a hang becomes a readable failure."""
-    try:
-        return launch(target, world_size, *args, timeout=timeout)
-    except RankTimeout as err:
-        r = err.ranks[0]
-        where = _waiting_in(err.stacks.get(r, ""))
-        where = f"; rank {r} was waiting {where}" if where else ""
-        raise CheckFailed(f"ranks {err.ranks} of {world_size} did not finish within {timeout:g} s and were stopped "
-                          "(a collective that not every rank of the group calls, or calls in another order?)"
-                          f"{where}") from None
-    except RankError as err:
-        message = str(err.original) if err.original is not None else str(err).split("\n")[0]
-        if err.exc_type == "NotImplementedError":
-            raise NotImplementedError(message) from None
-        raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"
-                          f"{_where(err.remote_traceback)}") from None
+_launch = functools.partial(
+    core.launch_check, hang_hint=" (a collective that not every rank of the group calls, or calls in another order?)",
+    course_files=("course_lib/grading/ch02.py", "course_lib/comm.py", "course_lib/parallel/dp.py"))
+"""``launch_check(target, world_size, *args, timeout=...)`` with this chapter's hang hint."""
 
 
 def _group_of(rank: int, world_size: int, groups: int) -> tuple[Any, list[int]]:

@@ -22,15 +22,15 @@ refused with a message: ZeRO moves gradients with a reduce-scatter and parameter
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
-from course_lib.launch import RankError, RankTimeout, launch
 from course_lib.parallel.zero import FlatLayout
 
 GRADER_PARAMETERS = {"seed": 1, "world_size": 2}
@@ -67,14 +67,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@contextlib.contextmanager
-def _counting(log: list[tuple[str, int]]) -> Iterator[None]:
+def _counting(log: list[tuple[str, int]]) -> contextlib.AbstractContextManager[None]:
     """Record (torch.distributed call, bytes this rank sends on a ring) for every collective of this process;
     make the refused ones raise."""
-    pg = dist.ProcessGroup
-    names = [n for n in (*_ALLOWED, *_REFUSED) if hasattr(pg, n)]
-    saved = {n: getattr(pg, n) for n in names}
-
     def sent(name: str, n: int, args: tuple) -> int:
         if name in ("all_gather_single", "_allgather_base"):
             return (n - 1) * _nbytes(args[0]) // n  # output: V
@@ -88,29 +83,19 @@ def _counting(log: list[tuple[str, int]]) -> Iterator[None]:
             return sum(_nbytes(t) for t in args[0])
         return 0
 
-    def allowed(name: str) -> Callable[..., Any]:
-        original = saved[name]
+    def guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        if name not in _ALLOWED:
+            return core.refusal(RefusedCollective,
+                           f"it called {_REFUSED[name]}: ZeRO reduce-scatters gradients (dist.reduce_scatter_tensor) "
+                           "and all-gathers parameters (dist.all_gather_into_tensor); an all-reduce would put the "
+                           "whole reduced tensor on every rank, which is what ZeRO avoids")
 
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
             log.append((_ALLOWED[name], sent(name, self.size(), args)))
             return original(self, *args, **kwargs)
-        return wrapper
+        return counted
 
-    def refused(name: str) -> Callable[..., Any]:
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            raise RefusedCollective(
-                f"it called {_REFUSED[name]}: ZeRO reduce-scatters gradients (dist.reduce_scatter_tensor) and "
-                "all-gathers parameters (dist.all_gather_into_tensor); an all-reduce would put the whole reduced "
-                "tensor on every rank, which is what ZeRO avoids")
-        return wrapper
-
-    for n in names:
-        setattr(pg, n, allowed(n) if n in _ALLOWED else refused(n))
-    try:
-        yield
-    finally:
-        for n, method in saved.items():
-            setattr(pg, n, method)
+    return core.patch_process_group((*_ALLOWED, *_REFUSED), guard)
 
 
 def _param0(numel: int, seed: int) -> torch.Tensor:
@@ -166,29 +151,11 @@ def _gather_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shapes: 
 # In the learner's process
 
 
-def _where(traceback_text: str) -> str:
-    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
-    if not frames:
-        return ""
-    parts = [p.strip() for p in frames[-1].split(",")]
-    return f" (at {parts[-1].removeprefix('in ')}, {parts[1]})" if len(parts) >= 3 else ""
-
-
-def _launch(target: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[dict[str, Any]]:
-    """Run ``target`` on ``world_size`` ranks; a rank's exception or a hang becomes a readable failure."""
-    try:
-        return launch(target, world_size, *args, timeout=timeout)
-    except RankTimeout as err:
-        raise CheckFailed(f"ranks {err.ranks} of {world_size} did not finish within {timeout:g} s and were stopped: "
-                          "a collective that some ranks called and others did not, or with other sizes?") from None
-    except RankError as err:
-        message = str(err.original) if err.original is not None else str(err).split("\n")[0]
-        if err.exc_type == "NotImplementedError":
-            raise NotImplementedError(message) from None
-        if err.exc_type == "RefusedCollective":
-            raise CheckFailed(f"rank {err.rank}: {message}") from None
-        raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"
-                          f"{_where(err.remote_traceback)}") from None
+_launch = functools.partial(
+    core.launch_check, hang_hint=": a collective that some ranks called and others did not, or with other sizes?",
+    guard_errors=("RefusedCollective",))
+"""``launch_check(target, world_size, *args, timeout=...)`` with this chapter's hang hint; a ``RefusedCollective``
+is reported with its own message."""
 
 
 def _check_comm(log: list[tuple[str, int]], want: int, what: str, rank: int) -> None:

@@ -1,19 +1,26 @@
 """What every check is made of: a result with a reason, exercises with points, and precise comparisons.
 
 A check never just says "wrong": it names the first difference it found (which rank, which tensor, which index,
-expected vs got), so a learner can act on it.
+expected vs got), so a learner can act on it. ``launch_check`` does the same for a learner's function run on ranks:
+a rank's exception or a hang becomes a failure that says which rank, what it raised and where; on the ranks,
+``patch_process_group`` and ``refusal`` let a check count the learner's communication and refuse what the exercise
+must not use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from course_lib.launch import RankError, RankTimeout, launch
 
 
 @dataclass
@@ -105,3 +112,88 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks that run the learner's function on ranks
+
+
+@contextlib.contextmanager
+def patch_process_group(names: Iterable[str],
+                        wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """On a rank, for the duration: each ``torch.distributed.ProcessGroup`` method of ``names`` that this torch
+    has is replaced by ``wrap(name, original)`` (a wrapper that counts and calls ``original``, or a ``refusal``);
+    the originals are put back on exit. Every ``dist.*`` call, ``course_lib.comm``'s included, ends in them."""
+    pg = dist.ProcessGroup
+    saved = {name: getattr(pg, name) for name in names if hasattr(pg, name)}
+    for name, method in saved.items():
+        setattr(pg, name, wrap(name, method))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(pg, name, method)
+
+
+def refusal(error: type[Exception], message: str) -> Callable[..., Any]:
+    """A ``ProcessGroup`` method that raises ``error(message)`` however it is called (list the class name in
+    ``launch_check``'s ``guard_errors`` so that the learner reads ``message`` as it is)."""
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise error(message)
+    return refused
+
+
+def rank_location(traceback_text: str) -> str:
+    """' (at fn, line 12)' for the innermost frame of a rank's traceback; '' when it has none."""
+    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return ""
+    parts = [p.strip() for p in frames[-1].split(",")]  # File "...", line 12, in fn
+    return f" (at {parts[-1].removeprefix('in ')}, {parts[1]})" if len(parts) >= 3 else ""
+
+
+def waiting_location(stack: str, course_files: Sequence[str]) -> str:
+    """'in recv, called from my_fn line 9' from a faulthandler stack (most recent call first): the innermost call,
+    and the innermost frame outside torch and ``course_files`` (paths the course's own frames end with), which is
+    the learner's; '' when the stack has no frames."""
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
+    if not frames:
+        return ""
+    inner = frames[0][2]
+    mine = next(((f, ln, fn) for f, ln, fn in frames
+                 if "/torch/" not in f and not f.endswith(tuple(course_files))), None)
+    return f"in {inner}" + (f", called from {mine[2]} line {mine[1]}" if mine and mine[2] != inner else "")
+
+
+def launch_check(target: Callable[..., Any], world_size: int, *args: Any, timeout: float, hang_hint: str,
+                 course_files: Sequence[str] | None = None, guard_errors: Collection[str] = ()) -> list[Any]:
+    """``course_lib.launch.launch(target, world_size, *args, timeout=timeout)``: what each rank returned, in rank
+    order; a rank's exception or a hang becomes what a check reports.
+
+    * A hang (``RankTimeout``): ``CheckFailed`` "ranks [..] of N did not finish within T s and were stopped",
+      then ``hang_hint`` verbatim (the chapter's likely causes, with its leading punctuation), then, unless
+      ``course_files`` is None, where the first unfinished rank was waiting (``waiting_location``).
+    * ``NotImplementedError`` on a rank: re-raised here with its message (``run_check`` says "not implemented
+      yet").
+    * An exception whose class name is in ``guard_errors`` (the chapter's own guard, e.g. a refused collective,
+      whose message already explains): ``CheckFailed`` "rank r: <message>".
+    * Any other: ``CheckFailed`` "rank r of N raised <type>: <message> (at fn, line L)".
+    """
+    try:
+        return launch(target, world_size, *args, timeout=timeout)
+    except RankTimeout as err:
+        where = ""
+        if course_files is not None:
+            r = err.ranks[0]
+            where = waiting_location(err.stacks.get(r, ""), course_files)
+            where = f"; rank {r} was waiting {where}" if where else ""
+        raise CheckFailed(f"ranks {err.ranks} of {world_size} did not finish within {timeout:g} s and were stopped"
+                          f"{hang_hint}{where}") from None
+    except RankError as err:
+        message = str(err.original) if err.original is not None else str(err).split("\n")[0]
+        if err.exc_type == "NotImplementedError":
+            raise NotImplementedError(message) from None
+        if err.exc_type in guard_errors:
+            raise CheckFailed(f"rank {err.rank}: {message}") from None
+        raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"
+                          f"{rank_location(err.remote_traceback)}") from None
