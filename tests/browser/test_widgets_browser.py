@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 
 import pytest
 
@@ -27,7 +28,9 @@ from course_lib.viz.comm import CONTROL_DESCRIPTIONS as COMM
 from course_lib.viz.comm import FITTED, CollectiveCostWidget, collective_cost_widget, format_bytes
 from course_lib.viz.memory import CONTROL_DESCRIPTIONS as MEMORY
 from course_lib.viz.memory import MemoryBudgetWidget, memory_budget_widget
-from tests.browser.conftest import WidgetUI, mirror_from_notebook
+from course_lib.viz.schedule import CONTROL_DESCRIPTIONS as BUBBLE
+from course_lib.viz.schedule import BubbleWidget, bubble_widget
+from tests.browser.conftest import EXPECT_MS, WidgetUI, mirror_from_notebook
 
 
 def _expect_memory_budget(ui: WidgetUI, mirror: MemoryBudgetWidget, step: str) -> None:
@@ -215,3 +218,107 @@ def test_collective_cost_widget(lab):
     # back to a vendor link, by mouse: exact text again
     ui.select_by_mouse(COMM["link"], "NVLink 3 (A100)")
     step("link_back_by_mouse", link="NVLink 3 (A100)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 05_pipeline_parallel: the pipeline-bubble explorer
+
+
+def _squash(text: str) -> str:
+    """``text`` with every run of whitespace made one space (the page's inner text of a ``<pre>`` keeps the
+    mirror's alignment spaces; the error's ``<b>..<br><b>`` gives a newline)."""
+    return " ".join(text.split())
+
+
+def _expect_bubble(ui: WidgetUI, mirror: BubbleWidget, shown: list[bytes], step: str) -> None:
+    """The page shows ``mirror``'s text, exactly (whitespace aside), and its Gantt chart, byte for byte, which is
+    none shown before; or, for an invalid combination, the message and no chart. Then a screenshot."""
+    expect(ui.html(0), f"text after {step!r}").to_have_text(mirror.text, use_inner_text=True)
+    ui.lab.wait_kernel_idle()  # the chart is drawn after the text
+    assert _squash(ui.html(0).inner_text()) == _squash(mirror.text), step
+    if mirror.error is None:
+        assert mirror.image.value not in shown, f"{step}: the mirror's chart should change"
+        ui.expect_image(mirror.image.value, step=step)
+        shown.append(mirror.image.value)
+    else:
+        assert mirror.text.splitlines()[-1].startswith("invalid combination: "), mirror.text
+        expect(ui.html(0).locator("b", has_text="invalid combination")).to_be_visible()
+        deadline = time.monotonic() + EXPECT_MS / 1000
+        while ui.image_bytes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ui.image_bytes() == b"", f"{step}: an invalid combination should show no chart"
+    ui.screenshot(step)
+
+
+def test_bubble_widget(lab):
+    lab.open_notebook("05_pipeline_parallel.ipynb")
+    lab.run_all()
+    ui = lab.widget("course-bubble", name="bubble")
+
+    # the same widget, built here from the notebook's own call: the text and the chart to expect
+    mirror = mirror_from_notebook("05_pipeline_parallel.ipynb", bubble_widget)
+    start = mirror.values()
+    assert start["schedule"] == "1f1b" and start["p"] == 4 and start["m"] == 8 and start["v"] == 2, start
+    shown: list[bytes] = []
+    _expect_bubble(ui, mirror, shown, "initial")
+
+    def step(name: str, **change) -> None:
+        mirror.set(**change)
+        _expect_bubble(ui, mirror, shown, name)
+
+    def v_enabled(enabled: bool) -> None:
+        target = ui.control(BUBBLE["v"]).locator(".noUi-target")
+        if enabled:
+            expect(target, "v applies to interleaved 1F1B").not_to_have_attribute("disabled", re.compile(".*"))
+        else:
+            expect(target, "v is disabled outside interleaved 1F1B").to_have_attribute("disabled", re.compile(".*"))
+
+    v_enabled(False)
+
+    # the schedule, by mouse: GPipe (all forwards, then all backwards)
+    ui.select_by_mouse(BUBBLE["schedule"], "GPipe (AFAB)")
+    step("gpipe_by_mouse", schedule="gpipe")
+    v_enabled(False)
+
+    # p, by the slider's keys: 4 -> 2 (ArrowLeft twice; each press redraws)
+    ui.set_slider_by_keyboard(BUBBLE["p"], 2)
+    step("p_by_keyboard", p=2)
+
+    # the schedule, by mouse: 1F1B
+    ui.select_by_mouse(BUBBLE["schedule"], "1F1B")
+    step("1f1b_by_mouse", schedule="1f1b")
+
+    # m, by typing into the slider's readout: 8 -> 12
+    ui.type_into_readout(BUBBLE["m"], "12")
+    expect(ui.slider(BUBBLE["m"])).to_have_attribute("aria-valuenow", "12.0")
+    step("m_by_typing", m=12)
+
+    # the schedule, by mouse: interleaved 1F1B, where v applies
+    ui.select_by_mouse(BUBBLE["schedule"], "interleaved 1F1B")
+    step("interleaved_by_mouse", schedule="interleaved")
+    v_enabled(True)
+
+    # v, by the slider's keys: 2 -> 3
+    ui.set_slider_by_keyboard(BUBBLE["v"], 3)
+    step("v_by_keyboard", v=3)
+
+    # an invalid combination: interleaved needs m % p == 0; m = 13 on p = 2 shows the message, no chart
+    ui.type_into_readout(BUBBLE["m"], "13")
+    step("invalid_m_by_typing", m=13)
+    assert mirror.error is not None and "Try m = 12 or 14." in mirror.error, mirror.error
+
+    # recover, by the slider's keys: m 13 -> 14
+    ui.set_slider_by_keyboard(BUBBLE["m"], 14)
+    step("recover_m_by_keyboard", m=14)
+    assert mirror.error is None
+
+    # the last stage's cost, by the slider's keys: 1.0 -> 1.5 (5 steps of 0.1)
+    ui.press_slider(BUBBLE["imbalance"], "ArrowRight", 5)
+    expect(ui.slider(BUBBLE["imbalance"])).to_have_attribute("aria-valuenow", "1.5")
+    expect(ui.readout(BUBBLE["imbalance"])).to_have_text("1.5")
+    step("last_stage_cost_by_keyboard", imbalance=1.5)
+
+    # back to 1F1B, by mouse: v is disabled again and the last stage still costs x1.5
+    ui.select_by_mouse(BUBBLE["schedule"], "1F1B")
+    step("1f1b_again_by_mouse", schedule="1f1b")
+    v_enabled(False)
