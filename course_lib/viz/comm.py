@@ -24,7 +24,6 @@ the network); NCCL adds a fixed ~8 us per call (``baseLat``) that this model lea
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
 from course_lib.cost import LINK_BANDWIDTH, collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
     "CONTROL_DESCRIPTIONS",
@@ -370,12 +370,6 @@ def plot_collective_cost(op: str = "all_reduce", n: int = 8, links: Mapping[str,
     return fig
 
 
-def _png(fig: Figure, dpi: int = 80) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The widget
 
@@ -387,7 +381,7 @@ WORLD_SIZES = (2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SIZE_RANGE_MB = (1e-3, 1e5)  # 1 kB to 100 GB, decimal
 
 
-class CollectiveCostWidget(W.VBox):
+class CollectiveCostWidget(ControlPanel):
     """An ipywidgets container: controls (collective, size, ranks, link), the prediction, and the figure.
 
     From code: ``w.set(size_mb=1000, world_size=64)`` sets controls (one update) and returns ``w.text``;
@@ -399,7 +393,7 @@ class CollectiveCostWidget(W.VBox):
                  link: str = "NVLink 4 (H100)", fitted: tuple[float, float] | None = None,
                  measured: Sequence[Measurement] = (), note: str | None = None, draw: bool = True) -> None:
         super().__init__()
-        self._draw, self._busy = draw, False
+        self._draw = draw
         self.links: dict[str, Link] = dict(LINKS)
         if fitted is not None:
             self.links[FITTED] = Link(FITTED, float(fitted[0]), float(fitted[1]), note or "fitted to measurements")
@@ -427,31 +421,16 @@ class CollectiveCostWidget(W.VBox):
         self.children = [W.HBox([c["op"], c["world_size"], c["link"]], layout=W.Layout(flex_flow="row wrap")),
                          c["size_mb"], self.result, self.image]
         self.add_class("course-collective-cost")
-        for w in c.values():
-            w.observe(self._on_change, names="value")
+        self._watch()
         self.update()
 
     # ---- reading and writing from code
 
-    def values(self) -> dict[str, Any]:
-        return {k: w.value for k, w in self.controls.items()}
-
-    def set(self, **values: Any) -> str:
-        """Set controls by name (see ``CONTROL_DESCRIPTIONS``), update once, return :attr:`text`."""
-        unknown = set(values) - set(self.controls)
-        if unknown:
-            raise KeyError(f"unknown control(s) {sorted(unknown)}; choose from {list(self.controls)}")
+    def _prepare(self, values: dict[str, Any]) -> dict[str, Any]:
         lo, hi = SIZE_RANGE_MB
         if "size_mb" in values and not lo <= values["size_mb"] <= hi:  # the slider would clamp it silently
             raise ValueError(f"size_mb must be within [{lo:g}, {hi:g}] MB, got {values['size_mb']}")
-        self._busy = True
-        try:
-            for k, v in values.items():
-                self.controls[k].value = v
-        finally:
-            self._busy = False
-        self.update()
-        return self.text
+        return values
 
     @property
     def text(self) -> str:
@@ -470,10 +449,6 @@ class CollectiveCostWidget(W.VBox):
 
     # ---- computing
 
-    def _on_change(self, change: dict) -> None:
-        if not self._busy:
-            self.update()
-
     def update(self) -> None:
         """Recompute the prediction from the controls and redraw."""
         v = self.values()
@@ -491,7 +466,7 @@ class CollectiveCostWidget(W.VBox):
         self.result.value = (f"<b>{lines[0]}</b><br><span style='font-size:12px'>{lines[1]}<br>{lines[2]}"
                              f"<br><i>{link.source}</i></span>")
         if self._draw:
-            self.image.value = _png(self.figure())
+            self.image.value = figure_png(self.figure())
 
     def figure(self) -> Figure:
         """The alpha-beta figure for the current op and world size, every link, the measurements that match."""

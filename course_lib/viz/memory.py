@@ -21,7 +21,6 @@ the driver keeps); the budgets' "headroom" category stands for that and for the 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from matplotlib.figure import Figure
 
 from course_lib.memory import GB, GiB, MemoryBudget, ParallelLayout, inference_memory, training_memory
 from course_lib.model import PRESETS, GPTConfig
+from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
     "CATEGORY_COLORS",
@@ -194,12 +194,6 @@ def plot_budget(budgets: Mapping[str, float] | Mapping[str, Mapping[str, float]]
     return fig
 
 
-def _png(fig: Figure, dpi: int = 80) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # One function from control values to a budget (what the widget calls; also handy on its own)
 
@@ -257,7 +251,7 @@ _INFERENCE_ONLY = ("weight_bytes", "kv_bytes")
 _POW2 = [2**i for i in range(13)]
 
 
-class MemoryBudgetWidget(W.VBox):
+class MemoryBudgetWidget(ControlPanel):
     """An ipywidgets container: controls, then the verdict, the stacked bar and the budget table.
 
     From code: ``w.set(zero=3, dp=64)`` sets controls (one redraw) and returns ``w.text``; ``w.budget`` is the
@@ -269,7 +263,6 @@ class MemoryBudgetWidget(W.VBox):
                  draw: bool = True, **values: Any) -> None:
         super().__init__()
         self._draw = draw
-        self._busy = False
         self.budget: MemoryBudget | None = None
         self.fits: bool | None = None
         self.verdict_text = ""
@@ -342,37 +335,21 @@ class MemoryBudgetWidget(W.VBox):
 
     # ---- reading and writing from code
 
-    def values(self) -> dict[str, Any]:
-        """{control name: value} (precision as (policy, fp32_grad_accum))."""
-        return {k: w.value for k, w in self.controls.items()}
-
-    def set(self, **values: Any) -> str:
-        """Set controls by name (see ``CONTROL_DESCRIPTIONS``), recompute and redraw once; return :attr:`text`.
-
-        ``model`` is applied first (a preset fills the sizes and the sequence length), then the sizes, then
-        the rest. ``precision`` also accepts "mixed", "bf16", "fp32"; ``weight_bytes``/``kv_bytes`` numbers.
-        """
-        unknown = set(values) - set(self.controls)
-        if unknown:
-            raise KeyError(f"unknown control(s) {sorted(unknown)}; choose from {list(self.controls)}")
+    def _prepare(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``precision`` also accepts "mixed", "bf16", "fp32"."""
         if isinstance(values.get("precision"), str):
             values["precision"] = (values["precision"], False)
+        return values
+
+    def _assign(self, values: dict[str, Any]) -> None:
+        """``model`` first (a preset fills the sizes and the sequence length), then the sizes, then the rest."""
         order = ["model", *SIZE_FIELDS]
-        self._busy = True
-        try:
-            for k in sorted(values, key=lambda k: order.index(k) if k in order else len(order)):
-                w = self.controls[k]
-                if k == "model":
-                    w.value = values[k]
-                    self._apply_model(values[k])
-                else:
-                    w.value = values[k]
-                    if k in SIZE_FIELDS:
-                        self.controls["model"].value = "custom"
-        finally:
-            self._busy = False
-        self.update()
-        return self.text
+        for k in sorted(values, key=lambda k: order.index(k) if k in order else len(order)):
+            self.controls[k].value = values[k]
+            if k == "model":
+                self._apply_model(values[k])
+            elif k in SIZE_FIELDS:
+                self.controls["model"].value = "custom"
 
     @property
     def text(self) -> str:
@@ -413,10 +390,6 @@ class MemoryBudgetWidget(W.VBox):
         finally:
             self._busy = False
         self.update()
-
-    def _on_change(self, change: dict) -> None:
-        if not self._busy:
-            self.update()
 
     def _current_config(self) -> GPTConfig:
         v = self.values()
@@ -463,7 +436,7 @@ class MemoryBudgetWidget(W.VBox):
         self.table.value = f"<pre style='font-size:11px'>{self.budget.to_string('GB')}</pre>"
         if self._draw:
             fig = plot_budget(self.budget, target=v["gpu"], title=self.budget.label, figsize=(8.0, 4.2))
-            self.image.value = _png(fig)
+            self.image.value = figure_png(fig)
 
     def __repr__(self) -> str:
         return f"MemoryBudgetWidget({self.verdict_text!r})"

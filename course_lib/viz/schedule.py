@@ -27,7 +27,6 @@ and costs 1/v of that, so the makespans of different v compare. "last stage cost
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +39,7 @@ from matplotlib.patches import Patch
 from course_lib import cost
 from course_lib import schedules as S
 from course_lib.schedules import Kind, Schedule, Simulation, Timeline
+from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
     "CONTROL_DESCRIPTIONS",
@@ -235,12 +235,6 @@ def plot_gantts(panels: Mapping[str, Timeline | Simulation], *, title: str | Non
     return fig
 
 
-def _png(fig: Figure, dpi: int = 80) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The widget
 
@@ -251,7 +245,7 @@ CONTROL_DESCRIPTIONS: dict[str, str] = {"schedule": "schedule", "p": "stages p",
 P_MAX, M_MAX, V_MAX = 8, 32, 4
 
 
-class BubbleWidget(W.VBox):
+class BubbleWidget(ControlPanel):
     """Schedule, p, m, v and the last stage's cost in; the Gantt chart of every rank and the numbers out.
 
     From code: ``w.set(p=4, m=16)`` sets controls (one redraw) and returns :attr:`text`. After each update:
@@ -267,7 +261,6 @@ class BubbleWidget(W.VBox):
                  draw: bool = True) -> None:
         super().__init__()
         self._draw = draw
-        self._busy = False
         self.simulation: Simulation | None = None
         self.schedule: Schedule | None = None
         self.formula_fraction: float | None = None
@@ -300,37 +293,15 @@ class BubbleWidget(W.VBox):
             self.html, self.image,
         ]
         self.add_class("course-bubble")
-        for w in ctl.values():
-            w.observe(self._on_change, names="value")
+        self._watch()
         self.update()
 
     # ---- reading and writing from code
-
-    def values(self) -> dict[str, Any]:
-        return {k: w.value for k, w in self.controls.items()}
-
-    def set(self, **values: Any) -> str:
-        """Set controls by name (see ``CONTROL_DESCRIPTIONS``), recompute and redraw once; return :attr:`text`."""
-        unknown = set(values) - set(self.controls)
-        if unknown:
-            raise KeyError(f"unknown control(s) {sorted(unknown)}; choose from {list(self.controls)}")
-        self._busy = True
-        try:
-            for k, value in values.items():
-                self.controls[k].value = value
-        finally:
-            self._busy = False
-        self.update()
-        return self.text
 
     @property
     def text(self) -> str:
         """What the widget prints (the chart aside), as plain text."""
         return "\n".join(self.text_lines)
-
-    def _on_change(self, change: dict) -> None:
-        if not self._busy:
-            self.update()
 
     # ---- the computation
 
@@ -400,7 +371,7 @@ class BubbleWidget(W.VBox):
             mode = "simulated, unit costs" + ("" if uniform else f", last stage x{last:g}")
             self.figure = plot_gantt(sim, mode=mode, title=f"{_LABEL[name]}, p={p}, m={m}, v={v}",
                                      unit="time (a stage's forward = 1)")
-            self.image.value = _png(self.figure)
+            self.image.value = figure_png(self.figure)
 
     def __repr__(self) -> str:
         return f"BubbleWidget({self.text_lines[0] if self.text_lines else ''!r})"

@@ -25,7 +25,6 @@ Three layers, as every module of ``course_lib.viz``:
 
 from __future__ import annotations
 
-import io
 import math
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -42,6 +41,7 @@ from matplotlib.ticker import FuncFormatter
 from course_lib.memory import GB, bytes_per_param, training_memory, zero_memory_per_device
 from course_lib.model import PRESETS, GPTConfig, param_count
 from course_lib.viz.memory import CATEGORY_COLORS, GPUS, PRECISION_OPTIONS, _gpu
+from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
     "CATEGORIES",
@@ -209,12 +209,6 @@ def plot_zero_memory(psi: float, n_d: int, *, K: float = 12, param_bytes: float 
     return fig
 
 
-def _png(fig: Figure, dpi: int = 80) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The widget
 
@@ -223,7 +217,7 @@ CONTROL_DESCRIPTIONS: dict[str, str] = {"model": "model", "precision": "precisio
 """Control name (for :meth:`ZeroMemoryWidget.set`) -> the ``description`` shown next to it (stable)."""
 
 
-class ZeroMemoryWidget(W.VBox):
+class ZeroMemoryWidget(ControlPanel):
     """Model states per rank for a preset model: controls, the verdict and table (text), the figure.
 
     ``w.set(n_d=64, stage=1)`` sets controls (one redraw) and returns ``w.text``; ``w.rows`` holds one dict per
@@ -234,7 +228,6 @@ class ZeroMemoryWidget(W.VBox):
     def __init__(self, model: str = "llama2-7b", draw: bool = True, **values: Any) -> None:
         super().__init__()
         self._draw = draw
-        self._busy = False
         self.rows: list[dict[str, Any]] = []
         self.text_lines: list[str] = []
         style = {"description_width": "initial"}
@@ -264,34 +257,18 @@ class ZeroMemoryWidget(W.VBox):
             self.verdict_html, self.image, self.table,
         ]
         self.add_class("course-zero-memory")
-        for w in ctl.values():
-            w.observe(self._on_change, names="value")
+        self._watch()
         self.set(**values)
 
-    def set(self, **values: Any) -> str:
-        """Set controls by name (``CONTROL_DESCRIPTIONS``), recompute and redraw once; return :attr:`text`.
-        ``precision`` also accepts "mixed", "bf16", "fp32"."""
-        unknown = set(values) - set(self.controls)
-        if unknown:
-            raise KeyError(f"unknown control(s) {sorted(unknown)}; choose from {list(self.controls)}")
+    def _prepare(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``precision`` also accepts "mixed", "bf16", "fp32"."""
         if isinstance(values.get("precision"), str):
             values["precision"] = (values["precision"], False)
-        self._busy = True
-        try:
-            for k, v in values.items():
-                self.controls[k].value = v
-        finally:
-            self._busy = False
-        self.update()
-        return self.text
+        return values
 
     @property
     def text(self) -> str:
         return "\n".join(self.text_lines)
-
-    def _on_change(self, change: dict) -> None:
-        if not self._busy:
-            self.update()
 
     def update(self) -> None:
         v = {k: w.value for k, w in self.controls.items()}
@@ -338,7 +315,7 @@ class ZeroMemoryWidget(W.VBox):
         if self._draw:
             fig = plot_zero_memory(psi, n, K=pb.K, param_bytes=pb.params, grad_bytes=pb.grads, stage=stage,
                                    gpu=v["gpu"], title=f"{cfg.name}: model states per rank")
-            self.image.value = _png(fig)
+            self.image.value = figure_png(fig)
 
     def __repr__(self) -> str:
         return f"ZeroMemoryWidget({self.text_lines[0] if self.text_lines else ''!r})"
