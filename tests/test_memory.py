@@ -25,7 +25,6 @@ from torch.utils.checkpoint import checkpoint
 from course_lib.memory import (
     GB,
     MemoryBudget,
-    MemoryTracker,
     ParallelLayout,
     activation_bytes_paper,
     bytes_per_param,
@@ -36,11 +35,11 @@ from course_lib.memory import (
     layer_activation_bytes,
     model_activation_bytes,
     params_per_rank,
-    track_training_step,
     training_memory,
     weight_bytes,
     zero_memory_per_device,
 )
+from course_lib.memtrack import MemoryTracker, track_training_step
 from course_lib.model import GPT, PRESETS, GPTConfig, lm_loss, norm_params, param_count
 
 GPT3 = PRESETS["gpt3-175b"]

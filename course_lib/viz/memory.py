@@ -114,7 +114,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "weights": "#4C72B0",
     "kv_cache": "#55A868",
     "workspace": "#8172B3",
-    # the tracker's leftover (TRACKER_CATEGORIES)
+    # the tracker's leftover (course_lib.memtrack.TRACKER_CATEGORIES)
     "other": "#8C8C8C",
 }
 
