@@ -13,6 +13,7 @@ AdamW at lr 1e-3 (the ``TrainConfig`` default), or SGD -- which also catches a m
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -64,10 +65,15 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in model.named_parameters()}
 
 
-def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig()) -> TrainResult:
-    """Train ``GPT(cfg, seed=tc.seed)`` on one process: the reference for every parallel layout."""
-    model = GPT(cfg, seed=tc.seed)
-    opt = make_optimizer(list(model.parameters()), tc)
+def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
+                   model_fn: Callable[[GPTConfig, int], nn.Module] = GPT, freeze: Iterable[str] = ()) -> TrainResult:
+    """Train ``model_fn(cfg, tc.seed)`` (the GPT by default) on one process: the reference for every parallel
+    layout. Parameters named in ``freeze`` get ``requires_grad=False`` and stay out of the optimizer."""
+    model = model_fn(cfg, tc.seed)
+    frozen = set(freeze)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
     losses = []
     for step in range(tc.steps):
         x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)

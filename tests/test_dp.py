@@ -42,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 CFG = GPTConfig(bias=False)
 TIED = CFG.with_(tie_embeddings=True)
-SGD = TrainConfig(optimizer="sgd")  # lr 1e-2, momentum 0.9, weight decay 0.01
+SGD = TrainConfig(optimizer="sgd", lr=1e-2)  # momentum 0.9, weight decay 0.01
 ADAMW = TrainConfig(optimizer="adamw", lr=1e-3)
 OPTS = {"sgd": SGD, "adamw": ADAMW}
 BUCKET_MB = 0.1  # ~100 KiB: the 0.53 MB tiny GPT then makes 4 buckets (overlap and ordering are exercised)
@@ -61,20 +61,8 @@ def baseline(cfg: GPTConfig, tc: TrainConfig) -> TrainResult:
 
 @functools.cache
 def reference(cfg: GPTConfig, tc: TrainConfig, model_fn=GPT, freeze=()) -> TrainResult:
-    """``train_baseline``'s loop for models it cannot build (frozen parameters, extra parameters)."""
-    model = model_fn(cfg, tc.seed)
-    for name, p in model.named_parameters():
-        p.requires_grad_(name not in freeze)
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
-    losses = []
-    for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        loss = lm_loss(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return TrainResult(losses, full_params(model))
+    """The baseline for models with frozen or extra parameters."""
+    return train_baseline(cfg, tc, model_fn=model_fn, freeze=freeze)
 
 
 class GPTWithExtras(GPT):

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 CFG = GPTConfig(bias=False, d_model=33, n_head=3, d_ff=65, n_layer=3, seq_len=15)
 PSI = num_params(GPT(CFG))
-SGD = TrainConfig(optimizer="sgd")  # lr 1e-2, momentum 0.9, weight decay 0.01
+SGD = TrainConfig(optimizer="sgd", lr=1e-2)  # momentum 0.9, weight decay 0.01
 ADAMW = TrainConfig(optimizer="adamw", lr=1e-3)
 STOP_AT = 2  # the checkpoint runs stop after this many of the 3 steps
 LAUNCH_TIMEOUT = 240
