@@ -134,15 +134,20 @@ def _launch_torchrun(fn: Callable[..., Any], world_size: int, args: tuple, kwarg
     if world_size != env_world:
         raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}:"
                          f" pass world_size={env_world} or change --nproc-per-node")
-    if not dist.is_initialized():
+    owned = not dist.is_initialized()  # a group we create we also destroy: left to interpreter exit, its
+    if owned:                          # threads can abort the process ("terminate called without an active exception")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
-    result = fn(dist.get_rank(), world_size, *args, **kwargs)
-    results: list[Any] = [None] * world_size
-    dist.all_gather_object(results, result)
-    return results
+    try:
+        result = fn(dist.get_rank(), world_size, *args, **kwargs)
+        results: list[Any] = [None] * world_size
+        dist.all_gather_object(results, result)
+        return results
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def _launch_inline(fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list[Any]:
