@@ -100,6 +100,14 @@ def test_presets_have_the_published_sizes(name, published):
     assert param_count(cfg) == published
 
 
+def test_moe_options_add_no_parameters():
+    """The sigmoid router's selection bias is a buffer, capacity and the router losses are arithmetic."""
+    cfg = SMALL.with_(n_expert=4, top_k=2)
+    for opts in ({"router": "sigmoid"}, {"capacity_factor": 1.0, "aux_loss_coef": 0.01, "z_loss_coef": 1e-3}):
+        model = GPT(cfg.with_(**opts))
+        assert num_params(model) == param_count(cfg.with_(**opts)) == param_count(cfg)
+
+
 def test_mixtral_is_46_7b_total_12_9b_active_not_56b_13b():
     cfg = PRESETS["mixtral-8x7b"]
     total, active = param_count(cfg), param_count(cfg, active_only=True)
