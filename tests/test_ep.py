@@ -401,8 +401,8 @@ def test_disagreeing_ranks_raise_a_clear_error(layer_class):
 # Bad configurations
 
 
-BAD = [(BASE.with_(n_expert=3, top_k=1), None, "not divisible by ep=2"), (BASE.with_(n_expert=0), None, "no MoE layer"),
-       (BASE, 3, "must divide the world size")]
+BAD = [(BASE.with_(n_expert=3, top_k=1), None, "ep=2 does not divide n_expert=3"),
+       (BASE.with_(n_expert=0), None, "needs a mixture-of-experts model"), (BASE, 3, "ep=3 must divide dp x cp = 2")]
 
 
 def _expect_errors(rank, world_size, bad):
@@ -416,7 +416,25 @@ def _expect_errors(rank, world_size, bad):
     return messages
 
 
+def _wrap_errors(rank, world_size):
+    """The wrapper's own checks, below the mesh's: experts that do not split, a dense model, groups that do not
+    multiply to the dense group."""
+    messages = []
+    for cfg, kw in ((BASE.with_(n_expert=3, top_k=1), {}), (BASE.with_(n_expert=0), {}),
+                    (BASE, {"expert_dp_group": torch.distributed.group.WORLD})):
+        try:
+            E.ExpertParallel(GPT(cfg), **kw)
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
 def test_bad_configurations_raise():
     for messages in launch(_expect_errors, 2, BAD, timeout=LAUNCH_TIMEOUT):
         for (_, _, expected), got in zip(BAD, messages, strict=True):
             assert expected in got
+    for messages in launch(_wrap_errors, 2, timeout=LAUNCH_TIMEOUT):
+        assert "n_expert=3 is not divisible by ep=2" in messages[0]
+        assert "no MoE layer" in messages[1]
+        assert "ep x edp = 2 x 2 must equal the dense data-parallel size 2" in messages[2]

@@ -58,6 +58,7 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
+from course_lib.mesh import Mesh
 from course_lib.model import (
     GPTConfig,
     MoE,
@@ -119,30 +120,6 @@ def group_ranks(group: comm.Group) -> list[int]:
     if group is None or group is dist.group.WORLD:
         return list(range(dist.get_world_size()))
     return dist.get_process_group_ranks(group)
-
-
-def expert_parallel_groups(ep: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(ep group, expert-data-parallel group) of this rank for W = ep x dp ranks, ep varying fastest (Megatron
-    Core's order): ep group {d*ep + i : i < ep}, expert-dp group {i + d*ep : d < dp}. Every rank creates every
-    group (``new_group`` is collective). None stands for the whole world (ep = W) and for no group (dp = 1)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if ep < 1 or world % ep:
-        raise ValueError(f"ep={ep} must divide the world size {world} (world = ep x dp)")
-    dp = world // ep
-    mine: dict[str, dist.ProcessGroup | None] = {"ep": None, "edp": None}
-    if ep < world:
-        for d in range(dp):
-            g = dist.new_group([d * ep + i for i in range(ep)])
-            if rank // ep == d:
-                mine["ep"] = g
-    if dp > 1:
-        for i in range(ep):
-            g = dist.new_group([i + d * ep for d in range(dp)])
-            if rank % ep == i:
-                mine["edp"] = comm.name_group(g, "edp")
-    if mine["ep"] is not None:
-        comm.name_group(mine["ep"], "ep")
-    return mine["ep"], mine["edp"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -280,40 +257,39 @@ class ExpertParallelMoE(MoE):
 class ExpertParallel(nn.Module):
     """Wrap a model with MoE layers for expert parallelism (and data parallelism of everything else).
 
-    Every ``MoE`` of ``module`` is replaced by ``layer_class(moe, ep_group)``, which keeps E/ep experts. Groups:
-    ``ep_group`` (the all-to-all), ``expert_dp_group`` (ranks holding the same experts: None when dp = 1), the
-    dense data-parallel group = every rank (W = ep x dp). With ``mesh`` (axes ep and dp only), the groups come
-    from ``mesh.group("ep")`` and ``mesh.group("dp")``. At construction the dense parameters are broadcast from
-    rank 0 and the experts over their expert-dp group, so every replica starts identical.
+    Every ``MoE`` of ``module`` is replaced by ``layer_class(moe, ep_group, dense_group)``, which keeps E/ep
+    experts. Groups (``course_lib.mesh``): ``mesh.group("ep")`` the all-to-all, ``mesh.group("edp")`` the ranks
+    holding the same experts (their gradients are summed), ``mesh.group("dp", "cp")`` the dense data-parallel
+    group, whose ranks share the batch in group order. Without a mesh pass the groups (None: the whole world;
+    ``expert_dp_group`` None: no expert replicas). At construction the dense parameters and buffers are broadcast
+    from the dense group's first rank and the experts over their expert-dp group, so every replica starts equal.
 
     Usage, one step::
 
-        ep = ExpertParallel(GPT(cfg), ep_group=g)
-        loss = lm_loss(ep(x), y) + moe_aux_loss(ep); loss.backward()
-        ep.finish_gradient_sync(); opt.step(); ep.after_step()
+        model = ExpertParallel(GPT(cfg), mesh=Mesh(dp=4, ep=2))
+        loss = lm_loss(model(x), y) + moe_aux_loss(model); loss.backward()
+        model.finish_gradient_sync(); opt.step(); model.after_step()
     """
 
-    def __init__(self, module: nn.Module, *, mesh: Any = None, ep_group: comm.Group = None,
-                 expert_dp_group: comm.Group = None, layer_class: type[ExpertParallelMoE] = ExpertParallelMoE,
-                 broadcast_from: int | None = 0) -> None:
+    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, ep_group: comm.Group = None,
+                 expert_dp_group: comm.Group = None, dense_group: comm.Group = None,
+                 layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True) -> None:
         super().__init__()
         if mesh is not None:
-            ep_group = mesh.group("ep") if mesh.size("ep") > 1 else None
-            expert_dp_group = mesh.group("dp") if mesh.size("dp") > 1 else None
-            if ep_group is None and mesh.size("dp") > 1:
-                raise ValueError("a mesh with ep = 1 has no expert parallelism: use DataParallel")
-        self.module, self.ep_group, self.expert_dp_group = module, ep_group, expert_dp_group
-        self.world_size = dist.get_world_size()
-        if dist.get_world_size(ep_group) * (dist.get_world_size(expert_dp_group) if expert_dp_group else 1) \
-                != self.world_size:
-            raise ValueError(f"ep x dp = {dist.get_world_size(ep_group)} x "
-                             f"{dist.get_world_size(expert_dp_group) if expert_dp_group else 1} must equal the world "
-                             f"size {self.world_size}")
+            ep_group, dense_group = mesh.group("ep"), mesh.group("dp", "cp")
+            expert_dp_group = mesh.group("edp") if mesh.size("edp") > 1 else None
+        self.module, self.ep_group, self.expert_dp_group, self.dense_group = (module, ep_group, expert_dp_group,
+                                                                              dense_group)
+        self.world_size = dist.get_world_size(dense_group)
+        edp = dist.get_world_size(expert_dp_group) if expert_dp_group is not None else 1
+        if dist.get_world_size(ep_group) * edp != self.world_size:
+            raise ValueError(f"ep x edp = {dist.get_world_size(ep_group)} x {edp} must equal the dense "
+                             f"data-parallel size {self.world_size}")
         self.layers: list[ExpertParallelMoE] = []
         for name, m in list(module.named_modules()):
             if isinstance(m, MoE) and not isinstance(m, ExpertParallelMoE):
                 parent, _, child = name.rpartition(".")
-                layer = layer_class(m, ep_group)
+                layer = layer_class(m, ep_group, dense_group)
                 setattr(module.get_submodule(parent) if parent else module, child, layer)
                 self.layers.append(layer)
         if not self.layers:
@@ -321,10 +297,10 @@ class ExpertParallel(nn.Module):
         expert_ids = {id(p) for layer in self.layers for p in layer.experts.parameters()}
         self.expert_params = [p for p in module.parameters() if id(p) in expert_ids]
         self.dense_params = [p for p in module.parameters() if id(p) not in expert_ids]
-        if broadcast_from is not None:
+        if broadcast:
             with torch.no_grad():
                 for t in [*self.dense_params, *module.buffers()]:
-                    comm.broadcast(t.detach(), broadcast_from)
+                    comm.broadcast(t.detach(), group_ranks(dense_group)[0], group=dense_group)
                 if expert_dp_group is not None:
                     for p in self.expert_params:
                         comm.broadcast(p.detach(), group_ranks(expert_dp_group)[0], group=expert_dp_group)
@@ -353,7 +329,7 @@ class ExpertParallel(nn.Module):
         """After the last backward, before ``optimizer.step()``: dense gradients summed over all W ranks, expert
         gradients over the expert-dp group, both / W; experts unused by the whole batch this step get None."""
         with torch.no_grad():
-            self._sum_then_divide(self.dense_params, None, self.world_size > 1)
+            self._sum_then_divide(self.dense_params, self.dense_group, self.world_size > 1)
             self._sum_then_divide(self.expert_params, self.expert_dp_group, self.expert_dp_group is not None)
             for layer in self.layers:
                 for e, expert in zip(layer.expert_ids, layer.experts, strict=True):
@@ -400,19 +376,19 @@ class EPResult(TrainResult):
 
 
 def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, ep: int | None = None,
-             mesh: Any = None, accumulation: int = 1, model_fn: ModelFn | None = None,
+             mesh: Mesh | None = None, accumulation: int = 1, model_fn: ModelFn | None = None,
              layer_class: type[ExpertParallelMoE] = ExpertParallelMoE) -> EPResult:
-    """Train with expert parallelism of degree ``ep`` (default: every rank) and data parallelism of degree
-    world/ep (a ``launch`` target). Each step the global batch is split into ``accumulation`` micro-batches and
-    each micro-batch into one shard per rank; the loss is LM + router losses. Returns the global-batch mean loss
+    """Train with expert parallelism of degree ``ep`` (default: every rank) over the data-parallel ranks: the
+    mesh ``Mesh(dp=world_size, ep=ep)`` unless one is given (a ``launch`` target; ``MeshError`` names what does
+    not fit). Each step the global batch is split into ``accumulation`` micro-batches and each micro-batch into
+    one shard per rank; the loss is LM + router losses. Returns the global-batch mean loss
     per step (comparable with ``train_baseline(cfg, tc, accumulation=...)``) and the full parameters."""
     tc = tc or TrainConfig()
-    if mesh is None:
-        ep_group, edp_group = expert_parallel_groups(ep or world_size)
-        model = ExpertParallel(build_model(cfg, tc.seed, model_fn), ep_group=ep_group, expert_dp_group=edp_group,
-                               layer_class=layer_class)
-    else:
-        model = ExpertParallel(build_model(cfg, tc.seed, model_fn), mesh=mesh, layer_class=layer_class)
+    mesh = mesh or Mesh(dp=world_size, ep=ep or world_size)
+    if mesh.size("tp", "pp", "cp") != 1:
+        raise ValueError("train_ep runs EP x DP only (tp = pp = cp = 1); composing more axes is chapter 08's")
+    mesh.shape.validate(cfg)
+    model = ExpertParallel(build_model(cfg, tc.seed, model_fn), mesh=mesh, layer_class=layer_class)
     opt = make_optimizer(list(model.parameters()), tc)
     losses, step_comm, routing = [], [], []
     for step in range(tc.steps):
