@@ -120,6 +120,7 @@ CASES = {
     "sigmoid_drops_aux": (BASE.with_(router="sigmoid", capacity_factor=0.75, aux_loss_coef=0.01), {}),
     "empty_ranks": (BASE, {"model_fn": first_two_model, "layer_class": FirstTwoEP}),
     "accumulation": (DROPS, {"accumulation": 2}),
+    "torch_all_to_all": (DROPS, {"layer_class": E.TorchAllToAllMoE}),
     "no_combine_weights": (BASE, {"layer_class": NoCombineWeights}),
     "f_not_divided_by_k": (BASE.with_(aux_loss_coef=0.1), {"layer_class": FractionNotDividedByK}),
 }
@@ -317,6 +318,16 @@ def test_parity_with_the_single_process_moe(world, name):
         assert other[name].losses == got[0][name].losses
     if "drops" in name:
         assert all(s.dropped > 0 for s in got[0][name].routing[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_bit_for_bit_with_torch_all_to_all_single_autograd(world):
+    """PyTorch's differentiable all-to-all in place of ours: the same losses and parameters, exactly."""
+    got = results(world)[0]
+    assert got["torch_all_to_all"].losses == got["top2_drops_aux_z"].losses
+    for name, p in got["top2_drops_aux_z"].params.items():
+        assert torch.equal(got["torch_all_to_all"].params[name], p), name
 
 
 @pytest.mark.slow

@@ -141,7 +141,7 @@ class ExpertParallelMoE(MoE):
     shard belongs to the same batch, in batch order. Built from a full ``MoE`` (router and local experts shared).
 
     Seams a variant overrides: those of ``MoE`` plus ``exchange_counts``, ``keep_mask``, ``expert_owner``,
-    ``run_experts`` and ``combine``.
+    ``all_to_all`` (the differentiable row exchange), ``run_experts`` and ``combine``.
     """
 
     def __init__(self, moe: MoE, ep_group: comm.Group = None, batch_group: comm.Group = None) -> None:
@@ -185,6 +185,10 @@ class ExpertParallelMoE(MoE):
     def expert_owner(self, expert: torch.Tensor) -> torch.Tensor:
         """The ep rank holding each expert id: e // (E / ep)."""
         return expert // self.n_local
+
+    def all_to_all(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """The dispatch (and, with the splits swapped, the combine) over the ep group, through autograd."""
+        return all_to_all_rows(rows, out_splits, in_splits, self.ep_group)
 
     def run_experts(self, recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """Run the local experts on ``recv`` (rows grouped by source rank, then by local expert, ``recv_counts``
@@ -238,8 +242,8 @@ class ExpertParallelMoE(MoE):
         in_splits = [int(c.sum()) for c in per_dest]
         out_splits = recv_counts.sum(1).tolist()
         with comm.recording() as lg:
-            recv = all_to_all_rows(flat[token], out_splits, in_splits, self.ep_group)
-            back = all_to_all_rows(self.run_experts(recv, recv_counts), in_splits, out_splits, self.ep_group)
+            recv = self.all_to_all(flat[token], out_splits, in_splits)
+            back = self.all_to_all(self.run_experts(recv, recv_counts), in_splits, out_splits)
         out = torch.zeros_like(flat).index_add(0, token, self.combine(back, r.weights[token, slot]))
 
         total_kept = kept.sum(0).cpu()
@@ -248,6 +252,18 @@ class ExpertParallelMoE(MoE):
                                     routing_entropy(r.probs.detach()), lg.sent_bytes("all_to_all"),
                                     lg.seconds("all_to_all"))
         return out.view_as(x)
+
+
+class TorchAllToAllMoE(ExpertParallelMoE):
+    """The same layer with PyTorch's differentiable all-to-all,
+    ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what torchtitan's MoE uses; a
+    private module, pinned to the course's torch): the second oracle. Its traffic is not in the comm log."""
+
+    def all_to_all(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+        group = self.ep_group if self.ep_group is not None else dist.group.WORLD
+        return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
 
 
 # ----------------------------------------------------------------------------------------------------------------

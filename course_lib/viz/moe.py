@@ -108,7 +108,7 @@ def plot_dispatch(plan: DispatchPlan, title: str = "") -> Figure:
     bx.set_xlabel("ep rank")
     bx.set_ylabel("rows processed")
     bx.set_title(f"slowest rank {plan.slowest / plan.mean:.2f}x the mean" if plan.mean else "no rows", fontsize=10)
-    bx.legend(loc="lower right", fontsize=8)
+    bx.legend(loc="upper right", fontsize=8)
     return fig
 
 
