@@ -161,6 +161,9 @@ PRESETS: dict[str, GPTConfig] = {
     "mixtral-8x7b": GPTConfig(name="mixtral-8x7b", vocab_size=32000, seq_len=32768, n_layer=32, n_head=32,
                               n_kv_head=8, d_model=4096, d_ff=14336, mlp="swiglu", norm="rmsnorm", pos="rope",
                               bias=False, n_expert=8, top_k=2),
+    "mixtral-8x22b": GPTConfig(name="mixtral-8x22b", vocab_size=32768, seq_len=65536, n_layer=56, n_head=48,
+                               n_kv_head=8, d_model=6144, d_ff=16384, mlp="swiglu", norm="rmsnorm", pos="rope",
+                               bias=False, n_expert=8, top_k=2),
 }
 
 

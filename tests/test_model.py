@@ -93,6 +93,7 @@ def test_gpt2_block_is_12h2_plus_13h_and_tied_weights_count_once():
     ("llama3-8b", 8_030_261_248),
     ("llama3-70b", 70_553_706_496),
     ("mixtral-8x7b", 46_702_792_704),
+    ("mixtral-8x22b", 140_630_071_296),
 ])
 def test_presets_have_the_published_sizes(name, published):
     cfg = PRESETS[name]

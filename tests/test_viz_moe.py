@@ -8,6 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest
+import torch
 from matplotlib.figure import Figure
 
 from course_lib.viz import moe as vm
@@ -43,6 +44,10 @@ def test_figures():
     assert any("capacity" in t.get_text() for t in fig.axes[0].get_legend().get_texts())
     hist = vm.plot_expert_histograms({"without": [[5, 1, 1, 1], [6, 1, 1, 0]], "with": [[2, 2, 2, 2]] * 2})
     assert len(hist.axes) == 2
+    chosen = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    keep = torch.tensor([[True, True], [True, True], [False, True]])
+    grid = vm.plot_routing_grid(chosen, keep, 3, 2)
+    assert [t.get_text() for t in grid.axes[0].texts] == ["0", "0", "1", "0", "2", "1"]
 
 
 def test_widget_text_follows_the_controls():

@@ -28,7 +28,7 @@ from course_lib.parallel.ep import slowest_rank_load
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = ["CONTROL_DESCRIPTIONS", "DispatchPlan", "MoEDispatchWidget", "dispatch_plan", "moe_dispatch_widget",
-           "plot_dispatch", "plot_expert_histograms", "routed_counts"]
+           "plot_dispatch", "plot_expert_histograms", "plot_routing_grid", "routed_counts"]
 
 CONTROL_DESCRIPTIONS = {"n_expert": "experts E", "top_k": "top-k", "capacity_factor": "capacity factor",
                         "ep": "ep ranks", "skew": "router skew"}
@@ -191,3 +191,30 @@ class MoEDispatchWidget(ControlPanel):
 def moe_dispatch_widget(**values: Any) -> MoEDispatchWidget:
     """The widget, with any controls set: ``moe_dispatch_widget(n_expert=16, skew=1.5)``."""
     return MoEDispatchWidget(**values)
+
+
+def plot_routing_grid(chosen: torch.Tensor, keep: torch.Tensor, n_expert: int, capacity: int | None,
+                      title: str = "") -> Figure:
+    """The router's decisions on a small batch: one row per token, one column per expert; each assignment shows
+    its place in the expert's queue (0, 1, ...), blue when kept, a red cross when the queue was already full."""
+    T, k = chosen.shape
+    fig = Figure(figsize=(1.2 + 0.9 * n_expert, 0.8 + 0.32 * T), layout="constrained")
+    ax = fig.subplots()
+    taken = [0] * n_expert
+    for t in range(T):
+        for j in range(k):
+            e = int(chosen[t, j])
+            kept = bool(keep[t, j])
+            ax.scatter(e, t, s=260, marker="s" if kept else "X", color="C0" if kept else "C3",
+                       alpha=0.85 if kept else 0.9)
+            ax.text(e, t, str(taken[e]), ha="center", va="center", fontsize=8, color="white")
+            taken[e] += 1
+    ax.set_xticks(range(n_expert))
+    ax.set_xlim(-0.6, n_expert - 0.4)
+    ax.set_yticks(range(T))
+    ax.set_ylim(T - 0.5, -0.5)
+    ax.set_xlabel("expert (number: place in its queue)")
+    ax.set_ylabel("token (batch order)")
+    cap = "dropless" if capacity is None else f"capacity C = {capacity}"
+    ax.set_title(title or f"top-{k} routing, {cap}: blue kept, red cross dropped", fontsize=10)
+    return fig
