@@ -54,7 +54,8 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch
-from course_lib.model import GPT, MLP, Attention, GPTConfig, apply_rope, rope_cos_sin
+from course_lib.launch import device
+from course_lib.model import GPT, MLP, Attention, GPTConfig, apply_rope, lm_loss, rope_cos_sin
 from course_lib.parallel.tp_comm import (
     all_gather_along,
     copy_to_tensor_parallel_region,
@@ -704,13 +705,13 @@ def train_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
     and the communication records of each step. ``tp_class`` lets a test or notebook swap in a variant.
     """
     tc = tc or TrainConfig()
-    model = (model_fn or GPT)(cfg, tc.seed)
+    dev = device()
+    model = (model_fn or GPT)(cfg, tc.seed).to(dev)
     tp = tp_class(model, mesh=mesh, group=group, plan=plan, sequence_parallel=sequence_parallel)
     opt = make_optimizer([p for p in tp.parameters() if p.requires_grad], tc)
     losses, step_comm, norms = [], [], []
     for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        x, y = x.to(tp.module.lm_head.weight.device), y.to(tp.module.lm_head.weight.device)
+        x, y = (t.to(dev) for t in global_batch(step, tc.global_batch, cfg.seq_len, tc.seed))
         opt.zero_grad(set_to_none=True)
         with comm.recording() as log:
             loss = tp.loss(tp(x), y)
@@ -724,3 +725,130 @@ def train_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
         step_comm.append(list(log.records))
     return TPResult(losses, tp.full_parameters(), step_comm, norms)
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PyTorch's own: DTensor ``parallelize_module`` (the second oracle)
+
+
+def dtensor_plan(cfg: GPTConfig, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The same plan in DTensor's styles (torchtitan's Llama plan, adapted to the course's GPT).
+
+    ``PrepareModuleInput`` on the attention and MLP modules turns their input into one replicated DTensor that the
+    q/k/v (gate/up) projections share: one f (SP: one all-gather) per region, as ours. Without it each
+    ``ColwiseParallel`` linear converts its own plain input and backward all-reduces once per linear (3 + 1 per
+    GELU block instead of 2). Learned positions cannot be added to a sequence-sharded embedding output here (a
+    plain [T, h] table and a [B, T/t, h] shard), so SP needs ``pos="rope"``, as in torchtitan's models.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if sequence_parallel and cfg.pos == "learned":
+        raise ValueError("the DTensor plan with sequence parallelism needs pos='rope' (see dtensor_plan)")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn.q_proj": ColwiseParallel(),
+        "blocks.*.attn.k_proj": ColwiseParallel(),
+        "blocks.*.attn.v_proj": ColwiseParallel(),
+        "blocks.*.attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "blocks.*.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.mlp.fc1": ColwiseParallel(),
+        "blocks.*.mlp.fc2": RowwiseParallel(output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if cfg.mlp == "swiglu":
+        plan["blocks.*.mlp.gate"] = ColwiseParallel()
+    if sequence_parallel:
+        plan |= {"blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(),
+                 "norm_f": SequenceParallel()}
+    return plan
+
+
+_DTENSOR_OPS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                "_reduce_scatter_base_": "reduce_scatter"}
+
+
+class DTensorCommLog:
+    """Log the collectives DTensor issues, as ``comm.CommRecord``s (tensor_bytes by ``comm``'s convention: the
+    gathered output of an all-gather, the input of a reduce-scatter; ring bytes per rank; no timings).
+
+    A ``TorchDispatchMode`` sees each ``_c10d_functional`` / ``c10d`` op. Like DTensor's own ``CommDebugMode`` it
+    returns ``NotImplemented`` for ops on DTensors, so that DTensor first lowers them to local ops and
+    collectives, which the mode then sees (the vocab-parallel loss's all-reduces happen there).
+    """
+
+    def __init__(self, group_size: int, rank: int) -> None:
+        self.group_size, self.rank = group_size, rank
+        self.records: list[comm.CommRecord] = []
+
+    def __enter__(self) -> DTensorCommLog:
+        from torch.distributed.tensor import DTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        log = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented
+                out = func(*args, **(kwargs or {}))
+                name = func.__name__.split(".")[0]
+                if "c10d" in func.namespace and name in _DTENSOR_OPS:
+                    log._add(_DTENSOR_OPS[name], args[0][0] if isinstance(args[0], (list, tuple)) else args[0])
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def _add(self, op: str, t: torch.Tensor) -> None:
+        n = self.group_size
+        numel = t.numel() * (n if op == "all_gather" else 1)
+        sent, recv = comm.ring_bytes(op, numel, t.element_size(), n, self.rank)
+        self.records.append(comm.CommRecord(op, "dtensor", n, numel * t.element_size(), sent, recv, None))
+
+
+def train_dtensor_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *,
+                     sequence_parallel: bool = False, group: comm.Group = None) -> TPResult:
+    """The same training loop with DTensor's ``parallelize_module`` and ``loss_parallel`` (PyTorch's production
+    API; runs on gloo CPU). ``step_comm`` holds the collectives DTensor issued each step (``DTensorCommLog``),
+    the optimizer step included (DTensor all-reduces the norms' partial gradients there, parameter by parameter)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    tc = tc or TrainConfig()
+    dev = device()
+    t, r = _size_rank(group)
+    if cfg.kv_heads % t:
+        raise ValueError(f"DTensor's ColwiseParallel splits k_proj's {cfg.kv_heads} K/V heads evenly: t={t} must "
+                         f"divide n_kv_head")
+    mesh = init_device_mesh(dev.type, (t,)) if group is None else DeviceMesh.from_group(group, dev.type)
+    model = GPT(cfg, tc.seed).to(dev)
+    parallelize_module(model, mesh, dtensor_plan(cfg, sequence_parallel))
+    opt = make_optimizer(list(model.parameters()), tc)
+    losses, step_comm = [], []
+    for step in range(tc.steps):
+        x, y = (a.to(dev) for a in global_batch(step, tc.global_batch, cfg.seq_len, tc.seed))
+        opt.zero_grad(set_to_none=True)
+        with DTensorCommLog(t, r) as log:
+            with loss_parallel():
+                loss = lm_loss(model(x), y)
+                loss.backward()
+            opt.step()
+        losses.append(loss.item())
+        step_comm.append(log.records)
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+              for n, p in model.named_parameters()}
+    return TPResult(losses, params, step_comm)
