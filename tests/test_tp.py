@@ -28,7 +28,9 @@ from torch import nn
 from course_lib import comm
 from course_lib.data import global_batch
 from course_lib.launch import RankError, RankTimeout, launch
-from course_lib.model import GPT, MLP, Attention, GPTConfig, lm_loss
+from course_lib.memory import layer_activation_bytes
+from course_lib.memtrack import MemoryTracker
+from course_lib.model import GPT, MLP, Attention, Block, GPTConfig, lm_loss
 from course_lib.parallel import tp
 from course_lib.parallel.tp_comm import split_along
 from course_lib.train import TrainConfig, TrainResult, assert_parity, compare, full_params, make_optimizer
@@ -201,6 +203,17 @@ def _layer_suite(rank: int, world_size: int) -> dict:
         (got * (split_along(w, 1, None) if sp else w)).sum().backward()
         out["embedding", sp] = {"out": _rel(got, split_along(ref_out, 1, None) if sp else ref_out),
                                 "grad": _rel(par.weight.grad, emb.weight.grad.chunk(t)[r]), "fwd": _ops(log.records)}
+    # activation memory of one block, with and without SP
+    for sp in (False, True):
+        block = Block(CFG)
+        block.attn = tp.TensorParallelAttention(block.attn, sequence_parallel=sp)
+        block.mlp = tp.TensorParallelMLP(block.mlp, sequence_parallel=sp)
+        xb = _rand(4, CFG.seq_len, CFG.d_model, seed=13)
+        xb = (split_along(xb, 1, None) if sp else xb).requires_grad_(True)
+        with MemoryTracker(block) as mt:
+            yb = block(xb)
+            out["activations", sp] = mt.current["activations"]
+        del yb
     # vocab-parallel cross-entropy, ordinary and scaled by 1000
     for scale in (1.0, 1000.0):
         logits = _rand(2, 8, 256, seed=11) * scale
@@ -444,6 +457,19 @@ def test_vocab_parallel_cross_entropy(layers, scale):
         assert got["grad"] <= LAYER_RTOL, f"rank {r}: logit-shard gradient off by {got['grad']:.2e}"
         assert got["fwd"] == [("all_reduce", 2 * 8 * 4)] * 3
         assert got["bwd"] == []
+
+
+def test_activation_memory_with_and_without_sp_matches_formula(layers):
+    """Measured (MemoryTracker) activations of one block per rank equal the adapted formula to the byte; SP saves
+    less than TP alone: the norm regions shrink by t, the gathered linear inputs stay whole
+    (``tp.layer_activation_bytes_tp``)."""
+    t, per_rank = layers
+    for res in per_rank:
+        for sp in (False, True):
+            assert res["activations", sp] == tp.layer_activation_bytes_tp(CFG, 4, t, sp), (t, sp)
+        assert res["activations", True] < res["activations", False]
+    assert per_rank[0]["activations", False] == layer_activation_bytes(CFG, 4, CFG.seq_len, tp=t, formula="adapted",
+                                                                       element_bytes=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------

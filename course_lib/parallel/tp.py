@@ -288,7 +288,13 @@ class TensorParallelAttention(TensorParallelModule):
         if not bool(((kv_local >= 0) & (kv_local < k.shape[1])).all()):
             raise RuntimeError(f"query heads {q_heads.tolist()} read K/V heads {(kv_local + self.kv_offset).tolist()},"
                                f" but this rank holds K/V heads {self.kv_offset}..{self.kv_offset + k.shape[1] - 1}")
-        k, v = k.index_select(1, kv_local), v.index_select(1, kv_local)
+        held = k.shape[1]
+        rep = self.local_heads // held if self.local_heads % held == 0 else 0
+        if rep and torch.equal(kv_local, torch.arange(held, device=x.device).repeat_interleave(rep)):
+            if rep > 1:  # the single-process model's contiguous GQA map (MHA: nothing to do)
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        else:  # replicated K/V (or another map): pick each query head's K/V head
+            k, v = k.index_select(1, kv_local), v.index_select(1, kv_local)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -680,6 +686,25 @@ def block_bytes_per_rank(batch: int, seq_len: int, d_model: int, t: int, element
     """Bytes one rank sends per transformer block and training step, TP or TP+SP (the same): 4 collectives of
     V = b*s*h*e -- 4 ring all-reduces 2(t-1)/t V, or 4 all-gathers + 4 reduce-scatters (t-1)/t V."""
     return 4 * 2 * (t - 1) / t * batch * seq_len * d_model * element_bytes
+
+
+def layer_activation_bytes_tp(cfg: GPTConfig, micro_batch: int, t: int, sequence_parallel: bool = False,
+                              element_bytes: int = 4) -> float:
+    """Activation bytes one transformer block of *this* implementation saves for backward, per rank.
+
+    ``course_lib.memory.layer_activation_bytes(formula="adapted", tp=t, sp=...)`` (what the course's eager block
+    saves, Korthikanti et al.'s accounting with the /t parts split), plus, under SP, the all-gathered inputs of
+    the attention and MLP regions: the column-parallel linears save the gathered [b, s, h] input, not the shard,
+    2 e s b h (1 - 1/t) more. Megatron-LM saves the shard instead and all-gathers it again in backward (one more
+    all-gather per region) to reach the paper's (sbh/t)(34 + 5as/h). Checked against ``MemoryTracker``.
+    """
+    from course_lib.memory import layer_activation_bytes
+
+    base = layer_activation_bytes(cfg, micro_batch, cfg.seq_len, tp=t, sp=sequence_parallel, formula="adapted",
+                                  element_bytes=element_bytes)
+    if not sequence_parallel:
+        return base
+    return base + 2 * element_bytes * micro_batch * cfg.seq_len * cfg.d_model * (1 - 1 / t)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def all_gather_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tens
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # one copy: the linears that read it then save one storage
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
