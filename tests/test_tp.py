@@ -30,6 +30,7 @@ from course_lib.data import global_batch
 from course_lib.launch import RankError, RankTimeout, launch
 from course_lib.memory import layer_activation_bytes
 from course_lib.memtrack import MemoryTracker
+from course_lib.mesh import Mesh
 from course_lib.model import GPT, MLP, Attention, Block, GPTConfig, lm_loss
 from course_lib.parallel import tp
 from course_lib.parallel.tp_comm import split_along
@@ -291,6 +292,9 @@ def _model_suite(rank: int, world_size: int) -> dict:
             if not name.startswith("broken"):
                 raise
             runs[name] = str(e)
+    # over a mesh's TP group: all ranks at t=2; at 4 ranks two TP groups of 2 (dp=2), each its own replica
+    mesh = Mesh(tp=2) if world_size == 2 else Mesh(dp=2, tp=2)
+    runs["mesh"] = tp.train_tp(rank, world_size, CFG, SGD, mesh=mesh, sequence_parallel=True)
     runs["errors"] = _errors(rank, world_size)
     return runs
 
@@ -494,6 +498,17 @@ def test_gpt_parity_swiglu_adamw(models):
     cfg, tc, *_ = RUNS["gqa_adamw_sp"]
     report = assert_parity(baseline(cfg, tc), per_rank[0]["gqa_adamw_sp"], rtol=1e-5, atol=ADAMW_ATOL)
     print(f"t={t}: {report}")
+
+
+def test_tp_over_a_mesh_group(models):
+    """``mesh=`` resolves to ``mesh.group("tp")``: with dp=2 x tp=2 on 4 ranks both TP pairs train their own replica
+    (same data), each equal to one process; every collective is on the group named "tp", of size 2."""
+    _t, per_rank = models
+    ref = baseline(CFG, SGD)
+    for r, res in enumerate(per_rank):
+        assert compare(ref, res["mesh"]).ok, f"rank {r}"
+        records = [rec for step in res["mesh"].step_comm for rec in step]
+        assert records and {(rec.group, rec.group_size) for rec in records} == {("tp", 2)}
 
 
 def test_swiglu_adamw_tolerance_is_rounding():
