@@ -20,11 +20,21 @@ import functools
 import pytest
 import torch
 
+from course_lib.data import global_batch
 from course_lib.launch import launch
+from course_lib.memory import model_activation_bytes
+from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
-from course_lib.model import GPT
+from course_lib.model import GPT, lm_loss
 from course_lib.parallel import cp_attention as ca
-from course_lib.parallel.cp import ContextParallel, CPAttention, ring_kv_bytes, ring_sends_per_layer, train_cp
+from course_lib.parallel.cp import (
+    ContextParallel,
+    CPAttention,
+    activation_bytes_per_rank,
+    ring_kv_bytes,
+    ring_sends_per_layer,
+    train_cp,
+)
 from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -35,6 +45,7 @@ CFG = PARITY_MODEL.with_(seq_len=S, n_layer=2, d_model=32)
 ROPE_GQA = CFG.with_(pos="rope", n_kv_head=2)
 SGD = TrainConfig(steps=2, global_batch=4, optimizer="sgd", lr=1e-2)
 ADAMW = TrainConfig(steps=2, global_batch=4)
+MEM_CFG = PARITY_MODEL.with_(seq_len=48)
 LAUNCH_TIMEOUT = 240
 
 
@@ -135,7 +146,18 @@ def _suite(rank: int, cp: int) -> dict:
     if cp == 4:
         train["dp2_cp2"] = train_cp(rank, cp, ROPE_GQA, SGD, mesh=Mesh(dp=2, cp=2), layout="zigzag")
     out["train"] = train
+    out["memory"] = {cfg.pos: _activation_peak(rank, cp, cfg) for cfg in (MEM_CFG, MEM_CFG.with_(pos="rope",
+                                                                                                  n_kv_head=2))}
     return out
+
+
+def _activation_peak(rank: int, cp: int, cfg) -> int:
+    model = GPT(cfg)
+    wrapped = ContextParallel(model, layout="zigzag")
+    x, y = global_batch(0, 2, cfg.seq_len)
+    with MemoryTracker(model) as mt:
+        lm_loss(wrapped(wrapped.shard(x)), wrapped.shard(y)).backward()
+    return int(mt.category_peaks["activations"])
 
 
 @functools.cache
@@ -369,6 +391,17 @@ def test_training_work_per_rank(cp):
         # per step: forward of every layer on this rank's queries (backward reuses the plan)
         expected = [CFG.n_layer * p for p in ca.causal_pairs(S, cp, layout)]
         assert [p[0] for p in per_rank] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_activation_memory_per_rank_measured_equals_predicted(cp, pos):
+    cfg = MEM_CFG if pos == "learned" else MEM_CFG.with_(pos="rope", n_kv_head=2)
+    measured = {r["memory"][pos] for r in suite(cp)}
+    assert measured == {activation_bytes_per_rank(cfg, 2, cfg.seq_len, cp)}  # exact, every rank
+    one = sum(model_activation_bytes(cfg, 2, cfg.seq_len, formula="adapted", element_bytes=4).values())
+    assert abs(measured.pop() * cp / one - 1) < 0.1  # within 10 % of 1/cp of the plain GPT on one process
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -65,6 +65,28 @@ def ring_sends_per_layer(cp: int) -> dict[str, int]:
     return {"forward_kv": cp - 1, "backward_kv": cp - 1, "backward_dkv": cp if cp > 1 else 0}
 
 
+def activation_bytes_per_rank(cfg: GPTConfig, micro_batch: int, seq_len: int, cp: int,
+                              element_bytes: int = 4) -> int:
+    """Activation bytes one CP rank saves for backward (what ``course_lib.memtrack`` measures), from the
+    estimator's adapted formula at s/cp tokens (``memory.model_activation_bytes``) and what ring attention saves
+    differently from PyTorch's SDPA: un-repeated K,V under GQA (2e(h - h_kv) less per token and layer), a
+    contiguous attention output that o_proj saves as a copy without RoPE too (e*h more), and the positions of
+    every rank [cp, s/cp] int64, shared by all layers (which replace the learned position ids).
+
+    Everything scales with s/cp except those positions: activation memory per rank falls as 1/cp.
+    """
+    from course_lib.memory import model_activation_bytes
+
+    n = micro_batch * seq_len // cp
+    e, h, layers = element_bytes, cfg.d_model, cfg.n_layer
+    base = sum(model_activation_bytes(cfg, micro_batch, seq_len // cp, formula="adapted",
+                                      element_bytes=e).values())
+    gqa = -2 * e * n * (h - cfg.kv_heads * cfg.head_dim) * layers
+    o_copy = 0 if cfg.pos == "rope" else e * n * h * layers
+    pos = 8 * seq_len - (8 * seq_len // cp if cfg.pos == "learned" else 0)
+    return int(base + gqa + o_copy + pos)
+
+
 class CPContext:
     """What every ring-attention layer of one model shares: the group, the layout, the algorithm, and the
     positions of the batch now running (set by ``ContextParallel.forward``)."""
