@@ -37,6 +37,7 @@ GQA: the ring carries the n_kv heads (each serving n_head / n_kv query heads), n
 from __future__ import annotations
 
 import math
+import time
 from typing import Literal
 
 import torch
@@ -187,6 +188,26 @@ class BlockAttention:
     def kv_for_backward_step(self, step: int, received: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
         """The K,V block the backward recomputes with at ``step``: the one the ring delivered (``own`` at 0)."""
         return received
+
+
+class EmulatedDeviceAttention(BlockAttention):
+    """Blocks that also cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs of sleep in
+    forward, twice that in backward (as a host waits for a GPU kernel). The sleep costs no CPU, so cp ranks run
+    side by side on a 2-core machine and step times follow the work per rank, not the OS scheduler."""
+
+    def __init__(self, seconds_per_pair: float) -> None:
+        self.seconds_per_pair = seconds_per_pair
+
+    def _pairs(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> int:
+        return int(mask.sum()) if mask is not None else q.shape[2] * k.shape[2]
+
+    def forward(self, q, k, v, scale, mask):
+        time.sleep(self.seconds_per_pair * self._pairs(q, k, mask))
+        return super().forward(q, k, v, scale, mask)
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        time.sleep(2 * self.seconds_per_pair * self._pairs(q, k, mask))
+        return super().backward(q, k, v, scale, mask, d_out, lse, delta)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
