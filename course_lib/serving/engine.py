@@ -14,7 +14,7 @@ norms, projections and MLP, ``norm_f`` and ``lm_head``. A variant changes one st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +133,7 @@ def generate_uncached(model: GPT, prompt: torch.Tensor, max_new_tokens: int, tem
 @torch.no_grad()
 def generate(model: GPT, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
              generator: torch.Generator | None = None, cache: KVCache | None = None,
-             engine_cls: type[Engine] = Engine) -> list[list[int]]:
+             engine_cls: Callable[[GPT, KVCache], Engine] = Engine) -> list[list[int]]:
     """Batched generation with a KV cache: one prefill step for every prompt (of any lengths), then one decode
     step per new token for all sequences at once. Returns the new tokens of each prompt."""
     n_max = max(p.numel() for p in prompts) + max_new_tokens
