@@ -17,8 +17,10 @@ shrinks only to one head per rank: ``ceil(n_kv / t)`` heads, as ``memory.kv_cach
 
 **Replicas**: d ranks each with the full model serve 1/d of the requests, with no communication at all.
 
-This file shards the full ``nn.Linear`` layers of ``course_lib.model.GPT`` itself (a small head-sharded
-projection, enough for inference); embeddings, norms and the LM head stay replicated.
+The layers are chapter 04's (``course_lib.parallel.tp``): ``ColumnParallelLinear`` / ``RowParallelLinear`` /
+``TensorParallelMLP`` built from the full ``nn.Linear`` layers of ``course_lib.model.GPT``; the K/V projections keep
+exactly the heads this rank reads (:meth:`TPDecodeEngine.kv_heads`), so the rank's cache holds only those.
+Embeddings, norms and the LM head stay replicated.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, Block, GPTConfig
+from course_lib.parallel.tp import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 from course_lib.serving.engine import Engine, Segment, generate, sample
 from course_lib.serving.kv_cache import ContiguousKVCache, KVCache
 
@@ -63,26 +66,12 @@ def check_tp(config: GPTConfig, t: int) -> None:
         raise ValueError("cannot shard for tensor-parallel decode: " + "; ".join(problems))
 
 
-def _rows(linear: nn.Linear, idx: torch.Tensor) -> nn.Linear:
-    """The output units ``idx`` of ``linear`` (column parallel: no communication)."""
-    out = nn.Linear(linear.in_features, idx.numel(), bias=linear.bias is not None, device=linear.weight.device)
-    with torch.no_grad():
-        out.weight.copy_(linear.weight[idx])
-        if linear.bias is not None:
-            out.bias.copy_(linear.bias[idx])
-    return out
-
-
-def _cols(linear: nn.Linear, idx: torch.Tensor) -> nn.Linear:
-    """The input units ``idx`` of ``linear``, without bias (row parallel: partial sums, all-reduce, then bias)."""
-    out = nn.Linear(idx.numel(), linear.out_features, bias=False, device=linear.weight.device)
-    with torch.no_grad():
-        out.weight.copy_(linear.weight[:, idx])
-    return out
-
-
-def _units(heads: Sequence[int], d: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([h * d + i for h in heads for i in range(d)], device=device)
+def _kv_rows(linear: nn.Linear, heads: Sequence[int], d: int, group: dist.ProcessGroup | None) -> ColumnParallelLinear:
+    """A column-parallel projection that keeps the output rows of ``heads`` (``d`` rows each): the K/V heads this
+    rank's query heads read, which are replicated on several ranks when t > n_kv."""
+    idx = torch.tensor([h * d + i for h in heads for i in range(d)], device=linear.weight.device)
+    bias = linear.bias.detach()[idx].clone() if linear.bias is not None else None
+    return ColumnParallelLinear(linear.weight.detach()[idx].clone(), bias, group, enter_region=False)
 
 
 class TPDecodeEngine(Engine):
@@ -102,19 +91,15 @@ class TPDecodeEngine(Engine):
         kv = self.kv_heads()
         if cache.n_kv_heads != len(kv):
             raise ValueError(f"the cache holds {cache.n_kv_heads} KV heads, this rank computes {len(kv)}")
-        dev, d = model.lm_head.weight.device, c.head_dim
-        q_idx = _units(q_heads_of(self.rank, self.t, c.n_head), d, dev)
-        kv_idx = _units(kv, d, dev)
-        f = c.ffn_dim // self.t
-        f_idx = torch.arange(self.rank * f, (self.rank + 1) * f, device=dev)
         self.shards = []
-        for b in model.blocks:
-            a, m = b.attn, b.mlp
+        for blk in model.blocks:
+            a = blk.attn
             self.shards.append({
-                "q": _rows(a.q_proj, q_idx), "k": _rows(a.k_proj, kv_idx), "v": _rows(a.v_proj, kv_idx),
-                "o": _cols(a.o_proj, q_idx), "o_bias": a.o_proj.bias,
-                "fc1": _rows(m.fc1, f_idx), "gate": _rows(m.gate, f_idx) if m.gate is not None else None,
-                "fc2": _cols(m.fc2, f_idx), "fc2_bias": m.fc2.bias,
+                "q": ColumnParallelLinear.from_linear(a.q_proj, self.group, enter_region=False),
+                "k": _kv_rows(a.k_proj, kv, c.head_dim, self.group),
+                "v": _kv_rows(a.v_proj, kv, c.head_dim, self.group),
+                "o": RowParallelLinear.from_linear(a.o_proj, self.group),
+                "mlp": TensorParallelMLP(blk.mlp, self.group),
             })
         self._index = {id(b): i for i, b in enumerate(model.blocks)}
 
@@ -122,23 +107,15 @@ class TPDecodeEngine(Engine):
         """The KV heads this rank computes and caches (replicated when t > n_kv)."""
         return kv_heads_of(self.rank, self.t, self.config.n_head, self.config.kv_heads)
 
-    def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        comm.all_reduce(partial, group=self.group)
-        return partial if bias is None else partial + bias
-
     def qkv(self, block: Block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, N, d = self.shards[self._index[id(block)]], x.shape[0], self.head_dim
         return tuple(s[k](x).view(N, -1, d).transpose(0, 1) for k in ("q", "k", "v"))
 
     def attn_out(self, block: Block, y: torch.Tensor) -> torch.Tensor:
-        s = self.shards[self._index[id(block)]]
-        return self._reduce(s["o"](y), s["o_bias"])
+        return self.shards[self._index[id(block)]]["o"](y)  # row parallel: partial sums, all-reduce, + bias
 
     def mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        s = self.shards[self._index[id(block)]]
-        hidden = torch.nn.functional.silu(s["gate"](x)) * s["fc1"](x) if s["gate"] is not None \
-            else torch.nn.functional.gelu(s["fc1"](x))
-        return self._reduce(s["fc2"](hidden), s["fc2_bias"])
+        return self.shards[self._index[id(block)]]["mlp"](x)  # column -> row, one all-reduce
 
 
 def make_tp_cache(config: GPTConfig, t: int, max_seqs: int, max_len: int, **kw) -> ContiguousKVCache:
