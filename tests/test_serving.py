@@ -277,3 +277,17 @@ def test_roofline_cost_and_critical_batch():
     assert decode64 < 1.05 * decode1  # memory-bound: 64 tokens cost about one
     prefill = COST(StepWork(4096, 4096 * 4097 // 2, 0, 1))
     assert prefill > 5 * decode1  # compute-bound
+
+
+def test_serving_capacity_is_what_the_budget_leaves_for_the_kv_cache():
+    from course_lib.serving.budget import predict
+
+    p = predict("llama3-70b", "H100 80GB", batch=1, context=4096, tp=4)
+    b = p.budget
+    per_seq = memory.kv_cache_bytes("llama3-70b", 4096, tp=4)
+    fixed = b["weights"] + b["workspace"] + b["communication"]
+    assert p.max_sequences == int((p.capacity_bytes / 1.10 - fixed) // per_seq) > 0
+    assert predict("llama3-70b", batch=1, context=4096, tp=1).max_sequences == 0  # 141 GB of weights
+    assert p.memory_s == pytest.approx((b["weights"] + b["kv_cache"]) / 3.35e12)
+    with pytest.raises(ValueError, match="unknown serving GPU"):
+        predict("llama3-8b", "RTX 4090 24GB")
