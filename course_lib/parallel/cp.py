@@ -117,8 +117,9 @@ class CPAttention(nn.Module):
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE at the tokens' *global* positions (a seam: a layout bug that forgets this is a subclass)."""
-        cos, sin = rope_cos_sin(positions.numel(), self.head_dim, positions=positions)
-        return apply_rope(q, cos.to(q.device), sin.to(q.device)), apply_rope(k, cos.to(k.device), sin.to(k.device))
+        cos, sin = rope_cos_sin(positions.numel(), self.head_dim, positions=positions.cpu())
+        cos, sin = cos.to(q.device), sin.to(q.device)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
