@@ -145,6 +145,8 @@ def _suite(rank: int, cp: int) -> dict:
         train[key] = train_cp(rank, cp, cfg, tc, **kw)
     if cp == 4:
         train["dp2_cp2"] = train_cp(rank, cp, ROPE_GQA, SGD, mesh=Mesh(dp=2, cp=2), layout="zigzag")
+        for stage in (1, 3):
+            train[f"dp2_cp2_zero{stage}"] = train_cp(rank, cp, ROPE_GQA, SGD, mesh=Mesh(dp=2, cp=2), zero_stage=stage)
     out["train"] = train
     out["memory"] = {cfg.pos: _activation_peak(rank, cp, cfg) for cfg in (MEM_CFG, MEM_CFG.with_(pos="rope",
                                                                                                   n_kv_head=2))}
@@ -343,6 +345,18 @@ def test_dp_x_cp_parity_and_gradient_group():
         assert compare(ref, run).ok, str(compare(ref, run))
         groups = {(r.op, r.group) for step in run.step_comm for r in step}
         assert ("all_reduce", "dp+cp") in groups and ("send", "cp") in groups
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dp_x_cp_with_zero_shards_over_dp_x_cp(stage):
+    ref = baseline(ROPE_GQA, SGD)
+    for result in suite(4):
+        run = result["train"][f"dp2_cp2_zero{stage}"]
+        assert compare(ref, run).ok, str(compare(ref, run))
+        groups = {(r.op, r.group) for step in run.step_comm for r in step}
+        assert {("reduce_scatter", "dp+cp"), ("all_gather", "dp+cp"), ("send", "cp")} <= groups
+        assert ("all_reduce", "dp+cp") not in groups
 
 
 @pytest.mark.slow
