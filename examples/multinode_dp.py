@@ -22,8 +22,11 @@ import argparse
 import os
 import socket
 import sys
+from datetime import timedelta
 
-from course_lib.launch import launch
+import torch.distributed as dist
+
+from course_lib.launch import in_torchrun, launch
 from course_lib.parallel.dp import MODES, train_dp
 from course_lib.train import PARITY_MODEL, TrainConfig, TrainResult, compare, train_baseline
 
@@ -49,7 +52,16 @@ def main() -> int:
     lr = 1e-2 if args.optimizer == "sgd" else 1e-3
     tc = TrainConfig(steps=args.steps, global_batch=args.global_batch, optimizer=args.optimizer, lr=lr)
 
-    results = launch(train, world_size, tc, args.mode, timeout=120)  # every rank gets every rank's result
+    if in_torchrun():
+        # Join the job: torchrun gave every process RANK, WORLD_SIZE and the rendezvous (MASTER_ADDR/PORT).
+        # gloo, not NCCL, even on a GPU node: this example computes on the CPU, and NCCL only moves CUDA
+        # tensors (launch() would pick NCCL when it sees a GPU). gloo crosses nodes over plain TCP.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        results = launch(train, world_size, tc, args.mode, timeout=120)  # every rank gets every rank's result
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     reference = train_baseline(PARITY_MODEL, tc)
     rank = int(os.environ.get("RANK", 0))

@@ -7,8 +7,9 @@ training whose gradients cross the "node" boundary, checked by the script agains
 
 Process hygiene: the agents run in their own sessions; torchrun starts its workers in sessions of their own
 too, so killing an agent's process group would not reach them. The test therefore records every descendant of
-each agent while it runs and, whatever happens (pass, failure, timeout), kills all of them and waits until they
-are gone. The whole run is bounded by ``TIMEOUT_S``.
+each agent while it runs and, whatever happens (pass, failure, timeout), suspends the agents that are still
+there (so they start no one new), records once more, kills all of them and waits until they are gone. The
+whole run is bounded by ``TIMEOUT_S`` (and the rendezvous's join timeout by the same).
 
 The fast tests load the script as a module and run ``main()`` with one in-process rank (no torchrun): the
 verdict line and the exit code, for a matching and for a deliberately different reference.
@@ -90,9 +91,15 @@ def test_two_torchrun_nodes_train_in_parity_with_one_process(tmp_path):
                 pytest.fail(f"the two-node run did not finish within {TIMEOUT_S} s\n"
                             + "\n".join(f"--- node {n} ---\n{_tail(p)}" for n, p in enumerate(logs)))
             time.sleep(0.2)
-    finally:
-        workers = set().union(*family.values())
-        left = _kill_all(workers | {psutil.Process(a.pid) for a in agents if a.poll() is None})
+    finally:  # freeze the agents (no new workers), take a last census, kill everyone
+        live = [psutil.Process(a.pid) for a in agents if a.poll() is None]
+        for agent in live:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                agent.suspend()
+        for node, a in enumerate(agents):
+            if a.poll() is None:
+                family[node] |= _descendants(psutil.Process(a.pid))
+        left = _kill_all(set().union(*family.values(), live))
         for a in agents:
             a.wait(timeout=10)
         assert not left, f"processes survived the kill: {left}"
