@@ -88,7 +88,7 @@ def test_figure_and_widget():
     w.set(sequence_parallel=True)
     assert [c.collectives for c in w.costs[1:]] == [8] * (len(vt.DEGREES) - 1)
     w.set(tokens=1)
-    assert w.largest_t == 1 and "is stricter" in w.text
+    assert w.largest_t == 1 and "is stricter: t <= 1" in w.text
     with pytest.raises(KeyError):
         w.set(nonsense=1)
     assert set(w.controls) == set(vt.CONTROL_DESCRIPTIONS)

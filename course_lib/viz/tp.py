@@ -193,8 +193,8 @@ class TPCostWidget(ControlPanel):
         hb = 6 * block_params(cfg) * link.beta / (8 * cfg.d_model * 2 * PEAK_FLOPS[v["gpu"]] * float(v["mfu"]))
         head = [f"{cfg.name} over {link.name}: modelled compute-bound up to t={self.largest_t} "
                 f"(bandwidth terms alone: comm = compute at t-1 = {hb:.3g})",
-                f"rule of thumb: t <= {rule} ({why}); the model {'agrees' if self.largest_t >= rule else 'is stricter'}"
-                f" at {v['tokens']} tokens per device"]
+                f"rule of thumb: t <= {rule} ({why}); at {v['tokens']} tokens per device the model "
+                + ("allows at least that" if self.largest_t >= rule else f"is stricter: t <= {self.largest_t}")]
         rows = ["   t  sent/layer   comm/layer  compute/layer  verdict"]
         for c in self.costs:
             verdict = ("t does not divide n_head" if not c.valid else
