@@ -87,6 +87,8 @@ def _describe_buckets(buckets: list[list[int]], sizes: Sequence[int]) -> str:
 DEFAULT_BUCKET_CASES: tuple[tuple[tuple[int, ...], int], ...] = (
     ((400, 100, 300, 200, 500, 100), 500),
     ((4, 4, 4, 4), 0),
+    ((100, 300, 200, 400, 100), 500),  # the last bucket, [0], is partly filled: it must still be returned
+    ((), 100),
 )
 
 
