@@ -20,6 +20,8 @@
    ``finish()``, which waits, averages and writes the gradients back. Checked on real ranks: the all-reduces are
    counted and sized where the process group sees them (one per bucket, in order, all during backward, none in
    ``finish()``), and the gradients compared with one process.
+6. ``fixed_overlap_buckets(params, buckets)``: find the bug in a given version of 5 that is right for one step
+   only; the same check, over several steps.
 
 Launched checks run the learner's function (shipped by cloudpickle, as a notebook cell's) on ``world_size`` gloo
 ranks through ``course_lib.launch`` with a time limit, so a hang fails the check with where each rank waited.
@@ -378,4 +380,7 @@ EXERCISES = [
              hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}]),
     Exercise("overlap_buckets", "Overlapped, bucketed gradient hooks", 4, "overlap_buckets", check_overlap_buckets,
              hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3}]),
+    Exercise("fixed_overlap_buckets", "Find the bug: overlap that works for one step", 3, "fixed_overlap_buckets",
+             check_overlap_buckets, visible={"steps": 3},
+             hidden=[{"world_size": 4, "seed": 1, "steps": 3}, {"world_size": 2, "seed": 2, "steps": 4}]),
 ]

@@ -224,7 +224,7 @@ def bytes_2v(n_params, bytes_per_grad, n, accumulation):
 # overlap_buckets
 
 
-def _overlap(params, buckets, *, divide=True, per_parameter=False, in_finish=False):
+def _overlap(params, buckets, *, divide=True, per_parameter=False, in_finish=False, reset=True):
     import torch
 
     n = dist.get_world_size()
@@ -259,9 +259,15 @@ def _overlap(params, buckets, *, divide=True, per_parameter=False, in_finish=Fal
             if flat is not params[idx[0]].grad:
                 for j, g in zip(idx, flat.split([params[j].numel() for j in idx]), strict=True):
                     params[j].grad.copy_(g.view_as(params[j]))
-        state.update(missing=[len(b) for b in buckets], next=0, in_flight=[])
+        if reset:
+            state.update(missing=[len(b) for b in buckets], next=0, in_flight=[])
 
     return finish
+
+
+def overlap_never_resets(params, buckets):
+    """The given version unchanged: finish() keeps the counters, so from the second step no bucket is launched."""
+    return _overlap(params, buckets, reset=False)
 
 
 def overlap_all_in_finish(params, buckets):
@@ -288,4 +294,5 @@ WRONG = {
                           step_zeroes_inside_the_loop, step_forgets_finish_gradient_sync, step_returns_the_loss_tensor],
     "dp_bytes_per_step": [bytes_one_phase, bytes_every_micro_batch, bytes_2v],
     "overlap_buckets": [overlap_all_in_finish, overlap_forgets_to_divide, overlap_one_all_reduce_per_parameter],
+    "fixed_overlap_buckets": [overlap_never_resets, overlap_forgets_to_divide],
 }
