@@ -69,7 +69,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +82,10 @@ from course_lib import comm
 from course_lib import schedules as S
 from course_lib.data import global_batch, micro_batches
 from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.parallel.contract import HasGroups, ParallelWrapper
+from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.schedules import Action, Kind, Schedule
-from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
+from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 SCHEDULES: dict[str, str] = {  # accepted names -> the builder in course_lib.schedules
     "gpipe": "gpipe", "afab": "gpipe",
@@ -151,10 +153,11 @@ class PipelinePlan:
         return stage % self.p
 
 
-def plan_pipeline(cfg: GPTConfig, p: int, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
+def plan_pipeline(cfg: GPTConfig | int, p: int, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
                   split: Sequence[int] | None = None, global_batch: int | None = None) -> PipelinePlan:
-    """Check the arguments (clear ``ValueError`` s) and build the plan. ``schedule`` is a name of ``SCHEDULES`` or
-    a compute-only schedule (``list[list[Action]]``) of p ranks, m micro-batches, v chunks per rank."""
+    """Check the arguments (clear ``ValueError`` s) and build the plan. ``cfg``: the GPT's config, or the number
+    of blocks of any other model. ``schedule`` is a name of ``SCHEDULES`` or a compute-only schedule
+    (``list[list[Action]]``) of p ranks, m micro-batches, v chunks per rank."""
     for name, value in (("p", p), ("microbatches", microbatches), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -173,14 +176,15 @@ def plan_pipeline(cfg: GPTConfig, p: int, schedule: str | Schedule = "1f1b", mic
     else:
         name, compute = "custom", [list(rank) for rank in schedule]
         S.validate(compute, p, m, v)
-    if cfg.tie_embeddings and p * v > 1:
+    n_layer = cfg if isinstance(cfg, int) else cfg.n_layer
+    if not isinstance(cfg, int) and cfg.tie_embeddings and p * v > 1:
         raise ValueError("tie_embeddings=True puts one weight on the first and the last stage: its gradient would need "
                          "an all-reduce between those ranks (Megatron's embedding group), which this executor does not "
                          "do; use an untied model")
     if global_batch is not None and global_batch % m:
         raise ValueError(f"the global batch of {global_batch} rows does not split into m={m} equal micro-batches: "
                          f"choose m dividing {global_batch}")
-    counts = layer_split(cfg.n_layer, p * v, split)
+    counts = layer_split(n_layer, p * v, split)
     actions = S.add_send_recv(compute) if p > 1 else compute
     micro = global_batch // m if global_batch is not None else 0
     return PipelinePlan(p, v, m, name, counts, stage_layers(counts), micro, actions)
@@ -189,51 +193,106 @@ def plan_pipeline(cfg: GPTConfig, p: int, schedule: str | Schedule = "1f1b", mic
 # ---------------------------------------------------------------------------------------------- the stages
 
 
+@dataclass
+class PipelineParts:
+    """A model as the pipeline cuts it: ``first`` (token ids -> hidden states, on stage 0), ``blocks`` (the
+    layers the stages split between them) and ``last`` (hidden states -> logits, on the last stage)."""
+
+    first: nn.Module
+    blocks: Sequence[nn.Module]
+    last: nn.Module
+
+
+class _GPTEmbedding(nn.Module):
+    """A GPT's embedding as a module of its own (``GPT.embed``: token + learned position embeddings)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return GPT.embed(self, idx)  # the same code as the full model (it only reads tok_emb and pos_emb)
+
+
+class _GPTHead(nn.Module):
+    """A GPT's final norm and LM head as a module of its own (``GPT.head``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.norm_f, self.lm_head = model.norm_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return GPT.head(self, x)
+
+
+def pipeline_parts(model: nn.Module | PipelineParts) -> PipelineParts:
+    """Cut ``model`` into first part, blocks, last part: an ``nn.Sequential`` is [first, *blocks, last]; a GPT
+    (``embed`` / ``blocks`` / ``head``) is embeddings, its blocks, final norm + head."""
+    if isinstance(model, PipelineParts):
+        return model
+    if isinstance(model, nn.Sequential):
+        if len(model) < 3:
+            raise ValueError(f"an nn.Sequential to pipeline needs [first, blocks..., last]: got {len(model)} modules")
+        return PipelineParts(model[0], list(model)[1:-1], model[-1])
+    if isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.Sequential)) and hasattr(model, "tok_emb"):
+        return PipelineParts(_GPTEmbedding(model), list(model.blocks), _GPTHead(model))
+    raise TypeError(f"cannot cut a {type(model).__name__} into pipeline stages: give an nn.Sequential "
+                    "[first, *blocks, last], a GPT, or PipelineParts(first, blocks, last)")
+
+
+def shares_weights(first: nn.Module, last: nn.Module) -> bool:
+    """Whether ``first`` and ``last`` hold the same parameter (tied embeddings)."""
+    return bool({id(p) for p in first.parameters()} & {id(p) for p in last.parameters()})
+
+
 class Stage(nn.Module):
-    """One (virtual) stage: [embeddings] -> its blocks -> [final norm + head]. ``named_parameters()`` gives the
-    global names of ``GPT`` (``blocks`` is a ``ModuleDict`` keyed by the global block index).
+    """One (virtual) stage of ``model`` (a GPT, an ``nn.Sequential`` or ``PipelineParts``): [first part] -> its
+    blocks -> [last part]. ``blocks`` is a ``ModuleDict`` keyed by the global block index.
 
     ``forward(x)`` is the whole stage (token ids in on stage 0, logits out on the last): what
     ``torch.distributed.pipelining.PipelineStage`` wraps. The executor calls ``embed`` and ``body`` separately.
     """
 
-    def __init__(self, model: GPT, index: int, n_stages: int, layers: range) -> None:
+    def __init__(self, model: nn.Module | PipelineParts, index: int, n_stages: int, layers: range) -> None:
         super().__init__()
+        parts = pipeline_parts(model)
         self.index, self.n_stages, self.layers = index, n_stages, layers
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        if self.is_first:
-            self.tok_emb = model.tok_emb
-            self.pos_emb = model.pos_emb
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        if self.is_last:
-            self.norm_f = model.norm_f
-            self.lm_head = model.lm_head
+        self.first = parts.first if self.is_first else None
+        self.blocks = nn.ModuleDict({str(i): parts.blocks[i] for i in layers})
+        self.last = parts.last if self.is_last else None
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        return GPT.embed(self, idx)  # the same code as the full model (it only reads tok_emb and pos_emb)
+        return self.first(idx)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
-        """Blocks, then (last stage) final norm + head: hidden states in, hidden states or logits out."""
+        """Blocks, then (last stage) the last part: hidden states in, hidden states or logits out."""
         for block in self.blocks.values():
             x = block(x)
-        return GPT.head(self, x) if self.is_last else x
+        return self.last(x) if self.is_last else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(self.embed(x) if self.is_first else x)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
-        if not self.is_first:
-            return []
-        return [p for m in (self.tok_emb, self.pos_emb) if m is not None for p in m.parameters() if p.requires_grad]
+        return [p for p in self.first.parameters() if p.requires_grad] if self.is_first else []
 
     def body_parameters(self) -> list[nn.Parameter]:
         emb = {id(p) for p in self.embedding_parameters()}
         return [p for p in self.parameters() if p.requires_grad and id(p) not in emb]
 
 
-def build_stages(cfg: GPTConfig, plan: PipelinePlan, rank: int, seed: int = 0) -> dict[int, Stage]:
-    """This rank's stages, by stage index, cut from ``GPT(cfg, seed)`` (same initial weights as the baseline)."""
-    model = GPT(cfg, seed=seed)
+def named_subset(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """Detached fp32 copies of ``model``'s parameters (by ``model``'s names) that live in ``modules``."""
+    mine = {id(p) for m in modules for p in m.parameters()}
+    return {name: p.detach().float().clone() for name, p in model.named_parameters() if id(p) in mine}
+
+
+def build_stages(cfg: GPTConfig, plan: PipelinePlan, rank: int, seed: int = 0,
+                 model: nn.Module | None = None) -> dict[int, Stage]:
+    """This rank's stages, by stage index, cut from ``model`` (default ``GPT(cfg, seed)``: the same initial
+    weights as the baseline)."""
+    model = GPT(cfg, seed=seed) if model is None else model
     return {s: Stage(model, s, plan.n_stages, plan.layers[s]) for s in plan.stages_of(rank)}
 
 
@@ -386,21 +445,26 @@ class PipelineExecutor:
     (I: t_b - t_w): the emulated-device mode for timing on a small CPU."""
 
     def __init__(self, stages: dict[int, Stage], plan: PipelinePlan, rank: int, group: comm.Group = None,
-                 loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None) -> None:
+                 loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
+                 hidden_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.stages, self.plan, self.rank, self.group = stages, plan, rank, group
         self.loss_fn, self.emulate = loss_fn, emulate
         self.actions = plan.actions[rank]
         self.prefetch = True  # post each compute action's receives one compute action early
-        block = next(iter(next(iter(stages.values())).blocks.values()))
-        self.d_model = block.attn.q_proj.in_features
+        first = next(iter(stages.values()))
+        self.device = next(first.parameters()).device
+        self.dtype = dtype
+        if hidden_shape is None:  # a GPT block: one d_model vector per token
+            block = next(iter(first.blocks.values()))
+            hidden_shape = (block.attn.q_proj.in_features,)
+        self.hidden_shape = tuple(hidden_shape)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
         return loss / self.plan.m
 
     def _peer(self, stage: int) -> int:
-        r = self.plan.rank_of(stage)
-        return dist.get_global_rank(self.group, r) if self.group is not None else r
+        return comm.global_rank(self.group, self.plan.rank_of(stage))
 
     def _sleep(self, kind: Kind) -> None:
         if self.emulate:
@@ -412,7 +476,7 @@ class PipelineExecutor:
         Returns the unscaled micro-batch losses (on the rank of the last stage, else []) and the timeline."""
         plan = self.plan
         micro = micro_batches(x, y, plan.m)
-        self._shape = (x.shape[0] // plan.m, x.shape[1], self.d_model)  # every message: one [b, s, h] tensor
+        self._shape = (x.shape[0] // plan.m, x.shape[1], *self.hidden_shape)  # every message: one [b, s, h] tensor
         self._ctx: dict[tuple[int, int], dict[str, Any]] = {}
         self._inbox: dict[tuple[Kind, int, int], tuple[torch.Tensor, Any]] = {}  # (F|B, j, stage) -> data, work
         self._outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
@@ -454,10 +518,10 @@ class PipelineExecutor:
     def _transfer(self, a: Action) -> None:
         j, s = a.microbatch, a.stage
         if a.kind is Kind.RECV_F:
-            buf = torch.empty(self._shape)
+            buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
             self._inbox[Kind.F, j, s] = (buf, comm.irecv(buf, self._peer(s - 1), self.group))
         elif a.kind is Kind.RECV_B:
-            buf = torch.empty(self._shape)
+            buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
             self._inbox[Kind.B, j, s] = (buf, comm.irecv(buf, self._peer(s + 1), self.group))
         elif a.kind is Kind.SEND_F:
             t = self._outbox.pop((Kind.F, j, s))
@@ -537,22 +601,103 @@ class PipelineExecutor:
 # ------------------------------------------------------------------------------------------------ training
 
 
+class PipelineParallel(ParallelWrapper):
+    """Wrap ``module`` (a GPT, an ``nn.Sequential`` [first, *blocks, last] or ``PipelineParts``) so that this
+    rank of ``group`` (or ``mesh.group("pp")``) runs its stages of it under ``schedule``.
+
+    Every rank holds the whole module (built from the same seed: identical weights, nothing to broadcast) and
+    keeps its stages: ``parameters()`` are this rank's stages' parameters, what its optimizer steps.
+    ``forward_backward(x, y)`` runs one pass of the schedule over the ``microbatches`` micro-batches of the batch
+    (forwards and backwards interleave, so a pipeline has no separate forward); it returns the mean micro-batch
+    loss on the last stage's rank (0.0 elsewhere; ``reduce_losses`` broadcasts the last stage's). The pipeline
+    accumulates its own micro-batches, so ``no_sync`` has nothing to hold back here (it is a no-op context) and
+    ``finish_gradient_sync`` / ``after_step`` are no-ops; ``remove_hooks`` has none to remove. Seam: the
+    executor's ``scale_loss`` (``executor_class``, a ``PipelineExecutor`` subclass).
+    """
+
+    axes = ("pp",)
+
+    def __init__(self, module: nn.Module | PipelineParts, *, mesh: HasGroups | None = None,
+                 group: comm.Group = None, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
+                 split: Sequence[int] | None = None, global_batch: int | None = None, loss_fn: LossFn = lm_loss,
+                 emulate: tuple[float, float, float] | None = None,
+                 executor_class: type[PipelineExecutor] = PipelineExecutor) -> None:
+        parts = pipeline_parts(module)
+        super().__init__(module if isinstance(module, nn.Module) else nn.ModuleList([parts.first, *parts.blocks,
+                                                                                        parts.last]),
+                         mesh=mesh, group=group)
+        if shares_weights(parts.first, parts.last) and self.world_size * v > 1:
+            raise ValueError("the first and the last part share a weight (tied embeddings): its gradient would need "
+                             "an all-reduce between those stages' ranks (Megatron's embedding group), which this "
+                             "executor does not do; use an untied model")
+        self.plan = plan_pipeline(len(parts.blocks), self.world_size, schedule, microbatches, v, split, global_batch)
+        self.stages = nn.ModuleDict({str(s): Stage(parts, s, self.plan.n_stages, self.plan.layers[s])
+                                     for s in self.plan.stages_of(self.rank)})
+        by_index = {int(k): st for k, st in self.stages.items()}
+        self.executor = executor_class(by_index, self.plan, self.rank, self.group, loss_fn, emulate,
+                                       hidden_shape=self._hidden_shape(parts, module))
+        self.timelines: list[list[TimedAction]] = []  # one per forward_backward
+        self.micro_losses: list[list[float]] = []
+
+    @staticmethod
+    def _hidden_shape(parts: PipelineParts, module: Any) -> tuple[int, ...] | None:
+        config = getattr(module, "config", None)
+        return (config.d_model,) if isinstance(config, GPTConfig) else None
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """This rank's stages' trainable parameters."""
+        return iter([q for st in self.stages.values() for q in st.parameters() if q.requires_grad])
+
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by the wrapped module's names (copies, fp32)."""
+        return named_subset(self.module, list(self.stages.values()))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a pipeline interleaves forward and backward over micro-batches: call "
+                                  "forward_backward(x, y) (one pass of the schedule), not the wrapper itself")
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                         scale: float = 1.0) -> float:
+        if scale != 1.0:
+            raise ValueError("the pipeline splits the batch into its own micro-batches (microbatches=m) and scales "
+                             "each loss by 1/m itself: run it with accumulation=1")
+        if loss_fn is not None:
+            self.executor.loss_fn = loss_fn
+        losses, timeline = self.executor.run(x, y)
+        self.timelines.append(timeline)
+        self.micro_losses.append(losses)
+        return sum(losses) / len(losses) if losses else 0.0
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """Only the last stage computes the losses: broadcast them from its rank."""
+        losses = local.to(torch.float32)
+        if self.world_size > 1:
+            comm.broadcast(losses, src=comm.global_rank(self.group, self.plan.rank_of(self.plan.n_stages - 1)),
+                           group=self.group)
+        return losses
+
+
 @dataclass
 class PPResult(TrainResult):
     """``TrainResult`` of one rank: losses (the global-batch mean, on every rank) and **this rank's** parameters by
-    global name (``merge_results`` joins the ranks'), plus its stages and the per-step records."""
+    global name (``merge_results`` joins the ranks'), plus its stages and the per-step records (``step_comm``:
+    the communication of each step, the same records as ``steps[i].comm``)."""
 
     rank: int = 0
     stages: list[int] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list, repr=False)
     plan: PipelinePlan | None = field(default=None, repr=False)
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
 
 
 def train_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None,
              schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1, split: Sequence[int] | None = None,
-             group: comm.Group = None, loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
+             *, mesh: HasGroups | None = None, group: comm.Group = None, model_fn: ModelFn | None = None,
+             freeze: Sequence[str] = (), loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
+             wrapper_class: type[PipelineParallel] = PipelineParallel,
              executor_class: type[PipelineExecutor] = PipelineExecutor) -> PPResult:
-    """Train with pipeline parallelism over ``group`` (a ``launch`` target: ``launch(train_pp, 2, cfg, tc)``).
+    """Train with pipeline parallelism over ``group`` / ``mesh``'s pp axis (a ``launch`` target:
+    ``launch(train_pp, 2, cfg, tc)``), through ``course_lib.parallel.loop.train_loop``.
 
     p = the group's size; the model is cut into p * v stages (``split`` blocks each, equal by default); each step
     runs ``schedule`` over ``microbatches`` micro-batches of ``global_batch(step, tc.global_batch, ...)`` and every
@@ -561,32 +706,19 @@ def train_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
     and each step's timeline and communication records.
     """
     tc = tc or TrainConfig()
-    p = dist.get_world_size(group) if group is not None else world_size
-    me = dist.get_rank(group) if group is not None else rank
-    plan = plan_pipeline(cfg, p, schedule, microbatches, v, split, tc.global_batch)
-    stages = build_stages(cfg, plan, me, tc.seed)
-    params = [q for st in stages.values() for q in st.parameters() if q.requires_grad]
-    opt = make_optimizer(params, tc)
-    executor = executor_class(stages, plan, me, group, loss_fn, emulate)
-    records, step_losses = [], []
-    for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        opt.zero_grad(set_to_none=True)
-        with comm.recording() as log:
-            start = time.perf_counter()
-            losses, timeline = executor.run(x, y)
-        opt.step()
-        records.append(StepRecord(step, timeline, list(log.records), losses, start, time.perf_counter()))
-        step_losses.append(sum(losses) / len(losses) if losses else 0.0)
-    last = dist.get_global_rank(group, plan.rank_of(plan.n_stages - 1)) if group is not None else \
-        plan.rank_of(plan.n_stages - 1)
-    losses_t = torch.tensor(step_losses, dtype=torch.float64)
-    if p > 1:
-        comm.broadcast(losses_t, src=last, group=group)  # one call after training: only the last stage has them
-    named = {}
-    for st in stages.values():
-        named.update(full_params(st))
-    return PPResult(losses_t.tolist(), named, rank=me, stages=sorted(stages), steps=records, plan=plan)
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    pipe = wrapper_class(model, mesh=mesh, group=group, schedule=schedule, microbatches=microbatches, v=v,
+                         split=split, global_batch=tc.global_batch, loss_fn=loss_fn, emulate=emulate,
+                         executor_class=executor_class)
+    opt = make_optimizer(list(pipe.parameters()), tc)
+    spans: list[tuple[float, float]] = []
+    out = train_loop(pipe, opt, cfg, tc, data_rank=0, data_size=1, loss_fn=loss_fn,
+                     on_step_end=lambda step: spans.append((pipe.timelines[-1][0].start if pipe.timelines[-1]
+                                                            else time.perf_counter(), time.perf_counter())))
+    records = [StepRecord(step, timeline, comm_, losses, start, end) for step, (timeline, comm_, losses, (start, end))
+               in enumerate(zip(pipe.timelines, out.step_comm, pipe.micro_losses, spans, strict=True))]
+    return PPResult(out.losses, pipe.local_params(), rank=pipe.rank, stages=sorted(int(k) for k in pipe.stages),
+                    steps=records, plan=pipe.plan, step_comm=out.step_comm)
 
 
 def merge_results(results: Sequence[TrainResult]) -> TrainResult:
@@ -643,11 +775,12 @@ def train_torch_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     )
 
     tc = tc or TrainConfig()
-    p = dist.get_world_size(group) if group is not None else world_size
-    me = dist.get_rank(group) if group is not None else rank
+    p, me = dist.get_world_size(group), dist.get_rank(group)
     plan = plan_pipeline(cfg, p, schedule, microbatches, v, split, tc.global_batch)
-    stages = build_stages(cfg, plan, me, tc.seed)
-    pipe_stages = [PipelineStage(st, s, plan.n_stages, torch.device("cpu"), group=group) for s, st in stages.items()]
+    model = build_model(cfg, tc.seed)
+    stages = build_stages(cfg, plan, me, model=model)
+    device = next(model.parameters()).device
+    pipe_stages = [PipelineStage(st, s, plan.n_stages, device, group=group) for s, st in stages.items()]
     single = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B}
     multi = {"interleaved_one_f_one_b": ScheduleInterleaved1F1B, "zb_h1": ScheduleInterleavedZeroBubble}
     if plan.schedule in single:
@@ -661,21 +794,17 @@ def train_torch_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     has_first, has_last = 0 in stages, plan.n_stages - 1 in stages
     step_losses = []
     for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        x, y = (t.to(device) for t in global_batch(step, tc.global_batch, cfg.seq_len, tc.seed))
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         args = (x,) if has_first else ()
         runner.step(*args, target=y if has_last else None, losses=losses if has_last else None)
         opt.step()
         step_losses.append(float(torch.stack(losses).detach().mean()) if has_last else 0.0)
-    last = dist.get_global_rank(group, plan.rank_of(plan.n_stages - 1)) if group is not None else \
-        plan.rank_of(plan.n_stages - 1)
-    losses_t = torch.tensor(step_losses, dtype=torch.float64)
-    dist.broadcast(losses_t, src=last, group=group)
-    named = {}
-    for st in stages.values():
-        named.update(full_params(st))
-    return PPResult(losses_t.tolist(), named, rank=me, stages=sorted(stages), plan=plan)
+    losses_t = torch.tensor(step_losses, dtype=torch.float32, device=device)
+    dist.broadcast(losses_t, src=comm.global_rank(group, plan.rank_of(plan.n_stages - 1)), group=group)
+    return PPResult(losses_t.tolist(), named_subset(model, list(stages.values())), rank=me, stages=sorted(stages),
+                    plan=plan)
 
 
 # --------------------------------------------------------------------------------------------- balancing

@@ -80,9 +80,11 @@ composition with tensor parallelism simpler.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
@@ -95,8 +97,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from course_lib import comm
-from course_lib.data import global_batch, shard
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPTConfig
+from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
+from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
 
 __all__ = [
@@ -221,9 +224,10 @@ class FlatParamUnit:
         shard_world = 1 if stage == 0 else self.world_size  # stage 0 = plain DP: every rank owns everything
         self.shard_rank = 0 if stage == 0 else self.rank
         self.layout = FlatLayout.build([n for n, _ in named_params], [p.shape for p in self.params], shard_world)
-        lo, hi = self.layout.bounds(self.shard_rank)
+        self.device = self.params[0].device
+        lo, hi = self.bounds()
         with torch.no_grad():
-            flat32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32)
+            flat32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
             for view, p in zip(self.layout.views(flat32), self.params, strict=True):
                 view.copy_(p.detach())
         self.aliased = stage < 3 and param_dtype == torch.float32
@@ -233,12 +237,12 @@ class FlatParamUnit:
         else:
             self.shard = nn.Parameter(flat32[lo:hi].clone())
             self.full = flat32.to(param_dtype) if stage < 3 else torch.empty(self.layout.padded_numel,
-                                                                              dtype=param_dtype)
+                                                                              dtype=param_dtype, device=self.device)
         for p, view in zip(self.params, self.layout.views(self.full), strict=True):
             p.data = view  # the module now computes with views into the full flat buffer
         self.flat_grad: torch.Tensor | None = None
         if stage < 2:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=param_dtype)
+            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=self.device)
             self.install_grad_views()
         self.reshard_after_forward = True  # stage 3; ZeroDataParallel sets it per unit
         self.state = UnitState.UNSHARDED
@@ -254,6 +258,17 @@ class FlatParamUnit:
     @property
     def label(self) -> str:
         return self.name or "(root)"
+
+    # ---- the seams a variant overrides
+
+    def bounds(self) -> tuple[int, int]:
+        """The elements of the padded flat buffer this rank owns: ``shard_bounds(rank, S)``."""
+        return self.layout.bounds(self.shard_rank)
+
+    def average(self, g: torch.Tensor) -> None:
+        """Sum over ranks -> mean (in place): each rank's loss is the mean over its B/N rows, the baseline's over
+        all B."""
+        g.div_(self.world_size)
 
     # ---- parameters
 
@@ -302,7 +317,7 @@ class FlatParamUnit:
                 with torch.no_grad():
                     self.full.copy_(self.shard)
             return
-        lo, hi = self.layout.bounds(self.rank)
+        lo, hi = self.bounds()
         src = self.full[lo:hi] if self.aliased else self.shard.detach().to(self.param_dtype)
         comm.all_gather(self.full, src, group=self.group)
         self.events.append(("all_gather", self.name))
@@ -312,17 +327,13 @@ class FlatParamUnit:
     def install_grad_views(self) -> None:
         """Point every parameter's ``.grad`` at its slice of the flat gradient buffer (zeros if new)."""
         if self.flat_grad is None:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype)
+            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
         for p, view in zip(self.params, self.layout.views(self.flat_grad), strict=True):
             if p.grad is None:
                 p.grad = view
             elif p.grad.data_ptr() != view.data_ptr():  # someone replaced it (e.g. module.zero_grad())
                 view.copy_(p.grad)
                 p.grad = view
-
-    def _average(self, g: torch.Tensor) -> None:
-        """Sum over ranks -> mean: each rank's loss is the mean over its B/N rows, the baseline's over all B."""
-        g.div_(self.world_size)
 
     def reduce_gradients(self) -> torch.Tensor:
         """Reduce this unit's gradients and give the optimizer its shard's gradient (``shard.grad``).
@@ -338,15 +349,15 @@ class FlatParamUnit:
             self.events.append(("all_reduce", self.name))
             g = flat
         elif self.stage == 1:
-            lo, hi = self.layout.bounds(self.rank)
+            lo, hi = self.bounds()
             g = flat[lo:hi]
             comm.reduce_scatter(g, flat, group=self.group)
             self.events.append(("reduce_scatter", self.name))
         else:
-            g = torch.empty(self.layout.shard_numel, dtype=flat.dtype)
+            g = torch.empty(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
             comm.reduce_scatter(g, flat, group=self.group)
             self.events.append(("reduce_scatter", self.name))
-        self._average(g)
+        self.average(g)
         self.reduced = True
         return g
 
@@ -379,8 +390,9 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
 
 
-class ZeroDataParallel:
-    """Data parallelism with ZeRO stage 0 (plain DP), 1, 2 or 3 (FSDP) over ``group``.
+class ZeroDataParallel(ParallelWrapper):
+    """Data parallelism with ZeRO stage 0 (plain DP), 1, 2 or 3 (FSDP) over ``group`` (or ``mesh.group("dp",
+    "cp")``: ZeRO shards over the data and context axes, as Megatron's distributed optimizer does).
 
     Usage (one optimizer step; every rank runs it on its own slice of the global batch)::
 
@@ -398,18 +410,29 @@ class ZeroDataParallel:
     ``param_dtype``: compute dtype (``torch.bfloat16`` for mixed precision with fp32 master shards).
     Parameters that do not require grad stay replicated, untouched. After construction ``peak_bytes`` holds the
     largest parameter / gradient bytes seen at the hooks (``model_state_bytes`` sampled at each event).
+    ``broadcast``: first copy the group's first rank's initial weights to every rank.
+
+    ``no_sync()``: the backward passes inside it keep accumulating the *unsharded* gradients locally (no
+    reduce-scatter; stages 2/3 then hold full gradients until the synchronising backward, as FSDP's
+    ``no_sync`` does). Seams: ``unit_class`` (a ``FlatParamUnit`` subclass overriding ``average`` or
+    ``bounds``).
     """
 
-    def __init__(self, module: nn.Module, stage: int = 3, *, units: Iterable[nn.Module] | None = None,
-                 group: comm.Group = None, prefetch: bool = False, reshard_after_forward: bool | None = None,
-                 param_dtype: torch.dtype = torch.float32) -> None:
+    axes = ("dp", "cp")
+    unit_class: type[FlatParamUnit] = FlatParamUnit
+
+    def __init__(self, module: nn.Module, stage: int = 3, *, mesh: HasGroups | None = None, group: comm.Group = None,
+                 units: Iterable[nn.Module] | None = None, prefetch: bool = False,
+                 reshard_after_forward: bool | None = None, param_dtype: torch.dtype = torch.float32,
+                 broadcast: bool = True) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("ZeroDataParallel needs a process group: run it under course_lib.launch.launch")
-        self.module, self.stage, self.group, self.prefetch = module, stage, group, prefetch
+        super().__init__(module, mesh=mesh, group=group)
+        self.stage, self.prefetch = stage, prefetch
         self.param_dtype = param_dtype
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        group = self.group
+        if broadcast:
+            broadcast_from_first(module, group)
         self.events: list[tuple[str, str]] = []  # (collective, unit name) in issue order
         unit_modules = list(default_units(module) if units is None else units)
         if not unit_modules or unit_modules[-1] is not module:
@@ -423,31 +446,29 @@ class ZeroDataParallel:
             prefix = paths[m] + "." if paths[m] else ""
             named = [(prefix + n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned]
             owned.update(id(p) for _, p in named)
-            self.units.append(FlatParamUnit(paths[m], m, named, stage, group, param_dtype, self.events))
+            self.units.append(self.unit_class(paths[m], m, named, stage, group, param_dtype, self.events))
         self.root = self.units[-1]
         for unit in self.units:
             unit.reshard_after_forward = (unit is not self.root) if reshard_after_forward is None \
                 else bool(reshard_after_forward)
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(partial(self._post_accumulate_grad, unit))
+                self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._post_accumulate_grad, unit)))
         self._forward_order: list[FlatParamUnit] = []  # pre-forward order of this iteration
         self._prev_forward_order: list[FlatParamUnit] = []  # ... of the previous one (forward prefetch)
         self._post_forward_order: list[FlatParamUnit] = []  # its reverse is the backward order
         self._callback_queued = False
+        self._sync_this_backward = True  # decided at the root's forward: False under no_sync()
         self._reduced_since_step = False  # stages 0/1: one backward per optimizer step
         self.peak_bytes = {"parameters": 0, "gradients": 0}
         self._sample()
 
     # ---- what the optimizer and the loop see
 
-    def parameters(self) -> list[nn.Parameter]:
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The shards, one flat fp32 parameter per unit: what each rank's optimizer updates."""
-        return [u.shard for u in self.units]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return iter([u.shard for u in self.units])
 
     def after_step(self) -> None:
         """After ``optimizer.step()``: stages 1/2 all-gather the updated shards into every rank's full
@@ -462,7 +483,7 @@ class ZeroDataParallel:
         """Every parameter, full and fp32, by the model's names (a collective: every rank must call it)."""
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
+            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
             if unit.layout.world_size == 1:
                 flat.copy_(unit.shard.detach())
             else:
@@ -478,6 +499,7 @@ class ZeroDataParallel:
 
     def _pre_forward(self, unit: FlatParamUnit, module: nn.Module, args: Any) -> None:
         if unit is self.root:  # a new forward: reset the per-iteration state
+            self._sync_this_backward = self._require_sync
             self._prev_forward_order = self._forward_order
             self._forward_order, self._post_forward_order = [], []
         self._forward_order.append(unit)
@@ -519,7 +541,7 @@ class ZeroDataParallel:
 
     def _post_accumulate_grad(self, unit: FlatParamUnit, param: torch.Tensor) -> None:
         unit.grads_ready += 1
-        if self.stage >= 2 and unit.grads_ready == len(unit.params) and not unit.reduced:
+        if self.stage >= 2 and self._sync_this_backward and unit.grads_ready == len(unit.params) and not unit.reduced:
             self._post_backward(unit)
 
     def _post_backward(self, unit: FlatParamUnit) -> None:
@@ -531,6 +553,13 @@ class ZeroDataParallel:
     def _end_of_backward(self) -> None:
         """Final callback: reduce the units the hooks did not (all of them in stages 0/1), free, reset."""
         self._callback_queued = False
+        if not self._sync_this_backward:  # no_sync(): keep the full gradients, reduce in a later backward
+            for unit in self.units:
+                unit.backward_started = False
+                unit.grads_ready = 0
+                unit.reshard()
+            self._sample()
+            return
         if self.stage < 2 and self._reduced_since_step:
             raise RuntimeError(f"ZeRO stage {self.stage} reduces its full gradient buffer in place: one backward per "
                                "optimizer step (call after_step() before the next backward; gradient accumulation "
@@ -729,7 +758,7 @@ def load_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, pat
     reader = _ShardReader(path, meta)
     for u, saved in zip(zdp.units, meta["units"], strict=True):
         old = FlatLayout.from_json(saved)
-        lo, hi = u.layout.bounds(u.shard_rank)
+        lo, hi = u.bounds()
         with torch.no_grad():
             u.shard.copy_(reader.gather(u.name, old, "param", lo, hi))
         state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in reader.scalars(u.name).items()}
@@ -790,92 +819,102 @@ def load_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
 class ZeroTrainResult(TrainResult):
     """``TrainResult`` (losses, final full parameters) plus what this rank measured.
 
-    * ``comm``: one ``CommLog`` per step run: the collectives this rank issued in that step;
+    * ``step_comm``: per step run, the collectives this rank issued in that step (``comm``: the same as logs);
     * ``events``: per step, (collective, unit name) in issue order -- the counts per unit;
     * ``memory``: model-state bytes (``model_state_bytes``) right after the first ``optimizer.step()``;
     * ``peak``: the largest parameter / gradient bytes seen at any hook during the run;
     * ``units``: per unit {name, numel, padded_numel, shard_numel}."""
 
-    comm: list[comm.CommLog] = field(default_factory=list, repr=False)
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
     events: list[list[tuple[str, str]]] = field(default_factory=list, repr=False)
     memory: dict[str, int] = field(default_factory=dict)
     peak: dict[str, int] = field(default_factory=dict)
     units: list[dict[str, Any]] = field(default_factory=list, repr=False)
     start_step: int = 0
 
+    @property
+    def comm(self) -> list[comm.CommLog]:
+        """``step_comm`` as one ``CommLog`` per step (for its counting helpers)."""
+        return [comm.CommLog(list(records)) for records in self.step_comm]
+
 
 def train_zero(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEFAULT_TRAIN, stage: int = 3, *,
                prefetch: bool = False, reshard_after_forward: bool | None = None,
                param_dtype: torch.dtype = torch.float32, save_to: str | Path | None = None,
-               resume_from: str | Path | None = None) -> ZeroTrainResult:
-    """Train ``GPT(cfg, seed=tc.seed)`` with ZeRO ``stage`` on ``world_size`` ranks (a ``launch`` target).
+               resume_from: str | Path | None = None, accumulation: int = 1, mesh: HasGroups | None = None,
+               group: comm.Group = None, model_fn: ModelFn | None = None, freeze: Sequence[str] = (),
+               wrapper_class: type[ZeroDataParallel] = ZeroDataParallel) -> ZeroTrainResult:
+    """Train ``model_fn(cfg, tc.seed)`` (the GPT by default) with ZeRO ``stage`` over ``group`` / ``mesh``'s
+    dp x cp axes (a ``launch`` target), through ``course_lib.parallel.loop.train_loop``.
 
     Every rank takes its contiguous slice of the same global batches as ``train_baseline``. ``losses``: the mean
-    over the global batch per step (the ranks' means, averaged once at the end); ``params``: the final full
-    parameters by GPT's names (stages 0-2 in fp32: this rank's replica; else gathered from the shards).
-    ``resume_from``: continue from a ``save_checkpoint`` directory (any N, any stage) at its step; ``save_to``:
-    save one after the last step. Stop a run at step k with ``replace(tc, steps=k)`` and ``save_to``; resume it
-    with the full ``tc`` and ``resume_from``."""
-    model = GPT(cfg, seed=tc.seed)
-    zdp = ZeroDataParallel(model, stage, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                           param_dtype=param_dtype)
-    opt = make_optimizer(zdp.parameters(), tc)
+    over the global batch per step; ``params``: the final full parameters by the model's names (stages 0-2 in
+    fp32: this rank's replica; else gathered from the shards). ``resume_from``: continue from a
+    ``save_checkpoint`` directory (any N, any stage) at its step; ``save_to``: save one after the last step.
+    Stop a run at step k with ``replace(tc, steps=k)`` and ``save_to``; resume it with the full ``tc`` and
+    ``resume_from``. ``wrapper_class`` swaps in a variant."""
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    zdp = wrapper_class(model, stage, mesh=mesh, group=group, prefetch=prefetch,
+                        reshard_after_forward=reshard_after_forward, param_dtype=param_dtype)
+    opt = make_optimizer(list(zdp.parameters()), tc)
     start = load_checkpoint(zdp, opt, resume_from) if resume_from is not None else 0
     result = ZeroTrainResult([], {}, start_step=start,
                              units=[{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                                      "shard_numel": u.layout.shard_numel} for u in zdp.units])
-    local_losses = []
-    for step in range(start, tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
-        first_event = len(zdp.events)
-        with comm.recording() as log:
-            loss = lm_loss(zdp(x).float(), y)
-            loss.backward()
-            opt.step()
-            if not result.memory:
-                result.memory = model_state_bytes(zdp, opt)
-            zdp.after_step()
-            opt.zero_grad(set_to_none=True)
-        local_losses.append(loss.item())
-        result.comm.append(log)
-        result.events.append(zdp.events[first_event:])
+    marks = [len(zdp.events)]
+
+    def measure(step: int) -> None:
+        if not result.memory:
+            result.memory = model_state_bytes(zdp, opt)
+
+    out = train_loop(zdp, opt, cfg, tc, data_rank=zdp.rank, data_size=zdp.world_size, accumulation=accumulation,
+                     start_step=start, after_optimizer=measure, on_step_end=lambda step: marks.append(len(zdp.events)))
+    result.events = [zdp.events[a:b] for a, b in itertools.pairwise(marks)]
     if save_to is not None:
         save_checkpoint(zdp, opt, save_to, step=tc.steps)
-    losses = torch.tensor(local_losses, dtype=torch.float64)
-    if world_size > 1 and losses.numel():
-        comm.all_reduce(losses)
-    result.losses = (losses / world_size).tolist()
+    result.losses, result.step_comm = out.losses, out.step_comm
     # stages 0-2 in fp32: this rank's own replica, what it computes with; otherwise gathered from the shards
     result.params = full_params(model) if stage < 3 and param_dtype == torch.float32 else zdp.full_state_dict()
     result.peak = dict(zdp.peak_bytes)
     return result
 
 
+class TorchFullyShard(ParallelWrapper):
+    """PyTorch's FSDP2 behind the wrapper contract: ``fully_shard`` on every block, then on the root, over a
+    1-D device mesh of the group's ranks on the rank's device type. Parameters become DTensors sharded on dim 0
+    (per parameter, not flat); gradients are reduce-scattered and divided by N, like ours."""
+
+    axes = ("dp", "cp")
+
+    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
+                 reshard_after_forward: bool | None = None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(module, mesh=mesh, group=group)
+        device_type = next(module.parameters()).device.type
+        dmesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
+        for block in default_units(module)[:-1]:
+            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+
 def train_fsdp2(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEFAULT_TRAIN,
-                reshard_after_forward: bool | None = None) -> TrainResult:
-    """The same training with PyTorch's FSDP2: ``fully_shard`` on every block, then on the root, over a 1-D
-    ``init_device_mesh("cpu", (N,))`` (gloo). Parameters become DTensors sharded on dim 0 (per parameter,
-    not flat); gradients are reduce-scattered and divided by N, like ours."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = GPT(cfg, seed=tc.seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    opt = make_optimizer(list(model.parameters()), tc)
-    local_losses = []
-    for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        loss = lm_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        local_losses.append(loss.item())
-    losses = torch.tensor(local_losses, dtype=torch.float64)
-    dist.all_reduce(losses)
+                reshard_after_forward: bool | None = None, *, accumulation: int = 1, mesh: HasGroups | None = None,
+                group: comm.Group = None, model_fn: ModelFn | None = None,
+                freeze: Sequence[str] = ()) -> TrainResult:
+    """The same training with PyTorch's FSDP2 (``TorchFullyShard``), the production API as a second oracle."""
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    fsdp = TorchFullyShard(model, mesh=mesh, group=group, reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+    out = train_loop(fsdp, opt, cfg, tc, data_rank=fsdp.rank, data_size=fsdp.world_size, accumulation=accumulation)
     params = {name: p.full_tensor().detach().float().clone() for name, p in model.named_parameters()}
-    return TrainResult((losses / world_size).tolist(), params)
-
+    return TrainResult(out.losses, params)
