@@ -11,7 +11,7 @@ equal counts by default; any counts >= 1 summing to ``n_layer``). Stage ``s`` li
 Micro-batches and the loss. The global batch B is split into m micro-batches of b = B / m rows. The last stage
 computes each micro-batch's mean loss L_j and back-propagates ``L_j / m``: the m backward passes accumulate
 sum_j grad(L_j) / m = grad(mean over the batch) -- the single-process gradient. Without the ``/ m`` the gradients
-are m times too large (a bug the course's anchors had; Adam's update is nearly scale-invariant and hides it, SGD
+are m times too large (a bug that is easy to write; Adam's update is nearly scale-invariant and hides it, SGD
 does not). The reported loss is the mean of the unscaled L_j.
 
 Transfers. The executor runs this rank's list of ``schedules.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
@@ -28,18 +28,7 @@ step (n = p v stages)::
 With v = 1 that is 2 (p - 1) m; interleaving crosses (p v - 1) boundaries instead of (p - 1), about v times the
 point-to-point traffic, which is what buys its v times smaller bubble.
 
-Split backward (zero-bubble, ``I`` and ``W``). ``B`` is one ``backward`` (input and weight gradients together).
-``I`` computes only the gradient of the stage input -- the one the previous stage waits for -- with
-``torch.autograd.grad(output, inputs=[input], retain_graph=True)``; ``W`` computes the weight gradients later,
-when the schedule has a gap. What ``I`` keeps for ``W`` (as ``torch.distributed.pipelining``'s
-``stage_backward_input`` / ``stage_backward_weight`` do): for every weight, the graph nodes where its gradient
-branches off the input-gradient path (a linear layer's matmul, a LayerNorm) and the gradient that arrived at each
-of them during ``I`` (captured by a pre-hook). ``W`` restarts back-propagation from those nodes with those
-gradients (``torch.autograd.grad`` from ``GradientEdge`` s), so it only does the weight part (g^T x per linear
-layer), not the whole backward again. Memory: until ``W`` the micro-batch's graph and its stored layer inputs stay
-alive (the ``W`` needs them), which is why ``schedules.peak_in_flight`` counts a micro-batch until its ``W``; the
-nodes above the captured points are freed after ``I``. Stage 0's embedding lookup has no input gradient: its whole
-backward is weight work and runs in ``W``.
+Split backward (zero-bubble, ``I`` and ``W``): ``course_lib.parallel.pp_split``.
 
 Timeline. Each compute action records its start and end (``time.perf_counter``, one clock for every process of a
 machine) and how long it waited for its input first; ``measured_bubble_fraction`` turns the ranks' records into
@@ -48,10 +37,8 @@ simulator's format for the Gantt chart. On a 2-core laptop ranks time-slice; for
 ``emulate=(t_f, t_b, t_w)``: every action then also sleeps that long (an emulated device: the host waits as it
 waits for a GPU kernel), so ranks run side by side and the measured bubble follows the schedule, not the OS.
 
-Balancing. Equal layer counts are not equal stages: stage 0 also embeds and the last stage runs the head and the
-loss (with a 256-token vocabulary and tiny blocks the head is a big share). ``balance_stages`` returns the
-contiguous split minimizing the slowest stage from per-layer costs, ideally measured (``measure_layer_costs``),
-optionally under a memory limit per stage (seed 003: balance from measurements, not from layer counts).
+Balancing (``course_lib.parallel.pp_balance``): equal layer counts are not equal stages; ``balance_stages``
+returns the contiguous split minimizing the slowest stage from measured per-layer costs.
 
 Checked (tests/test_pp.py): every schedule at p = 2 and 4, and uneven splits, give bit-for-bit the parameters of
 one process accumulating the same m micro-batches, and of ``torch.distributed.pipelining`` on the same stages
@@ -66,9 +53,7 @@ local layers (each rank here builds the full tiny model once, for identical init
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,7 +61,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
 
 from course_lib import comm
 from course_lib import schedules as S
@@ -84,8 +68,18 @@ from course_lib.data import global_batch, micro_batches
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel.contract import HasGroups, ParallelWrapper
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.pp_balance import LayerCosts, balance_stages, measure_layer_costs, stage_costs
+from course_lib.parallel.pp_layers import layer_split, stage_layers
+from course_lib.parallel.pp_split import backward_input, backward_weight
 from course_lib.schedules import Action, Kind, Schedule
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
+
+__all__ = [  # with what course_lib.parallel.pp_layers / pp_balance / pp_split define, re-exported here
+    "SCHEDULES", "LayerCosts", "PPResult", "PipelineExecutor", "PipelineParallel", "PipelineParts", "PipelinePlan",
+    "Stage", "StepRecord", "TimedAction", "backward_input", "backward_weight", "balance_stages", "build_stages",
+    "layer_split", "measure_layer_costs", "measured_bubble_fraction", "measured_timeline", "merge_results",
+    "pipeline_parts", "plan_pipeline", "stage_costs", "stage_layers", "train_pp", "train_torch_pp",
+]
 
 SCHEDULES: dict[str, str] = {  # accepted names -> the builder in course_lib.schedules
     "gpipe": "gpipe", "afab": "gpipe",
@@ -99,32 +93,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------------------ the plan
-
-
-def layer_split(n_layer: int, n_stages: int, split: Sequence[int] | None = None) -> list[int]:
-    """Blocks per (virtual) stage: ``split`` checked, or equal counts (``n_layer`` must then divide evenly)."""
-    if split is None:
-        if n_layer % n_stages:
-            raise ValueError(
-                f"n_layer={n_layer} blocks do not divide into {n_stages} equal stages (p x v = {n_stages}): "
-                f"choose n_layer divisible by {n_stages}, or give split=[blocks per stage] (e.g. from balance_stages)"
-            )
-        return [n_layer // n_stages] * n_stages
-    split = list(split)
-    if len(split) != n_stages:
-        raise ValueError(f"split needs one block count per (virtual) stage, {n_stages} = p x v, got {len(split)}: "
-                         f"{split}")
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in split):
-        raise ValueError(f"every stage needs a whole number >= 1 of blocks, got split={split}")
-    if sum(split) != n_layer:
-        raise ValueError(f"split={split} sums to {sum(split)} blocks, but the model has n_layer={n_layer}")
-    return split
-
-
-def stage_layers(split: Sequence[int]) -> list[range]:
-    """The global block indices of each stage: [2, 1, 3] -> range(0, 2), range(2, 3), range(3, 6)."""
-    starts = [sum(split[:s]) for s in range(len(split))]
-    return [range(a, a + c) for a, c in zip(starts, split, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -296,122 +264,6 @@ def build_stages(cfg: GPTConfig, plan: PipelinePlan, rank: int, seed: int = 0,
     return {s: Stage(model, s, plan.n_stages, plan.layers[s]) for s in plan.stages_of(rank)}
 
 
-# ------------------------------------------------------------------------------- backward split in I and W
-
-
-def _grad_node(t: torch.Tensor) -> Node:
-    """The autograd node a tensor's gradient flows into: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-@dataclass(eq=False)  # compared by identity (it holds tensors)
-class _WeightGroup:
-    """Weights whose gradients branch off the input-gradient path at ``nodes``; ``grads[i]``: what reached
-    ``nodes[i]`` (one gradient per output of the forward op) during ``I``."""
-
-    params: list[torch.Tensor]
-    nodes: list[Node]
-    grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
-
-
-def _weight_groups(output: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_WeightGroup]:
-    """Where each parameter's gradient leaves the path output -> x (the nodes ``I`` runs anyway), grouped so that
-    parameters sharing such a node are computed together (then none is counted twice)."""
-    parents: defaultdict[Node, list[Node]] = defaultdict(list)  # reverse edges: node -> nodes that feed it a grad
-    seen, stack = {output.grad_fn}, [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        for child, _ in node.next_functions:
-            if child is not None:
-                parents[child].append(node)
-                if child not in seen:
-                    seen.add(child)
-                    stack.append(child)
-    on_path, stack = set(), [_grad_node(x)]  # every node between the output and x
-    while stack:
-        node = stack.pop()
-        for parent in parents[node]:
-            if parent not in on_path:
-                on_path.add(parent)
-                stack.append(parent)
-    groups: list[_WeightGroup] = []
-    owner: dict[Node, _WeightGroup] = {}
-    for p in params:
-        hits, visited, stack = [], set(), [_grad_node(p)]
-        while stack:  # walk up from the weight until the path: weight-only nodes (transposes, ...) are W's work
-            node = stack.pop()
-            for parent in parents[node]:
-                if parent in on_path:
-                    hits.append(parent)
-                elif parent not in visited:
-                    visited.add(parent)
-                    stack.append(parent)
-        if not hits:
-            continue  # the weight does not influence the output (e.g. an expert no token chose): no gradient
-        merged = list({id(owner[n]): owner[n] for n in hits if n in owner}.values())
-        group = _WeightGroup([p], list(dict.fromkeys(hits)))
-        for other in merged:
-            group.params += other.params
-            group.nodes += [n for n in other.nodes if n not in group.nodes]
-            groups.remove(other)
-        groups.append(group)
-        for n in group.nodes:
-            owner[n] = group
-    return groups
-
-
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor,
-                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[_WeightGroup]]:
-    """``I``: the gradient of the stage input ``x`` only (``x`` must influence ``output``); returns it and what
-    ``backward_weight`` needs: for each group of weights, the nodes where their gradients leave the input path and
-    the gradients that reached those nodes (captured by pre-hooks while this pass runs them anyway). The graph is
-    retained (``retain_graph=True``): W still needs the stored layer inputs."""
-    if grad_output is None:
-        grad_output = torch.ones_like(output)
-    groups = _weight_groups(output, x, params)
-    hooks = []
-    for group in groups:
-        group.grads = [None] * len(group.nodes)
-        for i, node in enumerate(group.nodes):
-            def capture(grad_outputs, group=group, i=i):
-                group.grads[i] = tuple(grad_outputs)
-            hooks.append(node.register_prehook(capture))
-    try:
-        (dx,) = torch.autograd.grad(output, inputs=[x], grad_outputs=grad_output, retain_graph=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    return dx, groups
-
-
-def backward_weight(groups: list[_WeightGroup]) -> None:
-    """``W``: accumulate the weight gradients into ``.grad``, restarting from the nodes ``I`` captured."""
-    for group in groups:
-        edges, grads = [], []
-        for node, captured in zip(group.nodes, group.grads, strict=True):
-            for i, g in enumerate(captured or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        if not edges:
-            continue
-        hooks = []
-        if len(group.nodes) > 1:  # a captured node below another one of the group: use only its captured gradient
-            for node, captured in zip(group.nodes, group.grads, strict=True):
-                hooks.append(node.register_prehook(lambda _, saved=captured: saved))
-        try:
-            dws = torch.autograd.grad(edges, group.params, grad_outputs=grads, allow_unused=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        for p, dw in zip(group.params, dws, strict=True):
-            if dw is not None:
-                p.grad = dw if p.grad is None else p.grad + dw
-        group.grads = []
-
-
 # ------------------------------------------------------------------------------------------------ executor
 
 
@@ -455,9 +307,10 @@ class PipelineExecutor:
         self.device = next(first.parameters()).device
         self.dtype = dtype
         if hidden_shape is None:  # a GPT block: one d_model vector per token
-            block = next(iter(first.blocks.values()))
-            hidden_shape = (block.attn.q_proj.in_features,)
-        self.hidden_shape = tuple(hidden_shape)
+            attn = getattr(next(iter(first.blocks.values()), None), "attn", None)
+            hidden_shape = (attn.q_proj.in_features,) if attn is not None else None
+        self.hidden_shape = tuple(hidden_shape) if hidden_shape is not None else None
+        """Each message's shape after [rows, tokens] (GPT: [d_model]); ``PipelineParallel`` sets it otherwise."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
@@ -634,15 +487,16 @@ class PipelineParallel(ParallelWrapper):
         self.stages = nn.ModuleDict({str(s): Stage(parts, s, self.plan.n_stages, self.plan.layers[s])
                                      for s in self.plan.stages_of(self.rank)})
         by_index = {int(k): st for k, st in self.stages.items()}
-        self.executor = executor_class(by_index, self.plan, self.rank, self.group, loss_fn, emulate,
-                                       hidden_shape=self._hidden_shape(parts, module))
+        self.parts = parts
+        self.executor = executor_class(by_index, self.plan, self.rank, self.group, loss_fn, emulate)
         self.timelines: list[list[TimedAction]] = []  # one per forward_backward
         self.micro_losses: list[list[float]] = []
 
-    @staticmethod
-    def _hidden_shape(parts: PipelineParts, module: Any) -> tuple[int, ...] | None:
-        config = getattr(module, "config", None)
-        return (config.d_model,) if isinstance(config, GPTConfig) else None
+    def message_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The shape of one hidden state per token, from the first part on one row of ``x`` (every rank holds
+        the whole module, so every rank can ask it)."""
+        with torch.no_grad():
+            return tuple(self.parts.first(x[:1]).shape[2:])
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """This rank's stages' trainable parameters."""
@@ -663,6 +517,8 @@ class PipelineParallel(ParallelWrapper):
                              "each loss by 1/m itself: run it with accumulation=1")
         if loss_fn is not None:
             self.executor.loss_fn = loss_fn
+        if self.executor.hidden_shape is None:
+            self.executor.hidden_shape = self.message_shape(x)
         losses, timeline = self.executor.run(x, y)
         self.timelines.append(timeline)
         self.micro_losses.append(losses)
@@ -805,124 +661,3 @@ def train_torch_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     dist.broadcast(losses_t, src=comm.global_rank(group, plan.rank_of(plan.n_stages - 1)), group=group)
     return PPResult(losses_t.tolist(), named_subset(model, list(stages.values())), rank=me, stages=sorted(stages),
                     plan=plan)
-
-
-# --------------------------------------------------------------------------------------------- balancing
-
-
-def stage_costs(costs: Sequence[float], split: Sequence[int], first_extra: float = 0.0,
-                last_extra: float = 0.0) -> list[float]:
-    """The cost of each stage of ``split`` (blocks per stage): its blocks' costs, plus ``first_extra`` (embedding)
-    on the first stage and ``last_extra`` (final norm, head, loss) on the last."""
-    if sum(split) != len(costs):
-        raise ValueError(f"split {list(split)} covers {sum(split)} layers, costs has {len(costs)}")
-    out = [float(sum(costs[r.start:r.stop])) for r in stage_layers(list(split))]
-    out[0] += first_extra
-    out[-1] += last_extra
-    return out
-
-
-def balance_stages(costs: Sequence[float], n_stages: int, first_extra: float = 0.0, last_extra: float = 0.0,
-                   memory: Sequence[float] | None = None, memory_limit: float | None = None) -> list[int]:
-    """The contiguous split of the layers into ``n_stages`` stages (>= 1 layer each) that minimizes the slowest
-    stage's cost (the pipeline's clock: every step of the schedule waits for it).
-
-    ``costs[i]``: layer i's cost (e.g. measured forward + backward seconds, ``measure_layer_costs``); the first
-    stage also pays ``first_extra`` and the last ``last_extra``. With ``memory`` (per layer) and ``memory_limit``,
-    only splits whose every stage fits are allowed. Exact (dynamic programming over split points, O(n_stages L^2)).
-    Among equally good splits it returns the one with the earliest cuts.
-    """
-    n = len(costs)
-    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
-        raise ValueError(f"n_stages must be a positive integer, got {n_stages!r}")
-    if n_stages > n:
-        raise ValueError(f"cannot cut {n} layers into {n_stages} stages of at least one layer each")
-    if any(c < 0 for c in costs):
-        raise ValueError(f"costs must be >= 0, got {list(costs)}")
-    if (memory is None) != (memory_limit is None):
-        raise ValueError("give both memory (per layer) and memory_limit, or neither")
-    if memory is not None and len(memory) != n:
-        raise ValueError(f"memory needs one value per layer ({n}), got {len(memory)}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    mprefix = [0.0]
-    for mem in memory or []:
-        mprefix.append(mprefix[-1] + mem)
-    inf = float("inf")
-
-    def segment(k: int, i: int, j: int) -> float:  # stage k (0-based) = layers i..j-1
-        if memory_limit is not None and mprefix[j] - mprefix[i] > memory_limit:
-            return inf
-        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0.0) + (last_extra if k == n_stages - 1 else 0.0)
-
-    # best[k][j]: the smallest max stage cost putting layers 0..j-1 into stages 0..k; cut[k][j]: where stage k starts
-    best = [[inf] * (n + 1) for _ in range(n_stages)]
-    cut = [[0] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = segment(0, 0, j)
-    for k in range(1, n_stages):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], segment(k, i, j))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    if best[n_stages - 1][n] == inf:
-        raise ValueError(f"no split into {n_stages} stages keeps every stage within memory_limit={memory_limit}")
-    bounds, j = [n], n
-    for k in range(n_stages - 1, 0, -1):
-        j = cut[k][j]
-        bounds.append(j)
-    bounds.append(0)
-    bounds.reverse()
-    return [bounds[k + 1] - bounds[k] for k in range(n_stages)]
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Measured forward + backward seconds (median over repeats) of the embedding, each block, and the final
-    norm + head + loss, on this process: the inputs of ``balance_stages``."""
-
-    embed: float
-    blocks: list[float]
-    head: float
-
-    def balance(self, n_stages: int) -> list[int]:
-        return balance_stages(self.blocks, n_stages, first_extra=self.embed, last_extra=self.head)
-
-
-def measure_layer_costs(cfg: GPTConfig, micro_batch: int = 2, repeats: int = 5, seed: int = 0) -> LayerCosts:
-    """Time each piece of ``GPT(cfg)`` on a micro-batch: forward, then backward piece by piece (each piece's input
-    detached, so its backward is timed alone). Run it where the stages will run (same threads, same device)."""
-    model = GPT(cfg, seed=seed)
-    x, y = global_batch(0, micro_batch, cfg.seq_len, seed)
-    samples: list[list[float]] = [[] for _ in range(cfg.n_layer + 2)]
-    for rep in range(repeats + 1):  # the first pass warms up
-        pieces, times, h = [], [], None
-        t = time.perf_counter()
-        out = model.embed(x)
-        times.append(time.perf_counter() - t)
-        pieces.append((None, out))
-        for block in model.blocks:
-            h = out.detach().requires_grad_(True)
-            t = time.perf_counter()
-            out = block(h)
-            times.append(time.perf_counter() - t)
-            pieces.append((h, out))
-        h = out.detach().requires_grad_(True)
-        t = time.perf_counter()
-        loss = lm_loss(model.head(h), y)
-        times.append(time.perf_counter() - t)
-        pieces.append((h, loss))
-        grad = None
-        for i in range(len(pieces) - 1, -1, -1):
-            inp, out = pieces[i]
-            t = time.perf_counter()
-            out.backward(grad)
-            times[i] += time.perf_counter() - t
-            grad = inp.grad if inp is not None else None
-        if rep > 0:
-            for i, ti in enumerate(times):
-                samples[i].append(ti)
-    med = [statistics.median(s) for s in samples]
-    return LayerCosts(med[0], med[1:-1], med[-1])

@@ -82,11 +82,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -100,12 +97,21 @@ from course_lib import comm
 from course_lib.model import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.zero_checkpoint import (
+    CHECKPOINT_FORMAT,
+    load_checkpoint,
+    load_full_state_dict,
+    load_into_model,
+    save_checkpoint,
+)
+from course_lib.parallel.zero_unit import FlatLayout, FlatParamUnit, shard_bounds
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "FlatLayout",
     "FlatParamUnit",
+    "TorchFullyShard",
     "ZeroDataParallel",
     "ZeroTrainResult",
     "comm_bytes_per_step",
@@ -120,265 +126,7 @@ __all__ = [
     "train_zero",
 ]
 
-CHECKPOINT_FORMAT = "course_lib.zero/v1"
 DEFAULT_TRAIN = TrainConfig()
-
-# ----------------------------------------------------------------------------------------------------------------
-# Flat layout: which element of which parameter lives where, and which rank owns it
-
-
-def shard_bounds(rank: int, shard_numel: int) -> tuple[int, int]:
-    """The owner rule: rank r owns elements [r S, (r+1) S) of a unit's padded flat buffer (S = padded / N)."""
-    return rank * shard_numel, (rank + 1) * shard_numel
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """How a unit's parameters sit in its flat buffer.
-
-    Parameter i occupies ``[offsets[i], offsets[i] + numel(shapes[i]))``; ``numel`` = Ψ_u, the sum of their
-    sizes; ``padded_numel`` = Ψ_u rounded up to a multiple of ``world_size`` (the padding is zeros, gets zero
-    gradients and stays zero under SGD/AdamW); each rank owns ``shard_numel`` = padded / N elements.
-    """
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]
-    numel: int
-    padded_numel: int
-    world_size: int
-
-    @classmethod
-    def build(cls, names: Sequence[str], shapes: Sequence[Sequence[int]], world_size: int) -> FlatLayout:
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        offsets, total = [], 0
-        for s in shapes:
-            offsets.append(total)
-            total += math.prod(s)
-        padded = -(-total // world_size) * world_size  # ceil to a multiple of N
-        return cls(tuple(names), shapes, tuple(offsets), total, padded, world_size)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
-
-    @property
-    def numels(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.shapes)
-
-    def bounds(self, rank: int) -> tuple[int, int]:
-        return shard_bounds(rank, self.shard_numel)
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's slice of ``flat``, shaped like the parameter (views: no copy)."""
-        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes, strict=True)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"params": [{"name": n, "shape": list(s), "offset": o}
-                           for n, s, o in zip(self.names, self.shapes, self.offsets, strict=True)],
-                "numel": self.numel, "padded_numel": self.padded_numel, "world_size": self.world_size}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> FlatLayout:
-        ps = d["params"]
-        return cls(tuple(p["name"] for p in ps), tuple(tuple(p["shape"]) for p in ps),
-                   tuple(p["offset"] for p in ps), d["numel"], d["padded_numel"], d["world_size"])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# One unit
-
-
-class UnitState(Enum):
-    SHARDED = "sharded"  # only the shard exists; the full buffer has 0 bytes of storage
-    GATHERING = "gathering"  # an async all-gather into the full buffer is in flight (prefetch)
-    UNSHARDED = "unsharded"  # the full buffer holds every rank's shard: the module can run
-
-
-class FlatParamUnit:
-    """The parameters of one module (minus those owned by units below it), flattened and sharded.
-
-    * ``full``: the padded flat buffer in the compute dtype; the module's parameters are views into it.
-      Stages 0-2 keep it; stage 3 gives its storage back after use (``reshard``) and re-fills it (``unshard``).
-    * ``shard``: the ``nn.Parameter`` the optimizer sees, fp32, ``shard_numel`` elements (the whole buffer in
-      stage 0). In fp32 stages 0-2 it is a *view* of the rank's own chunk of ``full`` (no second copy: the
-      optimizer updates the full buffer in place, and the all-gather reads its input from the buffer it fills);
-      otherwise a separate tensor (stage 3's only resident weights; the fp32 master copy under mixed precision).
-    * ``flat_grad``: the flat gradient buffer the module's ``.grad`` are views of: persistent in stages 0/1,
-      allocated at the unit's pre-backward and freed after its reduce-scatter in stages 2/3.
-
-    ``name`` is the module's path in the model ("blocks.0"; the root's is "").
-    """
-
-    def __init__(self, name: str, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], stage: int,
-                 group: comm.Group = None, param_dtype: torch.dtype = torch.float32,
-                 events: list[tuple[str, str]] | None = None) -> None:
-        if not named_params:
-            raise ValueError(f"unit {name!r} has no parameters of its own (all belong to units below it)")
-        self.name, self.module, self.stage, self.group = name, module, stage, group
-        self.params = [p for _, p in named_params]
-        self.param_dtype = param_dtype
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.events = events if events is not None else []
-        shard_world = 1 if stage == 0 else self.world_size  # stage 0 = plain DP: every rank owns everything
-        self.shard_rank = 0 if stage == 0 else self.rank
-        self.layout = FlatLayout.build([n for n, _ in named_params], [p.shape for p in self.params], shard_world)
-        self.device = self.params[0].device
-        lo, hi = self.bounds()
-        with torch.no_grad():
-            flat32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-            for view, p in zip(self.layout.views(flat32), self.params, strict=True):
-                view.copy_(p.detach())
-        self.aliased = stage < 3 and param_dtype == torch.float32
-        if self.aliased:
-            self.full = flat32
-            self.shard = nn.Parameter(flat32[lo:hi])
-        else:
-            self.shard = nn.Parameter(flat32[lo:hi].clone())
-            self.full = flat32.to(param_dtype) if stage < 3 else torch.empty(self.layout.padded_numel,
-                                                                              dtype=param_dtype, device=self.device)
-        for p, view in zip(self.params, self.layout.views(self.full), strict=True):
-            p.data = view  # the module now computes with views into the full flat buffer
-        self.flat_grad: torch.Tensor | None = None
-        if stage < 2:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=self.device)
-            self.install_grad_views()
-        self.reshard_after_forward = True  # stage 3; ZeroDataParallel sets it per unit
-        self.state = UnitState.UNSHARDED
-        self._pending: tuple[Any, torch.Tensor] | None = None
-        if stage == 3:
-            self.full.untyped_storage().resize_(0)
-            self.state = UnitState.SHARDED
-        # per-backward bookkeeping
-        self.grads_ready = 0
-        self.backward_started = False
-        self.reduced = False
-
-    @property
-    def label(self) -> str:
-        return self.name or "(root)"
-
-    # ---- the seams a variant overrides
-
-    def bounds(self) -> tuple[int, int]:
-        """The elements of the padded flat buffer this rank owns: ``shard_bounds(rank, S)``."""
-        return self.layout.bounds(self.shard_rank)
-
-    def average(self, g: torch.Tensor) -> None:
-        """Sum over ranks -> mean (in place): each rank's loss is the mean over its B/N rows, the baseline's over
-        all B."""
-        g.div_(self.world_size)
-
-    # ---- parameters
-
-    def unshard(self, async_op: bool = False) -> None:
-        """Stage 3: all-gather the shards into the full buffer (allocated again first). Other stages: no-op."""
-        if self.state is UnitState.UNSHARDED:
-            return
-        if self.state is UnitState.GATHERING:
-            if not async_op:
-                self.wait()
-            return
-        elem = self.full.element_size()
-        self.full.untyped_storage().resize_(self.layout.padded_numel * elem)
-        src = self.shard.detach().to(self.param_dtype)  # no copy in fp32; the bf16 cast otherwise
-        work = comm.all_gather(self.full, src, group=self.group, async_op=async_op)
-        self.events.append(("all_gather", self.name))
-        if async_op:
-            self._pending = (work, src)  # keep the input alive until the collective has read it
-            self.state = UnitState.GATHERING
-        else:
-            self.state = UnitState.UNSHARDED
-
-    def wait(self) -> None:
-        if self.state is UnitState.GATHERING:
-            assert self._pending is not None
-            self._pending[0].wait()
-            self._pending = None
-            self.state = UnitState.UNSHARDED
-
-    def reshard(self) -> None:
-        """Stage 3: free the full parameters (storage resized to 0 bytes; every view keeps its shape)."""
-        if self.stage < 3 or self.state is UnitState.SHARDED:
-            return
-        self.wait()
-        self.full.untyped_storage().resize_(0)
-        self.state = UnitState.SHARDED
-
-    def refresh_full(self) -> None:
-        """After the optimizer step (stages 0-2): make every rank's full parameters the updated ones.
-
-        Stages 1/2: all-gather the updated shards (in place when the shard is a view of ``full``)."""
-        if self.stage == 3:
-            return
-        if self.stage == 0:
-            if not self.aliased:
-                with torch.no_grad():
-                    self.full.copy_(self.shard)
-            return
-        lo, hi = self.bounds()
-        src = self.full[lo:hi] if self.aliased else self.shard.detach().to(self.param_dtype)
-        comm.all_gather(self.full, src, group=self.group)
-        self.events.append(("all_gather", self.name))
-
-    # ---- gradients
-
-    def install_grad_views(self) -> None:
-        """Point every parameter's ``.grad`` at its slice of the flat gradient buffer (zeros if new)."""
-        if self.flat_grad is None:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
-        for p, view in zip(self.params, self.layout.views(self.flat_grad), strict=True):
-            if p.grad is None:
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():  # someone replaced it (e.g. module.zero_grad())
-                view.copy_(p.grad)
-                p.grad = view
-
-    def reduce_gradients(self) -> torch.Tensor:
-        """Reduce this unit's gradients and give the optimizer its shard's gradient (``shard.grad``).
-
-        stage 0: all-reduce the whole flat gradient; stage 1: reduce-scatter *in place* (my chunk of the full
-        buffer receives the sum; the buffer stays until the next step); stages 2/3: reduce-scatter into a
-        fresh shard-sized tensor and free the full gradient buffer."""
-        self.install_grad_views()  # a no-op unless the pre-backward hook did not run for this unit
-        flat = self.flat_grad
-        assert flat is not None
-        if self.stage == 0:
-            comm.all_reduce(flat, group=self.group)
-            self.events.append(("all_reduce", self.name))
-            g = flat
-        elif self.stage == 1:
-            lo, hi = self.bounds()
-            g = flat[lo:hi]
-            comm.reduce_scatter(g, flat, group=self.group)
-            self.events.append(("reduce_scatter", self.name))
-        else:
-            g = torch.empty(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
-            comm.reduce_scatter(g, flat, group=self.group)
-            self.events.append(("reduce_scatter", self.name))
-        self.average(g)
-        self.reduced = True
-        return g
-
-    def accept_shard_grad(self, g: torch.Tensor) -> None:
-        g32 = g if g.dtype == torch.float32 else g.float()
-        if self.shard.grad is None or self.shard.grad.data_ptr() == g32.data_ptr():
-            self.shard.grad = g32
-        else:  # gradient accumulation over several backward passes (stages 2/3)
-            self.shard.grad += g32
-
-    def free_grads(self) -> None:
-        """Stages 2/3: drop the full gradients once reduce-scattered."""
-        if self.stage >= 2:
-            for p in self.params:
-                p.grad = None
-            self.flat_grad = None
-
-    def zero_flat_grad(self) -> None:
-        if self.stage < 2 and self.flat_grad is not None:
-            self.flat_grad.zero_()
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The engine: units, hooks, the step
@@ -478,6 +226,13 @@ class ZeroDataParallel(ParallelWrapper):
             unit.zero_flat_grad()
         self._reduced_since_step = False
         self._sample()
+
+    def remove_hooks(self) -> None:
+        """Remove every hook; stage 3 first gathers every unit back (a collective), so that the module runs on
+        its own afterwards with the current weights."""
+        for unit in self.units:
+            unit.unshard()
+        super().remove_hooks()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, full and fp32, by the model's names (a collective: every rank must call it)."""
@@ -658,157 +413,6 @@ def comm_bytes_per_step(padded_numels: Sequence[int], world_size: int, stage: in
             again = padded_numels if reshard_after_forward else []
         out["all_gather"] += sent("all_gather", again)
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Sharded checkpoints
-
-
-def _shard_file(path: Path, shard_rank: int, num_shards: int) -> Path:
-    return path / f"shard_{shard_rank:05d}_of_{num_shards:05d}.pt"
-
-
-def save_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path, step: int) -> None:
-    """Each rank writes only what it owns: its shard of every unit and the optimizer state of that shard.
-
-    Layout of ``path``: ``metadata.json`` (rank 0: format, step, world size, stage, and per unit the parameter
-    names, shapes and offsets in the flat buffer, its sizes and padding) and ``shard_<r>_of_<N>.pt`` per
-    rank (stage 0: one file, every rank holds the same). A collective: every rank must call it; it returns once
-    every file is on disk (a barrier)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    num_shards = zdp.units[0].layout.world_size
-    if zdp.units[0].shard_rank == zdp.rank and zdp.rank < num_shards:
-        units = {}
-        for u in zdp.units:
-            state = optimizer.state.get(u.shard, {})
-            units[u.name] = {"param": u.shard.detach().clone(),
-                             "state": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                                       for k, v in state.items()}}
-        torch.save({"step": step, "units": units}, _shard_file(path, zdp.rank, num_shards))
-    if zdp.rank == 0:
-        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": zdp.world_size, "num_shards": num_shards,
-                "stage": zdp.stage, "optimizer": type(optimizer).__name__,
-                "units": [{"name": u.name, **u.layout.to_json()} for u in zdp.units]}
-        (path / "metadata.json").write_text(json.dumps(meta, indent=1))
-    comm.barrier(zdp.group)
-
-
-def _read_metadata(path: Path) -> dict[str, Any]:
-    meta = json.loads((path / "metadata.json").read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint (format {meta.get('format')!r})")
-    return meta
-
-
-class _ShardReader:
-    """Reads the old ranks' files lazily (memory-mapped) and assembles any element range of a unit."""
-
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path, self.meta = path, meta
-        self._files: dict[int, dict[str, Any]] = {}
-
-    def file(self, j: int) -> dict[str, Any]:
-        if j not in self._files:
-            self._files[j] = torch.load(_shard_file(self.path, j, self.meta["num_shards"]), mmap=True,
-                                        weights_only=True)
-        return self._files[j]
-
-    def gather(self, unit_name: str, layout: FlatLayout, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the unit's flat ``key`` ("param" or a per-element optimizer state), in the
-        unpadded coordinates shared by every layout; elements past Ψ_u are padding (zeros)."""
-        out = torch.zeros(hi - lo, dtype=torch.float32)
-        s_old = layout.shard_numel
-        end = min(hi, layout.numel)
-        first, last = lo // s_old, -(-end // s_old)  # the old shards that overlap [lo, end)
-        for j in range(first, last if end > lo else first):
-            a, b = max(lo, j * s_old), min(end, (j + 1) * s_old)
-            entry = self.file(j)["units"][unit_name]
-            src = entry["param"] if key == "param" else entry["state"][key]
-            out[a - lo:b - lo] = src[a - j * s_old:b - j * s_old]
-        return out
-
-    def scalars(self, unit_name: str) -> dict[str, Any]:
-        state = self.file(0)["units"][unit_name]["state"]
-        return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)}
-
-    def vector_keys(self, unit_name: str) -> list[str]:
-        state = self.file(0)["units"][unit_name]["state"]
-        return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
-
-
-def _check_units(meta: dict[str, Any], names: list[tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...]]]) -> None:
-    saved = [(u["name"], tuple(p["name"] for p in u["params"]), tuple(tuple(p["shape"]) for p in u["params"]))
-             for u in meta["units"]]
-    if saved != names:
-        raise ValueError("the checkpoint's units do not match this model's: saved "
-                         f"{[(n, len(ps)) for n, ps, _ in saved]}, here {[(n, len(ps)) for n, ps, _ in names]}")
-
-
-def load_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
-    """Load a checkpoint saved by ``save_checkpoint`` at *any* data-parallel degree and stage into ``zdp``.
-
-    Each rank computes its new range [lo, hi) of each unit and copies it from the old shards that overlap it
-    (old shard j holds [j S_old, (j+1) S_old)): a re-sharding by offsets, reading only the files it needs.
-    Per-element optimizer states (Adam's m and v, SGD's momentum) follow the same rule; scalar ones (``step``)
-    are copied. Returns the step the checkpoint was taken at."""
-    path = Path(path)
-    meta = _read_metadata(path)
-    _check_units(meta, [(u.name, u.layout.names, u.layout.shapes) for u in zdp.units])
-    reader = _ShardReader(path, meta)
-    for u, saved in zip(zdp.units, meta["units"], strict=True):
-        old = FlatLayout.from_json(saved)
-        lo, hi = u.bounds()
-        with torch.no_grad():
-            u.shard.copy_(reader.gather(u.name, old, "param", lo, hi))
-        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in reader.scalars(u.name).items()}
-        for key in reader.vector_keys(u.name):
-            state[key] = reader.gather(u.name, old, key, lo, hi)
-        if state:
-            optimizer.state[u.shard] = state
-        u.refresh_full()  # stages 0-2: every rank's full parameters from the loaded shards
-    return int(meta["step"])
-
-
-def load_full_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], int]:
-    """A sharded checkpoint as one process sees it: (parameters by name, optimizer state by parameter name,
-    step). No process group needed: this is how a checkpoint from N ranks becomes a plain single-process one."""
-    path = Path(path)
-    meta = _read_metadata(path)
-    reader = _ShardReader(path, meta)
-    params: dict[str, torch.Tensor] = {}
-    states: dict[str, dict[str, Any]] = {}
-    for saved in meta["units"]:
-        layout = FlatLayout.from_json(saved)
-        flat = reader.gather(saved["name"], layout, "param", 0, layout.numel)
-        vectors = {k: reader.gather(saved["name"], layout, k, 0, layout.numel)
-                   for k in reader.vector_keys(saved["name"])}
-        scalars = reader.scalars(saved["name"])
-        for i, name in enumerate(layout.names):
-            o, n, s = layout.offsets[i], layout.numels[i], layout.shapes[i]
-            params[name] = flat[o:o + n].view(s).clone()
-            if vectors or scalars:
-                states[name] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()},
-                                **{k: v[o:o + n].view(s).clone() for k, v in vectors.items()}}
-    return params, states, int(meta["step"])
-
-
-def load_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> int:
-    """Load a sharded checkpoint into a plain single-process model (and its per-parameter optimizer, built over
-    ``model.parameters()``). Returns the step."""
-    params, states, step = load_full_state_dict(path)
-    named = dict(model.named_parameters())
-    missing = sorted(set(named) - set(params))
-    if missing:
-        raise ValueError(f"the checkpoint has no values for {missing}")
-    with torch.no_grad():
-        for name, p in named.items():
-            p.copy_(params[name])
-    if optimizer is not None:
-        for name, p in named.items():
-            if name in states:
-                optimizer.state[p] = states[name]
-    return step
 
 
 # ----------------------------------------------------------------------------------------------------------------
