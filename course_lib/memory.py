@@ -1,6 +1,6 @@
 """Memory budgets per GPU: what the formulas predict, and what a run really holds.
 
-Two budgets (seed 003):
+Two budgets:
 
 * **training** peak = parameters + gradients + optimizer state + saved activations + temporary buffers
   + communication buffers + allocator headroom;
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from course_lib.model import PRESETS, GPTConfig, norm_params
+from course_lib.parallel.pp_layers import layer_split
 
 __all__ = [
     "GB",
@@ -314,6 +315,13 @@ class ParallelLayout:
     cp: int = 1
     ep: int = 1
 
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelLayout: {name}={value!r}, but every degree must be an int >= 1 "
+                                 f"(1 = that parallelism is off)")
+
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
@@ -347,8 +355,7 @@ class ParallelLayout:
             raise ValueError(f"tp={self.tp} must divide n_head={c.n_head}")
         if c.kv_heads % self.tp and self.tp % c.kv_heads:
             raise ValueError(f"tp={self.tp} and n_kv_head={c.kv_heads}: one must divide the other")
-        if self.pp > c.n_layer:
-            raise ValueError(f"pp={self.pp} exceeds n_layer={c.n_layer}")
+        layer_split(c.n_layer, self.pp)  # the runtime's rule: pp divides n_layer (equal stages)
         if seq_len is not None and seq_len % self.cp:
             raise ValueError(f"cp={self.cp} must divide the sequence length {seq_len}")
         if seq_len is not None and self.sp and (seq_len // self.cp) % self.tp:
@@ -370,9 +377,8 @@ def _resolve(config: GPTConfig | str) -> GPTConfig:
 
 
 def _layers_per_stage(n_layer: int, pp: int) -> list[int]:
-    """L layers over pp stages as evenly as possible (the first stages take the remainder)."""
-    base, extra = divmod(n_layer, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
+    """L layers over pp stages: the pipeline runtime's rule (``pp_layers.layer_split``: L / pp each)."""
+    return layer_split(n_layer, pp)
 
 
 def _block_params_rank(c: GPTConfig, tp: int) -> tuple[float, float]:

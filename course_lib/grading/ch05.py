@@ -4,7 +4,7 @@
 2. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
    2021), as strings "F3" / "B3", checked against ``course_lib.schedules.one_f_one_b``.
 3. ``microbatch_gradients(model, x, y, m)``: gradients of the full-batch mean loss computed by accumulating over m
-   micro-batches — each micro-batch loss scaled by 1/m (the bug of several anchors: m x too large).
+   micro-batches — each micro-batch loss scaled by 1/m (a common bug: gradients m x too large).
 """
 
 from __future__ import annotations

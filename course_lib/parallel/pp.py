@@ -253,7 +253,7 @@ class Stage(nn.Module):
 def named_subset(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """Detached fp32 copies of ``model``'s parameters (by ``model``'s names) that live in ``modules``."""
     mine = {id(p) for m in modules for p in m.parameters()}
-    return {name: p.detach().float().clone() for name, p in model.named_parameters() if id(p) in mine}
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters() if id(p) in mine}
 
 
 def build_stages(cfg: GPTConfig, plan: PipelinePlan, rank: int, seed: int = 0,

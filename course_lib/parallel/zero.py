@@ -244,10 +244,10 @@ class ZeroDataParallel(ParallelWrapper):
             else:
                 comm.all_gather(flat, unit.shard.detach(), group=self.group)
             for name, view in zip(unit.layout.names, unit.layout.views(flat), strict=True):
-                out[name] = view.clone()
+                out[name] = view.cpu().clone()
         for name, p in self.module.named_parameters():  # frozen parameters were never sharded
             if name not in out:
-                out[name] = p.detach().float().clone()
+                out[name] = p.detach().float().cpu().clone()
         return {name: out[name] for name, _ in self.module.named_parameters()}
 
     # ---- hooks
@@ -520,5 +520,5 @@ def train_fsdp2(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DE
     fsdp = TorchFullyShard(model, mesh=mesh, group=group, reshard_after_forward=reshard_after_forward)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
     out = train_loop(fsdp, opt, cfg, tc, data_rank=fsdp.rank, data_size=fsdp.world_size, accumulation=accumulation)
-    params = {name: p.full_tensor().detach().float().clone() for name, p in model.named_parameters()}
+    params = {name: p.full_tensor().detach().float().cpu().clone() for name, p in model.named_parameters()}
     return TrainResult(out.losses, params)
