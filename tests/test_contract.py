@@ -1,6 +1,7 @@
 """The wrapper contract (``course_lib.parallel``'s docstring), checked the same way for every wrapper.
 
-Each form -- ``DataParallel`` in its three modes, ``ZeroDataParallel`` at stages 0-3, ``PipelineParallel`` on a
+Each form -- ``DataParallel`` in its three modes, ``ZeroDataParallel`` at stages 0-3 (and per-parameter,
+``FSDP2DataParallel``, in the lifecycle; its parity is in tests/test_zero_fsdp2.py), ``PipelineParallel`` on a
 GPT and on a plain ``nn.Sequential`` -- goes through the same lifecycle at 2 and 4 ranks: wrap (initial weights
 made identical over the group), train with and without ``no_sync`` (gradient accumulation) through the one
 training loop, parity with ``train_baseline`` (SGD, which exposes a wrong scale; default tolerance
@@ -27,6 +28,7 @@ from course_lib.launch import launch
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel import dp, pp, zero
+from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -54,6 +56,7 @@ WRAPPERS = {  # name: wrap(model, group) -> wrapper (for the in-process lifecycl
     "dp-overlapped": lambda m, g: dp.DataParallel(m, group=g, mode="overlapped", bucket_mb=0.01),
     "dp-bucketed": lambda m, g: dp.DataParallel(m, group=g, mode="bucketed"),
     **{f"zero-{s}": (lambda m, g, s=s: zero.ZeroDataParallel(m, s, group=g)) for s in range(4)},
+    "fsdp2": lambda m, g: FSDP2DataParallel(m, group=g),
 }
 
 

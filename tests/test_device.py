@@ -16,6 +16,7 @@ from course_lib.device_audit import DeviceAudit
 from course_lib.launch import device, launch
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import dp, pp, zero
+from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -54,6 +55,7 @@ RUNS = {
     **{f"dp-{m}": functools.partial(dp.train_dp, mode=m, bucket_mb=0.001) for m in dp.MODES},
     **{f"zero-{s}": functools.partial(zero.train_zero, stage=s) for s in range(4)},
     "zero-3-bf16": functools.partial(zero.train_zero, stage=3, param_dtype=torch.bfloat16),
+    "fsdp2": functools.partial(zero.train_zero, stage=3, wrapper_class=FSDP2DataParallel),
     **{f"pp-{s}": functools.partial(pp.train_pp, schedule=s, microbatches=2) for s in ("1f1b", "zb_h1")},
     "broken-buckets": functools.partial(dp.train_dp, wrapper_class=DevicelessBuckets),
     "broken-float64": functools.partial(dp.train_dp, wrapper_class=Float64Losses),

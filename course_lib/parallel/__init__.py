@@ -2,9 +2,12 @@
 
 * ``dp``        data parallelism: naive, bucketed and overlapped gradient all-reduce; gradient accumulation
 * ``zero``      ZeRO stages 0-3 / FSDP over flat parameters (FSDP1 / DeepSpeed form)
-* ``zero_checkpoint`` sharded checkpoints of ``zero``: save at N ranks, load at any N or in one process
-* ``pp``        pipeline parallelism (stages, executor, schedules run on real ranks), ``pp_split`` its I/W
-  backward split, ``pp_balance`` stage balancing from measured layer costs
+* ``zero_unit`` one flat-parameter unit; ``zero_checkpoint`` sharded checkpoints of ``zero``: save at N
+  ranks, load at any N or in one process
+* ``fsdp2``     FSDP2-style per-parameter (dim-0) sharding on the same engine
+* ``sharded_optimizer`` ZeRO-1 at the optimizer level (``ShardedOptimizer``, ``ZeroRedundancyOptimizer``'s shape)
+* ``pp``        pipeline parallelism (stages, executor, schedules run on real ranks), ``pp_layers`` the one
+  layer-split rule, ``pp_split`` the I/W backward split, ``pp_balance`` stage balancing from measured costs
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
 
 Every module talks through ``course_lib.comm`` so that the bytes each rank moves are logged, and is checked
@@ -20,9 +23,10 @@ they compose on one ``course_lib.mesh.Mesh`` of ranks and one training loop driv
   ``"pp"``); ``group=`` is a process group (None = every rank); not both. A rank outside the group gets a
   clear ``ValueError`` at construction. ``forward`` runs the module (the pipeline, whose forward and backward
   interleave over micro-batches, runs one pass of its schedule in ``forward_backward(x, y)`` instead).
-* ``parameters()`` are what this rank's optimizer steps: the replica's (DP), the flat shards (ZeRO), this
-  rank's stages' (pipeline). Where the form replicates weights, the constructor broadcasts them from the
-  group's first rank, so replicas start identical however each rank initialised its model.
+* ``parameters()`` are what this rank's optimizer steps: the replica's (DP), the flat shards (ZeRO; per-parameter
+  shards for FSDP2), this rank's stages' (pipeline). Where the form replicates weights, the constructor
+  broadcasts them from the group's first rank, so replicas start identical however each rank initialised its
+  model.
 * ``no_sync()``: the forward/backward passes inside it only accumulate gradients locally; the next one outside
   it reduces the sum (DP: no all-reduce; ZeRO: no reduce-scatter -- stage 3 still gathers its parameters; the
   pipeline: nothing to hold back, it accumulates its own micro-batches).

@@ -71,11 +71,15 @@ would be reduced in the hook on some ranks and in the final callback on others -
 The course's dense GPT uses every parameter on every rank; FSDP2 triggers the reduce from the unit's inputs'
 gradients instead, at the price of subtler ordering arguments.
 
+Gradient accumulation: ``no_sync()`` keeps the full gradients and skips the reduce-scatter until the last
+micro-batch (FSDP's ``no_sync``: less communication, full-size gradient memory); without it stages 2/3
+reduce-scatter every backward and add into the shard's gradient. FSDP2's per-parameter (dim-0) sharding is
+``course_lib.parallel.fsdp2``, built on the same engine; the units and the flat layout are in ``zero_unit``,
+the sharded checkpoints in ``zero_checkpoint``.
+
 Left out compared with FSDP2/DeepSpeed: meta-device initialisation (here every rank builds the full model once,
 then shards it), CUDA streams and rate limiting (CPU gloo runs collectives on its own threads), CPU offload,
-gradient accumulation without communication (``no_sync``), hybrid sharding (HSDP), per-parameter (DTensor)
-sharding -- FSDP2 shards each parameter on dim 0 instead of a flat buffer, which makes the state dict and
-composition with tensor parallelism simpler.
+hybrid sharding (HSDP).
 """
 
 from __future__ import annotations
@@ -215,8 +219,9 @@ class ZeroDataParallel(ParallelWrapper):
     # ---- what the optimizer and the loop see
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The shards, one flat fp32 parameter per unit: what each rank's optimizer updates."""
-        return iter([u.shard for u in self.units])
+        """The shards (one flat fp32 parameter per unit; one per parameter with ``PerParameterUnit``): what each
+        rank's optimizer updates."""
+        return iter([s for u in self.units for s in u.optimizer_params()])
 
     def after_step(self) -> None:
         """After ``optimizer.step()``: stages 1/2 all-gather the updated shards into every rank's full
@@ -238,13 +243,7 @@ class ZeroDataParallel(ParallelWrapper):
         """Every parameter, full and fp32, by the model's names (a collective: every rank must call it)."""
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
-            if unit.layout.world_size == 1:
-                flat.copy_(unit.shard.detach())
-            else:
-                comm.all_gather(flat, unit.shard.detach(), group=self.group)
-            for name, view in zip(unit.layout.names, unit.layout.views(flat), strict=True):
-                out[name] = view.cpu().clone()
+            out.update(unit.gather_full())
         for name, p in self.module.named_parameters():  # frozen parameters were never sharded
             if name not in out:
                 out[name] = p.detach().float().cpu().clone()
@@ -373,10 +372,10 @@ def model_state_bytes(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer | 
 
     fp32_weights = zdp.param_dtype == torch.float32
     units = zdp.units
-    params = total([u.full for u in units] + [p for u in units for p in u.params]
-                   + ([u.shard for u in units] if fp32_weights else []))
-    grads = total([p.grad for u in units for p in u.params] + [u.shard.grad for u in units])
-    opt_tensors = [] if fp32_weights else [u.shard for u in units]
+    shards = [s for u in units for s in u.optimizer_params()]
+    params = total([t for u in units for t in u.weight_tensors()] + (shards if fp32_weights else []))
+    grads = total([p.grad for u in units for p in u.params] + [s.grad for s in shards])
+    opt_tensors = [] if fp32_weights else list(shards)
     if optimizer is not None:
         opt_tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return {"parameters": params, "gradients": grads, "optimizer_state": total(opt_tensors)}

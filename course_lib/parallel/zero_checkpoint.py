@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 
 CHECKPOINT_FORMAT = "course_lib.zero/v1"
 
+
+def _require_flat(zdp: ZeroDataParallel) -> None:
+    if not all(u.flat for u in zdp.units):
+        raise ValueError("sharded checkpoints store flat-parameter units; per-parameter (FSDP2-style) units are not "
+                         "supported: save zdp.full_state_dict() instead")
+
 # ----------------------------------------------------------------------------------------------------------------
 # Sharded checkpoints
 
@@ -34,6 +40,7 @@ def save_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, pat
     names, shapes and offsets in the flat buffer, its sizes and padding) and ``shard_<r>_of_<N>.pt`` per
     rank (stage 0: one file, every rank holds the same). A collective: every rank must call it; it returns once
     every file is on disk (a barrier)."""
+    _require_flat(zdp)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     num_shards = zdp.units[0].layout.world_size
@@ -111,6 +118,7 @@ def load_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, pat
     (old shard j holds [j S_old, (j+1) S_old)): a re-sharding by offsets, reading only the files it needs.
     Per-element optimizer states (Adam's m and v, SGD's momentum) follow the same rule; scalar ones (``step``)
     are copied. Returns the step the checkpoint was taken at."""
+    _require_flat(zdp)
     path = Path(path)
     meta = _read_metadata(path)
     _check_units(meta, [(u.name, u.layout.names, u.layout.shapes) for u in zdp.units])

@@ -153,6 +153,28 @@ class FlatParamUnit:
     def label(self) -> str:
         return self.name or "(root)"
 
+    # ---- what the engine and the memory accounting see
+
+    flat = True
+    """The parameters live in one flat buffer (what the sharded checkpoints read and write)."""
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What the optimizer steps for this unit: its flat shard."""
+        return [self.shard]
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The compute-dtype weights: the full flat buffer (0 bytes while resharded) and its views."""
+        return [self.full, *self.params]
+
+    def gather_full(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the unit, full, fp32, on the CPU, by name (a collective over the group)."""
+        flat = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        if self.layout.world_size == 1:
+            flat.copy_(self.shard.detach())
+        else:
+            comm.all_gather(flat, self.shard.detach(), group=self.group)
+        return {name: view.cpu().clone() for name, view in zip(self.layout.names, self.layout.views(flat), strict=True)}
+
     # ---- the seams a variant overrides
 
     def bounds(self) -> tuple[int, int]:
