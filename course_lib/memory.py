@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from course_lib.model import PRESETS, GPTConfig, norm_params
 from course_lib.parallel.pp_layers import layer_split
+from course_lib.schedules import SCHEDULE_ALIASES, canonical_schedule
 
 __all__ = [
     "GB",
@@ -74,11 +75,15 @@ OptimizerName = Literal["sgd", "sgd_momentum", "adam", "adamw"]
 # Results: bytes by category
 
 
-def format_bytes(n: float, unit: str | None = None) -> str:
-    """``1.23 GB``-style text, decimal units; ``unit`` forces one of B, kB, MB, GB, TB, KiB, MiB, GiB."""
+def format_bytes(n: float, unit: str | None = None, *, digits: int | None = None) -> str:
+    """The course's one byte formatter, decimal units: ``1.23 GB``-style (two decimals); ``unit`` forces one of
+    B, kB, MB, GB, TB, KiB, MiB, GiB; ``digits`` gives that many significant digits instead
+    (``format_bytes(4e6, digits=3)`` -> ``4 MB``, ``format_bytes(1500, digits=3)`` -> ``1.5 kB``)."""
     units = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     if unit is None:
         unit = next((u for u in ("TB", "GB", "MB", "kB") if abs(n) >= units[u]), "B")
+    if digits is not None:
+        return f"{n / units[unit]:.{digits}g} {unit}"
     if unit == "B":
         return f"{n:,.0f} B"
     return f"{n / units[unit]:,.2f} {unit}"
@@ -335,7 +340,7 @@ class ParallelLayout:
         """Micro-batches whose activations stage ``stage`` holds at its peak."""
         if self.pp == 1:
             return 1  # gradient accumulation runs micro-batches one after another
-        if self.schedule == "afab":
+        if canonical_schedule(self.schedule) == "gpipe":
             return self.m
         return min(self.pp - stage, self.m)
 
@@ -347,7 +352,7 @@ class ParallelLayout:
                 raise ValueError(f"{name} must be >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0..3, got {self.zero}")
-        if self.schedule not in ("1f1b", "afab"):
+        if self.schedule not in SCHEDULE_ALIASES or canonical_schedule(self.schedule) not in ("one_f_one_b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'afab', got {self.schedule!r}")
         if self.m < 1:
             raise ValueError("microbatches must be >= 1")

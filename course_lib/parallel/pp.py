@@ -81,13 +81,8 @@ __all__ = [  # with what course_lib.parallel.pp_layers / pp_balance / pp_split d
     "pipeline_parts", "plan_pipeline", "stage_costs", "stage_layers", "train_pp", "train_torch_pp",
 ]
 
-SCHEDULES: dict[str, str] = {  # accepted names -> the builder in course_lib.schedules
-    "gpipe": "gpipe", "afab": "gpipe",
-    "1f1b": "one_f_one_b", "one_f_one_b": "one_f_one_b",
-    "interleaved": "interleaved_one_f_one_b", "interleaved_1f1b": "interleaved_one_f_one_b",
-    "interleaved_one_f_one_b": "interleaved_one_f_one_b",
-    "zb_h1": "zb_h1", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
-}
+SCHEDULES: dict[str, str] = S.SCHEDULE_ALIASES
+"""Accepted names -> the builder in ``course_lib.schedules`` (its registry)."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
