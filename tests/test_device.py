@@ -80,12 +80,14 @@ def audited() -> list[dict[str, list[str]]]:
     return launch(_audited, 2, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith("broken")])
 def test_every_form_is_device_true(name):
     for rank, found in enumerate(audited()):
         assert found[name] == [], f"{name}, rank {rank}: {found[name]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "expected"), [("broken-buckets", "factory without device test_device.py"),
                                                 ("broken-float64", "float64 collective"),
                                                 ("broken-zero", "factory without device test_device.py")])
