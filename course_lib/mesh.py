@@ -51,8 +51,10 @@ class MeshError(ValueError):
         super().__init__("the mesh does not fit:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending (O(sqrt n): vocabularies have 10^5 entries)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class MeshShape:
             raise MeshError(problems)
         if (self.dp * self.cp) % self.ep:
             raise MeshError([f"ep={self.ep} must divide dp x cp = {self.dp * self.cp}: experts are spread over the "
-                             f"data-parallel ranks (choose ep in {_divisors(self.dp * self.cp)})"])
+                             f"data-parallel ranks (choose ep in {divisors(self.dp * self.cp)})"])
 
     # ---------------------------------------------------------------------------------------------- arithmetic
 
@@ -130,9 +132,26 @@ class MeshShape:
     def group_ranks(self, rank: int, *axes: str) -> list[int]:
         """The ranks in ``rank``'s group over ``axes``: those whose other coordinates equal ``rank``'s."""
         axes = self._check_axes(axes)
-        fixed = [a for a in self._system(axes) if a not in axes]
-        mine = self.coords(rank)
-        return [r for r in range(self.world_size) if all(self.coords(r)[a] == mine[a] for a in fixed)]
+        system, mine = self._system(axes), self.coords(rank)
+        varying = [a for a in self._axis_order(system) if a in axes]  # fastest first: ranks come out in order
+        ranks = []
+        for values in itertools.product(*(range(self._degree(a)) for a in reversed(varying))):
+            c = {a: mine[a] for a in system} | dict(zip(reversed(varying), values, strict=True))
+            ranks.append(self._rank_in(system, c))
+        return sorted(ranks)
+
+    def _axis_order(self, system: tuple[str, ...]) -> list[str]:
+        if system == DENSE_AXES:
+            return list(self.dense_order)
+        return ["tp", "ep", "edp", "pp"]
+
+    def _rank_in(self, system: tuple[str, ...], c: dict[str, int]) -> int:
+        """The rank at coordinates ``c`` of the dense or the expert reading of the mesh."""
+        if system == EXPERT_AXES:
+            first, second = [a for a in self.dense_order if a in ("cp", "dp")]
+            i = c["ep"] + self.ep * c["edp"]
+            c = {"tp": c["tp"], "pp": c["pp"], first: i % self._degree(first), second: i // self._degree(first)}
+        return self.rank_of(**c)
 
     def all_groups(self, *axes: str) -> list[list[int]]:
         """Every group over ``axes``, a partition of the ranks, ordered by their first rank."""
@@ -177,14 +196,14 @@ class MeshShape:
             if self.cp > 1 and seq % (2 * self.cp):
                 problems.append(f"sequence length {seq} is not divisible by 2 x cp = {2 * self.cp} (zig-zag "
                                 f"chunks): use a length that is a multiple of {2 * self.cp}, or cp in "
-                                f"{[c for c in _divisors(seq) if c == 1 or seq % (2 * c) == 0]}")
+                                f"{[c for c in divisors(seq) if c == 1 or seq % (2 * c) == 0]}")
             if sp and self.tp > 1 and (seq // self.cp) % self.tp:
                 problems.append(f"sequence parallelism splits each rank's {seq // self.cp} tokens over tp="
                                 f"{self.tp}: use a sequence length divisible by cp x tp = {self.cp * self.tp}")
         if micro_batch < 1:
             problems.append(f"micro_batch={micro_batch} must be >= 1")
         elif global_batch is not None and global_batch % (self.dp * micro_batch):
-            fits = [b for b in _divisors(global_batch) if global_batch % (self.dp * b) == 0]
+            fits = [b for b in divisors(global_batch) if global_batch % (self.dp * b) == 0]
             problems.append(f"global batch {global_batch} is not divisible by dp x micro_batch = {self.dp} x "
                             f"{micro_batch}: use a global batch that is a multiple of {self.dp * micro_batch}"
                             + (f", or micro_batch in {fits}" if fits else f" (no micro-batch fits dp={self.dp})"))
@@ -195,7 +214,7 @@ class MeshShape:
         t, problems = self.tp, []
 
         def fit(n: int) -> list[int]:
-            return _divisors(n)[:8]
+            return divisors(n)[:8]
 
         if c.n_head % t:
             problems.append(f"tp={t} does not divide n_head={c.n_head}: attention is split by heads "
@@ -221,7 +240,7 @@ class MeshShape:
                             f"is part of an MoE architecture, not a knob for dense models; use ep=1")
         elif c.n_expert and c.n_expert % self.ep:
             problems.append(f"ep={self.ep} does not divide n_expert={c.n_expert} (choose ep in "
-                            f"{[e for e in _divisors(c.n_expert) if (self.dp * self.cp) % e == 0]})")
+                            f"{[e for e in divisors(c.n_expert) if (self.dp * self.cp) % e == 0]})")
         return problems
 
     # ---------------------------------------------------------------------------------------------- helpers

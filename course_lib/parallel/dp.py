@@ -174,7 +174,8 @@ class DataParallel(ParallelWrapper):
     backward) or ``"overlapped"`` (bucket all-reduces launched asynchronously from gradient hooks during
     backward). ``bucket_mb``: bucket capacity in MiB (bucketed / overlapped). ``find_unused_parameters``: exchange
     a "used" map so that parameters without a gradient on any rank keep ``.grad = None`` (see the module
-    docstring). ``broadcast``: copy the group's first rank's initial parameters to every rank (DDP does).
+    docstring). ``broadcast``: copy the group's first rank's initial parameters to every rank (DDP does);
+    ``broadcast_from``: copy those of that global rank instead.
 
     Seams a variant overrides (public, so tests and the grader inject bugs through them): ``average`` (sum ->
     mean), ``build_buckets`` (which parameters share an all-reduce), ``all_reduce`` (one collective).
@@ -182,7 +183,8 @@ class DataParallel(ParallelWrapper):
 
     def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
                  mode: Mode = "overlapped", bucket_mb: float = DEFAULT_BUCKET_MB,
-                 find_unused_parameters: bool = False, broadcast: bool = True) -> None:
+                 find_unused_parameters: bool = False, broadcast: bool = True,
+                 broadcast_from: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
         if bucket_mb < 0:
@@ -191,7 +193,9 @@ class DataParallel(ParallelWrapper):
         self.mode: Mode = mode
         self.bucket_bytes = int(bucket_mb * MiB)
         self.find_unused_parameters = find_unused_parameters
-        if broadcast:
+        if broadcast_from is not None:
+            broadcast_parameters(module, broadcast_from, self.group)
+        elif broadcast:
             broadcast_from_first(module, self.group)
         # Trainable parameters, each once (tied weights are one Parameter), in the order backward produces
         # their gradients: the reverse of the order they are defined (and, in a GPT, used) in forward.

@@ -11,7 +11,7 @@ equal counts by default; any counts >= 1 summing to ``n_layer``). Stage ``s`` li
 Micro-batches and the loss. The global batch B is split into m micro-batches of b = B / m rows. The last stage
 computes each micro-batch's mean loss L_j and back-propagates ``L_j / m``: the m backward passes accumulate
 sum_j grad(L_j) / m = grad(mean over the batch) -- the single-process gradient. Without the ``/ m`` the gradients
-are m times too large (a bug that is easy to write; Adam's update is nearly scale-invariant and hides it, SGD
+are m times too large (an easy bug to write; Adam's update is nearly scale-invariant and hides it, SGD
 does not). The reported loss is the mean of the unscaled L_j.
 
 Transfers. The executor runs this rank's list of ``schedules.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
