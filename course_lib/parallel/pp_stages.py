@@ -143,7 +143,9 @@ def shares_weights(first: nn.Module, last: nn.Module) -> bool:
 
 class Stage(nn.Module):
     """One (virtual) stage of ``model`` (a GPT, an ``nn.Sequential`` or ``PipelineParts``): [first part] -> its
-    blocks -> [last part]. ``blocks`` is a ``ModuleDict`` keyed by the global block index.
+    blocks -> [last part]. ``blocks`` is a ``ModuleDict`` keyed by the global block index; a GPT's stage holds
+    ``tok_emb`` / ``pos_emb`` / ``norm_f`` / ``lm_head`` under those names, so its ``named_parameters()`` are the
+    GPT's own (``blocks.3.attn.q_proj.weight``); other models' stages hold ``first`` / ``last``.
 
     ``forward(x)`` is the whole stage (token ids in on stage 0, logits out on the last): what
     ``torch.distributed.pipelining.PipelineStage`` wraps. The executor calls ``embed`` and ``body`` separately.
@@ -154,24 +156,39 @@ class Stage(nn.Module):
         parts = pipeline_parts(model)
         self.index, self.n_stages, self.layers = index, n_stages, layers
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.first = parts.first if self.is_first else None
+        self.first: nn.Module | None = None  # None: a GPT's parts, held under the GPT's names
+        self.last: nn.Module | None = None
+        if self.is_first:
+            if isinstance(parts.first, _GPTEmbedding):
+                self.tok_emb, self.pos_emb = parts.first.tok_emb, parts.first.pos_emb
+            else:
+                self.first = parts.first
         self.blocks = nn.ModuleDict({str(i): parts.blocks[i] for i in layers})
-        self.last = parts.last if self.is_last else None
+        if self.is_last:
+            if isinstance(parts.last, _GPTHead):
+                self.norm_f, self.lm_head = parts.last.norm_f, parts.last.lm_head
+            else:
+                self.last = parts.last
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.first(idx)
+        return GPT.embed(self, idx) if self.first is None else self.first(idx)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         """Blocks, then (last stage) the last part: hidden states in, hidden states or logits out."""
         for block in self.blocks.values():
             x = block(x)
-        return self.last(x) if self.is_last else x
+        if not self.is_last:
+            return x
+        return GPT.head(self, x) if self.last is None else self.last(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(self.embed(x) if self.is_first else x)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.first.parameters() if p.requires_grad] if self.is_first else []
+        if not self.is_first:
+            return []
+        modules = [self.first] if self.first is not None else [m for m in (self.tok_emb, self.pos_emb) if m is not None]
+        return [p for m in modules for p in m.parameters() if p.requires_grad]
 
     def body_parameters(self) -> list[nn.Parameter]:
         emb = {id(p) for p in self.embedding_parameters()}
