@@ -13,7 +13,9 @@ dependencies and builds offline.
 * Widgets need a kernel. On the site each one is drawn as its last saved state (its figure, its text and each
   control's value, read from the widget state the executed notebook stores), so it does not react to clicks: the
   page says so. Run the notebook in JupyterLab (``make lab``) to use it.
-* Math is typeset by MathJax, which nbconvert's template loads from a CDN: offline the formulas show as TeX.
+* Math is typeset by MathJax 2 in the browser. With ``jupyter-server-mathjax`` installed (a course dependency) its
+  copy of MathJax goes into ``mathjax/`` and the site works offline; without it the pages load MathJax from
+  nbconvert's CDN address, and offline the formulas show as TeX.
 * Links between notebooks (``05_pipeline_parallel.ipynb``, ``../exercises/05_....ipynb``) become links between
   pages; a link to a chapter not in the build (not written yet) becomes plain text.
 """
@@ -25,6 +27,7 @@ import base64
 import html
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,8 @@ START = "START_HERE.ipynb"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 LINK = re.compile(r'<a href="(?P<href>[^"#:]+\.ipynb)(?P<frag>#[^"]*)?"(?P<attrs>[^>]*)>(?P<text>.*?)</a>', re.S)
+MATHJAX_PARTS = ("MathJax.js", "config", "extensions", "jax", "fonts", "LICENSE")  # not localization/: English only
+MATHJAX_CONFIG = "TeX-AMS-MML_HTMLorMML-full,Safe"
 WIDGET_NOTE = ("A widget, drawn as it was when the notebook was last run: it does not react here. "
                "Run the notebook (<code>make lab</code>) to use it.")
 
@@ -151,6 +156,26 @@ def _banner(page: Page, is_exercise: bool) -> str:
             f"<code>{html.escape(rel)}</code>. Widgets show their last state and do not react here.")
 
 
+def install_mathjax(out: Path) -> str | None:
+    """Copy jupyter-server-mathjax's MathJax into ``out/mathjax``; returns its script path relative to the site's
+    root, or None when the package is not installed (the pages then use the CDN)."""
+    try:
+        import jupyter_server_mathjax
+    except ImportError:
+        return None
+    static = Path(jupyter_server_mathjax.__file__).resolve().parent / "static"
+    target = out / "mathjax"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for part in MATHJAX_PARTS:
+        src = static / part
+        if src.is_dir():
+            shutil.copytree(src, target / part)
+        else:
+            shutil.copy2(src, target / part)
+    return f"mathjax/MathJax.js?config={MATHJAX_CONFIG}"
+
+
 def build(out: Path, repo: Path = REPO) -> list[Path]:
     """Write the site into ``out``; returns the pages written."""
     chapters, exercises = pages(repo)
@@ -159,12 +184,15 @@ def build(out: Path, repo: Path = REPO) -> list[Path]:
     exporter = HTMLExporter(template_name="course", extra_template_basedirs=[str(TEMPLATES)], embed_images=True)
     nav = {"chapters": [{"href": p.href, "title": p.title} for p in chapters],
            "exercises": [{"href": p.href, "title": p.title} for p in exercises]}
+    mathjax = install_mathjax(out)
+    cdn = exporter.mathjax_url
     written = []
     for group in (chapters, exercises):
         for i, page in enumerate(group):
             nb = nbformat.read(page.source, as_version=4)
             render_widgets_statically(nb)
             depth = page.href.count("/")
+            exporter.mathjax_url = "../" * depth + mathjax if mathjax else cdn
             neighbour = {k: {"href": q.href, "title": q.title} if q else None for k, q in
                          (("prev", group[i - 1] if i > 0 else None),
                           ("next", group[i + 1] if i + 1 < len(group) else None))}
