@@ -42,6 +42,7 @@ def graded(tmp_path_factory) -> tuple[list[gradebook.GradeRow], Path]:
     return rows, out
 
 
+@pytest.mark.slow
 def test_the_gradebook_csv_row_by_row(graded):
     _, out = graded
     with out.open() as f:
@@ -66,6 +67,7 @@ def test_the_gradebook_csv_row_by_row(graded):
     assert all(r.startswith("not a readable notebook (") for r in reasons[6:])
 
 
+@pytest.mark.slow
 def test_the_summary_counts_passes_and_the_common_failure_reasons(graded, tmp_path):
     rows, _ = graded
     summary = {s.exercise: s for s in gradebook.summarize(rows)}
