@@ -133,3 +133,11 @@ def test_the_cli_exits_nonzero_without_full_marks_and_writes_json(tmp_path, monk
     reports.append(grader.NotebookReport("x.ipynb", "00", [grader.ExerciseScore("k", "t", 0, 2, False, "no")]))
     assert grader.main(["x.ipynb"]) == 1
     assert grader.main(["x.ipynb", "--always-exit-zero"]) == 0
+
+
+def test_visible_bucket_check_rejects_a_dropped_partial_bucket():
+    from course_lib.grading import ch02
+    from tests.grading_fixtures.ch02 import buckets_drop_the_last_partial_one
+
+    assert not ch02.check_assign_buckets(buckets_drop_the_last_partial_one).ok
+    assert ch02.check_assign_buckets(ch02.reference_buckets).ok
