@@ -17,15 +17,21 @@ How it works (each choice was measured on a 2-core laptop, see COURSE_DESIGN.md)
   without an ``if __name__ == "__main__":`` guard.
 * The parent hosts the rendezvous ``TCPStore`` on a port the OS picks (port 0), created once per parent process
   (tearing one down costs 0.1 s) with a fresh key prefix per launch: no hard-coded port, so parallel notebooks
-  and test runs never collide.
+  and test runs never collide. It listens on 127.0.0.1 only, over IPv4 (nothing outside the machine can reach
+  it, and no reverse DNS lookup of ``::ffff:127.0.0.1`` stalls a launch for 5 s).
+* ``fn``, its signature and its arguments are checked before any rank starts (an argument that cannot be pickled
+  is named); two threads may launch at once.
 * Each rank's stdout/stderr (Python and C++) goes to a file that is replayed here in rank order, each line
-  prefixed ``[rank r]`` (ipykernel does not show child output under nbval, and live output would interleave).
+  prefixed ``[rank r]`` (ipykernel does not show child output under nbval, and live output would interleave);
+  more than ``MAX_OUTPUT_BYTES`` per rank and stream is cut in the middle, with a note.
 * A rank that raises: the exception of the rank that failed **first** (by timestamp -- the root cause, not the
   neighbour whose collective broke because its peer died) is raised here as ``RankError`` with that rank's
-  traceback, including lines of notebook cells; the other ranks are killed at once.
+  traceback, including lines of notebook cells; the other ranks are killed at once. A rank that dies without a
+  word (a signal, ``os._exit``) is named ahead of the neighbours whose collectives lost it.
 * A rank that hangs: after ``timeout`` seconds the parent asks every unfinished rank for its Python stack
   (``faulthandler`` on SIGUSR1), kills them and raises ``RankTimeout`` naming them and showing where they wait.
-  No process, port or temporary file survives a launch.
+  No process, port or temporary file survives a launch -- nor the caller: however it dies (SIGKILL, SIGTERM,
+  SIGHUP, a kernel restart), its ranks and forkserver are gone within a moment and its launch folder is removed.
 * Under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set) ``fn`` runs in this process on the already launched rank,
   with NCCL when CUDA is present (gloo otherwise); ``world_size=1`` also runs in-process, for debugging.
 """
