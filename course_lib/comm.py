@@ -3,17 +3,20 @@
 Every call appends a ``CommRecord`` (op, group, bytes, seconds) to this process's log, so a chapter can put the
 bytes a rank really moved next to the formula that predicts them, and a test can assert the counts.
 
-Bytes on the wire. ``tensor_bytes`` is the size V of the data the collective is about (the full buffer of an
-all-reduce, the *gathered output* of an all-gather, the *input* of a reduce-scatter). ``sent_bytes`` and
-``recv_bytes`` are what *this rank* transmits:
+Bytes on the wire, **measured** or **modelled** (``CommRecord.bytes_kind``). ``tensor_bytes`` is the size V of the
+data the collective is about (the full buffer of an all-reduce, the *gathered output* of an all-gather, the *input*
+of a reduce-scatter). ``sent_bytes`` and ``recv_bytes`` are what *this rank* transmits:
 
-* point-to-point (send/recv, isend/irecv): exact;
-* all-to-all: exact (everything except the block a rank keeps for itself);
+* point-to-point (send/recv, isend/irecv): **measured**, exact: the message is the tensor we hand to the backend;
+* every backend collective below is **modelled**: the bytes its algorithm would move, not an observation of what
+  gloo or NCCL really moved (the backend picks its own algorithm: trees, direct exchange, in-switch reduction);
+* all-to-all: everything except the block a rank keeps for itself (the least any algorithm must move);
 * all-reduce, all-gather, reduce-scatter: what the bandwidth-optimal **ring** algorithm sends (Patarasuk & Yuan
   2009; the "bus bandwidth" convention of nccl-tests): all-gather and reduce-scatter (N-1)/N * V, all-reduce
   2(N-1)/N * V. With V not divisible by N the chunks differ by one element and the count is exact per rank.
   The backend may use another algorithm (gloo often does); the from-scratch ring collectives in
-  ``course_lib.collectives`` send exactly these bytes through logged send/recv, and a test checks that;
+  ``course_lib.collectives`` send exactly these bytes through logged send/recv (measured records), and a test
+  checks that the measured sum equals the model;
 * broadcast: a pipelined chain from the source: every rank but the last in the chain sends V once.
 """
 
@@ -30,10 +33,20 @@ import torch.distributed as dist
 ReduceOp = dist.ReduceOp
 Group = dist.ProcessGroup | None
 
+MEASURED = "measured"
+"""``bytes_kind`` of a point-to-point record: the bytes our own send/recv handed to the backend."""
+MODELLED = "modelled"
+"""``bytes_kind`` of a backend collective's record: the bytes of the algorithm's formula (ring, chain)."""
+POINT_TO_POINT = ("send", "recv")
+
 
 @dataclass
 class CommRecord:
-    """One communication call as seen by one rank. ``seconds`` is None until an async call is waited on."""
+    """One communication call as seen by one rank. ``seconds`` is None until an async call is waited on.
+
+    ``bytes_kind`` says where ``sent_bytes`` / ``recv_bytes`` come from: ``MEASURED`` for our own point-to-point
+    messages, ``MODELLED`` for a backend collective (the formula of its algorithm). Left out, it follows the op.
+    """
 
     op: str
     group: str
@@ -43,6 +56,13 @@ class CommRecord:
     recv_bytes: int
     seconds: float | None
     peer: int | None = None  # the other rank (global id) of a point-to-point op
+    bytes_kind: str | None = None  # MEASURED or MODELLED; None: MEASURED for send/recv, MODELLED otherwise
+
+    def __post_init__(self) -> None:
+        if self.bytes_kind is None:
+            self.bytes_kind = MEASURED if self.op in POINT_TO_POINT else MODELLED
+        if self.bytes_kind not in (MEASURED, MODELLED):
+            raise ValueError(f"bytes_kind must be {MEASURED!r} or {MODELLED!r}, got {self.bytes_kind!r}")
 
 
 @dataclass(eq=False)  # logs are compared by identity: two logs with equal records are still two logs
@@ -51,27 +71,30 @@ class CommLog:
 
     records: list[CommRecord] = field(default_factory=list)
 
-    def select(self, op: str | None = None, group: str | None = None) -> list[CommRecord]:
-        return [r for r in self.records if (op is None or r.op == op) and (group is None or r.group == group)]
+    def select(self, op: str | None = None, group: str | None = None, kind: str | None = None) -> list[CommRecord]:
+        """The records of ``op`` in ``group`` whose bytes are ``kind`` (MEASURED / MODELLED); None: any."""
+        return [r for r in self.records if (op is None or r.op == op) and (group is None or r.group == group)
+                and (kind is None or r.bytes_kind == kind)]
 
-    def count(self, op: str | None = None, group: str | None = None) -> int:
-        return len(self.select(op, group))
+    def count(self, op: str | None = None, group: str | None = None, kind: str | None = None) -> int:
+        return len(self.select(op, group, kind))
 
-    def sent_bytes(self, op: str | None = None, group: str | None = None) -> int:
-        return sum(r.sent_bytes for r in self.select(op, group))
+    def sent_bytes(self, op: str | None = None, group: str | None = None, kind: str | None = None) -> int:
+        return sum(r.sent_bytes for r in self.select(op, group, kind))
 
-    def recv_bytes(self, op: str | None = None, group: str | None = None) -> int:
-        return sum(r.recv_bytes for r in self.select(op, group))
+    def recv_bytes(self, op: str | None = None, group: str | None = None, kind: str | None = None) -> int:
+        return sum(r.recv_bytes for r in self.select(op, group, kind))
 
     def seconds(self, op: str | None = None, group: str | None = None) -> float:
         return sum(r.seconds or 0.0 for r in self.select(op, group))
 
     def summary(self) -> list[dict[str, object]]:
-        """One row per (op, group): calls, tensor bytes, sent and received bytes, seconds."""
+        """One row per (op, group): calls, tensor bytes, sent and received bytes (measured or modelled), seconds."""
         rows: dict[tuple[str, str], dict[str, object]] = {}
         for r in self.records:
             row = rows.setdefault((r.op, r.group), {"op": r.op, "group": r.group, "calls": 0, "tensor_bytes": 0,
-                                                    "sent_bytes": 0, "recv_bytes": 0, "seconds": 0.0})
+                                                    "sent_bytes": 0, "recv_bytes": 0, "bytes_kind": r.bytes_kind,
+                                                    "seconds": 0.0})
             row["calls"] += 1
             row["tensor_bytes"] += r.tensor_bytes
             row["sent_bytes"] += r.sent_bytes
@@ -81,7 +104,8 @@ class CommLog:
 
     def table(self, timings: bool = False) -> str:
         """The summary as aligned text (without seconds unless asked: they vary from run to run)."""
-        cols = ["op", "group", "calls", "tensor_bytes", "sent_bytes", "recv_bytes"] + (["seconds"] if timings else [])
+        cols = ["op", "group", "calls", "tensor_bytes", "sent_bytes", "recv_bytes", "bytes_kind"] + (
+            ["seconds"] if timings else [])
         rows = [[f"{row[c]:.4f}" if c == "seconds" else str(row[c]) for c in cols] for row in self.summary()]
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]

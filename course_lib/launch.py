@@ -9,7 +9,7 @@
 
     launch(hello, 4)   # -> [10.0, 10.0, 10.0, 10.0]
 
-How it works (each choice was measured on a 2-core laptop, see COURSE_DESIGN.md):
+How it works (each choice was measured on a 2-core laptop):
 
 * Processes come from a **forkserver** that has torch preloaded; ``fn`` and its arguments travel with
   **cloudpickle**, so functions and classes defined in notebook cells work (``spawn`` cannot pickle them,

@@ -1,6 +1,6 @@
 """Memory budgets per GPU: what the formulas predict, and what a run really holds.
 
-Two budgets (seed 003):
+Two budgets (as Viacheslav Dubrov's "Scaling LLMs with multi-GPU and multi-node parallelism" separates them):
 
 * **training** peak = parameters + gradients + optimizer state + saved activations + temporary buffers
   + communication buffers + allocator headroom;

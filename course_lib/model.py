@@ -34,7 +34,10 @@ class GPTConfig:
     """Shape of a decoder-only transformer.
 
     ``n_kv_head`` < ``n_head`` gives grouped-query attention (GQA); ``n_expert`` > 0 turns every MLP into a
-    mixture of experts with ``top_k`` experts per token.
+    mixture of experts with ``top_k`` experts per token. MoE options (see ``MoE``): ``router`` "softmax"
+    (Mixtral) or "sigmoid" (sigmoid scores + a selection bias, DeepSeek-V3); ``capacity_factor`` None is
+    dropless, else each expert takes at most ceil(cf * T * k / E) of the T*k assignments; ``aux_loss_coef``
+    (alpha of the Switch load-balancing loss) and ``z_loss_coef`` (the router z-loss) 0 turn those losses off.
     """
 
     vocab_size: int = 256
@@ -51,6 +54,10 @@ class GPTConfig:
     tie_embeddings: bool = False
     n_expert: int = 0
     top_k: int = 2
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
     name: str = "tiny"
 
     def __post_init__(self) -> None:
@@ -68,6 +75,13 @@ class GPTConfig:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_expert={self.n_expert}]")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {self.router!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}")
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {self.aux_loss_coef}, "
+                             f"{self.z_loss_coef}")
 
     @property
     def kv_heads(self) -> int:
@@ -147,6 +161,9 @@ PRESETS: dict[str, GPTConfig] = {
     "mixtral-8x7b": GPTConfig(name="mixtral-8x7b", vocab_size=32000, seq_len=32768, n_layer=32, n_head=32,
                               n_kv_head=8, d_model=4096, d_ff=14336, mlp="swiglu", norm="rmsnorm", pos="rope",
                               bias=False, n_expert=8, top_k=2),
+    "mixtral-8x22b": GPTConfig(name="mixtral-8x22b", vocab_size=32768, seq_len=65536, n_layer=56, n_head=48,
+                               n_kv_head=8, d_model=6144, d_ff=16384, mlp="swiglu", norm="rmsnorm", pos="rope",
+                               bias=False, n_expert=8, top_k=2),
 }
 
 
@@ -231,27 +248,165 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+def expert_capacity(capacity_factor: float | None, n_tokens: int, top_k: int, n_expert: int) -> int | None:
+    """Slots per expert, C = ceil(cf * T * k / E) for T tokens routed to k of E experts each (GShard, Lepikhin
+    et al. 2020; Switch Transformer, Fedus et al. 2021). cf = 1 is exactly enough for perfectly even routing;
+    ``None`` means dropless (no limit)."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * n_tokens * top_k / n_expert)
+
+
+def expert_positions(chosen: torch.Tensor, n_expert: int, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Where each of the T*k assignments ``chosen`` [T, k] stands in its expert's queue (0-based): a cumulative
+    sum over the one-hot routing mask in token order, so token t's j-th choice comes after every choice of the
+    tokens before t and after its own choices before j. ``offset[e]``: assignments to expert e already queued
+    by tokens that come earlier in the batch (other ranks' shards). An assignment is kept when position < C."""
+    flat = chosen.reshape(-1, 1)
+    mask = F.one_hot(flat[:, 0], n_expert)  # [T*k, E]
+    pos = (mask.cumsum(0) - 1).gather(1, flat).view_as(chosen)
+    return pos if offset is None else pos + offset[chosen]
+
+
+@dataclass
+class Routing:
+    """The router's decision for T tokens: ``logits`` [T, E]; ``probs`` [T, E], the distribution over experts
+    the load-balancing loss averages (softmax; for the sigmoid router its scores normalised to sum 1);
+    ``chosen`` [T, k] expert ids; ``weights`` [T, k] the combine weights."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    chosen: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass
+class RoutingStats:
+    """One MoE layer in one forward: assignments routed to each expert (before capacity), kept by each expert,
+    dropped in all, and the mean per-token entropy of the router distribution (nats; log E is uniform)."""
+
+    tokens_per_expert: list[int]
+    kept_per_expert: list[int]
+    dropped: int
+    entropy: float
+
+
+def routing_entropy(probs: torch.Tensor) -> float:
+    """Mean over tokens of -sum_e p_e log p_e."""
+    return float(-(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()) if probs.numel() else 0.0
+
+
 class MoE(nn.Module):
     """Top-k mixture of experts (Shazeer et al. 2017; Mixtral): a router picks ``top_k`` experts per token and
-    mixes their outputs with the softmax of the selected router logits. Single-process reference; the
-    expert-parallel version lives in ``course_lib.parallel.ep``."""
+    mixes their outputs; the single-process reference (the expert-parallel version is
+    ``course_lib.parallel.ep.ExpertParallelMoE``, a subclass that keeps only its rank's experts).
+
+    * Router "softmax" (Mixtral): the top-k logits, their weights the softmax over the k selected. Router
+      "sigmoid" (DeepSeek-V3): scores s = sigmoid(logits), experts selected by top-k of s + b with b the
+      ``expert_bias`` buffer (no gradient: moved by ``balance_bias_``, "auxiliary-loss-free" balancing, Wang
+      et al. 2024), weights s_selected / sum(s_selected).
+    * Capacity (``capacity_factor``): expert e keeps the assignments whose ``expert_positions`` < C =
+      ``expert_capacity``; a dropped assignment adds nothing, so a token dropped by all its experts passes
+      through the block's residual connection unchanged. None: dropless.
+    * Losses (``aux_loss`` after each forward, added to the LM loss by ``moe_aux_loss``): the Switch/GShard
+      load-balancing loss alpha * E * sum_i f_i P_i (f_i: fraction of the T*k assignments routed to i, before
+      capacity; P_i: mean router probability of i; exactly alpha for uniform routing, Fedus et al. 2021, eq. 4)
+      and the router z-loss beta * mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5).
+    * ``stats``: the ``RoutingStats`` of the last forward.
+
+    Public seams a variant overrides: ``router_logits``, ``route``, ``capacity``, ``expert_fractions``,
+    ``load_balancing_loss``.
+    """
 
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
-        self.top_k = c.top_k
+        self.n_expert, self.top_k, self.router_kind = c.n_expert, c.top_k, c.router
+        self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = c.capacity_factor, c.aux_loss_coef, c.z_loss_coef
         self.router = nn.Linear(c.d_model, c.n_expert, bias=False)
         self.experts = nn.ModuleList(MLP(c) for _ in range(c.n_expert))
+        if c.router == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(c.n_expert))
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: RoutingStats | None = None
+
+    # -- seams ------------------------------------------------------------------------------------------------
+
+    def router_logits(self, flat: torch.Tensor) -> torch.Tensor:
+        """[T, E] scores of every expert for tokens ``flat`` [T, h]: a linear map h -> E."""
+        return self.router(flat)
+
+    def route(self, flat: torch.Tensor) -> Routing:
+        """Router logits, probabilities, top-k choices and combine weights for tokens ``flat`` [T, h]."""
+        logits = self.router_logits(flat)
+        if self.router_kind == "softmax":
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            return Routing(logits, logits.softmax(-1), chosen, top.softmax(-1))
+        scores = logits.sigmoid()
+        chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+        picked = scores.gather(1, chosen)
+        return Routing(logits, scores / scores.sum(-1, keepdim=True), chosen, picked / picked.sum(-1, keepdim=True))
+
+    def capacity(self, n_tokens: int) -> int | None:
+        """Slots per expert for a batch of ``n_tokens`` tokens (all of them, over every rank)."""
+        return expert_capacity(self.capacity_factor, n_tokens, self.top_k, self.n_expert)
+
+    def expert_fractions(self, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """f_i = (assignments routed to i) / (T * k): the fractions sum to 1."""
+        return counts.float() / (n_tokens * self.top_k)
+
+    def load_balancing_loss(self, f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """alpha * E * sum_i f_i * P_i (f carries no gradient; the router learns through P)."""
+        return self.aux_loss_coef * self.n_expert * (f * p).sum()
+
+    # -- the layer --------------------------------------------------------------------------------------------
+
+    def router_loss(self, r: Routing, counts: torch.Tensor, n_tokens: int, replicas: int = 1) -> torch.Tensor:
+        """Load-balancing + z-loss of a batch of ``n_tokens`` tokens whose routed ``counts`` per expert are given.
+
+        When the batch is split over ``replicas`` ranks whose losses are averaged, each rank passes the global
+        ``counts`` and ``n_tokens`` with its own routing ``r``: P_i and the z-loss then sum this rank's tokens
+        only, times ``replicas / n_tokens``, so the mean over the ranks is exactly the whole batch's loss."""
+        loss = r.logits.new_zeros(())
+        scale = replicas / n_tokens
+        if self.aux_loss_coef:
+            loss = loss + self.load_balancing_loss(self.expert_fractions(counts, n_tokens), r.probs.sum(0) * scale)
+        if self.z_loss_coef:
+            loss = loss + self.z_loss_coef * r.logits.logsumexp(-1).pow(2).sum() * scale
+        return loss
+
+    @torch.no_grad()
+    def balance_bias_(self, counts: torch.Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing (sigmoid router): b_i += rate * sign(mean load - load_i), so an
+        overloaded expert is selected less next step and an idle one more (Wang et al. 2024; DeepSeek-V3)."""
+        if self.router_kind != "sigmoid":
+            raise ValueError("balance_bias_ needs router='sigmoid' (the softmax router has no selection bias)")
+        load = counts.float().to(self.expert_bias.device)
+        self.expert_bias.add_(rate * torch.sign(load.mean() - load))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.router(flat).topk(self.top_k, dim=-1)  # [N, k]
-        weights = weights.softmax(dim=-1)
+        r = self.route(flat)
+        counts = torch.bincount(r.chosen.reshape(-1), minlength=self.n_expert)
+        cap = self.capacity(flat.shape[0])
+        keep = (torch.ones_like(r.chosen, dtype=torch.bool) if cap is None
+                else expert_positions(r.chosen, self.n_expert) < cap)
+        self.aux_loss = self.router_loss(r, counts, flat.shape[0])
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
+            token, slot = ((r.chosen == e) & keep).nonzero(as_tuple=True)
             if token.numel():
-                out.index_add_(0, token, weights[token, slot, None] * expert(flat[token]))
+                out.index_add_(0, token, r.weights[token, slot, None] * expert(flat[token]))
+        kept = torch.bincount(r.chosen[keep], minlength=self.n_expert)
+        self.stats = RoutingStats(counts.tolist(), kept.tolist(), int(counts.sum() - kept.sum()),
+                                  routing_entropy(r.probs.detach()))
         return out.view_as(x)
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """Sum of the router losses every MoE layer of ``model`` computed in its last forward (0.0 without MoE):
+    what a training loop adds to the LM loss."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return sum(losses) if losses else 0.0
 
 
 class Block(nn.Module):

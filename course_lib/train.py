@@ -20,8 +20,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from course_lib.data import global_batch
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.data import global_batch, micro_batches
+from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -66,9 +66,12 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
-                   model_fn: Callable[[GPTConfig, int], nn.Module] = GPT, freeze: Iterable[str] = ()) -> TrainResult:
+                   model_fn: Callable[[GPTConfig, int], nn.Module] = GPT, freeze: Iterable[str] = (),
+                   accumulation: int = 1) -> TrainResult:
     """Train ``model_fn(cfg, tc.seed)`` (the GPT by default) on one process: the reference for every parallel
-    layout. Parameters named in ``freeze`` get ``requires_grad=False`` and stay out of the optimizer."""
+    layout. Parameters named in ``freeze`` get ``requires_grad=False`` and stay out of the optimizer.
+    The loss is the LM loss plus the MoE router losses (``moe_aux_loss``; 0 for a dense model). With
+    ``accumulation`` = m each step's batch is split into m micro-batches, each loss scaled by 1/m."""
     model = model_fn(cfg, tc.seed)
     frozen = set(freeze)
     for name, p in model.named_parameters():
@@ -77,11 +80,14 @@ def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
     losses = []
     for step in range(tc.steps):
         x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        loss = lm_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for xm, ym in micro_batches(x, y, accumulation):
+            loss = (lm_loss(model(xm), ym) + moe_aux_loss(model)) / accumulation
+            loss.backward()
+            total += loss.item()
         opt.step()
-        losses.append(loss.item())
+        losses.append(total)
     return TrainResult(losses, full_params(model))
 
 

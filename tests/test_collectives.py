@@ -425,7 +425,8 @@ def _naive_and_ring_bytes(rank: int, world_size: int) -> dict:
     # equality, so a finished log that equals the process log goes on collecting).
     with comm.recording() as rec:
         C.ring_all_reduce(x.clone())
-    stats = {"V": x.numel() * 4, "ring_sent": rec.sent_bytes(), "ring_recv": rec.recv_bytes()}
+    stats = {"V": x.numel() * 4, "ring_sent": rec.sent_bytes(), "ring_recv": rec.recv_bytes(),
+             "ring_modelled": rec.count(kind=comm.MODELLED)}
     with comm.recording() as rec:
         C.naive_all_reduce(x.clone())
     return stats | {"naive_sent": rec.sent_bytes(), "naive_recv": rec.recv_bytes()}
@@ -479,6 +480,7 @@ def test_naive_all_reduce_loads_the_root_more_than_the_ring_loads_anyone(n):
     stats = launch(_naive_and_ring_bytes, n)
     v = stats[0]["V"]
     assert all(s["ring_sent"] == s["ring_recv"] == 2 * (n - 1) * v // n for s in stats)
+    assert all(s["ring_modelled"] == 0 for s in stats)  # our send/recv: every byte measured, none modelled
     assert stats[0]["naive_sent"] == stats[0]["naive_recv"] == (n - 1) * v  # the root
     assert all(s["naive_sent"] == s["naive_recv"] == v for s in stats[1:])
     assert sum(s["naive_sent"] for s in stats) == sum(s["ring_sent"] for s in stats)  # same total traffic...

@@ -140,17 +140,27 @@ def test_log_helpers_filter_by_op_and_group():
     assert lg.count() == 0 and lg.sent_bytes() == 0
 
 
+def test_bytes_kind_follows_the_op_unless_given():
+    lg = _sample_log()
+    assert [r.bytes_kind for r in lg.records] == ["modelled", "measured", "modelled", "modelled", "measured"]
+    assert lg.sent_bytes(kind=comm.MEASURED) == 8 and lg.recv_bytes(kind=comm.MEASURED) == 8
+    assert lg.sent_bytes(kind=comm.MODELLED) == 210 and lg.count("all_reduce", kind=comm.MEASURED) == 0
+    assert CommRecord("all_reduce", "dp", 2, 8, 8, 8, None, bytes_kind=comm.MEASURED).bytes_kind == "measured"
+    with pytest.raises(ValueError, match="bytes_kind must be 'measured' or 'modelled'"):
+        CommRecord("send", "world", 2, 8, 8, 0, None, bytes_kind="exact")
+
+
 def test_summary_one_row_per_op_and_group_in_first_seen_order():
     rows = _sample_log().summary()
     assert rows == [
         {"op": "all_reduce", "group": "dp", "calls": 2, "tensor_bytes": 150, "sent_bytes": 150, "recv_bytes": 150,
-         "seconds": 0.5},
+         "bytes_kind": "modelled", "seconds": 0.5},
         {"op": "send", "group": "world", "calls": 1, "tensor_bytes": 8, "sent_bytes": 8, "recv_bytes": 0,
-         "seconds": 0.25},
+         "bytes_kind": "measured", "seconds": 0.25},
         {"op": "all_reduce", "group": "tp", "calls": 1, "tensor_bytes": 40, "sent_bytes": 60, "recv_bytes": 60,
-         "seconds": 0.125},
+         "bytes_kind": "modelled", "seconds": 0.125},
         {"op": "recv", "group": "world", "calls": 1, "tensor_bytes": 8, "sent_bytes": 0, "recv_bytes": 8,
-         "seconds": 1.0},
+         "bytes_kind": "measured", "seconds": 1.0},
     ]
     assert CommLog().summary() == []
 
@@ -163,11 +173,11 @@ def test_table_is_aligned_and_hides_seconds_unless_asked():
     lg = _sample_log()
     lines = lg.table().splitlines()
     header = lines[0].split()
-    assert header == ["op", "group", "calls", "tensor_bytes", "sent_bytes", "recv_bytes"]
+    assert header == ["op", "group", "calls", "tensor_bytes", "sent_bytes", "recv_bytes", "bytes_kind"]
     starts = [lines[0].index(h) for h in header]
     body = [_columns(line, starts) for line in lines[1:]]
     assert body == [[str(row[c]) for c in header] for row in lg.summary()]
-    assert body[0] == ["all_reduce", "dp", "2", "150", "150", "150"]
+    assert body[0] == ["all_reduce", "dp", "2", "150", "150", "150", "modelled"]
     assert "0.5" not in lg.table()
 
     timed = lg.table(timings=True).splitlines()
@@ -485,6 +495,14 @@ def test_summary_of_a_rank_log(ranks):
     ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier"}
     assert {op for op, group in rows if group == "world"} == ops
     assert {group for _, group in rows} == ({"world", "dp"} if n == 4 else {"world"})
+
+
+def test_backend_collectives_are_modelled_and_point_to_point_measured(ranks):
+    _, _, out = ranks
+    for got in out:
+        kinds = {(r.op, r.bytes_kind) for rs in got["records"] for r in rs}
+        assert kinds == {(op, comm.MEASURED if op in ("send", "recv") else comm.MODELLED) for op, _ in kinds}
+        assert {op for op, _ in kinds} >= {"send", "recv", "all_reduce", "all_to_all"}
 
 
 def test_named_and_unnamed_subgroups(ranks):

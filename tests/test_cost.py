@@ -31,7 +31,7 @@ def test_bubble_formulas_by_hand() -> None:
     assert bubble_ratio("zb_h1", 4, 8) == 3 / 24
     assert bubble_fraction("zb_h1", 4, 8) == pytest.approx(3 / 27)
     assert bubble_fraction("one_f_one_b", 1, 5) == 0.0
-    assert bubble_fraction("one_f_one_b", 8, 32) == pytest.approx(7 / 39)  # seed 000's m = 4p: about 18 %
+    assert bubble_fraction("one_f_one_b", 8, 32) == pytest.approx(7 / 39)  # the m = 4p rule of thumb: about 18 %
 
 
 CASES = [(p, m, v) for p in (1, 2, 3, 4) for m in (p, 2 * p, 4 * p) for v in (1, 2, 3)]

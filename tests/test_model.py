@@ -93,11 +93,20 @@ def test_gpt2_block_is_12h2_plus_13h_and_tied_weights_count_once():
     ("llama3-8b", 8_030_261_248),
     ("llama3-70b", 70_553_706_496),
     ("mixtral-8x7b", 46_702_792_704),
+    ("mixtral-8x22b", 140_630_071_296),
 ])
 def test_presets_have_the_published_sizes(name, published):
     cfg = PRESETS[name]
     assert cfg.name == name
     assert param_count(cfg) == published
+
+
+def test_moe_options_add_no_parameters():
+    """The sigmoid router's selection bias is a buffer, capacity and the router losses are arithmetic."""
+    cfg = SMALL.with_(n_expert=4, top_k=2)
+    for opts in ({"router": "sigmoid"}, {"capacity_factor": 1.0, "aux_loss_coef": 0.01, "z_loss_coef": 1e-3}):
+        model = GPT(cfg.with_(**opts))
+        assert num_params(model) == param_count(cfg.with_(**opts)) == param_count(cfg)
 
 
 def test_mixtral_is_46_7b_total_12_9b_active_not_56b_13b():

@@ -129,7 +129,7 @@ def test_the_text_follows_p_m_v_and_the_schedule():
     assert "peak micro-batches in flight per rank: 4 3 2 1 " in first
     assert "m = 8 < 4p = 16" in first
 
-    text = w.set(m=16)  # seed 000's rule reached: the formula's bubble at m = 4p
+    text = w.set(m=16)  # the m >= 4p rule reached: the formula's bubble at m = 4p
     assert text != first and "m = 16 >= 4p = 16" in text and "simulated 0.1579" in text
     assert f"{cost.bubble_fraction('one_f_one_b', 4, 16):.4f}" == "0.1579"
 

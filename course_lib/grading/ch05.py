@@ -1,30 +1,48 @@
-"""Chapter 05 — pipeline parallelism.
+"""Chapter 05 — pipeline parallelism: a schedule, a 1F1B step on real ranks, and a bug to find.
 
-1. ``gpipe_bubble_fraction(p, m)``: idle fraction of a GPipe / 1F1B pipeline, (p-1)/(m+p-1) (Huang et al. 2019).
-2. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
+1. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
    2021), as strings "F3" / "B3", checked against ``course_lib.schedules.one_f_one_b``.
-3. ``microbatch_gradients(model, x, y, m)``: gradients of the full-batch mean loss computed by accumulating over m
-   micro-batches — each micro-batch loss scaled by 1/m (the bug of several anchors: m x too large).
+2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.schedules`` data, one list of
+   ``Action`` per rank, backward split in I and W. Any schedule is accepted that ``schedules.validate`` accepts, uses
+   I and W (no B), and, simulated with F = I = W = 1, has ZB-H1's bubble (p-1)/(3m+p-1) with at most min(p, m)
+   micro-batches in flight per rank (1F1B's memory): the library's order is one of several.
+3. ``pipeline_step(stage, x, y, m)``: one training step of a two-stage 1F1B pipeline on real ranks with point-to-point
+   messages. Checked against the single-process gradients of the batch mean, and on the wire: every message is one
+   float32 [b, s, h] activation (forward) or its gradient (backward), m each way, and each rank's sends and receives
+   come in the order of 1F1B's actions (rank 0 sends at F, receives at B; rank 1 the other way round). Collectives
+   are refused: a pipeline only talks to its neighbour.
+4. ``microbatch_gradients(model, x, y, m)``: find the bug in a colleague's gradient accumulation (each micro-batch
+   loss divided by the micro-batch's rows instead of by m) and fix it; checked against the full-batch gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from course_lib import cost, schedules
 from course_lib.data import global_batch
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_number, run_check
+from course_lib.grading import core
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
 from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.parallel import pp
 
 GRADER_PARAMETERS = {"seed": 1}
+LAUNCH_TIMEOUT_S = 30.0
+"""A launched check stops the ranks after this long (below the grader's 60 s per check)."""
+
+_P2P = ("send", "recv")  # torch.distributed.ProcessGroup methods that dist.send/isend/recv/irecv end in
+_REFUSED = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+            "all_gather_single", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "gather",
+            "scatter", "alltoall", "alltoall_base", "all_to_all_single", "barrier")
 
 
-def check_gpipe_bubble_fraction(fn: Callable, cases: tuple[tuple[int, int], ...] = ((4, 8), (2, 1))) -> CheckResult:
-    def body() -> str:
-        for p, m in cases:
-            expect_number(fn(p, m), cost.bubble_fraction("gpipe", p, m), f"gpipe_bubble_fraction(p={p}, m={m})")
-        return f"{len(cases)} cases correct"
-    return run_check("gpipe_bubble_fraction", body)
+class RefusedCollective(RuntimeError):  # noqa: N818 - reads as what happened
+    """Raised on a rank when the learner's pipeline step calls a collective instead of send / recv."""
 
 
 def check_one_f_one_b_order(fn: Callable, p: int = 4, m: int = 8) -> CheckResult:
@@ -44,6 +62,129 @@ def check_one_f_one_b_order(fn: Callable, p: int = 4, m: int = 8) -> CheckResult
     return run_check("one_f_one_b_order", body)
 
 
+def check_zb_h1_schedule(fn: Callable, cases: tuple[tuple[int, int], ...] = ((4, 8), (2, 2))) -> CheckResult:
+    """For each (p, m) with m >= p: a valid schedule of I/W backwards with ZB-H1's bubble and 1F1B's memory."""
+    def body() -> str:
+        for p, m in cases:
+            sched = fn(p, m)
+            what = f"zb_h1_schedule(p={p}, m={m})"
+            if not isinstance(sched, list) or not all(isinstance(r, list) for r in sched):
+                raise CheckFailed(f"{what} must return a list of p lists of schedules.Action, got "
+                                  f"{type(sched).__name__}")
+            try:
+                schedules.validate(sched, p, m)
+            except schedules.ScheduleError as err:
+                raise CheckFailed(f"{what} is not a valid schedule: {err}") from None
+            kinds = {a.kind.value for rank in sched for a in rank}
+            if "B" in kinds or not {"I", "W"} <= kinds:
+                raise CheckFailed(f"{what}: ZB-H1 splits every backward into I (input gradient) and W (weight "
+                                  f"gradient); the schedule uses {sorted(kinds)}")
+            sim = schedules.simulate(sched)  # F = I = W = 1
+            formula = cost.bubble_fraction("zb_h1", p, m)
+            if abs(sim.bubble_fraction - formula) > 1e-9:
+                one = cost.bubble_fraction("one_f_one_b", p, m)
+                hint = " (1F1B's: the W's are not filling the drain)" if abs(sim.bubble_fraction - one) < 1e-9 else ""
+                raise CheckFailed(f"{what}: simulated bubble fraction {sim.bubble_fraction:.4f}{hint}; ZB-H1's is "
+                                  f"(p-1)/(3m+p-1) = {formula:.4f}")
+            limit = min(p, m)
+            if max(sim.peak_in_flight) > limit:
+                raise CheckFailed(f"{what}: peak micro-batches in flight per rank {sim.peak_in_flight} (held from F "
+                                  f"to W); ZB-H1 keeps 1F1B's memory, at most min(p, m) = {limit}")
+        return f"{len(cases)} cases: valid, bubble (p-1)/(3m+p-1), at most min(p, m) in flight"
+    return run_check("zb_h1_schedule", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The pipeline step, on two ranks
+
+_CFG = GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, bias=False)
+
+
+def _p2p_log(log: list[tuple[str, int, str]]) -> contextlib.AbstractContextManager[None]:
+    """Record (send|recv, bytes, dtype) of every point-to-point message; refuse every collective."""
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        if name not in _P2P:
+            return core.refusal(RefusedCollective, "a pipeline stage only talks to its neighbour with point-to-point "
+                                "messages (dist.isend / dist.irecv); it called a collective")
+
+        def logged(self: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            for t in tensors:
+                log.append((name, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch.")))
+            return original(self, tensors, *args, **kwargs)
+        return logged
+    return core.patch_process_group((*_P2P, *_REFUSED), wrap)
+
+
+def _stage(rank: int, seed: int) -> pp.Stage:
+    return pp.Stage(GPT(_CFG, seed=seed), rank, 2, pp.stage_layers(pp.layer_split(_CFG.n_layer, 2))[rank])
+
+
+def _pipeline_on_rank(rank: int, world_size: int, fn: Callable[..., Any], m: int, batch: int,
+                      seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    stage = _stage(rank, seed)
+    x, y = global_batch(seed, batch, _CFG.seq_len, seed)
+    log: list[tuple[str, int, str]] = []
+    with _p2p_log(log):
+        losses = fn(stage, x, y, m)
+    grads = {n: (q.grad.detach().clone() if q.grad is not None else None) for n, q in stage.named_parameters()}
+    return {"losses": losses, "grads": grads, "log": log}
+
+
+_launch = functools.partial(
+    core.launch_check, hang_hint=": a receive with no matching send (rank 0 sends at F and receives at B; rank 1 "
+    "receives at F and sends at B), or a message of another shape?", guard_errors=("RefusedCollective",))
+
+
+def check_pipeline_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: int = 0,
+                        timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Two ranks run ``fn(stage, x, y, m)``; the gradients of both stages must be those of ``lm_loss`` on the full
+    batch in one process; rank 1 returns the m unscaled micro-batch losses (Python floats), rank 0 []; every message
+    is float32 [b, s, h]; each rank's message sequence follows its 1F1B actions."""
+    def body() -> str:
+        if batch % m:
+            raise ValueError(f"the check needs batch ({batch}) divisible by m ({m})")
+        results = _launch(_pipeline_on_rank, 2, fn, m, batch, seed, timeout=timeout)
+        x, y = global_batch(seed, batch, _CFG.seq_len, seed)
+        ref = GPT(_CFG, seed=seed)
+        lm_loss(ref(x), y).backward()
+        ref_grads = {n: q.grad for n, q in ref.named_parameters()}
+        micro = [lm_loss(ref(xj), yj).item() for xj, yj in zip(x.chunk(m), y.chunk(m), strict=True)]
+        nbytes = (batch // m) * _CFG.seq_len * _CFG.d_model * 4
+        for r, res in enumerate(results):
+            order = [a for a in schedules.one_f_one_b(2, m)[r] if a.is_compute]
+            sends_at = "F" if r == 0 else "B"
+            expected = [("send" if a.kind.value == sends_at else "recv") for a in order]
+            got = [op for op, _, _ in res["log"]]
+            if got != expected:
+                i = next((i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
+                         min(len(got), len(expected)))
+                raise CheckFailed(f"rank {r}: its messages in order were {got}; 1F1B's actions "
+                                  f"{[str(a) for a in order]} give {expected} (rank {r} sends at {sends_at}); first "
+                                  f"difference at message {i}")
+            for op, size, dtype in res["log"]:
+                if size != nbytes or dtype != "float32":
+                    raise CheckFailed(f"rank {r}: a {op} of {size:,} bytes ({dtype}); every message is one float32 "
+                                      f"[b, s, h] = [{batch // m}, {_CFG.seq_len}, {_CFG.d_model}] tensor, "
+                                      f"{nbytes:,} bytes")
+            for name, g in res["grads"].items():
+                if g is None:
+                    raise CheckFailed(f"rank {r}: {name}.grad is None after the step")
+                expect_close(g, ref_grads[name], f"rank {r}'s gradient of {name} (m={m}, batch={batch}; the "
+                             "gradient of the full-batch mean loss)", rtol=1e-4, atol=1e-6)
+        losses0, losses1 = results[0]["losses"], results[1]["losses"]
+        if losses0 != []:
+            raise CheckFailed(f"rank 0 must return [] (the losses live on the last stage), got {losses0!r}")
+        if not isinstance(losses1, list) or not all(type(v) is float for v in losses1) or len(losses1) != m:
+            raise CheckFailed(f"rank 1 must return a list of {m} Python floats (each micro-batch's unscaled mean loss, "
+                              f"loss.item()), got {losses1!r}")
+        for j, (got, want) in enumerate(zip(losses1, micro, strict=True)):
+            if abs(got - want) > 1e-5 * max(1.0, abs(want)):
+                raise CheckFailed(f"rank 1's loss of micro-batch {j}: expected {want:.6f} (unscaled), got {got:.6f}")
+        return f"m={m}, batch={batch}: gradients of both stages right, {2 * m} messages of {nbytes:,} B in 1F1B order"
+    return run_check("pipeline_step", body)
+
+
 def check_microbatch_gradients(fn: Callable, m: int = 4, batch: int = 8, seed: int = 0) -> CheckResult:
     def body() -> str:
         cfg = GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16)
@@ -61,13 +202,15 @@ def check_microbatch_gradients(fn: Callable, m: int = 4, batch: int = 8, seed: i
 
 
 EXERCISES = [
-    Exercise("gpipe_bubble_fraction", "Bubble fraction of GPipe / 1F1B", 2, "gpipe_bubble_fraction",
-             check_gpipe_bubble_fraction,
-             hidden=[{"cases": tuple((p, m) for p in (1, 2, 3, 8) for m in (1, 3, 4, 32))}]),
-    Exercise("one_f_one_b_order", "1F1B action list for one rank", 4, "one_f_one_b_order", check_one_f_one_b_order,
+    Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
              hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}]),
-    Exercise("microbatch_gradients", "Gradient accumulation over micro-batches", 3, "microbatch_gradients",
-             check_microbatch_gradients,
-             hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 1, "batch": 4, "seed": 2},
+    Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
+             check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}]),
+    Exercise("pipeline_step", "One 1F1B step on two real ranks", 5, "pipeline_step", check_pipeline_step,
+             hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 1, "batch": 2, "seed": 2},
                      {"m": 8, "batch": 8, "seed": 3}]),
+    Exercise("microbatch_gradients", "Find the bug: gradient accumulation over micro-batches", 3,
+             "microbatch_gradients", check_microbatch_gradients,
+             hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
+                     {"m": 4, "batch": 12, "seed": 3}]),
 ]

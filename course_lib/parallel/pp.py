@@ -11,7 +11,7 @@ equal counts by default; any counts >= 1 summing to ``n_layer``). Stage ``s`` li
 Micro-batches and the loss. The global batch B is split into m micro-batches of b = B / m rows. The last stage
 computes each micro-batch's mean loss L_j and back-propagates ``L_j / m``: the m backward passes accumulate
 sum_j grad(L_j) / m = grad(mean over the batch) -- the single-process gradient. Without the ``/ m`` the gradients
-are m times too large (a bug the course's anchors had; Adam's update is nearly scale-invariant and hides it, SGD
+are m times too large (an easy bug to write; Adam's update is nearly scale-invariant and hides it, SGD
 does not). The reported loss is the mean of the unscaled L_j.
 
 Transfers. The executor runs this rank's list of ``schedules.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
@@ -51,7 +51,7 @@ waits for a GPU kernel), so ranks run side by side and the measured bubble follo
 Balancing. Equal layer counts are not equal stages: stage 0 also embeds and the last stage runs the head and the
 loss (with a 256-token vocabulary and tiny blocks the head is a big share). ``balance_stages`` returns the
 contiguous split minimizing the slowest stage from per-layer costs, ideally measured (``measure_layer_costs``),
-optionally under a memory limit per stage (seed 003: balance from measurements, not from layer counts).
+optionally under a memory limit per stage (Dubrov: balance from measurements, not from layer counts).
 
 Checked (tests/test_pp.py): every schedule at p = 2 and 4, and uneven splits, give bit-for-bit the parameters of
 one process accumulating the same m micro-batches, and of ``torch.distributed.pipelining`` on the same stages

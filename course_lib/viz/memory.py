@@ -73,7 +73,7 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU("H100 80GB", 80),
     GPU("H200 141GB", 141),
 )}
-"""Common GPUs, smallest first: a consumer card and the data-centre ones of the seeds."""
+"""Common GPUs, smallest first: a consumer card and the data-centre ones the course discusses."""
 
 
 def _gpu(gpu: str | GPU) -> GPU:

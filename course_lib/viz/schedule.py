@@ -363,7 +363,7 @@ class BubbleWidget(ControlPanel):
                          f"(activations held at once; AFAB holds m = {m}, 1F1B at most p = {p})")
         rule = 4 * p
         at_rule = cost.bubble_fraction(_COST_NAME[name], p, rule, v)  # type: ignore[arg-type]
-        lines.append(f"seed 000's rule m >= 4p: m = {m} {'>=' if m >= rule else '<'} 4p = {rule}; at m = 4p the "
+        lines.append(f"the rule of thumb m >= 4p: m = {m} {'>=' if m >= rule else '<'} 4p = {rule}; at m = 4p the "
                      f"formula gives a bubble fraction of {at_rule:.4f}")
         self.text_lines = lines
         self.html.value = "<pre style='font-size:11px; line-height:1.3'>" + _esc("\n".join(lines)) + "</pre>"

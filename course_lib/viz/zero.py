@@ -5,7 +5,7 @@ Three layers, as every module of ``course_lib.viz``:
 * **Arithmetic** (pure): :func:`zero_breakdown` splits ZeRO's per-rank model states (Rajbhandari et al. 2020,
   Sec. 5; ``course_lib.memory.zero_memory_per_device``) into parameters, gradients and optimizer state;
   :func:`reduction_factor` is stage 0's bytes over stage s's at N_d ranks, :func:`limit_factor` its value for
-  N_d -> infinity and :func:`min_ranks_for` the smallest N_d that reaches a given factor. They check the seeds'
+  N_d -> infinity and :func:`min_ranks_for` the smallest N_d that reaches a given factor. They check the articles'
   loose claims: "stage 1 ~4x, stage 2 ~8x" are the *limits* for K = 12 with 16-bit weights and gradients
   ((2+2+12)/4 and (2+2+12)/2), reached only for large N_d; ZeRO-3's factor is N_d itself, so "4-8x" is
   just N_d = 4..8, not a property of FSDP.
@@ -138,7 +138,7 @@ def plot_zero_memory(psi: float, n_d: int, *, K: float = 12, param_bytes: float 
                      figsize: tuple[float, float] = (11.0, 4.2)) -> Figure:
     """Left: model states per rank by category (stacked) for stages 0-3 at ``n_d`` ranks, against ``gpu``'s
     capacity. Right: the reduction factor vs N_d (log-log) for stages 1-3 with their limits (dotted) and, if
-    ``claims``, the seeds' numbers: the band "4-8x" and the marks "~4x" (stage 1) and "~8x" (stage 2).
+    ``claims``, the articles' numbers: the band "4-8x" and the marks "~4x" (stage 1) and "~8x" (stage 2).
     ``stage`` highlights one stage in both panels. ``fig.axes[0].containers[i]`` holds category ``i``'s four
     bars (``CATEGORIES`` order); the right panel has one line per stage labelled ``STAGE_NAMES[s]``."""
     fig = Figure(figsize=figsize, layout="constrained")
@@ -183,7 +183,7 @@ def plot_zero_memory(psi: float, n_d: int, *, K: float = 12, param_bytes: float 
             ax2.annotate(f"limit {lim:g}x", xy=(ns[-1], lim), xytext=(-2, 2), textcoords="offset points",
                          ha="right", va="bottom", fontsize=7, color=_STAGE_COLORS[s])
     if claims:
-        ax2.axhspan(4, 8, color="gold", alpha=0.25, lw=0, label='seed 000: "4-8x"')
+        ax2.axhspan(4, 8, color="gold", alpha=0.25, lw=0, label='claimed: "4-8x"')
         for s, claim in ((1, 4), (2, 8)):
             n_ok = min_ranks_for(0.9 * claim, s, K, param_bytes, grad_bytes)
             text = (f'"~{claim}x" (stage {s}) within 10%\nfrom N_d = {n_ok}' if n_ok else

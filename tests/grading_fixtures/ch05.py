@@ -1,16 +1,10 @@
 """Wrong answers for chapter 05 (pipeline parallelism)."""
 
+import torch
+import torch.distributed as dist
+
 from course_lib.model import lm_loss
-
-
-def bubble_over_m(p, m):
-    """Megatron's bubble/ideal ratio (p-1)/m given where the fraction of total time is asked."""
-    return (p - 1) / m
-
-
-def bubble_off_by_one(p, m):
-    """Counts p idle slots instead of p - 1."""
-    return p / (m + p)
+from course_lib.schedules import Action, Kind, one_f_one_b
 
 
 def warmup_off_by_one(p, m, rank):
@@ -29,6 +23,105 @@ def all_forwards_then_backwards(p, m, rank):
     return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
 
 
+def split_backward_without_delay(p, m):
+    """1F1B with each B split into I then W at once: valid, but 1F1B's bubble (the drain is not filled)."""
+    return [[b for a in rank for b in ((Action(Kind.I, a.microbatch, a.stage), Action(Kind.W, a.microbatch, a.stage))
+                                      if a.kind is Kind.B else (a,))] for rank in one_f_one_b(p, m)]
+
+
+def all_weight_gradients_at_the_end(p, m):
+    """Every W deferred to the end: a smaller bubble, but each rank holds all m micro-batches (GPipe's memory)."""
+    out = []
+    for r, rank in enumerate(one_f_one_b(p, m)):
+        out.append([Action(Kind.I, a.microbatch, r) if a.kind is Kind.B else a for a in rank]
+                   + [Action(Kind.W, j, r) for j in range(m)])
+    return out
+
+
+def weight_before_input(p, m):
+    """W of a micro-batch before its I: the dependency is broken."""
+    return [[b for a in rank for b in ((Action(Kind.W, a.microbatch, a.stage), Action(Kind.I, a.microbatch, a.stage))
+                                      if a.kind is Kind.B else (a,))] for rank in one_f_one_b(p, m)]
+
+
+def _h_shape(stage, x, m):
+    return (x.shape[0] // m, x.shape[1], stage.blocks[next(iter(stage.blocks))].attn.q_proj.in_features)
+
+
+def step_gpipe_order(stage, x, y, m):
+    """All forwards, then all backwards: right gradients, but not 1F1B (m activations held)."""
+    rank, xs, ys, shape = dist.get_rank(), x.chunk(m), y.chunk(m), _h_shape(stage, x, m)
+    saved, sends, losses = {}, [], []
+    for j in range(m):
+        if rank == 0:
+            out = stage(xs[j])
+            sends.append(dist.isend(out.detach(), dst=1))
+            saved[j] = out
+        else:
+            h = torch.empty(shape)
+            dist.irecv(h, src=0).wait()
+            h.requires_grad_(True)
+            loss = lm_loss(stage(h), ys[j])
+            losses.append(loss.item())
+            saved[j] = (h, loss / m)
+    for j in range(m):
+        if rank == 0:
+            g = torch.empty(shape)
+            dist.irecv(g, src=1).wait()
+            saved[j].backward(g)
+        else:
+            h, scaled = saved[j]
+            scaled.backward()
+            sends.append(dist.isend(h.grad, dst=0))
+    for w in sends:
+        w.wait()
+    return losses
+
+
+def step_without_loss_scale(stage, x, y, m):
+    """1F1B order, but each micro-batch back-propagates its full mean loss (m x too large)."""
+    rank, xs, ys, shape = dist.get_rank(), x.chunk(m), y.chunk(m), _h_shape(stage, x, m)
+    saved, sends, losses = {}, [], []
+    for a in [a for a in one_f_one_b(2, m)[rank] if a.is_compute]:
+        j = a.microbatch
+        if a.kind is Kind.F and rank == 0:
+            out = stage(xs[j])
+            sends.append(dist.isend(out.detach(), dst=1))
+            saved[j] = out
+        elif a.kind is Kind.F:
+            h = torch.empty(shape)
+            dist.irecv(h, src=0).wait()
+            h.requires_grad_(True)
+            loss = lm_loss(stage(h), ys[j])
+            losses.append(loss.item())
+            saved[j] = (h, loss)
+        elif rank == 0:
+            g = torch.empty(shape)
+            dist.irecv(g, src=1).wait()
+            saved.pop(j).backward(g)
+        else:
+            h, unscaled = saved.pop(j)
+            unscaled.backward()
+            sends.append(dist.isend(h.grad, dst=0))
+    for w in sends:
+        w.wait()
+    return losses
+
+
+def step_with_all_reduce(stage, x, y, m):
+    """Sums the full-batch losses with an all-reduce: a collective the pipeline must not use."""
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    return []
+
+
+def loss_divided_by_rows(model, x, y, m):
+    """The colleague's bug, left in: each micro-batch loss divided by its rows b instead of m."""
+    b = x.shape[0] // m
+    for i in range(m):
+        (lm_loss(model(x[i * b:(i + 1) * b]), y[i * b:(i + 1) * b]) / b).backward()
+
+
 def loss_not_divided_by_m(model, x, y, m):
     """Gradients m x too large: the classic pipeline bug."""
     for xm, ym in zip(x.chunk(m), y.chunk(m), strict=True):
@@ -43,7 +136,8 @@ def only_last_microbatch(model, x, y, m):
 
 
 WRONG = {
-    "gpipe_bubble_fraction": [bubble_over_m, bubble_off_by_one],
     "one_f_one_b_order": [warmup_off_by_one, all_forwards_then_backwards],
-    "microbatch_gradients": [loss_not_divided_by_m, only_last_microbatch],
+    "zb_h1_schedule": [split_backward_without_delay, all_weight_gradients_at_the_end, weight_before_input],
+    "pipeline_step": [step_gpipe_order, step_without_loss_scale, step_with_all_reduce],
+    "microbatch_gradients": [loss_divided_by_rows, loss_not_divided_by_m, only_last_microbatch],
 }

@@ -1,0 +1,274 @@
+"""Context parallelism for the tiny GPT: every block's attention becomes ring (or all-gather) attention over
+the ranks of the cp group, each rank holding ``seq_len / cp`` tokens of every example.
+
+    cp = ContextParallel(GPT(cfg), group=None, layout="zigzag")   # or mesh=Mesh(dp=2, cp=2)
+    x, y = cp.shard(x), cp.shard(y)                               # this rank's tokens and their targets
+    lm_loss(cp(x), y).backward()
+    cp.finish_gradient_sync()                                     # average gradients over dp x cp
+    optimizer.step(); cp.after_step()
+
+What follows the layout (``cp_attention.positions``): the inputs and the loss targets (``shard``), the learned
+position embeddings and the RoPE angles (the *global* positions of the rank's tokens), and the causal mask of
+every ring step. Everything else in the model is per token and runs unchanged on the local tokens.
+
+Gradients. Each rank's parameter gradient holds the contributions of its tokens (and, through the dK, dV that
+ring attention sends back, of other ranks' queries to its keys). The gradient of the global mean loss is the
+*average* over the cp ranks -- and over dp x cp with data parallelism too: CP ranks join the data-parallel
+gradient all-reduce (as in Megatron-LM, where the gradient group is dp x cp). ``finish_gradient_sync`` runs
+``course_lib.parallel.dp.DataParallel``'s bucketed all-reduce over that group.
+
+Communication per layer and rank, forward (ring): cp - 1 sends of one K,V block,
+``2 * (s/cp) * b * n_kv * d_head * bytes`` each (``ring_kv_bytes``); backward: cp - 1 K,V sends plus cp sends of
+the fp32 dK,dV accumulator. The all-gather form moves the same K,V bytes in one collective (modelled, ring
+convention) and reduce-scatters the gradient; it keeps the whole sequence's K,V in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import comm
+from course_lib.data import global_batch, shard
+from course_lib.model import GPT, Attention, GPTConfig, apply_rope, lm_loss, rope_cos_sin
+from course_lib.parallel.cp_attention import (
+    AttentionStats,
+    BlockAttention,
+    Layout,
+    all_positions,
+    allgather_attention,
+    check_sequence,
+    chunks_per_rank,
+    ring_attention,
+    shard_sequence,
+)
+from course_lib.parallel.dp import DataParallel, Mode
+from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
+
+Algorithm = Literal["ring", "allgather"]
+ALGORITHMS: tuple[Algorithm, ...] = ("ring", "allgather")
+
+
+def ring_kv_bytes(seq_len: int, batch: int, n_kv_head: int, head_dim: int, cp: int, element_size: int) -> int:
+    """Bytes of the K,V block one ring step sends: 2 * (s/cp) * b * n_kv * d_head * bytes."""
+    return 2 * (seq_len // cp) * batch * n_kv_head * head_dim * element_size
+
+
+def ring_sends_per_layer(cp: int) -> dict[str, int]:
+    """Sends per layer and rank: forward cp - 1 K,V blocks; backward cp - 1 K,V blocks and cp dK,dV blocks."""
+    return {"forward_kv": cp - 1, "backward_kv": cp - 1, "backward_dkv": cp if cp > 1 else 0}
+
+
+def activation_bytes_per_rank(cfg: GPTConfig, micro_batch: int, seq_len: int, cp: int,
+                              element_bytes: int = 4) -> int:
+    """Activation bytes one CP rank saves for backward (what ``course_lib.memtrack`` measures), from the
+    estimator's adapted formula at s/cp tokens (``memory.model_activation_bytes``) and what ring attention saves
+    differently from PyTorch's SDPA: un-repeated K,V under GQA (2e(h - h_kv) less per token and layer), a
+    contiguous attention output that o_proj saves as a copy without RoPE too (e*h more), and the positions of
+    every rank [cp, s/cp] int64, shared by all layers (which replace the learned position ids).
+
+    Everything scales with s/cp except those positions: activation memory per rank falls as 1/cp.
+    """
+    from course_lib.memory import model_activation_bytes
+
+    n = micro_batch * seq_len // cp
+    e, h, layers = element_bytes, cfg.d_model, cfg.n_layer
+    base = sum(model_activation_bytes(cfg, micro_batch, seq_len // cp, formula="adapted",
+                                      element_bytes=e).values())
+    gqa = -2 * e * n * (h - cfg.kv_heads * cfg.head_dim) * layers
+    o_copy = 0 if cfg.pos == "rope" else e * n * h * layers
+    pos = 8 * seq_len - (8 * seq_len // cp if cfg.pos == "learned" else 0)
+    return int(base + gqa + o_copy + pos)
+
+
+class CPContext:
+    """What every ring-attention layer of one model shares: the group, the layout, the algorithm, and the
+    positions of the batch now running (set by ``ContextParallel.forward``)."""
+
+    def __init__(self, group: comm.Group, layout: Layout, algorithm: Algorithm, causal: bool,
+                 kernel: BlockAttention) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}: use one of {ALGORITHMS}")
+        self.group, self.layout, self.algorithm, self.causal, self.kernel = group, layout, algorithm, causal, kernel
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.positions: torch.Tensor | None = None  # [cp, T_local]
+        self.stats = AttentionStats()
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        fn = ring_attention if self.algorithm == "ring" else allgather_attention
+        return fn(q, k, v, self.positions, chunks_per_rank(self.layout), self.causal, self.group, self.kernel,
+                  self.stats)
+
+
+class CPAttention(nn.Module):
+    """The GPT's attention with the same projections (same parameter names), attending over the cp group."""
+
+    def __init__(self, attn: Attention, ctx: CPContext) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim, self.rope = attn.n_head, attn.n_kv_head, attn.head_dim, attn.rope
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.ctx = ctx
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE at the tokens' *global* positions (a seam: a layout bug that forgets this is a subclass)."""
+        cos, sin = rope_cos_sin(positions.numel(), self.head_dim, positions=positions)
+        return apply_rope(q, cos.to(q.device), sin.to(q.device)), apply_rope(k, cos.to(k.device), sin.to(k.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.rope:
+            q, k = self.rotary(q, k, self.ctx.positions[self.ctx.rank])
+        y = self.ctx.attend(q.contiguous(), k.contiguous(), v.contiguous())
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _ShardedGPT(nn.Module):
+    """The GPT's forward on this rank's tokens: embeddings at their global positions, blocks, head."""
+
+    def __init__(self, model: GPT, ctx: CPContext) -> None:
+        super().__init__()
+        self.model, self.ctx = model, ctx
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        m, ctx = self.model, self.ctx
+        seq_len = idx.shape[1] * ctx.size
+        if seq_len > m.config.seq_len:
+            raise ValueError(f"{idx.shape[1]} tokens per rank x cp={ctx.size} exceeds seq_len={m.config.seq_len}")
+        check_sequence(seq_len, ctx.size, ctx.layout)
+        ctx.positions = all_positions(seq_len, ctx.size, ctx.layout, idx.device)
+        x = m.tok_emb(idx)
+        if m.pos_emb is not None:
+            x = x + m.pos_emb(ctx.positions[ctx.rank])
+        for block in m.blocks:
+            x = block(x)
+        return m.head(x)
+
+
+def _group_of(mesh: Any, group: comm.Group, *axes: str) -> comm.Group:
+    if mesh is not None and group is not None:
+        raise ValueError("pass mesh= or group=, not both")
+    return mesh.group(*axes) if mesh is not None else group
+
+
+class ContextParallel(nn.Module):
+    """Wrap a ``GPT`` so that it runs on this rank's ``seq_len / cp`` tokens with attention over the cp group.
+
+    ``mesh`` (its "cp" axis; gradients averaged over "dp" x "cp") or ``group`` (the cp group, default the world;
+    gradients averaged over ``grad_group``, default the same group). ``layout``: "zigzag" (balanced under the
+    causal mask) or "contiguous". ``algorithm``: "ring" (isend/irecv around the ring) or "allgather".
+    ``kernel``: the per-block operations (a ``BlockAttention``); ``attention_class``: the module each block's
+    attention becomes. Both are seams for variants and tests. Initial weights are broadcast over the gradient
+    group. The model's attention modules are replaced in place (parameter names unchanged).
+    """
+
+    def __init__(self, module: GPT, *, mesh: Any = None, group: comm.Group = None,
+                 grad_group: comm.Group = None, layout: Layout = "zigzag", algorithm: Algorithm = "ring",
+                 causal: bool = True, kernel: BlockAttention | None = None,
+                 attention_class: type[CPAttention] = CPAttention, dp_mode: Mode = "bucketed") -> None:
+        super().__init__()
+        chunks_per_rank(layout)  # validates the name
+        cp_group = _group_of(mesh, group, "cp")
+        if mesh is not None:
+            grad_group = mesh.group("dp", "cp")
+        elif grad_group is None:
+            grad_group = cp_group
+        self.module = module
+        self.ctx = CPContext(cp_group, layout, algorithm, causal, kernel or BlockAttention())
+        for block in module.blocks:
+            block.attn = attention_class(block.attn, self.ctx)
+        first = 0 if grad_group is None else dist.get_global_rank(grad_group, 0)
+        self.grad_sync = DataParallel(_ShardedGPT(module, self.ctx), group=grad_group, mode=dp_mode,
+                                      broadcast_from=first)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.ctx.size
+
+    @property
+    def stats(self) -> AttentionStats:
+        """Attention work of this rank since construction (unmasked pairs, blocks computed / skipped)."""
+        return self.ctx.stats
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a full-sequence tensor (inputs, targets) in the wrapper's layout."""
+        return shard_sequence(t, self.cp_rank, self.cp_size, self.ctx.layout, dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx [B, s/cp] (this rank's tokens, from ``shard``) -> logits [B, s/cp, vocab]."""
+        return self.grad_sync(idx)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients locally (the ring still runs: attention needs every rank in every forward)."""
+        return self.grad_sync.no_sync()
+
+    def finish_gradient_sync(self) -> None:
+        """Average the gradients over the gradient group (cp, or dp x cp); before ``optimizer.step()``."""
+        self.grad_sync.finish_gradient_sync()
+
+    def after_step(self) -> None:
+        """Nothing to do: every rank holds full, identical weights."""
+
+    def remove_hooks(self) -> None:
+        """Remove the gradient hooks of the data-parallel part (none in the default bucketed mode)."""
+        self.grad_sync.remove_hooks()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training helper (a launch target)
+
+
+@dataclass
+class CPResult(TrainResult):
+    """Losses and full parameters (comparable with ``train_baseline``), this rank's comm records per step and
+    its attention work (unmasked (q, k) pairs per step)."""
+
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
+    pairs: list[int] = field(default_factory=list)
+
+
+def train_cp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, mesh: Any = None,
+             group: comm.Group = None, layout: Layout = "zigzag", algorithm: Algorithm = "ring",
+             model_fn: Callable[[GPTConfig, int], GPT] | None = None, kernel: BlockAttention | None = None,
+             attention_class: type[CPAttention] = CPAttention,
+             wrapper_class: type[ContextParallel] = ContextParallel) -> CPResult:
+    """Train with context parallelism (and data parallelism when ``mesh`` has a dp axis): each step, the dp
+    rank's rows of ``global_batch(step, ...)``, and of those this cp rank's tokens in the layout."""
+    tc = tc or TrainConfig()
+    dp_rank, dp_size = (mesh.coord("dp"), mesh.size("dp")) if mesh is not None else (0, 1)
+    model = (model_fn or GPT)(cfg, tc.seed)
+    cp = wrapper_class(model, mesh=mesh, group=group, layout=layout, algorithm=algorithm, kernel=kernel,
+                       attention_class=attention_class)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+    losses, step_comm, pairs = [], [], []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        x, y = cp.shard(shard(x, dp_rank, dp_size)), cp.shard(shard(y, dp_rank, dp_size))
+        before = cp.stats.pairs
+        opt.zero_grad(set_to_none=True)
+        with comm.recording() as log:
+            loss = lm_loss(cp(x), y)
+            loss.backward()
+            cp.finish_gradient_sync()
+        opt.step()
+        cp.after_step()
+        losses.append(loss.detach())
+        step_comm.append(list(log.records))
+        pairs.append(cp.stats.pairs - before)
+    mean = torch.stack(losses).float()
+    comm.all_reduce(mean, group=cp.grad_sync.group)  # once after training: the global-batch mean per step
+    mean /= dist.get_world_size(cp.grad_sync.group)
+    return CPResult(mean.tolist(), full_params(model), step_comm, pairs)
+

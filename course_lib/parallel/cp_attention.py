@@ -1,0 +1,404 @@
+"""The math of context parallelism: blockwise attention, the log-sum-exp merge, sequence layouts, ring attention.
+
+Context parallelism (CP) splits the *sequence* of every example over the ``cp`` ranks of a group. Everything in
+a transformer is per token except attention, where each query needs every key and value before it. Ring
+attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers", arXiv:2310.01889) keeps the
+local queries in place and passes the K,V blocks around a ring: at each of the cp - 1 steps a rank sends the
+block it holds to the next rank and receives one from the previous, overlapping the transfer with the attention
+of the block it already has.
+
+**Online softmax** (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022). Attention of a query over a
+block of keys gives a partial output ``o_j = softmax(s_j) v_j`` and the block's log-sum-exp
+``lse_j = log sum_k exp(s_jk)``. Two blocks merge exactly::
+
+    lse = log(exp(lse_1) + exp(lse_2)) = m + log(exp(lse_1 - m) + exp(lse_2 - m)),  m = max(lse_1, lse_2)
+    o   = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2
+
+Every exponent is <= 0, so nothing overflows however large the scores; a row that saw no key yet has
+lse = -inf and weight 0 (never NaN).
+
+**Causal masks over chunks.** With global positions ``p_q`` and ``p_k`` a key is visible when ``p_k <= p_q``. A
+block (q chunk, k chunk) is skipped when no pair is visible, computed without a mask when all are, and masked
+only when partly visible (the diagonal). The **contiguous** layout gives rank r chunk r of cp (length c): its
+queries see c^2 r + c(c + 1)/2 keys in all, so the last rank does (2cp - 1)/cp x the mean work (for large c)
+while rank 0 does almost nothing, and the step waits for the slowest. The **zig-zag** layout (Megatron-LM's
+context parallel; Brandon et al. 2023's "Striped Attention" is the cyclic variant) cuts the sequence into 2cp
+chunks and gives rank r chunks r and 2cp - 1 - r: every rank then holds one early and one late chunk and does
+the same work (max/mean = 1).
+
+Backward (FlashAttention-2's recomputation, Dao 2023): from the saved output ``o`` and ``lse`` of each query
+row, every block recomputes ``P = exp(s - lse)`` and adds ``dQ += dS K``, ``dK = dS^T Q``, ``dV = P^T dO`` with
+``dS = P * (dO V^T - rowsum(dO * o))``. The dK, dV of a block travel around the ring with its K, V and arrive
+at the block's owner after cp sends.
+
+GQA: the ring carries the n_kv heads (each serving n_head / n_kv query heads), not the expanded n_head.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from course_lib import comm
+
+Layout = Literal["contiguous", "zigzag"]
+LAYOUTS: tuple[Layout, ...] = ("contiguous", "zigzag")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layouts: which global positions a rank holds
+
+
+def chunks_per_rank(layout: Layout) -> int:
+    """1 chunk per rank (contiguous) or 2 (zig-zag)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: use one of {LAYOUTS}")
+    return 1 if layout == "contiguous" else 2
+
+
+def chunk_ids(rank: int, cp: int, layout: Layout) -> tuple[int, ...]:
+    """The chunks of rank ``rank``: (r,) of cp chunks, or (r, 2cp - 1 - r) of 2cp chunks (zig-zag)."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank {rank} is outside a context-parallel group of {cp}")
+    return (rank,) if chunks_per_rank(layout) == 1 else (rank, 2 * cp - 1 - rank)
+
+
+def check_sequence(seq_len: int, cp: int, layout: Layout) -> int:
+    """Raise unless ``seq_len`` splits into equal chunks; return the chunk length."""
+    n = cp * chunks_per_rank(layout)
+    if cp < 1 or seq_len < n or seq_len % n:
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into {n} equal chunks "
+                         f"({layout} layout, cp={cp}): use a length divisible by {n}")
+    return seq_len // n
+
+
+def positions(seq_len: int, rank: int, cp: int, layout: Layout,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions (int64, ascending within each chunk) of the tokens rank ``rank`` holds."""
+    c = check_sequence(seq_len, cp, layout)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, cp, layout)])
+
+
+def all_positions(seq_len: int, cp: int, layout: Layout, device: torch.device | str | None = None) -> torch.Tensor:
+    """[cp, seq_len / cp]: row r holds the positions of rank r."""
+    return torch.stack([positions(seq_len, r, cp, layout, device) for r in range(cp)])
+
+
+def shard_sequence(t: torch.Tensor, rank: int, cp: int, layout: Layout, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s tokens of ``t`` along ``dim`` (inputs, targets, anything per token)."""
+    return t.index_select(dim, positions(t.shape[dim], rank, cp, layout, t.device))
+
+
+def unshard_sequence(parts: list[torch.Tensor], layout: Layout, dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_sequence``: the per-rank pieces (in rank order) back in sequence order."""
+    cp = len(parts)
+    seq_len = sum(p.shape[dim] for p in parts)
+    order = torch.cat([positions(seq_len, r, cp, layout) for r in range(cp)])
+    joined = torch.cat(parts, dim=dim)
+    return joined.index_select(dim, torch.argsort(order).to(joined.device))
+
+
+def causal_pairs(seq_len: int, cp: int, layout: Layout) -> list[int]:
+    """Unmasked (q, k) pairs per rank under a causal mask: sum over the rank's query positions p of (p + 1).
+
+    Contiguous: rank r holds positions [rc, (r+1)c), so pairs = c^2 (2r + 1)/2 + c/2; the last rank does
+    (2cp - 1)/cp x the mean for large c. Zig-zag: every rank does s(s + 1)/(2cp), the mean exactly.
+    """
+    return [int((positions(seq_len, r, cp, layout) + 1).sum()) for r in range(cp)]
+
+
+def imbalance(pairs: list[int]) -> float:
+    """max / mean of per-rank work (1 = balanced; the slowest rank sets the step time)."""
+    return max(pairs) / (sum(pairs) / len(pairs))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One block: forward with (out, lse), backward by recomputation
+
+
+def expand_kv(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """[B, H_kv, T, d] -> [B, H, T, d]: K/V head g serves query heads g*rep .. g*rep + rep - 1 (GQA)."""
+    b, h_kv, s, d = t.shape
+    if n_head == h_kv:
+        return t
+    if n_head % h_kv:
+        raise ValueError(f"{n_head} query heads do not share {h_kv} K/V heads evenly")
+    return t[:, :, None].expand(b, h_kv, n_head // h_kv, s, d).reshape(b, n_head, s, d)
+
+
+def reduce_kv(t: torch.Tensor, n_kv_head: int) -> torch.Tensor:
+    """Adjoint of ``expand_kv``: sum the gradients of the query heads that share a K/V head."""
+    b, h, s, d = t.shape
+    return t if h == n_kv_head else t.view(b, n_kv_head, h // n_kv_head, s, d).sum(2)
+
+
+class BlockAttention:
+    """The per-block operations ring attention is made of, as overridable methods (the seams tests and exercises
+    inject bugs through). Shapes: q [B, H, Tq, d]; k, v [B, H_kv, Tk, d]; lse [B, H, Tq]; mask [Tq, Tk] bool,
+    True = visible, or None = all visible."""
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Causal visibility from *global* positions: key k is visible to query q when p_k <= p_q."""
+        return k_pos[None, :] <= q_pos[:, None]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of q over one block: (softmax(s) v, logsumexp(s)), with s = scale q k^T.
+
+        Stable: exp(s - m) with m the row max; a fully masked row gives out 0 and lse -inf (no NaN)."""
+        s = scale * q @ expand_kv(k, q.shape[1]).transpose(-1, -2)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        m = s.amax(-1, keepdim=True).detach()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True)
+        out = (p @ expand_kv(v, q.shape[1])) / denom.clamp_min(torch.finfo(denom.dtype).tiny)
+        return out, (m + denom.log()).squeeze(-1)
+
+    def merge(self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+              block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Combine two partial results by the log-sum-exp rule, every exponent shifted to be <= 0."""
+        new = torch.logaddexp(lse, block_lse)
+        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # both -inf: weights 0, not NaN
+        w_old, w_new = torch.exp(lse - safe)[..., None], torch.exp(block_lse - safe)[..., None]
+        return w_old * out + w_new * block_out, new
+
+    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                 d_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) of one block from the *final* lse and delta = rowsum(dO * O), recomputing P."""
+        h = q.shape[1]
+        ke, ve = expand_kv(k, h), expand_kv(v, h)
+        s = scale * q @ ke.transpose(-1, -2)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(s - safe[..., None])
+        dv = p.transpose(-1, -2) @ d_out
+        ds = p * (d_out @ ve.transpose(-1, -2) - delta[..., None])
+        dq = scale * ds @ ke
+        dk = scale * ds.transpose(-1, -2) @ q
+        return dq, reduce_kv(dk, k.shape[1]), reduce_kv(dv, k.shape[1])
+
+    def kv_for_backward_step(self, step: int, received: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """The K,V block the backward recomputes with at ``step``: the one the ring delivered (``own`` at 0)."""
+        return received
+
+
+class EmulatedDeviceAttention(BlockAttention):
+    """Blocks that also cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs of sleep in
+    forward, twice that in backward (as a host waits for a GPU kernel). The sleep costs no CPU, so cp ranks run
+    side by side on a 2-core machine and step times follow the work per rank, not the OS scheduler."""
+
+    def __init__(self, seconds_per_pair: float) -> None:
+        self.seconds_per_pair = seconds_per_pair
+
+    def _pairs(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> int:
+        return int(mask.sum()) if mask is not None else q.shape[2] * k.shape[2]
+
+    def forward(self, q, k, v, scale, mask):
+        time.sleep(self.seconds_per_pair * self._pairs(q, k, mask))
+        return super().forward(q, k, v, scale, mask)
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        time.sleep(2 * self.seconds_per_pair * self._pairs(q, k, mask))
+        return super().backward(q, k, v, scale, mask, d_out, lse, delta)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Full attention on one process (PyTorch's SDPA), the oracle: q [B, H, T, d], k, v [B, H_kv, T, d]."""
+    h = q.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(q, expand_kv(k, h), expand_kv(v, h), is_causal=causal)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Work accounting
+
+
+class AttentionStats:
+    """What one rank's attention did: unmasked (q, k) pairs computed, blocks computed and skipped (forward)."""
+
+    def __init__(self) -> None:
+        self.pairs = 0
+        self.blocks = 0
+        self.skipped = 0
+
+
+def _block_plan(kernel: BlockAttention, q_pos: torch.Tensor, k_pos: torch.Tensor, n_chunks: int, causal: bool
+                ) -> list[tuple[slice, slice, torch.Tensor | None, int]]:
+    """(q slice, k slice, mask or None, unmasked pairs) of every sub-block with visible pairs."""
+    tq, tk = q_pos.numel() // n_chunks, k_pos.numel() // n_chunks
+    plan = []
+    for i in range(n_chunks):
+        for j in range(n_chunks):
+            qs, ks = slice(i * tq, (i + 1) * tq), slice(j * tk, (j + 1) * tk)
+            if not causal:
+                plan.append((qs, ks, None, tq * tk))
+                continue
+            m = kernel.mask(q_pos[qs], k_pos[ks])
+            visible = int(m.sum())
+            if visible == 0:
+                plan.append((qs, ks, m, 0))  # skipped: kept in the plan only so that it is counted
+            else:
+                plan.append((qs, ks, None if visible == m.numel() else m, visible))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ring attention as an autograd Function
+
+
+def _ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
+    """(rank in group, group size, global rank of the next, of the previous rank in the ring)."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+
+    def glob(i: int) -> int:
+        return i if group is None else dist.get_global_rank(group, i)
+
+    return r, n, glob((r + 1) % n), glob((r - 1) % n)
+
+
+def _shift(t: torch.Tensor, nxt: int, prv: int, group: comm.Group) -> tuple[torch.Tensor, list]:
+    """Start sending ``t`` to the next rank and receiving the previous rank's tensor of the same shape."""
+    incoming = torch.empty_like(t)
+    return incoming, [comm.isend(t, nxt, group), comm.irecv(incoming, prv, group)]
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """out = softmax(q k^T / sqrt(d) [+ causal mask]) v over the whole sequence, from local q, k, v chunks.
+
+    ``pos`` [cp, T_local]: the global positions of every rank's tokens (row r for rank r of ``group``);
+    ``n_chunks``: contiguous chunks per rank (1 contiguous, 2 zig-zag), the granularity at which fully masked
+    blocks are skipped. Forward: cp - 1 sends of one K,V block (2 x B x H_kv x T_local x d elements). Backward:
+    cp - 1 sends of the K,V block and cp sends of its fp32 dK,dV accumulator (the last one brings it home).
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
+                causal: bool, group: comm.Group, kernel: BlockAttention, stats: AttentionStats | None
+                ) -> torch.Tensor:
+        r, n, nxt, prv = _ring_peers(group)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack((k, v)).contiguous()
+        for step in range(n):
+            if step < n - 1:
+                incoming, works = _shift(kv, nxt, prv, group)  # overlapped with this step's compute
+            for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
+                if stats is not None:
+                    stats.pairs += pairs
+                    stats.blocks += pairs > 0
+                    stats.skipped += pairs == 0
+                if pairs == 0:
+                    continue
+                b_out, b_lse = kernel.forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask)
+                out[:, :, qs], lse[:, :, qs] = kernel.merge(out[:, :, qs], lse[:, :, qs], b_out, b_lse)
+            if step < n - 1:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse, pos)
+        ctx.config = (n_chunks, causal, group, kernel, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        q, k, v, out, lse, pos = ctx.saved_tensors
+        n_chunks, causal, group, kernel, scale = ctx.config
+        r, n, nxt, prv = _ring_peers(group)
+        d_out = d_out.contiguous()
+        delta = (d_out * out).sum(-1)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        own = torch.stack((k, v)).contiguous()
+        kv = own
+        dkv = torch.zeros_like(own, dtype=torch.float32)  # dK, dV of the block we hold, accumulated in fp32
+        for step in range(n):
+            if step < n - 1:
+                incoming, works = _shift(kv, nxt, prv, group)
+            use = kernel.kv_for_backward_step(step, kv, own)
+            for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
+                if pairs == 0:
+                    continue
+                dq_b, dk_b, dv_b = kernel.backward(q[:, :, qs], use[0][:, :, ks], use[1][:, :, ks], scale, mask,
+                                                   d_out[:, :, qs], lse[:, :, qs], delta[:, :, qs])
+                dq[:, :, qs] += dq_b
+                dkv[0][:, :, ks] += dk_b
+                dkv[1][:, :, ks] += dv_b
+            if n > 1:
+                incoming_grad, grad_works = _shift(dkv, nxt, prv, group)  # on to the next holder of the block
+                for w in grad_works + (works if step < n - 1 else []):
+                    w.wait()
+                dkv = incoming_grad
+                if step < n - 1:
+                    kv = incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int = 1,
+                   causal: bool = True, group: comm.Group = None, kernel: BlockAttention | None = None,
+                   stats: AttentionStats | None = None) -> torch.Tensor:
+    """Ring attention of this rank's q [B, H, T, d] over everyone's k, v [B, H_kv, T, d] (see the Function)."""
+    _check_qkv(q, k, v, pos, n_chunks, group)
+    return RingAttentionFunction.apply(q, k, v, pos, n_chunks, causal, group, kernel or BlockAttention(), stats)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The all-gather form (Llama 3's and PyTorch's default): gather all K,V, attend locally
+
+
+class AllGatherKV(torch.autograd.Function):
+    """kv [2, B, H_kv, T, d] -> every rank's kv [cp, 2, B, H_kv, T, d]; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        n = dist.get_world_size(group)
+        kv = kv.contiguous()
+        full = torch.empty(n * kv.numel(), dtype=kv.dtype, device=kv.device)
+        comm.all_gather(full, kv.flatten(), group=group)
+        ctx.group = group
+        return full.view(n, *kv.shape)
+
+    @staticmethod
+    def backward(ctx, d_full: torch.Tensor):
+        d_kv = torch.empty(d_full[0].numel(), dtype=d_full.dtype, device=d_full.device)
+        comm.reduce_scatter(d_kv, d_full.contiguous().flatten(), group=ctx.group)
+        return d_kv.view(d_full.shape[1:]), None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int = 1,
+                        causal: bool = True, group: comm.Group = None, kernel: BlockAttention | None = None,
+                        stats: AttentionStats | None = None) -> torch.Tensor:
+    """Attention of this rank's q over the all-gathered K,V (one collective of (cp-1)/cp x cp K,V blocks per
+    rank instead of cp - 1 ring steps; memory for the whole sequence's K,V). Autograd does the backward."""
+    _check_qkv(q, k, v, pos, n_chunks, group)
+    kernel = kernel or BlockAttention()
+    full = AllGatherKV.apply(torch.stack((k, v)), group)  # [cp, 2, B, H_kv, T, d]
+    k_all, v_all = (torch.cat(list(full[:, i].unbind(0)), dim=2) for i in (0, 1))
+    r = dist.get_rank(group)
+    mask = kernel.mask(pos[r], pos.flatten()) if causal else None
+    if stats is not None:
+        stats.pairs += int(mask.sum()) if mask is not None else q.shape[2] * k_all.shape[2]
+        stats.blocks += 1
+    out, _ = kernel.forward(q, k_all, v_all, 1.0 / math.sqrt(q.shape[-1]), mask)
+    return out
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
+               group: comm.Group) -> None:
+    n = dist.get_world_size(group)
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"expected q [B, H, T, d] and k, v [B, H_kv, T, d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, tokens or head_dim, or "
+                         f"{q.shape[1]} query heads do not share {k.shape[1]} K/V heads evenly")
+    if tuple(pos.shape) != (n, q.shape[2]):
+        raise ValueError(f"positions must be [cp={n}, T_local={q.shape[2]}], got {tuple(pos.shape)}")
+    if q.shape[2] % n_chunks:
+        raise ValueError(f"{q.shape[2]} local tokens do not split into {n_chunks} chunks")

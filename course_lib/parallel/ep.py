@@ -1,0 +1,465 @@
+"""Expert parallelism from scratch: the experts of every MoE layer spread over the ranks of an ``ep`` group, tokens
+sent to their experts and back by two uneven all-to-alls that autograd differentiates.
+
+A mixture-of-experts layer (``course_lib.model.MoE``) holds E expert MLPs but each token uses only k of them:
+parameters grow with E, FLOPs per token with k. Expert parallelism stores E/ep experts per rank and moves the
+*tokens* instead of the weights (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021). Per MoE
+layer, on every rank of the ep group, with its own T_r tokens (its shard of the batch)::
+
+    route        logits -> top-k experts and combine weights of each token            (local, router replicated)
+    count        all_gather the routed counts per expert over every rank of the batch  (W x E int64)
+                 -> global capacity C = ceil(cf * T * k / E), each rank's place in every expert's queue, the
+                    kept counts of every (rank, expert), f_i of the load-balancing loss
+                 all_to_all the kept counts per expert to the experts' owners (E int64) -- the receive splits
+    dispatch     all_to_all_single with uneven splits: each kept (token, expert) row goes to the expert's owner
+    experts      each local expert runs on the rows it received
+    combine      all_to_all_single back (the transposed splits); each token sums weight x expert output
+
+Bytes (h = d_model, s = bytes per element, T = tokens of the whole batch): dispatch and combine each carry the
+T*k*h*s bytes of the kept assignments per layer forward, summed over the ranks (T*k*h*s when nothing is dropped),
+and the same again in backward, where the gradient of each all-to-all is the all-to-all with the splits swapped.
+The fraction that leaves a rank is what it routes to other ranks' experts: (ep-1)/ep under uniform routing. The
+count exchange adds W*E*8 (all_gather, modelled ring bytes) and E*8 (all_to_all) per layer forward.
+
+Why the counts are exchanged *globally*: the single-process MoE computes its capacity over the T tokens of the
+whole batch and queues assignments in token order. For the same router decisions (parity), every rank uses the
+global T and starts its queue positions after the assignments of the ranks before it (their shards come first
+in the batch). Each rank also derives, from the gathered counts, how many rows each peer will send it, and checks
+that against what the peers announce: a rank that computed its capacity from its own counts only raises a clear
+error instead of leaving its peers waiting in a mismatched all-to-all.
+
+Gradients. Each rank back-propagates its own local-mean loss; the backward all-to-alls bring every peer's
+gradient to the experts, so an expert's gradient is the *sum* over the ep ranks' losses. The dense part (attention,
+norms, embeddings, router) is replicated on all W = ep x dp ranks and averaged over them as data parallelism;
+the experts are replicated over the dp ranks that hold the same shard and summed over those, then both are
+divided by W: the gradient of the mean loss over the global batch. An expert that no token of the whole batch
+reached keeps ``.grad = None`` (as on one process, where the optimizer then skips it).
+
+The auxiliary losses under data parallelism and accumulation ("per global micro-batch"): f_i and the mean P_i
+are over every token of one forward across all the ranks (f_i from the count exchange; each rank sums its own
+tokens' probabilities, scaled so the mean over ranks is the whole batch's loss). With m accumulation steps the
+loss of a step is the mean of the m micro-batches' losses, as ``train_baseline(..., accumulation=m)`` computes
+it: f_i * P_i is not linear in the batch, so m micro-batches of B/m do *not* give the aux loss of one batch of B.
+
+Production versions of the same steps: Megatron-Core's ``MoEAlltoAllTokenDispatcher`` (and its all-gather and
+"flex" dispatchers), torchtitan's MoE with ``all_to_all_single_autograd``, DeepSpeed-MoE, DeepEP's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import comm
+from course_lib.data import global_batch, micro_batches, shard
+from course_lib.mesh import Mesh
+from course_lib.model import (
+    GPTConfig,
+    MoE,
+    RoutingStats,
+    expert_positions,
+    lm_loss,
+    moe_aux_loss,
+    param_count,
+    routing_entropy,
+)
+from course_lib.parallel.dp import build_model
+from course_lib.train import TrainConfig, TrainResult, make_optimizer
+
+ModelFn = Callable[[GPTConfig, int], nn.Module]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The differentiable all-to-all and the capacity arithmetic
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` split by ``in_splits`` go to the ranks of ``group``; ``out_splits`` rows come back from each.
+    Its gradient is the same all-to-all with the splits swapped (both logged in the comm log)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: comm.Group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                    group: comm.Group = None) -> torch.Tensor:
+    """Uneven ``all_to_all_single`` of the rows of ``x`` through autograd (every rank must call it, also with 0
+    rows, in forward and -- through the graph -- in backward)."""
+    return _AllToAll.apply(x, list(map(int, out_splits)), list(map(int, in_splits)), group)
+
+
+def kept_counts(counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    """Assignments each rank's tokens keep at each expert, from the routed ``counts`` [W, E] in batch order:
+    kept[s, e] = clamp(C - offset[s, e], 0, counts[s, e]) with offset[s, e] = sum_{s' < s} counts[s', e]."""
+    if capacity is None:
+        return counts.clone()
+    offset = counts.cumsum(0) - counts
+    return (capacity - offset).clamp(min=0).minimum(counts)
+
+
+def group_ranks(group: comm.Group) -> list[int]:
+    """Global ranks of ``group`` in group order (None: the whole world)."""
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The expert-parallel layer
+
+
+@dataclass
+class EPRoutingStats(RoutingStats):
+    """``RoutingStats`` over the whole batch (counts from the exchange; entropy over this rank's tokens) plus this
+    rank's forward dispatch + combine all-to-alls: bytes it sent and seconds they took."""
+
+    a2a_sent_bytes: int = 0
+    a2a_seconds: float = 0.0
+
+
+class ExpertParallelMoE(MoE):
+    """An ``MoE`` layer that keeps only this rank's E/ep experts (global ids ``expert_ids``, contiguous) and moves
+    tokens to the experts by all-to-all over ``ep_group``; ``batch_group`` (default: the world) is every rank whose
+    shard belongs to the same batch, in batch order. Built from a full ``MoE`` (router and local experts shared).
+
+    Seams a variant overrides: those of ``MoE`` plus ``exchange_counts``, ``keep_mask``, ``expert_owner``,
+    ``all_to_all`` (the differentiable row exchange), ``run_experts`` and ``combine``.
+    """
+
+    def __init__(self, moe: MoE, ep_group: comm.Group = None, batch_group: comm.Group = None) -> None:
+        nn.Module.__init__(self)  # not MoE.__init__: the router and experts come from ``moe``
+        self.n_expert, self.top_k, self.router_kind = moe.n_expert, moe.top_k, moe.router_kind
+        self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = (moe.capacity_factor, moe.aux_loss_coef,
+                                                                        moe.z_loss_coef)
+        self.ep_group, self.batch_group = ep_group, batch_group
+        self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if self.n_expert % self.ep_size:
+            raise ValueError(f"n_expert={self.n_expert} is not divisible by ep={self.ep_size}: choose ep among "
+                             f"{[d for d in range(1, self.n_expert + 1) if self.n_expert % d == 0]}")
+        self.n_local = self.n_expert // self.ep_size
+        self.expert_ids = list(range(self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local))
+        self.router = moe.router
+        self.experts = nn.ModuleList(moe.experts[e] for e in self.expert_ids)
+        if self.router_kind == "sigmoid":
+            self.register_buffer("expert_bias", moe.expert_bias)
+        batch = group_ranks(batch_group)
+        self.batch_size, self.batch_rank = len(batch), batch.index(dist.get_rank())
+        self.peer_pos = [batch.index(g) for g in group_ranks(ep_group)]  # ep peers' places in the batch
+        self.step_kept = torch.zeros(self.n_expert, dtype=torch.long)  # kept per expert, whole batch, this step
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: EPRoutingStats | None = None
+
+    # -- seams ------------------------------------------------------------------------------------------------
+
+    def exchange_counts(self, local: torch.Tensor) -> torch.Tensor:
+        """All-gather every rank's routed counts per expert: [W, E] in batch order."""
+        out = local.new_empty(self.batch_size * local.numel())
+        comm.all_gather(out, local, group=self.batch_group)
+        return out.view(self.batch_size, -1)
+
+    def keep_mask(self, chosen: torch.Tensor, counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
+        """[T_r, k] bool: which of this rank's assignments its experts keep. The queue of expert e starts after
+        the assignments that the ranks before this one in the batch route to e (``counts`` [W, E])."""
+        if capacity is None:
+            return torch.ones_like(chosen, dtype=torch.bool)
+        return expert_positions(chosen, self.n_expert, counts[:self.batch_rank].sum(0)) < capacity
+
+    def expert_owner(self, expert: torch.Tensor) -> torch.Tensor:
+        """The ep rank holding each expert id: e // (E / ep)."""
+        return expert // self.n_local
+
+    def all_to_all(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """The dispatch (and, with the splits swapped, the combine) over the ep group, through autograd."""
+        return all_to_all_rows(rows, out_splits, in_splits, self.ep_group)
+
+    def run_experts(self, recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Run the local experts on ``recv`` (rows grouped by source rank, then by local expert, ``recv_counts``
+        [ep, E/ep]); return their outputs in the same row order. Rows of one expert are taken source after
+        source, i.e. in batch order, as the single-process layer sees them."""
+        local_of_row = torch.arange(self.n_local, device=recv.device).repeat(self.ep_size)
+        local_of_row = local_of_row.repeat_interleave(recv_counts.reshape(-1).to(recv.device))
+        order = torch.argsort(local_of_row, stable=True)
+        chunks = recv[order].split(recv_counts.sum(0).tolist())
+        # an expert with no rows is skipped (its gradient stays None); the empty chunk keeps the graph connected
+        outs = torch.cat([expert(c) if c.shape[0] else c for expert, c in zip(self.experts, chunks, strict=True)])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return outs[inverse]
+
+    def combine(self, back: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weight each returned expert output row by its router weight."""
+        return back * weights[:, None]
+
+    # -- the layer --------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        r = self.route(flat)
+        E, k, dev = self.n_expert, self.top_k, flat.device
+        counts = self.exchange_counts(torch.bincount(r.chosen.reshape(-1), minlength=E))  # [W, E]
+        n_tokens = int(counts.sum()) // k
+        cap = self.capacity(n_tokens)
+        keep = self.keep_mask(r.chosen, counts, cap)
+        self.aux_loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
+
+        token, slot = keep.nonzero(as_tuple=True)  # token order
+        expert = r.chosen[token, slot]
+        order = torch.argsort(self.expert_owner(expert) * E + expert, stable=True)  # by owner, then expert
+        token, slot, expert = token[order], slot[order], expert[order]
+        send = torch.bincount(expert, minlength=E)
+        owners = self.expert_owner(torch.arange(E, device=dev))
+        per_dest = [send[owners == j] for j in range(self.ep_size)]
+        if any(c.numel() != self.n_local for c in per_dest):
+            raise ValueError(f"expert_owner must give every ep rank exactly E/ep = {self.n_local} experts")
+        announced = torch.empty(E, dtype=torch.long, device=dev)
+        comm.all_to_all(announced, torch.cat(per_dest), group=self.ep_group)
+        recv_counts = announced.view(self.ep_size, self.n_local)
+        kept = kept_counts(counts, cap)
+        expected = kept[self.peer_pos][:, self.expert_ids].to(dev)
+        if not torch.equal(recv_counts, expected):
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: the ep peers announce {recv_counts.tolist()} rows for experts "
+                f"{self.expert_ids} but the exchanged counts imply {expected.tolist()}: the ranks disagree on the "
+                f"capacity or on which rank owns which expert (capacity must come from the global counts)")
+        in_splits = [int(c.sum()) for c in per_dest]
+        out_splits = recv_counts.sum(1).tolist()
+        with comm.recording() as lg:
+            recv = self.all_to_all(flat[token], out_splits, in_splits)
+            back = self.all_to_all(self.run_experts(recv, recv_counts), in_splits, out_splits)
+        out = torch.zeros_like(flat).index_add(0, token, self.combine(back, r.weights[token, slot]))
+
+        total_kept = kept.sum(0).cpu()
+        self.step_kept += total_kept
+        self.stats = EPRoutingStats(counts.sum(0).tolist(), total_kept.tolist(), int(counts.sum() - kept.sum()),
+                                    routing_entropy(r.probs.detach()), lg.sent_bytes("all_to_all"),
+                                    lg.seconds("all_to_all"))
+        return out.view_as(x)
+
+
+class TorchAllToAllMoE(ExpertParallelMoE):
+    """The same layer with PyTorch's differentiable all-to-all,
+    ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what torchtitan's MoE uses; a
+    private module, pinned to the course's torch): the second oracle. Its traffic is not in the comm log."""
+
+    def all_to_all(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+        group = self.ep_group if self.ep_group is not None else dist.group.WORLD
+        return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The wrapper
+
+
+class ExpertParallel(nn.Module):
+    """Wrap a model with MoE layers for expert parallelism (and data parallelism of everything else).
+
+    Every ``MoE`` of ``module`` is replaced by ``layer_class(moe, ep_group, dense_group)``, which keeps E/ep
+    experts. Groups (``course_lib.mesh``): ``mesh.group("ep")`` the all-to-all, ``mesh.group("edp")`` the ranks
+    holding the same experts (their gradients are summed), ``mesh.group("dp", "cp")`` the dense data-parallel
+    group, whose ranks share the batch in group order. Without a mesh pass the groups (None: the whole world;
+    ``expert_dp_group`` None: no expert replicas). At construction the dense parameters and buffers are broadcast
+    from the dense group's first rank and the experts over their expert-dp group, so every replica starts equal.
+
+    Usage, one step::
+
+        model = ExpertParallel(GPT(cfg), mesh=Mesh(dp=4, ep=2))
+        loss = lm_loss(model(x), y) + moe_aux_loss(model); loss.backward()
+        model.finish_gradient_sync(); opt.step(); model.after_step()
+    """
+
+    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, ep_group: comm.Group = None,
+                 expert_dp_group: comm.Group = None, dense_group: comm.Group = None,
+                 layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True) -> None:
+        super().__init__()
+        if mesh is not None:
+            ep_group, dense_group = mesh.group("ep"), mesh.group("dp", "cp")
+            expert_dp_group = mesh.group("edp") if mesh.size("edp") > 1 else None
+        self.module, self.ep_group, self.expert_dp_group, self.dense_group = (module, ep_group, expert_dp_group,
+                                                                              dense_group)
+        self.world_size = dist.get_world_size(dense_group)
+        edp = dist.get_world_size(expert_dp_group) if expert_dp_group is not None else 1
+        if dist.get_world_size(ep_group) * edp != self.world_size:
+            raise ValueError(f"ep x edp = {dist.get_world_size(ep_group)} x {edp} must equal the dense "
+                             f"data-parallel size {self.world_size}")
+        self.layers: list[ExpertParallelMoE] = []
+        for name, m in list(module.named_modules()):
+            if isinstance(m, MoE) and not isinstance(m, ExpertParallelMoE):
+                parent, _, child = name.rpartition(".")
+                layer = layer_class(m, ep_group, dense_group)
+                setattr(module.get_submodule(parent) if parent else module, child, layer)
+                self.layers.append(layer)
+        if not self.layers:
+            raise ValueError("the module has no MoE layer: expert parallelism needs GPTConfig(n_expert > 0)")
+        expert_ids = {id(p) for layer in self.layers for p in layer.experts.parameters()}
+        self.expert_params = [p for p in module.parameters() if id(p) in expert_ids]
+        self.dense_params = [p for p in module.parameters() if id(p) not in expert_ids]
+        if broadcast:
+            with torch.no_grad():
+                for t in [*self.dense_params, *module.buffers()]:
+                    comm.broadcast(t.detach(), group_ranks(dense_group)[0], group=dense_group)
+                if expert_dp_group is not None:
+                    for p in self.expert_params:
+                        comm.broadcast(p.detach(), group_ranks(expert_dp_group)[0], group=expert_dp_group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients are only averaged in ``finish_gradient_sync``, so every backward already accumulates locally;
+        this block changes nothing. (The all-to-alls are part of forward and backward and cannot be skipped.)"""
+        yield
+
+    def _sum_then_divide(self, params: list[nn.Parameter], group: comm.Group, reduce: bool) -> None:
+        """One flat all-reduce (sum) of the gradients of ``params`` over ``group``, then / W. None counts as 0."""
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        if reduce:
+            comm.all_reduce(flat, group=group)
+        flat.div_(self.world_size)
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad = g.view_as(p).clone()
+
+    def finish_gradient_sync(self) -> None:
+        """After the last backward, before ``optimizer.step()``: dense gradients summed over all W ranks, expert
+        gradients over the expert-dp group, both / W; experts unused by the whole batch this step get None."""
+        with torch.no_grad():
+            self._sum_then_divide(self.dense_params, self.dense_group, self.world_size > 1)
+            self._sum_then_divide(self.expert_params, self.expert_dp_group, self.expert_dp_group is not None)
+            for layer in self.layers:
+                for e, expert in zip(layer.expert_ids, layer.experts, strict=True):
+                    if layer.step_kept[e] == 0:
+                        for p in expert.parameters():
+                            p.grad = None
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: start the next step's count of tokens per expert."""
+        for layer in self.layers:
+            layer.step_kept.zero_()
+
+    def remove_hooks(self) -> None:
+        """Nothing to remove: this wrapper installs no hooks (it synchronises in ``finish_gradient_sync``)."""
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the unsharded model by its single-process name: the experts all-gathered over the
+        ep group (a collective: every rank calls it)."""
+        expert_ids = {id(p) for p in self.expert_params}
+        out = {n: p.detach().float().clone() for n, p in self.module.named_parameters() if id(p) not in expert_ids}
+        for name, layer in self.module.named_modules():
+            if not isinstance(layer, ExpertParallelMoE):
+                continue
+            for pname, _ in layer.experts[0].named_parameters():
+                local = torch.stack([ex.get_parameter(pname).detach().float() for ex in layer.experts])
+                full = local.new_empty((layer.n_expert, *local.shape[1:]))
+                comm.all_gather(full, local, group=layer.ep_group)
+                for e in range(layer.n_expert):
+                    out[f"{name}.experts.{e}.{pname}"] = full[e].clone()
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training loop
+
+
+@dataclass
+class EPResult(TrainResult):
+    """``TrainResult`` plus, per step, this rank's communication records (``step_comm``) and the routing
+    statistics of every MoE layer in the step's last micro-batch (``routing[step][layer]``)."""
+
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
+    routing: list[list[EPRoutingStats]] = field(default_factory=list, repr=False)
+
+
+def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, ep: int | None = None,
+             mesh: Mesh | None = None, accumulation: int = 1, model_fn: ModelFn | None = None,
+             layer_class: type[ExpertParallelMoE] = ExpertParallelMoE) -> EPResult:
+    """Train with expert parallelism of degree ``ep`` (default: every rank) over the data-parallel ranks: the
+    mesh ``Mesh(dp=world_size, ep=ep)`` unless one is given (a ``launch`` target; ``MeshError`` names what does
+    not fit). Each step the global batch is split into ``accumulation`` micro-batches and each micro-batch into
+    one shard per rank; the loss is LM + router losses. Returns the global-batch mean loss
+    per step (comparable with ``train_baseline(cfg, tc, accumulation=...)``) and the full parameters."""
+    tc = tc or TrainConfig()
+    mesh = mesh or Mesh(dp=world_size, ep=ep or world_size)
+    if mesh.size("tp", "pp", "cp") != 1:
+        raise ValueError("train_ep runs EP x DP only (tp = pp = cp = 1); composing more axes is chapter 08's")
+    mesh.shape.validate(cfg)
+    model = ExpertParallel(build_model(cfg, tc.seed, model_fn), mesh=mesh, layer_class=layer_class)
+    opt = make_optimizer(list(model.parameters()), tc)
+    losses, step_comm, routing = [], [], []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        with comm.recording() as log:
+            for xm, ym in micro_batches(x, y, accumulation):
+                xs, ys = shard(xm, rank, world_size), shard(ym, rank, world_size)
+                loss = (lm_loss(model(xs), ys) + moe_aux_loss(model)) / accumulation
+                loss.backward()
+                total += loss.item()
+            model.finish_gradient_sync()
+        opt.step()
+        model.after_step()
+        losses.append(total)
+        step_comm.append(list(log.records))
+        routing.append([layer.stats for layer in model.layers])
+    mean = torch.tensor(losses, dtype=torch.float32)
+    comm.all_reduce(mean)  # once, after training: the reported loss is the global-batch mean
+    return EPResult((mean / world_size).tolist(), model.full_params(), step_comm, routing)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Formulas
+
+
+def dispatch_bytes(n_tokens: int, top_k: int, d_model: int, element_size: int = 4) -> int:
+    """Bytes the dispatch all-to-all carries per MoE layer forward, summed over the ranks, nothing dropped:
+    T * k * h * s. Combine carries the same; backward repeats both."""
+    return n_tokens * top_k * d_model * element_size
+
+
+def leaving_fraction(ep: int) -> float:
+    """Share of a rank's dispatched rows that go to another rank under uniform routing: (ep - 1) / ep."""
+    return (ep - 1) / ep
+
+
+def moe_budget(cfg: GPTConfig, bytes_per_param: float = 2.0) -> dict[str, float]:
+    """What an MoE stores vs what a token computes: total and active parameters (``param_count``), the bytes of
+    all weights, and forward FLOPs per token of the active ones (2 per active parameter, attention scores
+    excluded). For Mixtral 8x7B: 46.7B stored, 12.9B active -- not 8 x 7B = 56B, because the experts share the
+    attention, embeddings and norms."""
+    total, active = param_count(cfg), param_count(cfg, active_only=True)
+    return {"total_params": total, "active_params": active, "weight_bytes": total * bytes_per_param,
+            "forward_flops_per_token": 2 * active, "active_fraction": active / total}
+
+
+def slowest_rank_load(tokens_per_expert: Sequence[int], ep: int, capacity: int | None = None) -> tuple[int, float]:
+    """(rows the busiest ep rank's experts process, mean over ranks), experts placed contiguously, each expert
+    capped at ``capacity``. An all-to-all step lasts as long as its slowest rank."""
+    E = len(tokens_per_expert)
+    if E % ep:
+        raise ValueError(f"{E} experts do not divide over ep={ep} ranks")
+    kept = [min(c, capacity) if capacity is not None else c for c in tokens_per_expert]
+    per_rank = [sum(kept[j * E // ep:(j + 1) * E // ep]) for j in range(ep)]
+    return max(per_rank), sum(per_rank) / ep
+

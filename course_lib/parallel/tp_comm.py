@@ -1,0 +1,224 @@
+"""The communication operators of tensor and sequence parallelism, as autograd Functions.
+
+Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism", arXiv:1909.08053, Sec. 3) splits an MLP ``Z = GeLU(X A) B`` with A by columns and B by rows, so
+that each of the t ranks computes ``Z_i = GeLU(X A_i) B_i`` and ``Z = sum_i Z_i``. Two conjugate operators
+mark where the ranks talk:
+
+* **f**: identity forward, all-reduce backward (the input X is replicated, so dL/dX = sum_i dL/dX_i);
+* **g**: all-reduce forward (Z = sum_i Z_i), identity backward (dL/dZ is already replicated).
+
+A plain ``dist.all_reduce`` inside ``forward`` computes the right numbers but autograd does not see it: the
+backward of f then forgets the all-reduce and every rank keeps only its own partial input gradient. The
+Functions here say what the backward must do.
+
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+arXiv:2205.05198, Sec. 4.2.2) shards the norm/dropout regions along the sequence and replaces f and g by
+
+* **g-bar** ``gather_from_sequence_parallel_region``: all-gather forward along the sequence, reduce-scatter
+  backward (before a column-parallel linear);
+* **g-bar's conjugate** ``reduce_scatter_to_sequence_parallel_region``: reduce-scatter forward, all-gather backward
+  (after a row-parallel linear).
+
+An all-reduce is a reduce-scatter followed by an all-gather, so the pair moves the same bytes as f + g:
+per rank (t-1)/t x V for each, against 2(t-1)/t x V for one all-reduce (V = b*s*h elements of the activation).
+
+``gather_from_tensor_model_parallel_region`` (all-gather along the last dim forward, keep own slice backward) and
+``scatter_to_tensor_model_parallel_region`` (its reverse) serve ``gather_output=True`` / ``input_is_parallel=False``.
+
+Activations here are ``[batch, seq, hidden]`` (the course's GPT); the sequence dimension is dim 1. Every
+collective goes through ``course_lib.comm`` so the bytes are logged, and keeps the input's dtype and device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib import comm
+
+SEQ_DIM = 1
+"""The sequence dimension of ``[batch, seq, hidden]`` activations."""
+
+
+def _world(group: comm.Group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def all_reduce_sum(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """A summed copy of ``x`` over ``group`` (one logged all-reduce); x itself is untouched."""
+    out = x.contiguous().clone()
+    comm.all_reduce(out, group=group)
+    return out
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (one logged all-gather of the full tensor)."""
+    n, _ = _world(group)
+    if n == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, front, group=group)
+    return out.movedim(0, dim).contiguous()  # one copy: the linears that read it then save one storage
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep chunk ``rank`` of ``dim`` (one logged reduce-scatter of ``x``)."""
+    n, _ = _world(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {n} ranks: "
+                         f"the size must be divisible by {n}")
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def split_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
+    """This rank's contiguous chunk of ``dim`` (no communication)."""
+    n, r = _world(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {n} ranks: "
+                         f"the size must be divisible by {n}")
+    return x.chunk(n, dim=dim)[r].contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor parallelism: f and g
+
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    """Megatron's **f**: forward identity, backward all-reduce of the input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce_sum(grad, ctx.group), None
+
+
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """Megatron's **g**: forward all-reduce of the partial sums, backward identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        return all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class GatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gather along the last dim forward (``gather_output``); backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return split_along(grad, -1, ctx.group), None
+
+
+class ScatterToTensorParallelRegion(torch.autograd.Function):
+    """Keep this rank's slice of the last dim forward; all-gather backward (``input_is_parallel=False``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        return split_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_along(grad, -1, ctx.group), None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sequence parallelism
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """All-gather along the sequence forward, reduce-scatter backward (enters a TP region under SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_along(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return reduce_scatter_along(grad, SEQ_DIM, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward, all-gather backward (leaves a TP region under SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_along(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_along(grad, SEQ_DIM, ctx.group), None
+
+
+class ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Keep this rank's chunk of the sequence forward, all-gather backward (no forward communication)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        return split_along(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_along(grad, SEQ_DIM, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+    """f: identity forward, all-reduce backward."""
+    return CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+    """g: all-reduce forward, identity backward."""
+    return ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+    return GatherFromTensorParallelRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+    return ScatterToTensorParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+    """g-bar: all-gather along the sequence forward, reduce-scatter backward."""
+    return GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+    """The conjugate of g-bar: reduce-scatter along the sequence forward, all-gather backward."""
+    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+    return ScatterToSequenceParallelRegion.apply(x, group)
+
+
+f = copy_to_tensor_parallel_region
+"""Megatron's name for the operator before a column-parallel region."""
+g = reduce_from_tensor_parallel_region
+"""Megatron's name for the operator after a row-parallel region."""

@@ -1,0 +1,189 @@
+"""Repo-wide checks on every notebook: what nbval, a clean clone and a learner's first view rely on.
+
+(a) a cell compared by nbval (``# NBVAL_CHECK_OUTPUT``) prints nothing that floating-point noise can change;
+(b) no relative link in a notebook or the README points at a file that does not exist;
+(c) no word of the course's internal working notes reaches a learner;
+(d) every notebook names the kernel ``make setup`` installs, so it opens unmodified;
+(e) the nbval marker is the last line of its cell, after the code a learner reads.
+
+The rule of (a), precisely. Each compared cell has a tolerance: ``DEFAULT_TOLERANCE`` (the course's parity
+tolerance, 1e-5), or the value of the cell's metadata key ``"tolerance"``. With tolerance ``10**-k`` a printed
+decimal number may show at most ``k`` digits after its point. A number in scientific notation is refused unless its
+mantissa is exactly 1 (``1e-5``, ``1E+03``: a stated tolerance or constant, not a measurement): ``1.7e-07`` is the
+kind of float noise that differs between two machines. Version strings (``3.11.7``), words with digits
+(``H100``, ``fp32``) and integers are not decimals and pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (REPO / d).glob("*.ipynb"))
+KERNELSPEC = {"name": "python3", "display_name": "Python 3 (LLM scaling course)", "language": "python"}
+MARKER = "# NBVAL_CHECK_OUTPUT"
+DEFAULT_TOLERANCE = 1e-5
+# Chapters being written in parallel: a link to one of these may point at nothing until it lands.
+COMING = frozenset({"04_tensor_parallel.ipynb", "06_context_parallel.ipynb", "07_expert_parallel.ipynb",
+                    "08_composing_4d.ipynb", "09_serving.ipynb"})
+JARGON = re.compile(r"\bseeds?\s+0\d\d\b|\bthe seeds\b|\bboth seeds\b|\banchors\b|\banchor implementations?\b|"
+                    r"COURSE_DESIGN", re.IGNORECASE)
+
+_NUMBER = re.compile(r"(?<![\w.])(?P<int>\d+(?:,\d{3})*)(?:\.(?P<frac>\d+))?(?:[eE](?P<exp>[-+]?\d+))?"
+                     r"(?![\w]|\.\d)")
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?(?P<md>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)|(?:href|src)=[\"'](?P<html>[^\"']+)")
+
+
+def unstable_numbers(text: str, tolerance: float = DEFAULT_TOLERANCE) -> list[str]:
+    """The numbers in ``text`` a compared cell must not print (see the module docstring for the rule)."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
+    max_decimals = math.ceil(-math.log10(tolerance) - 1e-9)
+    bad = []
+    for m in _NUMBER.finditer(text):
+        frac, exp = m.group("frac"), m.group("exp")
+        if exp is not None and not (m.group("int") == "1" and frac is None):
+            bad.append(m.group(0))
+        elif exp is None and frac is not None and len(frac) > max_decimals:
+            bad.append(m.group(0))
+    return bad
+
+
+def relative_links(markdown: str) -> list[str]:
+    """Targets of markdown and HTML links / images that are files of this repository (no URL, no bare anchor)."""
+    targets = [m.group("md") or m.group("html") for m in _LINK.finditer(markdown)]
+    return [t for t in targets if not re.match(r"^([a-z][a-z0-9+.-]*:|#|/)", t, re.IGNORECASE)]
+
+
+def dead_links(markdown: str, base: Path) -> list[str]:
+    """Relative links of ``markdown`` (a file in ``base``) whose file does not exist and is not a coming chapter."""
+    dead = []
+    for target in relative_links(markdown):
+        path = target.split("#", 1)[0].split("?", 1)[0]
+        if path and not (base / path).exists() and Path(path).name not in COMING:
+            dead.append(target)
+    return dead
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _source(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def _output_text(cell: dict) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        text = out.get("text") if out.get("output_type") == "stream" else out.get("data", {}).get("text/plain")
+        parts.append("".join(text or []))
+    return "\n".join(parts)
+
+
+def _compared_cells(nb: dict) -> list[tuple[int, dict]]:
+    return [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and MARKER in _source(c)]
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rules themselves, on small examples
+
+
+@pytest.mark.parametrize("text, bad", [
+    ("max |diff| = 1.7e-07", ["1.7e-07"]),
+    ("6.8E-07 and 2.5e+03", ["6.8E-07", "2.5e+03"]),
+    ("PASS (max |diff| < 1e-5)", []),
+    ("tolerance 1e-06, scale 1E+03", []),
+    ("12e-5 is not a power of ten", ["12e-5"]),
+    ("loss 5.54641", []),
+    ("loss 5.546412", ["5.546412"]),
+    ("0.000001 at the end.", ["0.000001"]),
+    ("1,229.34 GB and 85.90 GB", []),
+    ("python 3.11.7, H100 80GB, fp32, llama2-70b, 0x7f3e", []),
+    ("[1440000, 1440000] bytes, 2,880,000 sent", []),
+    ("a ratio of 0.914.", []),
+])
+def test_unstable_numbers_rule(text, bad):
+    assert unstable_numbers(text) == bad
+
+
+def test_unstable_numbers_follows_the_tolerance():
+    assert unstable_numbers("5.55 and 5.546", tolerance=1e-2) == ["5.546"]
+    assert unstable_numbers("5.546", tolerance=1e-3) == []
+    with pytest.raises(ValueError, match="tolerance"):
+        unstable_numbers("1.0", tolerance=0)
+
+
+def test_links_rule(tmp_path):
+    (tmp_path / "here.ipynb").write_text("{}")
+    text = ("[ok](here.ipynb) [anchor](here.ipynb#section) [web](https://pytorch.org) [mail](mailto:a@b.c) "
+            "[top](#top) [gone](gone.ipynb) [coming](04_tensor_parallel.ipynb) <a href=\"lost.html\">x</a> "
+            "![img](missing.png) [spaced](<here.ipynb>)")
+    assert dead_links(text, tmp_path) == ["gone.ipynb", "lost.html", "missing.png"]
+
+
+@pytest.mark.parametrize("text, found", [
+    ("as seed 000 says", True), ("seeds 000 and 003", True), ("The seeds' number", True),
+    ("Both seeds open with it", True), ("the course's anchors had", True), ("see COURSE_DESIGN.md", True),
+    ("other world sizes and seeds", False), ("seed = 0", False), ("bbox_to_anchor=(1, 1)", False),
+])
+def test_jargon_rule(text, found):
+    assert bool(JARGON.search(text)) is found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every notebook of the repository
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 6 and (REPO / "notebooks" / "START_HERE.ipynb") in NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_compared_cells_print_no_float_noise(path):
+    problems = []
+    for i, cell in _compared_cells(_load(path)):
+        bad = unstable_numbers(_output_text(cell), cell.get("metadata", {}).get("tolerance", DEFAULT_TOLERANCE))
+        if bad:
+            problems.append(f"cell {i}: {bad}")
+    assert not problems, f"{_rel(path)}: compared cells print float noise (print a verdict, an exact integer or " \
+                         f"a value rounded to the tolerance): {problems}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_marker_is_the_last_line(path):
+    late = [i for i, c in _compared_cells(_load(path)) if _source(c).rstrip().splitlines()[-1].strip() != MARKER]
+    assert not late, f"{_rel(path)}: put {MARKER} on the last line of cells {late}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_kernelspec(path):
+    assert _load(path)["metadata"].get("kernelspec") == KERNELSPEC
+
+
+@pytest.mark.parametrize("path", [*NOTEBOOKS, REPO / "README.md"], ids=_rel)
+def test_no_dead_relative_link(path):
+    if path.suffix == ".md":
+        text = path.read_text()
+    else:
+        text = "\n".join(_source(c) for c in _load(path)["cells"] if c["cell_type"] == "markdown")
+    assert not dead_links(text, path.parent), f"{_rel(path)}: dead links {dead_links(text, path.parent)}"
+
+
+@pytest.mark.parametrize("path", [*NOTEBOOKS, *sorted((REPO / "course_lib").rglob("*.py"))], ids=_rel)
+def test_no_internal_jargon(path):
+    if path.suffix == ".py":
+        texts = path.read_text().splitlines()
+    else:
+        texts = [line for c in _load(path)["cells"] for line in (_source(c) + "\n" + _output_text(c)).splitlines()]
+    hits = [line.strip()[:120] for line in texts if JARGON.search(line)]
+    assert not hits, f"{_rel(path)}: cite the articles by title or author, or state the claim: {hits}"
