@@ -65,7 +65,7 @@ torch-plan:
 ## Open the course: JupyterLab on 127.0.0.1 with token authentication, serving the repository (notebooks/,
 ## exercises/, your my_work/), at the start page: open the URL it prints.
 lab: $(STAMP)
-	@echo "==> JupyterLab on http://127.0.0.1:$(PORT) (token-protected); open the URL printed below: it opens notebooks/START_HERE.ipynb"
+	@echo "==> JupyterLab on 127.0.0.1 only, token-protected; open the URL printed below: it opens notebooks/START_HERE.ipynb"
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) --ServerApp.open_browser=True \
 		--ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/notebooks/START_HERE.ipynb \
 		$(ALLOW_ROOT) $(LAB_ARGS)

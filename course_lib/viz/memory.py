@@ -346,6 +346,7 @@ class MemoryBudgetWidget(ControlPanel):
     def _assign(self, values: dict[str, Any]) -> None:
         """``model`` first (a preset fills the sizes and the sequence length), then the sizes, then the rest."""
         order = ["model", *SIZE_FIELDS]
+        self.note = ""  # as for a learner's change: only what this change did is pointed out
         for k in sorted(values, key=lambda k: order.index(k) if k in order else len(order)):
             self.controls[k].value = values[k]
             if k == "model":
