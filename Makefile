@@ -53,7 +53,7 @@ $(STAMP): pyproject.toml
 		echo "==> 2/4 $(TORCH_PIN) as pip finds it (installed with the rest)"; \
 	fi
 	@echo "==> 3/4 the course library, JupyterLab and the test tools (a few minutes the first time)"
-	$(RUN)$(PY) -m pip install --progress-bar on -e ".[test]"
+	$(RUN)$(PY) -m pip install -e ".[test]"
 	@echo "==> 4/4 the notebook kernel"
 	$(RUN)$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (LLM scaling course)"
 	@$(if $(DRY_RUN),echo "[dry run]") touch $(STAMP)
