@@ -2,6 +2,10 @@
 the whole tiny GPT against the single-process baseline (CP alone and DP x CP), the comm log against the formula,
 the causal work per rank against the load-balance formulas, mutations that must fail, and bad inputs.
 
+Second oracle: torch 2.13's internal templated ring attention with the CPU flash kernel (a private API, pinned
+to this version; the public ``context_parallel`` needs CUDA), causal with its head-tail load balancing (= our
+zig-zag) and not, rotating K,V by all-to-all and by all-gather.
+
 Launches are few and batched (each costs seconds of rank start-up on 2 cores): one suite at cp = 2 and one at
 cp = 4 run every configuration in turn; the tests read their cached results.
 
@@ -145,6 +149,8 @@ def _suite(rank: int, cp: int) -> dict:
         train[key] = train_cp(rank, cp, cfg, tc, **kw)
     if cp == 4:
         train["dp2_cp2"] = train_cp(rank, cp, ROPE_GQA, SGD, mesh=Mesh(dp=2, cp=2), layout="zigzag")
+        for stage in (1, 3):
+            train[f"dp2_cp2_zero{stage}"] = train_cp(rank, cp, ROPE_GQA, SGD, mesh=Mesh(dp=2, cp=2), zero_stage=stage)
     out["train"] = train
     out["memory"] = {cfg.pos: _activation_peak(rank, cp, cfg) for cfg in (MEM_CFG, MEM_CFG.with_(pos="rope",
                                                                                                   n_kv_head=2))}
@@ -346,6 +352,18 @@ def test_dp_x_cp_parity_and_gradient_group():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dp_x_cp_with_zero_shards_over_dp_x_cp(stage):
+    ref = baseline(ROPE_GQA, SGD)
+    for result in suite(4):
+        run = result["train"][f"dp2_cp2_zero{stage}"]
+        assert compare(ref, run).ok, str(compare(ref, run))
+        groups = {(r.op, r.group) for step in run.step_comm for r in step}
+        assert {("reduce_scatter", "dp+cp"), ("all_gather", "dp+cp"), ("send", "cp")} <= groups
+        assert ("all_reduce", "dp+cp") not in groups
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_mutation_zigzag_without_matching_rope_fails(cp):
     ref = baseline(ROPE_GQA, SGD)
@@ -434,3 +452,39 @@ def test_bad_inputs_raise_clear_errors():
 def test_mesh_and_group_together_raise():
     with pytest.raises(ValueError, match="not both"):
         ContextParallel(GPT(CFG), mesh=object(), group=object())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PyTorch's own ring as a second oracle (private API of torch 2.13: the public ``context_parallel`` needs CUDA)
+
+
+def _torch_ring(rank: int, world_size: int) -> dict[tuple[bool, str], float]:
+    from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+
+    # the CPU flash kernel, which returns (out, lse); looked up by name: ``torch.ops`` in a function's code makes
+    # cloudpickle (which ships this function to the ranks) try to pickle the torch.ops namespace itself
+    op = getattr(torch, "ops").aten._scaled_dot_product_flash_attention_for_cpu  # noqa: B009
+    q, k, v, _ = _inputs(H)
+    diffs = {}
+    for causal in (True, False):
+        # torch's causal load balancing is head-tail: rank r holds chunks r and 2cp-1-r, our zig-zag
+        layout = "zigzag" if causal else "contiguous"
+        torch_cp._cp_options.enable_load_balance = causal
+        for rotate in ("alltoall", "allgather"):
+            torch_cp._cp_options.rotate_method = (torch_cp._RotateMethod.ALL_TO_ALL if rotate == "alltoall"
+                                                  else torch_cp._RotateMethod.ALL_GATHER)
+            local = [ca.shard_sequence(t, rank, world_size, layout, dim=2) for t in (q, k, v)]
+            theirs = torch_cp._templated_ring_attention(torch.distributed.group.WORLD, 2, op, *local,
+                                                        is_causal=causal)[0]
+            ours = ca.ring_attention(*local, ca.all_positions(S, world_size, layout), ca.chunks_per_rank(layout),
+                                     causal)
+            diffs[causal, rotate] = float((ours - theirs).abs().max())
+    return diffs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="private API, pinned to torch 2.13")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_equals_torch_templated_ring_attention(cp):
+    for rank_diffs in launch(_torch_ring, cp, timeout=LAUNCH_TIMEOUT):
+        assert len(rank_diffs) == 4 and max(rank_diffs.values()) < TOL, rank_diffs

@@ -4,7 +4,8 @@
 * ``zero`` ZeRO stages 1-3 / FSDP
 * ``tp``   tensor parallelism (Megatron column/row parallel, sequence parallel)
 * ``pp``   pipeline parallelism (stages and schedules)
-* ``cp``   context parallelism (ring attention)
+* ``cp``   context parallelism: the ``ContextParallel`` wrapper; ``cp_attention`` its math (ring and
+  all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
 * ``ep``   expert parallelism (all-to-all dispatch and combine)
 
 Every module talks through ``course_lib.comm`` so that the bytes each rank moves are logged, and is checked

@@ -117,8 +117,9 @@ class CPAttention(nn.Module):
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE at the tokens' *global* positions (a seam: a layout bug that forgets this is a subclass)."""
-        cos, sin = rope_cos_sin(positions.numel(), self.head_dim, positions=positions)
-        return apply_rope(q, cos.to(q.device), sin.to(q.device)), apply_rope(k, cos.to(k.device), sin.to(k.device))
+        cos, sin = rope_cos_sin(positions.numel(), self.head_dim, positions=positions.cpu())
+        cos, sin = cos.to(q.device), sin.to(q.device)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -168,12 +169,15 @@ class ContextParallel(nn.Module):
     ``kernel``: the per-block operations (a ``BlockAttention``); ``attention_class``: the module each block's
     attention becomes. Both are seams for variants and tests. Initial weights are broadcast over the gradient
     group. The model's attention modules are replaced in place (parameter names unchanged).
+    ``average_gradients=False`` leaves the gradient reduction to the caller (``sharded`` is then the module to
+    wrap, e.g. in ``zero.ZeroDataParallel`` over dp x cp: ``train_cp(..., zero_stage=2)``).
     """
 
     def __init__(self, module: GPT, *, mesh: Any = None, group: comm.Group = None,
                  grad_group: comm.Group = None, layout: Layout = "zigzag", algorithm: Algorithm = "ring",
                  causal: bool = True, kernel: BlockAttention | None = None,
-                 attention_class: type[CPAttention] = CPAttention, dp_mode: Mode = "bucketed") -> None:
+                 attention_class: type[CPAttention] = CPAttention, dp_mode: Mode = "bucketed",
+                 average_gradients: bool = True) -> None:
         super().__init__()
         chunks_per_rank(layout)  # validates the name
         cp_group = _group_of(mesh, group, "cp")
@@ -185,9 +189,11 @@ class ContextParallel(nn.Module):
         self.ctx = CPContext(cp_group, layout, algorithm, causal, kernel or BlockAttention())
         for block in module.blocks:
             block.attn = attention_class(block.attn, self.ctx)
+        self.grad_group = grad_group
+        self.sharded = _ShardedGPT(module, self.ctx)
         first = 0 if grad_group is None else dist.get_global_rank(grad_group, 0)
-        self.grad_sync = DataParallel(_ShardedGPT(module, self.ctx), group=grad_group, mode=dp_mode,
-                                      broadcast_from=first)
+        self.grad_sync = DataParallel(self.sharded, group=grad_group, mode=dp_mode, broadcast_from=first) \
+            if average_gradients else None
 
     @property
     def cp_rank(self) -> int:
@@ -208,22 +214,24 @@ class ContextParallel(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [B, s/cp] (this rank's tokens, from ``shard``) -> logits [B, s/cp, vocab]."""
-        return self.grad_sync(idx)
+        return self.sharded(idx) if self.grad_sync is None else self.grad_sync(idx)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (the ring still runs: attention needs every rank in every forward)."""
-        return self.grad_sync.no_sync()
+        return contextlib.nullcontext() if self.grad_sync is None else self.grad_sync.no_sync()
 
     def finish_gradient_sync(self) -> None:
         """Average the gradients over the gradient group (cp, or dp x cp); before ``optimizer.step()``."""
-        self.grad_sync.finish_gradient_sync()
+        if self.grad_sync is not None:
+            self.grad_sync.finish_gradient_sync()
 
     def after_step(self) -> None:
         """Nothing to do: every rank holds full, identical weights."""
 
     def remove_hooks(self) -> None:
         """Remove the gradient hooks of the data-parallel part (none in the default bucketed mode)."""
-        self.grad_sync.remove_hooks()
+        if self.grad_sync is not None:
+            self.grad_sync.remove_hooks()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,15 +251,24 @@ def train_cp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
              group: comm.Group = None, layout: Layout = "zigzag", algorithm: Algorithm = "ring",
              model_fn: Callable[[GPTConfig, int], GPT] | None = None, kernel: BlockAttention | None = None,
              attention_class: type[CPAttention] = CPAttention,
-             wrapper_class: type[ContextParallel] = ContextParallel) -> CPResult:
+             wrapper_class: type[ContextParallel] = ContextParallel, zero_stage: int | None = None) -> CPResult:
     """Train with context parallelism (and data parallelism when ``mesh`` has a dp axis): each step, the dp
-    rank's rows of ``global_batch(step, ...)``, and of those this cp rank's tokens in the layout."""
+    rank's rows of ``global_batch(step, ...)``, and of those this cp rank's tokens in the layout.
+
+    ``zero_stage`` (0-3): instead of the all-reduce, ``zero.ZeroDataParallel`` shards the model states over the
+    gradient group (dp x cp, or cp): CP ranks hold different tokens of the same sequences, so for ZeRO they
+    are data-parallel ranks like any other (Megatron's distributed optimizer and torchtitan's dp_shard_cp)."""
     tc = tc or TrainConfig()
     dp_rank, dp_size = (mesh.coord("dp"), mesh.size("dp")) if mesh is not None else (0, 1)
     model = (model_fn or GPT)(cfg, tc.seed)
     cp = wrapper_class(model, mesh=mesh, group=group, layout=layout, algorithm=algorithm, kernel=kernel,
-                       attention_class=attention_class)
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+                       attention_class=attention_class, average_gradients=zero_stage is None)
+    zdp = None
+    if zero_stage is not None:
+        from course_lib.parallel.zero import ZeroDataParallel
+
+        zdp = ZeroDataParallel(cp.sharded, zero_stage, units=[*model.blocks, cp.sharded], group=cp.grad_group)
+    opt = make_optimizer(zdp.parameters() if zdp else [p for p in model.parameters() if p.requires_grad], tc)
     losses, step_comm, pairs = [], [], []
     for step in range(tc.steps):
         x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
@@ -259,16 +276,20 @@ def train_cp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
         before = cp.stats.pairs
         opt.zero_grad(set_to_none=True)
         with comm.recording() as log:
-            loss = lm_loss(cp(x), y)
+            loss = lm_loss(zdp(x) if zdp else cp(x), y)
             loss.backward()
             cp.finish_gradient_sync()
-        opt.step()
-        cp.after_step()
+            opt.step()
+            cp.after_step()
+            if zdp:
+                zdp.after_step()
         losses.append(loss.detach())
         step_comm.append(list(log.records))
         pairs.append(cp.stats.pairs - before)
     mean = torch.stack(losses).float()
-    comm.all_reduce(mean, group=cp.grad_sync.group)  # once after training: the global-batch mean per step
-    mean /= dist.get_world_size(cp.grad_sync.group)
-    return CPResult(mean.tolist(), full_params(model), step_comm, pairs)
+    comm.all_reduce(mean, group=cp.grad_group)  # once after training: the global-batch mean per step
+    mean /= dist.get_world_size(cp.grad_group)
+    params = full_params(model) if zdp is None else \
+        {k.removeprefix("model."): v for k, v in zdp.full_state_dict().items()}
+    return CPResult(mean.tolist(), params, step_comm, pairs)
 

@@ -1,0 +1,83 @@
+"""Serving, measured: continuous vs static batching on one mixed-length trace, and TP = 2 decode vs one rank.
+
+1. **Batching.** The same Poisson trace (mixed prompt lengths, outputs of 2-60 tokens, fixed seed) served by the
+   tiny GPT with a paged KV cache under static and continuous batching, twice: on the **simulated** clock (each
+   step costs what the same step costs Llama 3 8B on an H100 by the roofline, + 1 ms; deterministic) and on the
+   **wall-clock** of this machine (real step times, arrivals replayed in real time). Columns: throughput
+   (output tokens / s), p99 TTFT, p99 ITL; the ratio continuous / static. Goal: throughput ratio >= 1.5.
+2. **TP decode.** Wall-clock median seconds of one decode step of a wider GPT (d_model 256, 8 heads, 2 layers) at
+   batch 1 and at a large batch, on one rank and with TP = 2 (two all-reduces per layer), and the time spent in
+   the all-reduces. Per-token time of a sequence = the step time; TP / one rank < 1 means TP lowers the
+   inter-token latency. At batch 1 the step is latency-bound by the 2L all-reduces (gloo's ~100 us per ring step),
+   so TP loses; the compute per rank halves with TP and grows with the batch, so the ratio falls as the batch grows
+   and crosses 1 where half the compute saved exceeds the all-reduces' cost (the crossover). On GPUs decode is
+   memory-bound and NCCL's latency is a few us, so the crossover is at batch 1 already for large models (see
+   ``course_lib.serving.budget.predict``).
+
+Run: ``python benchmarks/serving_bench.py [--requests 32 --big-batch 64]`` (about a minute on 2 idle cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from course_lib.launch import launch
+from course_lib.model import GPT, GPTConfig
+from course_lib.serving.engine import Engine
+from course_lib.serving.loadgen import poisson_trace
+from course_lib.serving.paged import PagedKVCache
+from course_lib.serving.roofline import StepCost
+from course_lib.serving.scheduler import Scheduler, SimClock, WallClock
+from course_lib.serving.tp_decode import decode_step_times
+
+
+def batching(n_requests: int, rate: float, seed: int) -> None:
+    torch.set_num_threads(1)
+    cfg = GPTConfig(seq_len=128)
+    model = GPT(cfg, seed=0).eval()
+    trace = poisson_trace(n_requests, rate, short_prompt=(4, 16), long_prompt=(32, 64), output=(2, 60), seed=seed)
+    print(f"batching: {n_requests} requests, Poisson {rate:g}/s, max_batch 8, paged cache (blocks of 16)")
+    print(f"{'clock':>11} {'policy':>11} {'tokens/s':>9} {'TTFT p99':>10} {'ITL p99':>9}")
+    for label, make_clock in (("simulated", lambda: SimClock(StepCost.for_model("llama3-8b", "H100_SXM",
+                                                                                    overhead_s=1e-3))),
+                              ("wall-clock", WallClock)):
+        summaries = {}
+        for policy in ("static", "continuous"):
+            cache = PagedKVCache(cfg, n_blocks=400, block_size=16)
+            s = Scheduler(Engine(model, cache), policy=policy, max_batch=8, clock=make_clock()).run(trace).summary()
+            summaries[policy] = s
+            print(f"{label:>11} {policy:>11} {s['throughput_tok_s']:9.0f} {s['ttft_p99'] * 1e3:8.1f}ms "
+                  f"{s['itl_p99'] * 1e3:7.2f}ms")
+        c, st = summaries["continuous"], summaries["static"]
+        print(f"{label:>11} continuous / static: throughput {c['throughput_tok_s'] / st['throughput_tok_s']:.2f}x, "
+              f"p99 TTFT {c['ttft_p99'] / st['ttft_p99']:.2f}x")
+
+
+def tp_decode(big_batch: int, steps: int) -> None:
+    cfg = GPTConfig(seq_len=64, n_head=8, d_model=256, n_layer=2)
+    batches = [1, big_batch]
+    one = launch(decode_step_times, 1, cfg, batches, mode="replicas", steps=steps, timeout=300)[0]
+    tp = launch(decode_step_times, 2, cfg, batches, steps=steps, timeout=300)[0]
+    print(f"\nTP decode (wall-clock, d_model {cfg.d_model}, {cfg.n_layer} layers, medians of {steps} steps)")
+    print(f"{'batch':>6} {'one rank':>10} {'TP=2':>10} {'all-reduce':>11} {'TP/one':>7}")
+    for i, b in enumerate(batches):
+        print(f"{b:6d} {one['step_s'][i] * 1e3:8.2f}ms {tp['step_s'][i] * 1e3:8.2f}ms "
+              f"{tp['allreduce_s'][i] * 1e3:9.2f}ms {tp['step_s'][i] / one['step_s'][i]:7.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=300.0)
+    ap.add_argument("--big-batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    batching(args.requests, args.rate, args.seed)
+    tp_decode(args.big_batch, args.steps)
+
+
+if __name__ == "__main__":
+    main()

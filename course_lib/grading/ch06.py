@@ -1,0 +1,188 @@
+"""Chapter 06 — context parallelism.
+
+1. ``merge_partials(out1, lse1, out2, lse2)``: two partial attention results merged by the log-sum-exp rule
+   (online softmax, Milakov & Gimelshein 2018), stable for large scores, no NaN for fully masked rows.
+2. ``zigzag_positions(seq_len, cp, rank)``: the global positions rank r holds under the zig-zag layout (chunks r
+   and 2cp - 1 - r of 2cp), int64; ValueError when the sequence does not split into 2cp equal chunks.
+3. ``ring_step(q, q_pos, kv, kv_pos, out, lse, group)``: one step of ring attention on real ranks: pass the held
+   K,V block on (isend to the next rank, irecv from the previous), attend to it with the causal mask from global
+   positions, merge, return the received block. Checked by running cp steps against full attention.
+4. Find the bug: a ``BlockAttention`` subclass whose ring backward gets the gradients wrong (stale K,V).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, launch_check, run_check
+from course_lib.parallel import cp_attention as ca
+
+GRADER_PARAMETERS = {"seed": 1}
+
+_launch = functools.partial(
+    launch_check, hang_hint=" (an isend without its matching irecv on the neighbour, or a wait that never comes?)",
+    course_files=("course_lib/grading/ch06.py", "course_lib/comm.py", "course_lib/parallel/cp_attention.py"))
+
+
+def _tensor(got: Any, like: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"{what} must be a torch.Tensor, got {type(got).__name__}")
+    if got.shape != like.shape or got.dtype != like.dtype:
+        raise CheckFailed(f"{what}: expected shape {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} "
+                          f"{got.dtype}")
+    if not torch.isfinite(got).all() and torch.isfinite(like).all():
+        raise CheckFailed(f"{what} contains NaN or inf (an exp() without the max shift, or -inf - -inf?)")
+    return got
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. merge_partials
+
+
+def check_merge_partials(fn: Callable, scales: tuple[float, ...] = (1.0, 100.0), seed: int = 0, split: int = 5,
+                         heads: int = 2) -> CheckResult:
+    """Split 12 keys at ``split``, attend to each part (the library's block forward), merge with ``fn``: equal to
+    full attention and its log-sum-exp; also a fully masked row in one block, and in both."""
+    def body() -> str:
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, heads, 12, 8, generator=g) for _ in range(3))
+        kern, scale = ca.BlockAttention(), 8 ** -0.5
+        for s in scales:
+            o1, l1 = kern.forward(q * s, k[:, :, :split], v[:, :, :split], scale, None)
+            o2, l2 = kern.forward(q * s, k[:, :, split:], v[:, :, split:], scale, None)
+            got = fn(o1, l1, o2, l2)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise CheckFailed(f"merge_partials must return a tuple (out, lse), got {type(got).__name__}")
+            out = _tensor(got[0], o1, f"out (scores x{s:g})")
+            lse = _tensor(got[1], l1, f"lse (scores x{s:g})")
+            expect_close(out, torch.nn.functional.scaled_dot_product_attention(q * s, k, v), f"out (scores x{s:g})",
+                         rtol=1e-4, atol=1e-5)
+            expect_close(lse, torch.logsumexp(scale * (q * s) @ k.transpose(-1, -2), -1), f"lse (scores x{s:g})",
+                         rtol=1e-5, atol=1e-4)
+        mask = torch.ones(12, 12 - split, dtype=torch.bool)
+        mask[3] = False  # row 3 sees nothing in the second block
+        o1, l1 = kern.forward(q, k[:, :, :split], v[:, :, :split], scale, None)
+        o2, l2 = kern.forward(q, k[:, :, split:], v[:, :, split:], scale, mask)
+        out, lse = fn(o1, l1, o2, l2)
+        expect_close(_tensor(out, o1, "out with a masked row")[:, :, 3], o1[:, :, 3], "row 3 (masked in block 2)")
+        expect_close(lse[:, :, 3], l1[:, :, 3], "lse of row 3 (masked in block 2)")
+        empty = torch.full_like(l1, float("-inf"))
+        out, lse = fn(torch.zeros_like(o1), empty, torch.zeros_like(o1), empty)
+        if torch.isnan(out).any() or torch.isnan(lse).any():
+            raise CheckFailed("two fully masked blocks (lse = -inf on both sides) gave NaN: the weights must be 0")
+        if not (out == 0).all() or not torch.isinf(lse).all():
+            raise CheckFailed("two fully masked blocks must give out = 0 and lse = -inf")
+        return f"exact for scores x{', x'.join(f'{s:g}' for s in scales)}, masked rows safe"
+    return run_check("merge_partials", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. zigzag_positions
+
+
+def check_zigzag_positions(fn: Callable, cases: tuple[tuple[int, int], ...] = ((24, 4), (8, 2))) -> CheckResult:
+    def body() -> str:
+        for seq, cp in cases:
+            for rank in range(cp):
+                got = fn(seq, cp, rank)
+                expected = ca.positions(seq, rank, cp, "zigzag")
+                what = f"zigzag_positions({seq}, {cp}, {rank})"
+                if not isinstance(got, torch.Tensor) or got.dtype != torch.int64:
+                    raise CheckFailed(f"{what} must return an int64 tensor, got {got!r}")
+                if got.tolist() != expected.tolist():
+                    raise CheckFailed(f"{what}: expected {expected.tolist()}, got {got.tolist()}")
+        bad_seq, bad_cp = cases[0][0] + 2, cases[0][1]
+        try:
+            fn(bad_seq, bad_cp, 0)
+        except ValueError:
+            pass
+        else:
+            raise CheckFailed(f"zigzag_positions({bad_seq}, {bad_cp}, 0) must raise ValueError: {bad_seq} tokens do "
+                              f"not split into {2 * bad_cp} equal chunks")
+        return f"{len(cases)} layouts exact, bad lengths rejected"
+    return run_check("zigzag_positions", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. ring_step, on ranks
+
+
+def _ring_on_rank(rank: int, world_size: int, fn: Callable, seq: int, seed: int, layout: str) -> float:
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, seq, 8, generator=g) for _ in range(3))
+    pos = ca.all_positions(seq, world_size, layout)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return ca.shard_sequence(t, rank, world_size, layout, dim=2)
+
+    q_l, kv = mine(q), torch.stack((mine(k), mine(v)))
+    out, lse = torch.zeros_like(q_l), torch.full(q_l.shape[:-1], -math.inf)
+    for step in range(world_size):
+        got = fn(q_l, pos[rank], kv, pos[(rank - step) % world_size], out, lse, None)
+        if not isinstance(got, tuple) or len(got) != 3:
+            raise CheckFailed(f"ring_step must return (out, lse, next_kv), got {type(got).__name__}")
+        out, lse, kv = got
+        if not isinstance(kv, torch.Tensor) or kv.shape != (2, *q_l.shape):
+            raise CheckFailed(f"step {step}: next_kv must be the received [2, B, H, T, d] block")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return float((out - mine(ref)).abs().max())
+
+
+def check_ring_step(fn: Callable, world_size: int = 2, seq: int = 12, seed: int = 0,
+                    layout: str = "contiguous") -> CheckResult:
+    def body() -> str:
+        diffs = _launch(_ring_on_rank, world_size, fn, seq, seed, layout, timeout=60)
+        worst = max(diffs)
+        if not worst < 1e-5:
+            raise CheckFailed(f"after {world_size} ring steps ({layout}, {seq} tokens) the output differs from full "
+                              f"causal attention by {worst:.3g} (the mask from global positions? the merge?)")
+        return f"{world_size} ranks, {layout}, {seq} tokens: equal to full attention (max |diff| < 1e-5)"
+    return run_check("ring_step", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. find the bug in the backward
+
+
+def _grads_on_rank(rank: int, world_size: int, kernel_cls: type, seq: int, seed: int) -> float:
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, seq, 8, generator=g) for _ in range(3))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ca.reference_attention(*full).sum().backward()
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return ca.shard_sequence(t, rank, world_size, "zigzag", dim=2)
+
+    local = [mine(t).requires_grad_() for t in (q, k, v)]
+    out = ca.ring_attention(*local, ca.all_positions(seq, world_size, "zigzag"), 2, kernel=kernel_cls())
+    out.sum().backward()
+    return max(float((a.grad - mine(b.grad)).abs().max()) for a, b in zip(local, full, strict=True))
+
+
+def check_fixed_kernel(kernel_cls: Any, world_size: int = 2, seq: int = 16, seed: int = 0) -> CheckResult:
+    def body() -> str:
+        if not (isinstance(kernel_cls, type) and issubclass(kernel_cls, ca.BlockAttention)):
+            raise CheckFailed("FixedKernel must be a subclass of cp_attention.BlockAttention")
+        worst = max(_launch(_grads_on_rank, world_size, kernel_cls, seq, seed, timeout=60))
+        if not worst < 1e-5:
+            raise CheckFailed(f"dQ, dK, dV differ from full attention by {worst:.3g} at cp={world_size}")
+        return f"gradients equal full attention at cp={world_size} (max |diff| < 1e-5)"
+    return run_check("fixed_kernel", body)
+
+
+EXERCISES = [
+    Exercise("merge_partials", "Merge two partial attention results by log-sum-exp", 3, "merge_partials",
+             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}]),
+    Exercise("zigzag_positions", "Zig-zag chunk assignment and positions", 2, "zigzag_positions",
+             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}]),
+    Exercise("ring_step", "One ring-attention step on real ranks", 4, "ring_step", check_ring_step,
+             hidden=[{"world_size": 4, "seq": 24, "seed": 2, "layout": "zigzag"},
+                     {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"}]),
+    Exercise("fixed_kernel", "Find the bug: the ring backward's K,V", 3, "FixedKernel", check_fixed_kernel,
+             hidden=[{"world_size": 4, "seq": 24, "seed": 4}]),
+]

@@ -1,0 +1,189 @@
+"""Chapter 07 — mixture of experts and expert parallelism.
+
+1. ``top_k_with_capacity(logits, k, capacity_factor)``: top-k experts per token (decreasing score), Mixtral's
+   weights (softmax over the k selected logits) and which assignments the capacity C = ceil(cf T k / E) keeps,
+   queued in token order (``course_lib.model.expert_positions``).
+2. ``dispatch(x, expert, n_expert)`` on real ranks: send each row of ``x`` to the rank holding its expert
+   (E/world contiguous experts per rank) with a count exchange and one uneven ``all_to_all_single``; return the rows
+   received (by source rank, then by expert) and the counts [world, E/world].
+3. ``load_balancing_loss(probs, chosen, alpha)``: the Switch / GShard loss alpha * E * sum_i f_i P_i, f_i over the
+   T*k assignments (exactly alpha for uniform routing).
+4. Find the bug in ``kept_counts(counts, capacity)``: kept assignments of every (rank, expert) under a global
+   capacity, the queue of each expert filled rank after rank (``course_lib.parallel.ep.kept_counts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from course_lib.grading import core
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
+from course_lib.model import expert_capacity, expert_positions
+from course_lib.parallel.ep import kept_counts
+
+GRADER_PARAMETERS = {"seed": 1}
+LAUNCH_TIMEOUT_S = 30.0
+
+
+def _tensor(got: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"{what} must be a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) != shape:
+        raise CheckFailed(f"{what} must have shape {shape}, got {tuple(got.shape)}")
+    if got.dtype != dtype:
+        raise CheckFailed(f"{what} must have dtype {dtype}, got {got.dtype}")
+    return got
+
+
+def _expect_same(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Exact equality of integer tensors (same shape already checked), naming the first difference."""
+    if not torch.equal(got, expected):
+        idx = tuple((got != expected).nonzero()[0].tolist())
+        raise CheckFailed(f"{what}: first difference at index {idx}: expected {expected[idx].item()}, got "
+                          f"{got[idx].item()} (expected {expected.tolist()})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. top-k with capacity
+
+
+def reference_top_k_with_capacity(logits: torch.Tensor, k: int,
+                                  capacity_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    top, chosen = logits.topk(k, dim=-1)
+    cap = expert_capacity(capacity_factor, logits.shape[0], k, logits.shape[1])
+    return chosen, top.softmax(-1), expert_positions(chosen, logits.shape[1]) < cap
+
+
+def check_top_k_with_capacity(fn: Callable, cases: tuple[tuple[int, int, int, float], ...] = ((12, 4, 2, 1.0),),
+                              seed: int = 0) -> CheckResult:
+    def body() -> str:
+        for T, E, k, cf in cases:
+            g = torch.Generator().manual_seed(seed * 7 + T)
+            logits = torch.randn(T, E, generator=g) + torch.linspace(1.5, 0, E)  # a skewed router: drops happen
+            got = fn(logits.clone(), k, cf)
+            if not isinstance(got, tuple) or len(got) != 3:
+                raise CheckFailed("top_k_with_capacity must return a tuple (chosen, weights, keep)")
+            want = reference_top_k_with_capacity(logits, k, cf)
+            what = f"(T={T}, E={E}, k={k}, cf={cf}, C={expert_capacity(cf, T, k, E)})"
+            _expect_same(_tensor(got[0], f"chosen {what}", (T, k), torch.long), want[0], f"chosen {what}")
+            expect_close(_tensor(got[1], f"weights {what}", (T, k), logits.dtype), want[1], f"weights {what}")
+            keep = _tensor(got[2], f"keep {what}", (T, k), torch.bool)
+            if not torch.equal(keep, want[2]):
+                t, j = (keep != want[2]).nonzero()[0].tolist()
+                raise CheckFailed(f"keep {what}: token {t}, choice {j} (expert {int(want[0][t, j])}) should be "
+                                  f"{'kept' if want[2][t, j] else 'dropped'}; the queue of an expert fills in token "
+                                  f"order, a token's first choice before its second")
+        return f"{len(cases)} routings correct"
+    return run_check("top_k_with_capacity", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. dispatch on ranks
+
+
+def _dispatch_inputs(rank: int, world: int, rows: tuple[int, ...], n_expert: int, h: int,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    n = rows[rank]
+    expert = torch.randint(0, max(n_expert - 1, 1), (n,), generator=g)  # the last expert never gets a row
+    return torch.randn(n, h, generator=g), expert
+
+
+def _dispatch_on_rank(rank: int, world_size: int, fn: Callable, rows: tuple[int, ...], n_expert: int, h: int,
+                      seed: int) -> Any:
+    x, expert = _dispatch_inputs(rank, world_size, rows, n_expert, h, seed)
+    return fn(x, expert, n_expert)
+
+
+def check_dispatch(fn: Callable, world_size: int = 2, rows: tuple[int, ...] = (5, 7), n_expert: int = 4, h: int = 3,
+                   seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    def body() -> str:
+        n, n_local = world_size, n_expert // world_size
+        inputs = [_dispatch_inputs(r, n, rows, n_expert, h, seed) for r in range(n)]
+        results = core.launch_check(_dispatch_on_rank, n, fn, rows, n_expert, h, seed, timeout=timeout,
+                                    hang_hint=" (did every rank call the same collectives in the same order, with "
+                                              "receive splits that match what the others send?)",
+                                    course_files=("course_lib/grading/ch07.py",))
+        for r, got in enumerate(results):
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise CheckFailed(f"rank {r}: dispatch must return (received rows, counts), got {type(got).__name__}")
+            mine = range(r * n_local, (r + 1) * n_local)
+            counts = torch.tensor([[int((e == j).sum()) for j in mine] for _, e in inputs])
+            expected = torch.cat([x[e == j] for x, e in inputs for j in mine]).reshape(-1, h)
+            what = f"rank {r} of {n} (rows per rank {rows}, E={n_expert})"
+            _expect_same(_tensor(got[1], f"counts on {what}", (n, n_local), torch.long), counts, f"counts on {what}")
+            expect_close(_tensor(got[0], f"received rows on {what}", tuple(expected.shape), torch.float32), expected,
+                         f"received rows on {what} (by source rank, then by expert, in row order)", rtol=0, atol=0)
+        return f"{n} ranks, rows {rows}, E={n_expert}: every row at its expert's rank, in order"
+    return run_check("dispatch", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. load-balancing loss
+
+
+def check_load_balancing_loss(fn: Callable, cases: tuple[tuple[int, int, int], ...] = ((16, 4, 2),),
+                              alpha: float = 0.01, seed: int = 0) -> CheckResult:
+    def body() -> str:
+        for T, E, k in cases:
+            uniform = torch.full((T * E, E), 1 / E)
+            chosen = torch.stack([(torch.arange(T * E) + j) % E for j in range(k)], dim=1)
+            got = fn(uniform, chosen, alpha)
+            _tensor(got, f"the loss (T={T * E}, E={E}, k={k})", (), torch.float32)
+            if abs(float(got) - alpha) > 1e-6 * max(alpha, 1):
+                raise CheckFailed(f"uniform routing (T={T * E}, E={E}, k={k}) must give exactly alpha = {alpha}, got "
+                                  f"{float(got):.6g}: are the fractions f_i over all T*k assignments?")
+            g = torch.Generator().manual_seed(seed + T)
+            logits = torch.randn(T, E, generator=g, requires_grad=True)
+            probs = logits.softmax(-1)
+            chosen = logits.detach().topk(k, -1).indices
+            f = torch.bincount(chosen.reshape(-1), minlength=E).float() / (T * k)
+            want = alpha * E * (f * probs.mean(0)).sum()
+            got = fn(probs, chosen, alpha)
+            expect_close(got.detach(), want.detach(), f"the loss (T={T}, E={E}, k={k})", rtol=1e-5, atol=1e-8)
+            if not got.requires_grad:
+                raise CheckFailed("the loss must stay differentiable through probs (the router learns from P_i)")
+            got.backward()
+            want_grad = torch.autograd.grad(alpha * E * (f * logits.softmax(-1).mean(0)).sum(), logits)[0]
+            expect_close(logits.grad, want_grad, f"d loss / d logits (T={T}, E={E}, k={k}; f_i carries no gradient)",
+                         rtol=1e-4, atol=1e-9)
+        return f"{len(cases)} cases correct, uniform routing gives alpha"
+    return run_check("load_balancing_loss", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. find the bug: kept counts over ranks
+
+
+def check_kept_counts(fn: Callable, cases: tuple[tuple[int, int, int | None], ...] = ((3, 4, 5),),
+                      seed: int = 0) -> CheckResult:
+    def body() -> str:
+        for W, E, cap in cases:
+            g = torch.Generator().manual_seed(seed * 13 + W * E)
+            counts = torch.randint(0, 6, (W, E), generator=g)
+            counts[0, 0] = 0  # an empty (rank, expert)
+            got = fn(counts.clone(), cap)
+            want = kept_counts(counts, cap)
+            what = f"kept_counts (counts {counts.tolist()}, capacity {cap})"
+            _expect_same(_tensor(got, what, (W, E), torch.long), want, what)
+            if cap is not None and int(got.sum(0).max()) > cap:
+                raise CheckFailed(f"{what}: an expert keeps more than the capacity")
+        return f"{len(cases)} count matrices correct"
+    return run_check("kept_counts", body)
+
+
+EXERCISES = [
+    Exercise("top_k_with_capacity", "Top-k routing with capacity", 3, "top_k_with_capacity",
+             check_top_k_with_capacity,
+             hidden=[{"cases": ((32, 8, 2, 1.25), (10, 4, 1, 0.5), (9, 3, 3, 1.0), (7, 5, 2, 0.1)), "seed": 1}]),
+    Exercise("dispatch", "Count exchange and uneven all-to-all dispatch", 4, "dispatch", check_dispatch,
+             hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "seed": 1},
+                     {"world_size": 2, "rows": (0, 4), "n_expert": 2, "seed": 2}]),
+    Exercise("load_balancing_loss", "The load-balancing loss", 3, "load_balancing_loss", check_load_balancing_loss,
+             hidden=[{"cases": ((20, 8, 1), (12, 4, 3)), "alpha": 0.1, "seed": 1}]),
+    Exercise("kept_counts", "Find the bug: capacity over ranks", 2, "kept_counts", check_kept_counts,
+             hidden=[{"cases": ((4, 8, 3), (2, 2, None), (1, 3, 1), (5, 2, 12)), "seed": 1}]),
+]

@@ -1,0 +1,194 @@
+"""Chapter 08 — composing the axes: coordinates, groups, a mesh's constraints, and a bug on four ranks.
+
+1. ``coords_of(rank, degrees, order)``: the dense coordinates (tp, cp, dp, pp) of a rank for an axis order;
+   checked against ``course_lib.mesh.MeshShape.coords`` for every rank of several meshes and orders.
+2. ``group_of(rank, axes, degrees, order)``: the ranks of ``rank``'s group over ``axes`` (sorted); checked against
+   ``MeshShape.group_ranks``.
+3. ``mesh_problems(cfg, degrees, global_batch, micro_batch)``: the names of the constraints a mesh breaks for a
+   model and a batch (a set of strings); checked on meshes that break none, one and several.
+4. ``average_dp_gradients(params, mesh)``: find the bug in a colleague's DP x TP step (the data-parallel average
+   taken over the wrong axis) and fix it; run on 4 real ranks (dp=2 x tp=2, two axis orders), checked against one
+   process after one SGD step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from course_lib.data import global_batch, shard
+from course_lib.grading import core
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
+from course_lib.mesh import DENSE_AXES, Mesh, MeshShape
+from course_lib.model import GPT, GPTConfig, lm_loss
+
+GRADER_PARAMETERS = {"seed": 1}
+LAUNCH_TIMEOUT_S = 40.0
+
+CONSTRAINTS = ("heads", "kv_heads", "ffn", "vocab", "layers", "sequence", "batch")
+"""The names ``mesh_problems`` returns, one per constraint of ``MeshShape.validate`` (world size aside)."""
+
+_MESHES = (({"tp": 2, "cp": 1, "dp": 2, "pp": 2}, "tp-cp-ep-dp-pp"),
+           ({"tp": 2, "cp": 2, "dp": 3, "pp": 1}, "tp-cp-ep-dp-pp"),
+           ({"tp": 4, "cp": 1, "dp": 2, "pp": 1}, "dp-tp-cp-ep-pp"),
+           ({"tp": 2, "cp": 2, "dp": 2, "pp": 2}, "pp-dp-cp-ep-tp"))
+
+
+def _shape(degrees: dict[str, int], order: str) -> MeshShape:
+    return MeshShape(order=order, **{a: degrees.get(a, 1) for a in DENSE_AXES})
+
+
+def check_coords_of(fn: Callable, meshes: tuple = _MESHES) -> CheckResult:
+    def body() -> str:
+        n = 0
+        for degrees, order in meshes:
+            shape = _shape(degrees, order)
+            for r in range(shape.world_size):
+                want = {a: shape.coords(r)[a] for a in DENSE_AXES}
+                got = fn(r, dict(degrees), order)
+                if not isinstance(got, dict) or set(got) != set(DENSE_AXES) or \
+                        not all(type(v) is int for v in got.values()):
+                    raise CheckFailed(f"coords_of({r}, {degrees}, {order!r}) must return a dict of the four axes "
+                                      f"{list(DENSE_AXES)} to Python ints, got {got!r}")
+                if got != want:
+                    raise CheckFailed(f"coords_of({r}, {degrees}, {order!r}): expected {want}, got {got} (the first "
+                                      f"axis of the order varies fastest)")
+                n += 1
+        return f"{n} ranks of {len(meshes)} meshes right"
+    return run_check("coords_of", body)
+
+
+def check_group_of(fn: Callable, meshes: tuple = _MESHES,
+                   axes_list: tuple = (("tp",), ("dp",), ("pp",), ("dp", "cp"), ("tp", "pp"))) -> CheckResult:
+    def body() -> str:
+        n = 0
+        for degrees, order in meshes:
+            shape = _shape(degrees, order)
+            for axes in axes_list:
+                for r in range(shape.world_size):
+                    want = shape.group_ranks(r, *axes)
+                    got = fn(r, axes, dict(degrees), order)
+                    if not isinstance(got, list) or not all(type(v) is int for v in got):
+                        raise CheckFailed(f"group_of({r}, {axes}, {degrees}, {order!r}) must return a list of ints, "
+                                          f"got {got!r}")
+                    expect_equal(got, want, f"group_of({r}, {axes}, {degrees}, {order!r}) (sorted ranks)")
+                    n += 1
+        return f"{n} groups right"
+    return run_check("group_of", body)
+
+
+def reference_problems(cfg: GPTConfig, degrees: dict[str, int], global_batch: int, micro_batch: int) -> set[str]:
+    """The chapter's rules, one name each (the grader's reference for ``mesh_problems``)."""
+    tp, cp, dp, pp = (degrees.get(a, 1) for a in ("tp", "cp", "dp", "pp"))
+    out = set()
+    if cfg.n_head % tp:
+        out.add("heads")
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+        out.add("kv_heads")
+    if cfg.ffn_dim % tp:
+        out.add("ffn")
+    if cfg.vocab_size % tp:
+        out.add("vocab")
+    if cfg.n_layer % pp:
+        out.add("layers")
+    if cp > 1 and cfg.seq_len % (2 * cp):
+        out.add("sequence")
+    if global_batch % (dp * micro_batch):
+        out.add("batch")
+    return out
+
+
+_CFG = GPTConfig(vocab_size=256, seq_len=24, n_layer=4, n_head=4, n_kv_head=2, d_model=64, d_ff=192)
+_CASES = (
+    (_CFG, {"tp": 2, "dp": 2, "pp": 2}, 8, 1),          # fits
+    (_CFG, {"tp": 4, "dp": 2}, 8, 1),                    # kv heads replicated: fits
+    (_CFG, {"tp": 8}, 8, 1),                             # heads (kv 2 divides 8: replicated)
+    (_CFG, {"pp": 3, "dp": 2}, 8, 1),                    # layers
+    (_CFG.with_(seq_len=12), {"cp": 4, "dp": 2}, 8, 1),  # sequence: 12 % 8 (12 % 4 == 0)
+    (_CFG, {"dp": 3}, 8, 1),                             # batch
+    (_CFG.with_(vocab_size=250, d_ff=190), {"tp": 4}, 8, 2),  # ffn, vocab
+    (GPTConfig(n_head=6, n_kv_head=3, d_model=48), {"tp": 4, "dp": 2}, 6, 2),  # heads, kv, batch
+)
+
+
+def check_mesh_problems(fn: Callable, cases: tuple = _CASES) -> CheckResult:
+    def body() -> str:
+        for cfg, degrees, gb, mb in cases:
+            want = reference_problems(cfg, degrees, gb, mb)
+            got = fn(cfg, dict(degrees), gb, mb)
+            if not isinstance(got, set) or not all(isinstance(v, str) for v in got):
+                raise CheckFailed(f"mesh_problems must return a set of names from {CONSTRAINTS}, got {got!r}")
+            unknown = got - set(CONSTRAINTS)
+            if unknown:
+                raise CheckFailed(f"unknown constraint names {sorted(unknown)}: use {CONSTRAINTS}")
+            if got != want:
+                missing, extra = sorted(want - got), sorted(got - want)
+                raise CheckFailed(f"degrees {degrees}, global batch {gb}, micro-batch {mb} (n_head={cfg.n_head}, "
+                                  f"n_kv_head={cfg.kv_heads}, d_ff={cfg.ffn_dim}, vocab={cfg.vocab_size}, "
+                                  f"n_layer={cfg.n_layer}, seq_len={cfg.seq_len}): missing {missing}, "
+                                  f"not broken {extra}")
+        return f"{len(cases)} meshes: the broken constraints named exactly"
+    return run_check("mesh_problems", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DP x TP on four ranks
+
+_RANK_CFG = GPTConfig(vocab_size=256, seq_len=8, n_layer=1, n_head=2, d_model=16)
+
+
+def _dp_tp_step(rank: int, world_size: int, fn: Callable, order: str, batch: int, seed: int) -> dict[str, Any]:
+    from course_lib.parallel.tp import TensorParallel
+
+    mesh = Mesh(dp=2, tp=2, order=order)
+    tp = TensorParallel(GPT(_RANK_CFG, seed=seed), mesh=mesh)
+    x, y = global_batch(seed, batch, _RANK_CFG.seq_len, seed)
+    xd, yd = shard(x, mesh.coord("dp"), 2), shard(y, mesh.coord("dp"), 2)
+    tp.loss(tp(xd), yd).backward()
+    tp.finish_gradient_sync()
+    fn(list(tp.parameters()), mesh)
+    with torch.no_grad():
+        for p in tp.parameters():
+            p -= 0.5 * p.grad
+    return tp.full_parameters()
+
+
+def check_average_dp_gradients(fn: Callable, orders: tuple[str, ...] = ("tp-cp-ep-dp-pp",), batch: int = 4,
+                               seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """4 ranks, dp=2 x tp=2: each DP replica (a TP pair) trains on its half of the batch; after ``fn`` and one SGD
+    step (lr 0.5) every rank's full parameters must equal one process's after the same step on the whole batch."""
+    launch = functools.partial(core.launch_check, hang_hint=": did every rank call the same collectives on the "
+                               "same group?")
+
+    def body() -> str:
+        ref = GPT(_RANK_CFG, seed=seed)
+        x, y = global_batch(seed, batch, _RANK_CFG.seq_len, seed)
+        lm_loss(ref(x), y).backward()
+        with torch.no_grad():
+            want = {n: p - 0.5 * p.grad for n, p in ref.named_parameters()}
+        for order in orders:
+            for r, got in enumerate(launch(_dp_tp_step, 4, fn, order, batch, seed, timeout=timeout)):
+                for name, value in want.items():
+                    expect_close(got[name], value, f"order {order!r}, rank {r}: {name} after one step "
+                                 "(the average over the data-parallel replicas)", rtol=1e-4, atol=1e-6)
+        return f"orders {list(orders)}: every rank equals one process after the step"
+    return run_check("average_dp_gradients", body)
+
+
+EXERCISES = [
+    Exercise("coords_of", "Rank -> coordinates for an axis order", 3, "coords_of", check_coords_of,
+             hidden=[{"meshes": (({"tp": 3, "cp": 1, "dp": 2, "pp": 2}, "cp-dp-tp-ep-pp"),
+                                 ({"tp": 1, "cp": 4, "dp": 1, "pp": 2}, "tp-cp-ep-dp-pp"))}]),
+    Exercise("group_of", "The ranks of a group over some axes", 3, "group_of", check_group_of,
+             hidden=[{"meshes": (({"tp": 3, "cp": 2, "dp": 2, "pp": 1}, "dp-cp-tp-ep-pp"),),
+                      "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}]),
+    Exercise("mesh_problems", "Validate a mesh: which constraints break", 3, "mesh_problems", check_mesh_problems,
+             hidden=[{"cases": ((GPTConfig(n_head=8, n_kv_head=1, d_model=64, seq_len=30, n_layer=6),
+                                 {"tp": 2, "cp": 3, "pp": 4}, 12, 1),
+                                (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"pp": 2, "dp": 4}, 16, 2))}]),
+    Exercise("average_dp_gradients", "Find the bug: DP x TP on four ranks", 5, "average_dp_gradients",
+             check_average_dp_gradients, hidden=[{"orders": ("dp-tp-cp-ep-pp",), "batch": 8, "seed": 2}]),
+]

@@ -1,0 +1,203 @@
+"""Chapter 09 — serving.
+
+1. ``attend_over_cache(q, k_cache, v_cache, k_new, v_new)``: append the new K/V to the cache and attend the new
+   queries over it, causally (query i of n new ones sits at position T + i and sees keys 0 .. T + i).
+2. ``reserve_blocks(table, free, n_tokens, block_size)``: grow a paged sequence's block table to hold n_tokens,
+   taking blocks from the end of the free list; all or nothing.
+3. ``request_metrics(arrival_s, token_times)``: TTFT, the inter-token gaps, TPOT and end-to-end latency.
+4. ``tp_kv_heads(rank, t, n_head, n_kv)``: the KV heads a rank of a t-way TP group holds (replicated when t > n_kv),
+   checked by running tensor-parallel decode on real ranks against one rank.
+5. ``step_logits(model, cache, tokens, start)`` (find the bug): a cached forward step whose decode went wrong
+   because ``is_causal=True`` aligns the causal mask top-left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    expect_equal,
+    launch_check,
+    run_check,
+)
+from course_lib.model import GPT, GPTConfig
+from course_lib.serving.engine import generate, generate_uncached
+from course_lib.serving.kv_cache import ContiguousKVCache
+from course_lib.serving.tp_decode import TPDecodeEngine, kv_heads_of, tp_generate
+
+GRADER_PARAMETERS = {"seed": 1}
+
+
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Reference: causal attention of the last n positions over all T + n keys (GQA by repetition)."""
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    n, total = q.shape[1], k.shape[1]
+    mask = torch.ones(total, total, dtype=torch.bool).tril()[total - n:]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def check_attend_over_cache(fn: Callable, cases: tuple[tuple[int, int, int, int], ...] = ((4, 4, 5, 3), (4, 4, 0, 4),
+                                                                                            (4, 4, 7, 1)),
+                            seed: int = 0) -> CheckResult:
+    """cases: (H, H_kv, T cached, n new)."""
+    def body() -> str:
+        g = torch.Generator().manual_seed(seed)
+        d = 8
+        for H, Hkv, T, n in cases:
+            q = torch.randn(H, n, d, generator=g)
+            kc, vc = torch.randn(Hkv, T, d, generator=g), torch.randn(Hkv, T, d, generator=g)
+            kn, vn = torch.randn(Hkv, n, d, generator=g), torch.randn(Hkv, n, d, generator=g)
+            got = fn(q, kc, vc, kn, vn)
+            if not isinstance(got, tuple) or len(got) != 3:
+                raise CheckFailed(f"attend_over_cache must return (k_all, v_all, out), got {type(got).__name__}")
+            what = f"(H={H}, H_kv={Hkv}, T={T}, n={n})"
+            expect_close(got[0], torch.cat([kc, kn], 1), f"k_all {what}")
+            expect_close(got[1], torch.cat([vc, vn], 1), f"v_all {what}")
+            expect_close(got[2], _full_attention(q, got[0], got[1]), f"out {what}", rtol=1e-4, atol=1e-5)
+        return f"{len(cases)} cases correct (cache lengths {[c[2] for c in cases]})"
+    return run_check("attend_over_cache", body)
+
+
+def _reserve_reference(table: list[int], free: list[int], n_tokens: int, block_size: int) -> bool:
+    need = math.ceil(n_tokens / block_size) - len(table)
+    if need > len(free):
+        return False
+    for _ in range(max(need, 0)):
+        table.append(free.pop())
+    return True
+
+
+def check_reserve_blocks(fn: Callable, cases: tuple[tuple[list[int], list[int], int, int], ...] = (
+        ([], [5, 4, 3, 2, 1, 0], 9, 4), ([0], [3, 2, 1], 4, 4), ([0, 1], [3, 2], 13, 4), ([7], [2], 12, 4),
+        ([], [1, 0], 0, 4))) -> CheckResult:
+    """cases: (table, free list, n_tokens, block_size); the check works on copies."""
+    def body() -> str:
+        for table, free, n, bs in cases:
+            t_got, f_got, t_ref, f_ref = list(table), list(free), list(table), list(free)
+            ok = fn(t_got, f_got, n, bs)
+            ok_ref = _reserve_reference(t_ref, f_ref, n, bs)
+            what = f"reserve_blocks(table={table}, free={free}, n_tokens={n}, block_size={bs})"
+            expect_equal(ok, ok_ref, f"{what} return value")
+            expect_equal(t_got, t_ref, f"{what}: table afterwards")
+            expect_equal(f_got, f_ref, f"{what}: free list afterwards")
+        return f"{len(cases)} cases correct, including a refusal that must change nothing"
+    return run_check("reserve_blocks", body)
+
+
+def check_request_metrics(fn: Callable, cases: tuple[tuple[float, list[float]], ...] = (
+        (1.0, [1.5, 1.6, 1.8, 1.9]), (0.0, [0.25]), (2.0, [2.0, 2.5]))) -> CheckResult:
+    def body() -> str:
+        for arrival, times in cases:
+            got = fn(arrival, list(times))
+            what = f"request_metrics({arrival}, {times})"
+            if not isinstance(got, dict) or set(got) != {"ttft", "itl", "tpot", "e2e"}:
+                raise CheckFailed(f"{what} must return a dict with keys ttft, itl, tpot, e2e, got {got!r}")
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            expect = {"ttft": times[0] - arrival, "e2e": times[-1] - arrival,
+                      "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None}
+            for k, v in expect.items():
+                if v is None:
+                    if got[k] is not None:
+                        raise CheckFailed(f"{what}['{k}']: one token has no time per output token: expected None, "
+                                          f"got {got[k]!r}")
+                elif not isinstance(got[k], float) or abs(got[k] - v) > 1e-9:
+                    raise CheckFailed(f"{what}['{k}']: expected {v!r} (a float), got {got[k]!r}")
+            if not isinstance(got["itl"], list) or len(got["itl"]) != len(gaps) or \
+                    any(abs(a - b) > 1e-9 for a, b in zip(got["itl"], gaps, strict=True)):
+                raise CheckFailed(f"{what}['itl']: expected the {len(gaps)} gaps {gaps}, got {got['itl']!r}")
+        try:
+            fn(0.0, [])
+        except ValueError:
+            pass
+        else:
+            raise CheckFailed("request_metrics(0.0, []) must raise ValueError: a request without tokens has no TTFT")
+        return f"{len(cases)} requests correct, and an empty one refused"
+    return run_check("request_metrics", body)
+
+
+def _tp_with(rank: int, world_size: int, fn: Callable, cfg: GPTConfig, prompts: list[torch.Tensor]) -> list:
+    class Learner(TPDecodeEngine):
+        def kv_heads(self) -> list[int]:
+            return list(fn(self.rank, self.t, self.config.n_head, self.config.kv_heads))
+
+    return tp_generate(rank, world_size, cfg, prompts, 5, engine_cls=Learner)["tokens"]
+
+
+def check_tp_kv_heads(fn: Callable, t: int = 2, n_head: int = 4, n_kv: int = 2, seed: int = 0) -> CheckResult:
+    def body() -> str:
+        for rank in range(t):
+            expect_equal(fn(rank, t, n_head, n_kv), kv_heads_of(rank, t, n_head, n_kv),
+                         f"tp_kv_heads(rank={rank}, t={t}, n_head={n_head}, n_kv={n_kv})")
+        cfg = GPTConfig(seq_len=32, n_head=n_head, n_kv_head=n_kv, d_model=8 * n_head)
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 256, (n,), generator=g) for n in (3, 8)]
+        torch.set_num_threads(1)
+        ref = generate(GPT(cfg, seed=0).eval(), prompts, 5)
+        got = launch_check(_tp_with, t, fn, cfg, prompts, timeout=90, hang_hint=": a rank waited in an all-reduce")
+        for rank, tokens in enumerate(got):
+            expect_equal(tokens, ref, f"greedy tokens of TP decode on rank {rank} of {t}")
+        return f"t={t}, n_head={n_head}, n_kv={n_kv}: the same tokens as one rank, on {t} real ranks"
+    return run_check("tp_kv_heads", body)
+
+
+def check_step_logits(fn: Callable, prompt_lens: tuple[int, ...] = (1, 6), new: int = 6, chunk: int = 3,
+                      seed: int = 0) -> CheckResult:
+    def body() -> str:
+        cfg = GPTConfig(seq_len=32, n_layer=2)
+        model = GPT(cfg, seed=seed).eval()
+        g = torch.Generator().manual_seed(seed)
+        for n in prompt_lens:
+            prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+            cache = ContiguousKVCache(cfg, 1, n + new)
+            cache.reserve(0, n + new)
+            with torch.no_grad():
+                logits, out = fn(model, cache, prompt, 0), []
+                for i in range(new):
+                    if not isinstance(logits, torch.Tensor) or logits.shape != (cfg.vocab_size,):
+                        raise CheckFailed(f"step_logits must return the last token's logits [vocab], got "
+                                          f"{getattr(logits, 'shape', type(logits).__name__)}")
+                    out.append(int(logits.argmax()))
+                    logits = fn(model, cache, torch.tensor(out[-1:]), n + i)
+            expect_equal(out, generate_uncached(model, prompt, new), f"greedy tokens after a {n}-token prompt")
+        # chunked prefill: several new tokens after cached ones (start > 0 and n > 1)
+        prompt = torch.randint(0, cfg.vocab_size, (2 * chunk + 1,), generator=g)
+        cache = ContiguousKVCache(cfg, 1, prompt.numel())
+        cache.reserve(0, prompt.numel())
+        with torch.no_grad():
+            fn(model, cache, prompt[:chunk], 0)
+            got = fn(model, cache, prompt[chunk:], chunk)
+            ref = model(prompt[None])[0, -1]
+        expect_close(got, ref, f"logits after a {chunk}-token chunk then a {chunk + 1}-token chunk", rtol=1e-4,
+                     atol=1e-5)
+        return f"decode after prompts of {list(prompt_lens)} tokens and chunked prefill match the uncached model"
+    return run_check("step_logits", body)
+
+
+EXERCISES = [
+    Exercise("attend_over_cache", "KV cache: append and attend over the cache", 3, "attend_over_cache",
+             check_attend_over_cache,
+             hidden=[{"cases": ((8, 2, 6, 2), (2, 1, 0, 5), (6, 3, 11, 1)), "seed": 1}]),
+    Exercise("reserve_blocks", "Paged KV cache: reserve blocks from the free list", 3, "reserve_blocks",
+             check_reserve_blocks,
+             hidden=[{"cases": (([], [9, 8], 1, 16), ([3], [], 16, 16), ([3], [], 17, 16), ([0], [4, 2, 1], 33, 8),
+                                ([], [2, 1, 0], 7, 1))}]),
+    Exercise("request_metrics", "TTFT, ITL, TPOT and end-to-end latency of a request", 2, "request_metrics",
+             check_request_metrics,
+             hidden=[{"cases": ((0.5, [0.75, 1.0, 2.0]), (3.0, [3.125]), (0.0, [0.5, 0.5, 0.75]))}]),
+    Exercise("tp_kv_heads", "Tensor-parallel decode: which KV heads a rank holds", 4, "tp_kv_heads",
+             check_tp_kv_heads,
+             hidden=[{"t": 4, "n_head": 4, "n_kv": 2}, {"t": 2, "n_head": 4, "n_kv": 1},
+                     {"t": 4, "n_head": 8, "n_kv": 8, "seed": 1}]),
+    Exercise("step_logits", "Find the bug: a cached step that decodes wrong", 3, "step_logits", check_step_logits,
+             hidden=[{"prompt_lens": (2, 9), "new": 5, "chunk": 4, "seed": 2}]),
+]

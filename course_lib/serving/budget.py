@@ -1,0 +1,92 @@
+"""What one serving GPU holds and how fast it decodes: the inference budget turned into capacity and latency.
+
+Memory (``course_lib.memory.inference_memory``, the article's inference budget): weights + KV cache + workspace
++ communication + headroom. What is left after weights and workspace, divided by one sequence's KV cache,
+is the number of sequences the GPU can keep in flight:
+
+    max concurrent sequences = floor((capacity / (1 + headroom) - weights - workspace - comm) / kv_per_sequence)
+
+Time of one decode step per GPU (roofline, :mod:`course_lib.serving.roofline`, plus TP's all-reduces):
+
+    step = max(FLOPs / peak, (weights + KV cache) / bandwidth) + 2 L x all_reduce(batch x h x 2 bytes, t)
+
+Each sequence gets one token per step: inter-token latency = step; throughput = batch / step. Prefill of the
+prompt is compute-bound: TTFT ~ 2 N x context / (t x peak) (no queueing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from course_lib.cost import PEAK_FLOPS, collective_time
+from course_lib.memory import MemoryBudget, ParallelLayout, inference_memory, kv_cache_bytes, params_per_rank
+from course_lib.model import PRESETS, GPTConfig
+from course_lib.serving.roofline import MEM_BANDWIDTH
+from course_lib.viz.comm import LINKS
+from course_lib.viz.memory import GPUS
+
+SERVING_GPUS: dict[str, str] = {"A100 80GB": "A100", "H100 80GB": "H100_SXM", "H200 141GB": "H200"}
+"""Capacity (``viz.memory.GPUS``) -> peak FLOPs and bandwidth keys (``cost.PEAK_FLOPS``, ``MEM_BANDWIDTH``)."""
+
+QUANTISATION: dict[str, float] = {"bf16": 2, "int8": 1, "int4": 0.5}
+"""Bytes per weight. The KV cache stays bf16 here (2 bytes) whatever the weights."""
+
+
+@dataclass(frozen=True)
+class ServingPrediction:
+    """The budget per GPU and the predicted decode step (seconds) split into its roofline terms."""
+
+    batch: int
+    budget: MemoryBudget
+    capacity_bytes: float
+    max_sequences: int
+    step_s: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    ttft_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.budget.total <= self.capacity_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per second of the whole TP group (one replica)."""
+        return self.batch / self.step_s
+
+    @property
+    def bound(self) -> str:
+        return "compute-bound" if self.compute_s > self.memory_s else "memory-bound"
+
+
+def predict(config: GPTConfig | str, gpu: str = "H100 80GB", *, batch: int = 1, context: int = 4096,
+            quant: str = "bf16", tp: int = 1, link: str = "NVLink 4 (H100)",
+            headroom: float = 0.10) -> ServingPrediction:
+    """Memory per GPU, max concurrent sequences and decode step time of ``config`` served with TP ``tp``."""
+    c = PRESETS[config] if isinstance(config, str) else config
+    if gpu not in SERVING_GPUS:
+        raise ValueError(f"unknown serving GPU {gpu!r}; choose one of {list(SERVING_GPUS)}")
+    if quant not in QUANTISATION:
+        raise ValueError(f"unknown quantisation {quant!r}; choose one of {list(QUANTISATION)}")
+    wb = QUANTISATION[quant]
+    budget = inference_memory(c, batch=batch, context_len=context, weight_bytes_per_param=wb, tp=tp,
+                              headroom=headroom)
+    capacity = GPUS[gpu].bytes
+    kv_seq = kv_cache_bytes(c, context, 1, 2, tp)
+    fixed = budget["weights"] + budget["workspace"] + budget["communication"]
+    max_seqs = max(0, math.floor((capacity / (1 + headroom) - fixed) / kv_seq))
+    key = SERVING_GPUS[gpu]
+    peak, bw = PEAK_FLOPS[key], MEM_BANDWIDTH[key]
+    n_rank = sum(params_per_rank(c, ParallelLayout(tp=tp)).values())
+    flops = 2 * n_rank * batch + 4 * c.n_layer * c.d_model * context * batch / tp
+    compute_s = flops / peak
+    memory_s = (budget["weights"] + budget["kv_cache"]) / bw
+    lk = LINKS[link]
+    comm_s = 2 * c.n_layer * collective_time("all_reduce", batch * c.d_model * 2, tp, lk.alpha, lk.beta) \
+        if tp > 1 else 0.0
+    step = max(compute_s, memory_s) + comm_s
+    ttft = 2 * n_rank * context / peak + (2 * c.n_layer * collective_time(
+        "all_reduce", context * c.d_model * 2, tp, lk.alpha, lk.beta) if tp > 1 else 0.0)
+    return ServingPrediction(batch, budget, capacity, max_seqs, step, compute_s, memory_s, comm_s, ttft)

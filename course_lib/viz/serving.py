@@ -1,0 +1,217 @@
+"""Serving figures and widgets: the scheduler's timeline, the roofline, the serving budget, and a trace replay.
+
+* :func:`plot_schedule` -- which request ran in which step (prefill / decode / recompute), on the clock that
+  made it ("simulated" or "wall-clock", in the title);
+* :func:`plot_roofline` -- attainable FLOP/s vs arithmetic intensity, with measured points;
+* :class:`ServingBudgetPanel` -- model, GPU, batch, context, quantisation, TP -> memory per GPU, max concurrent
+  sequences, predicted tokens/s and latency (:func:`course_lib.serving.budget.predict`);
+* :class:`TracePanel` -- arrival rate and batching policy -> p50/p99 TTFT and ITL of a trace served by the tiny
+  GPT on this machine (wall-clock) or on the simulated clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import ipywidgets as W
+import torch
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from course_lib.memory import GB
+from course_lib.model import GPT, PRESETS, GPTConfig
+from course_lib.serving.budget import QUANTISATION, SERVING_GPUS, predict
+from course_lib.serving.engine import Engine
+from course_lib.serving.loadgen import poisson_trace
+from course_lib.serving.paged import PagedKVCache
+from course_lib.serving.roofline import StepCost
+from course_lib.serving.scheduler import Scheduler, ServeResult, SimClock, WallClock
+from course_lib.viz.memory import CATEGORY_COLORS
+from course_lib.viz.panel import ControlPanel, figure_png
+
+KIND_COLORS = {"prefill": "#4C72B0", "decode": "#55A868", "recompute": "#C44E52"}
+
+
+def plot_schedule(result: ServeResult, *, max_requests: int = 24, title: str = "") -> Figure:
+    """One row per request, one bar per step it took part in, coloured by what it fed; x is the clock's time."""
+    fig = Figure(figsize=(9, 0.22 * min(max_requests, len(result.records)) + 1.6))
+    ax = fig.add_subplot()
+    ids = [r.id for r in result.records][:max_requests]
+    row = {rid: i for i, rid in enumerate(ids)}
+    scale = 1e3
+    for s in result.steps:
+        for rid, kind, _ in s.work:
+            if rid in row:
+                ax.barh(row[rid], (s.end_s - s.start_s) * scale, left=s.start_s * scale, height=0.7,
+                        color=KIND_COLORS[kind], linewidth=0)
+    for r in result.records[:max_requests]:
+        ax.plot(r.arrival_s * scale, row[r.id], marker="|", color="black", markersize=8)
+    ax.set_yticks(range(len(ids)), [f"req {i}" for i in ids], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time (ms, {result.clock_mode})")
+    handles = [Patch(color=c, label=k) for k, c in KIND_COLORS.items()]
+    ax.legend(handles=[*handles, Patch(color="black", label="| arrival")], fontsize=7, loc="lower right", ncol=4)
+    ax.set_title(title or f"{result.policy} batching: which request ran in each step ({result.clock_mode})",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline(peak_flops: float, mem_bandwidth: float, points: Mapping[str, tuple[float, float]], *,
+                  title: str) -> Figure:
+    """log-log roofline: min(peak, I x bandwidth), and ``points`` {label: (intensity FLOP/byte, FLOP/s)}."""
+    import numpy as np
+
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.add_subplot()
+    lo = min([0.1, *[i for i, _ in points.values()]]) / 2
+    hi = max([peak_flops / mem_bandwidth * 20, *[i for i, _ in points.values()]]) * 2
+    xs = np.geomspace(lo, hi, 200)
+    ax.loglog(xs, np.minimum(peak_flops, xs * mem_bandwidth), color="black", label="roofline")
+    ax.axvline(peak_flops / mem_bandwidth, color="grey", linestyle=":", label=f"ridge {peak_flops / mem_bandwidth:.0f}"
+               " FLOP/B")
+    for k, (label, (i, f)) in enumerate(points.items()):
+        ax.loglog(i, f, "o", label=label, color=f"C{k}")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+class ServingBudgetPanel(ControlPanel):
+    """Model preset, GPU, batch, context, quantisation, TP -> memory per GPU by category, max concurrent
+    sequences, predicted decode tokens/s and inter-token latency. ``set(tp=4)`` -> ``text``."""
+
+    def __init__(self, model: str = "llama3-70b", gpu: str = "H100 80GB", draw: bool = True,
+                 **values: Any) -> None:
+        super().__init__()
+        self._draw = draw
+        style = {"description_width": "initial"}
+        self.controls = {
+            "model": W.Dropdown(options=[k for k in PRESETS if k != "tiny"], value=model, description="model",
+                                style=style),
+            "gpu": W.Dropdown(options=list(SERVING_GPUS), value=gpu, description="GPU", style=style),
+            "batch": W.BoundedIntText(value=32, min=1, max=4096, description="batch (sequences)", style=style,
+                                      layout=W.Layout(width="200px")),
+            "context": W.BoundedIntText(value=4096, min=1, max=131072, description="context (tokens)",
+                                        style=style, layout=W.Layout(width="220px")),
+            "quant": W.ToggleButtons(options=list(QUANTISATION), value="bf16", description="weights",
+                                     style={"description_width": "initial", "button_width": "60px"}),
+            "tp": W.Dropdown(options=[1, 2, 4, 8], value=1, description="TP", style=style,
+                             layout=W.Layout(width="120px")),
+        }
+        self.image = W.Image(format="png")
+        self.out = W.HTML()
+        self.children = [W.HBox([self.controls["model"], self.controls["gpu"], self.controls["tp"]]),
+                         W.HBox([self.controls["batch"], self.controls["context"], self.controls["quant"]]),
+                         self.out, self.image]
+        self._watch()
+        self.prediction = None
+        self.error = ""
+        self.set(**values) if values else self.update()
+
+    def update(self) -> None:
+        v = self.values()
+        try:
+            self.prediction = predict(v["model"], v["gpu"], batch=v["batch"], context=v["context"],
+                                      quant=v["quant"], tp=v["tp"])
+            self.error = ""
+        except ValueError as e:
+            self.prediction, self.error = None, str(e)
+        self.out.value = "<pre>" + self.text + "</pre>"
+        if self._draw and self.prediction is not None:
+            self.image.value = figure_png(self.figure())
+
+    def figure(self) -> Figure:
+        p = self.prediction
+        fig = Figure(figsize=(6, 1.8))
+        ax = fig.add_subplot()
+        left = 0.0
+        for cat, b in p.budget.items():
+            ax.barh(0, b / GB, left=left, color=CATEGORY_COLORS.get(cat), label=cat)
+            left += b / GB
+        ax.axvline(p.capacity_bytes / GB, color="black", linestyle="--", label=f"{self.values()['gpu']}")
+        ax.set_yticks([])
+        ax.set_xlabel("GB per GPU (modelled)")
+        ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+        fig.tight_layout()
+        return fig
+
+    @property
+    def text(self) -> str:
+        if self.prediction is None:
+            return f"invalid: {self.error}"
+        p, v = self.prediction, self.values()
+        fit = "fits" if p.fits else "does NOT fit"
+        return (f"{v['model']} on {v['tp']} x {v['gpu']} ({v['quant']} weights, bf16 KV cache)\n"
+                f"memory per GPU {p.budget.total / GB:.1f} GB of {p.capacity_bytes / GB:.1f} GB: {fit}\n"
+                f"max concurrent sequences of {v['context']} tokens: {p.max_sequences}\n"
+                f"decode step {p.step_s * 1e3:.2f} ms ({p.bound}; compute {p.compute_s * 1e3:.2f} ms, memory "
+                f"{p.memory_s * 1e3:.2f} ms, TP all-reduces {p.comm_s * 1e3:.2f} ms)\n"
+                f"-> inter-token latency {p.step_s * 1e3:.2f} ms, {p.tokens_per_s:.0f} tokens/s for the batch; "
+                f"prefill of the context ~{p.ttft_s * 1e3:.0f} ms (predicted, roofline)")
+
+
+class TracePanel(ControlPanel):
+    """Arrival rate and batching policy -> p50/p99 TTFT and ITL of a Poisson trace served by the tiny GPT.
+
+    ``clock="wall-clock"`` measures this machine; ``"simulated"`` uses the roofline cost of Llama-3-8B on an
+    H100 for each step (tokens still come from the tiny GPT).
+    """
+
+    POLICIES: ClassVar[dict[str, tuple[str, int | None]]] = {
+        "static": ("static", None), "continuous": ("continuous", None), "chunked prefill": ("continuous", 32)}
+
+    def __init__(self, n_requests: int = 24, seed: int = 0, draw: bool = True, **values: Any) -> None:
+        super().__init__()
+        self._draw, self.n_requests, self.seed = draw, n_requests, seed
+        self.config = GPTConfig(seq_len=128)
+        self.model = GPT(self.config, seed=0).eval()
+        style = {"description_width": "initial"}
+        self.controls = {
+            "rate": W.Dropdown(options=[10, 30, 100, 300, 1000], value=100, description="arrivals / s",
+                               style=style),
+            "policy": W.ToggleButtons(options=list(self.POLICIES), value="continuous", description="batching",
+                                      style={"description_width": "initial", "button_width": "110px"}),
+            "clock": W.ToggleButtons(options=["simulated", "wall-clock"], value="simulated", description="clock",
+                                     style={"description_width": "initial", "button_width": "90px"}),
+        }
+        self.image = W.Image(format="png")
+        self.out = W.HTML()
+        self.children = [W.HBox([self.controls["rate"], self.controls["clock"]]), self.controls["policy"],
+                         self.out, self.image]
+        self._watch()
+        self.result: ServeResult | None = None
+        self.set(**values) if values else self.update()
+
+    def update(self) -> None:
+        v = self.values()
+        policy, budget = self.POLICIES[v["policy"]]
+        requests = poisson_trace(self.n_requests, float(v["rate"]), short_prompt=(4, 16), long_prompt=(48, 64),
+                                 output=(2, 48), seed=self.seed)
+        clock = SimClock(StepCost.for_model("llama3-8b", "H100_SXM", overhead_s=1e-3)) \
+            if v["clock"] == "simulated" else WallClock()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            cache = PagedKVCache(self.config, n_blocks=256, block_size=16)
+            self.result = Scheduler(Engine(self.model, cache), policy=policy, max_batch=8, token_budget=budget,
+                                    clock=clock).run(requests)
+        finally:
+            torch.set_num_threads(threads)
+        self.out.value = "<pre>" + self.text + "</pre>"
+        if self._draw:
+            self.image.value = figure_png(plot_schedule(self.result, max_requests=self.n_requests))
+
+    @property
+    def text(self) -> str:
+        s, v = self.result.summary(), self.values()
+        where = "measured on this machine" if v["clock"] == "wall-clock" else \
+            "simulated: Llama-3-8B-on-H100 roofline cost per step"
+        return (f"{v['policy']} batching, {v['rate']} arrivals/s, {self.n_requests} requests ({where})\n"
+                f"TTFT p50 {s['ttft_p50'] * 1e3:.1f} ms  p99 {s['ttft_p99'] * 1e3:.1f} ms | "
+                f"ITL p50 {s['itl_p50'] * 1e3:.2f} ms  p99 {s['itl_p99'] * 1e3:.2f} ms | "
+                f"{s['throughput_tok_s']:.0f} tokens/s")

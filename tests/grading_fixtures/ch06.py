@@ -1,0 +1,103 @@
+"""Wrong answers for chapter 06 (context parallelism)."""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from course_lib import comm
+from course_lib.parallel import cp_attention as ca
+
+
+def merge_without_max_shift(out1, lse1, out2, lse2):
+    """The textbook weights exp(lse): overflow (inf/inf = NaN) once scores pass ~88."""
+    w1, w2 = torch.exp(lse1), torch.exp(lse2)
+    total = w1 + w2
+    return (w1[..., None] * out1 + w2[..., None] * out2) / total[..., None], torch.log(total)
+
+
+def merge_equal_weights(out1, lse1, out2, lse2):
+    """Averages the two parts, ignoring how much of the softmax each holds."""
+    return (out1 + out2) / 2, torch.logaddexp(lse1, lse2)
+
+
+def merge_nan_for_masked_rows(out1, lse1, out2, lse2):
+    """Stable for large scores, but exp(-inf - -inf) = NaN when both blocks are fully masked."""
+    lse = torch.logaddexp(lse1, lse2)
+    return torch.exp(lse1 - lse)[..., None] * out1 + torch.exp(lse2 - lse)[..., None] * out2, lse
+
+
+def contiguous_positions(seq_len, cp, rank):
+    """The contiguous layout: one chunk r of cp."""
+    c = seq_len // cp
+    return torch.arange(rank * c, (rank + 1) * c)
+
+
+def mirror_off_by_one(seq_len, cp, rank):
+    """Second chunk 2cp - r instead of 2cp - 1 - r (wraps past the end for rank 0)."""
+    if seq_len % (2 * cp):
+        raise ValueError("bad length")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in (rank, (2 * cp - rank) % (2 * cp))])
+
+
+def no_length_check(seq_len, cp, rank):
+    """Right for good lengths, silently wrong chunks for bad ones."""
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in (rank, 2 * cp - 1 - rank)])
+
+
+def _merge(out, lse, b_out, b_lse):
+    new = torch.logaddexp(lse, b_lse)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    return torch.exp(lse - safe)[..., None] * out + torch.exp(b_lse - safe)[..., None] * b_out, new
+
+
+def ring_step_local_mask(q, q_pos, kv, kv_pos, out, lse, group=None):
+    """The causal mask from positions inside the block (tril), not the global positions."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    incoming = torch.empty_like(kv)
+    works = [comm.isend(kv, (r + 1) % n, group), comm.irecv(incoming, (r - 1) % n, group)]
+    t = q.shape[2]
+    visible = torch.ones(t, t, dtype=torch.bool).tril()
+    b_out, b_lse = ca.BlockAttention().forward(q, kv[0], kv[1], 1 / math.sqrt(q.shape[-1]), visible)
+    out, lse = _merge(out, lse, b_out, b_lse)
+    for w in works:
+        w.wait()
+    return out, lse, incoming
+
+
+def ring_step_returns_own_block(q, q_pos, kv, kv_pos, out, lse, group=None):
+    """Sends and receives, but keeps its own block for the next step."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    incoming = torch.empty_like(kv)
+    works = [comm.isend(kv, (r + 1) % n, group), comm.irecv(incoming, (r - 1) % n, group)]
+    visible = kv_pos[None, :] <= q_pos[:, None]
+    if visible.any():
+        b_out, b_lse = ca.BlockAttention().forward(q, kv[0], kv[1], 1 / math.sqrt(q.shape[-1]), visible)
+        out, lse = _merge(out, lse, b_out, b_lse)
+    for w in works:
+        w.wait()
+    return out, lse, kv
+
+
+class StillStale(ca.BlockAttention):
+    """Uses the received block only from step 2 on."""
+
+    def kv_for_backward_step(self, step, received, own):
+        return received if step >= 2 else own
+
+
+class ForwardMaskOnly(ca.BlockAttention):
+    """Fixes nothing: the original bug kept."""
+
+    def kv_for_backward_step(self, step, received, own):
+        return own
+
+
+WRONG = {
+    "merge_partials": [merge_without_max_shift, merge_equal_weights, merge_nan_for_masked_rows],
+    "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check],
+    "ring_step": [ring_step_local_mask, ring_step_returns_own_block],
+    "fixed_kernel": [StillStale, ForwardMaskOnly],
+}

@@ -1,0 +1,126 @@
+"""Wrong answers for chapter 09 (serving)."""
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def attend_is_causal(q, k_cache, v_cache, k_new, v_new):
+    """is_causal=True: the mask is aligned top-left, so a decode query sees only key 0."""
+    k, v = torch.cat([k_cache, k_new], 1), torch.cat([v_cache, v_new], 1)
+    rep = q.shape[0] // k.shape[0]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
+    return k, v, out
+
+
+def attend_without_mask(q, k_cache, v_cache, k_new, v_new):
+    """No mask at all: new queries see the new keys after them."""
+    k, v = torch.cat([k_cache, k_new], 1), torch.cat([v_cache, v_new], 1)
+    rep = q.shape[0] // k.shape[0]
+    return k, v, F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0))
+
+
+def attend_gqa_repeat_wrong(q, k_cache, v_cache, k_new, v_new):
+    """GQA heads tiled (repeat) instead of interleaved: query head j gets K/V head j % H_kv."""
+    k, v = torch.cat([k_cache, k_new], 1), torch.cat([v_cache, v_new], 1)
+    rep = q.shape[0] // k.shape[0]
+    n, total = q.shape[1], k.shape[1]
+    mask = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
+    return k, v, F.scaled_dot_product_attention(q, k.repeat(rep, 1, 1), v.repeat(rep, 1, 1), attn_mask=mask)
+
+
+def reserve_partial(table, free, n_tokens, block_size):
+    """Takes what blocks there are before finding out there are not enough (not all or nothing)."""
+    need = math.ceil(n_tokens / block_size) - len(table)
+    while need > 0 and free:
+        table.append(free.pop())
+        need -= 1
+    return need <= 0
+
+
+def reserve_floor(table, free, n_tokens, block_size):
+    """floor instead of ceil: the last partial block is missing."""
+    need = n_tokens // block_size - len(table)
+    if need > len(free):
+        return False
+    for _ in range(max(need, 0)):
+        table.append(free.pop())
+    return True
+
+
+def metrics_ttft_from_first_gap(arrival_s, token_times):
+    """TTFT measured from the first token to the second (forgets the queue and the prefill)."""
+    if not token_times:
+        raise ValueError("empty")
+    n = len(token_times)
+    return {"ttft": float(token_times[1] - token_times[0]) if n > 1 else 0.0,
+            "itl": [float(b - a) for a, b in itertools.pairwise(token_times)],
+            "tpot": float((token_times[-1] - token_times[0]) / (n - 1)) if n > 1 else None,
+            "e2e": float(token_times[-1] - arrival_s)}
+
+
+def metrics_tpot_over_n(arrival_s, token_times):
+    """TPOT divided by n instead of n - 1 (and 0 for one token)."""
+    if not token_times:
+        raise ValueError("empty")
+    n = len(token_times)
+    return {"ttft": float(token_times[0] - arrival_s),
+            "itl": [float(b - a) for a, b in itertools.pairwise(token_times)],
+            "tpot": float((token_times[-1] - token_times[0]) / n),
+            "e2e": float(token_times[-1] - arrival_s)}
+
+
+def kv_heads_like_queries(rank, t, n_head, n_kv):
+    """Splits the KV heads like the query heads: nothing left for a rank when t > n_kv."""
+    per = n_kv // t
+    return list(range(rank * per, (rank + 1) * per))
+
+
+def kv_heads_round_robin(rank, t, n_head, n_kv):
+    """Deals the KV heads out round-robin: rank 1 gets head 1 though its query heads use head 0."""
+    return [rank % n_kv] if t >= n_kv else list(range(rank * (n_kv // t), (rank + 1) * (n_kv // t)))
+
+
+def step_causal_only_at_start(model, cache, tokens, start):
+    """is_causal only for the first chunk, no mask afterwards: decode is right, a later chunk of several tokens
+    sees its own future."""
+    n, d = tokens.numel(), model.config.head_dim
+    pos = torch.arange(start, start + n)
+    x = model.tok_emb(tokens) + model.pos_emb(pos)
+    for layer, blk in enumerate(model.blocks):
+        a, h = blk.attn, blk.norm1(x)
+        q, k, v = (p(h).view(n, -1, d).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj))
+        cache.write(layer, 0, start, k, v)
+        k, v = cache.read(layer, 0, start + n)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0)
+        x = x + a.o_proj(y.transpose(0, 1).reshape(n, -1))
+        x = x + blk.mlp(blk.norm2(x))
+    return model.lm_head(model.norm_f(x[-1]))
+
+
+def step_position_from_zero(model, cache, tokens, start):
+    """Positions counted from 0 in every step (the cache offset forgotten for the position embedding)."""
+    n, d = tokens.numel(), model.config.head_dim
+    pos = torch.arange(start, start + n)
+    x = model.tok_emb(tokens) + model.pos_emb(torch.arange(n))
+    for layer, blk in enumerate(model.blocks):
+        a, h = blk.attn, blk.norm1(x)
+        q, k, v = (p(h).view(n, -1, d).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj))
+        cache.write(layer, 0, start, k, v)
+        k, v = cache.read(layer, 0, start + n)
+        mask = torch.arange(start + n)[None, :] <= pos[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + a.o_proj(y.transpose(0, 1).reshape(n, -1))
+        x = x + blk.mlp(blk.norm2(x))
+    return model.lm_head(model.norm_f(x[-1]))
+
+
+WRONG = {
+    "attend_over_cache": [attend_is_causal, attend_without_mask, attend_gqa_repeat_wrong],
+    "reserve_blocks": [reserve_partial, reserve_floor],
+    "request_metrics": [metrics_ttft_from_first_gap, metrics_tpot_over_n],
+    "tp_kv_heads": [kv_heads_like_queries, kv_heads_round_robin],
+    "step_logits": [step_causal_only_at_start, step_position_from_zero],
+}

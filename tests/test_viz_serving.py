@@ -1,0 +1,57 @@
+"""Serving figures and widgets, driven from the kernel side: the budget panel's numbers are the estimator's,
+TP and quantisation move them the right way, the trace panel's numbers are the scheduler's summary."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+from matplotlib.figure import Figure
+
+from course_lib.memory import GB, inference_memory
+from course_lib.serving.budget import predict
+from course_lib.serving.roofline import critical_batch
+from course_lib.viz.serving import ServingBudgetPanel, TracePanel, plot_roofline, plot_schedule
+
+
+def test_budget_panel_shows_the_estimators_budget_and_reacts_to_tp_and_quantisation():
+    w = ServingBudgetPanel(model="llama3-70b", draw=False)
+    text = w.set(tp=1, batch=8, context=4096, quant="bf16")
+    ref = inference_memory("llama3-70b", batch=8, context_len=4096, tp=1)
+    assert w.prediction.budget.total == pytest.approx(ref.total)
+    assert f"{ref.total / GB:.1f} GB" in text and "does NOT fit" in text
+    assert "fits" in w.set(tp=4) and w.prediction.max_sequences > 0
+    bf16_step = w.prediction.step_s
+    w.set(quant="int4")
+    assert w.prediction.step_s < bf16_step  # fewer weight bytes to stream per step
+    assert w.prediction.bound == "memory-bound"
+    assert "compute-bound" in str(predict("llama3-8b", batch=2048, context=128).bound)
+
+
+def test_budget_panel_reports_an_invalid_split_instead_of_raising():
+    w = ServingBudgetPanel(model="llama3-8b", draw=False)
+    assert w.set(model="gpt3-175b", tp=8).startswith("gpt3-175b")
+    w2 = ServingBudgetPanel(model="gpt2-124m", draw=False)
+    assert w2.set(tp=8).startswith("invalid")  # 12 heads are not divisible by 8
+    w2.set(tp=1)
+    assert isinstance(w2.figure(), Figure)
+
+
+def test_trace_panel_replays_the_trace_and_static_is_slower_than_continuous():
+    w = TracePanel(n_requests=12, draw=False)
+    w.set(policy="continuous", rate=300, clock="simulated")
+    cont = w.result.summary()
+    assert f"{cont['ttft_p50'] * 1e3:.1f} ms" in w.text and "simulated" in w.text
+    w.set(policy="static")
+    assert w.result.summary()["ttft_p99"] > cont["ttft_p99"]
+    fig = plot_schedule(w.result)
+    assert "simulated" in fig.axes[0].get_xlabel()
+
+
+def test_roofline_figure_marks_the_ridge():
+    fig = plot_roofline(989e12, 3.35e12, {"decode b=1": (1.0, 3.35e12)}, title="H100")
+    ax = fig.axes[0]
+    assert any("ridge 295" in t.get_text() for t in ax.get_legend().get_texts())
+    assert critical_batch(989e12, 3.35e12) == pytest.approx(295.2, abs=0.1)
