@@ -619,6 +619,7 @@ def test_clear_errors(models, case, words):
 # DTensor parallelize_module + loss_parallel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DTENSOR_RUNS))
 def test_dtensor_matches_one_process_and_ours(dtensor, name):
     t, per_rank = dtensor
@@ -630,6 +631,7 @@ def test_dtensor_matches_one_process_and_ours(dtensor, name):
     print(f"t={t} {name} ours vs DTensor: {assert_parity(theirs, ours, atol=atol)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sgd", "sgd_sp", "swiglu_sgd_sp"])
 def test_ledger_equals_dtensors_collectives(dtensor, name):
     """Forward and backward: the same collectives with the same bytes in the same order. The one difference: the

@@ -12,6 +12,10 @@
 3. ``gather_unit(shard, numel, shapes)``: rebuild an FSDP unit's parameters from each rank's shard of the
    padded flat buffer: one all-gather into one buffer, and the parameters as *views* of it (so that one
    storage resize frees the whole unit), (N-1)/N x V bytes.
+4. ``grad_shard(grad)``: find the bug in a colleague's gradient reduce-scatter (the shard size rounded up with
+   ``numel // N + 1``, one element too many per shard when N divides numel, so every rank's range is off) and fix
+   it: this rank's shard [r S, (r+1) S) of the gradient averaged over ranks, in the input's dtype, with one
+   reduce-scatter of the padded buffer, (N-1)/N x V bytes.
 
 On the ranks every collective call is counted (``torch.distributed.ProcessGroup`` methods, which ``dist.*``,
 ``course_lib.comm`` and point-to-point messages all end in), with the bytes a rank sends under the ring algorithm
@@ -147,6 +151,19 @@ def _gather_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shapes: 
     return {"type": type(got).__name__, "facts": facts, "comm": log, "shard_modified": not torch.equal(shard, before)}
 
 
+def _grad_shard_on_rank(rank: int, world_size: int, fn: Callable[..., Any], cases: Sequence[int], seed: int,
+                        dtypes: Sequence[torch.dtype]) -> list[dict[str, Any]]:
+    out = []
+    for dtype in dtypes:
+        for numel in cases:
+            grad = _grad(numel, seed, 0, rank).to(dtype)
+            log: list[tuple[str, int]] = []
+            with _counting(log):
+                got = fn(grad.clone())
+            out.append({"got": got.detach().clone() if isinstance(got, torch.Tensor) else got, "comm": log})
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # In the learner's process
 
@@ -270,6 +287,33 @@ def check_gather_unit(fn: Callable[..., list[torch.Tensor]], world_size: int = 4
     return run_check("gather_unit", body)
 
 
+def check_grad_shard(fn: Callable[[torch.Tensor], torch.Tensor], world_size: int = 4,
+                     cases: tuple[int, ...] = (16, 10),
+                     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64), seed: int = 0,
+                     timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """For each dtype and numel: every rank's result must be its shard (``FlatLayout`` bounds) of the padded gradient
+    averaged over ranks, a tensor of S elements in the input's dtype, from one reduce-scatter of the padded buffer."""
+    def body() -> str:
+        n = world_size
+        results = _launch(_grad_shard_on_rank, n, fn, list(cases), seed, list(dtypes), timeout=timeout)
+        for k, (dtype, numel) in enumerate((d, c) for d in dtypes for c in cases):
+            lay = FlatLayout.build(["g"], [(numel,)], n)
+            mean = torch.zeros(lay.padded_numel, dtype=dtype)
+            mean[:numel] = sum(_grad(numel, seed, 0, r).to(dtype) for r in range(n)) / n
+            elem = torch.empty((), dtype=dtype).element_size()
+            for r, per_rank in enumerate(results):
+                lo, hi = lay.bounds(r)
+                expect_close(per_rank[k]["got"], mean[lo:hi], f"rank {r}'s gradient shard (numel {numel} padded to "
+                             f"{lay.padded_numel} on {n} ranks: elements [{lo}, {hi}) of the mean gradient, in the "
+                             f"input's dtype {str(dtype).removeprefix('torch.')})")
+                _check_comm(per_rank[k]["comm"], (n - 1) * elem * lay.padded_numel // n,
+                            f"numel {numel} (one reduce-scatter of the padded {elem * lay.padded_numel:,} bytes "
+                            "sends (N-1)/N x V)", r)
+        kinds = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        return f"{n} ranks, numel {list(cases)}, {kinds}: every rank's shard right, one reduce-scatter each"
+    return run_check("grad_shard", body)
+
+
 EXERCISES = [
     Exercise("shard_range", "Owner rule with padding", 2, "shard_range", check_shard_range,
              hidden=[{"cases": ((1, 1), (7, 2), (9, 3), (2, 8), (1000, 7), (43791, 4), (6_738_415_616, 64))}]),
@@ -281,4 +325,8 @@ EXERCISES = [
              hidden=[{"world_size": 2, "shapes": ((5,), (2, 3)), "seed": 1},
                      {"world_size": 3, "shapes": ((4, 4), (1,), (3,)), "seed": 2},
                      {"world_size": 4, "shapes": ((33, 33), (65,)), "seed": 3}]),
+    Exercise("grad_shard", "Find the bug: the gradient reduce-scatter", 3, "grad_shard", check_grad_shard,
+             hidden=[{"world_size": 2, "cases": (2, 7, 1), "seed": 1},
+                     {"world_size": 3, "cases": (9, 3, 11), "seed": 2},
+                     {"world_size": 4, "cases": (8780, 17457), "seed": 3}]),
 ]

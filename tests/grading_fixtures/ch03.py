@@ -128,9 +128,49 @@ def gather_in_reverse_rank_order(shard, numel, shapes):
     return _views(flat, shapes)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# grad_shard (find the bug)
+
+
+def _reduce_scatter_padded(grad, s, dtype):
+    n = dist.get_world_size()
+    padded = torch.zeros(n * s, dtype=dtype)
+    k = min(grad.numel(), n * s)
+    padded[:k] = grad[:k]
+    out = torch.empty(s, dtype=dtype)
+    dist.reduce_scatter_single(out, padded)
+    return out / n
+
+
+def shard_plus_one(grad):
+    """The colleague's bug left in: numel // N + 1 elements per shard (one too many when N divides numel)."""
+    return _reduce_scatter_padded(grad, grad.numel() // dist.get_world_size() + 1, grad.dtype)
+
+
+def shard_rounded_down(grad):
+    """numel // N per shard: the last elements are dropped."""
+    return _reduce_scatter_padded(grad, max(1, grad.numel() // dist.get_world_size()), grad.dtype)
+
+
+def shard_in_float32(grad):
+    """The right shard, computed in a float32 buffer whatever the input's dtype."""
+    return _reduce_scatter_padded(grad, -(-grad.numel() // dist.get_world_size()), torch.float32)
+
+
+def shard_by_all_reduce(grad):
+    """All-reduce the whole gradient, then slice: refused (ZeRO never holds the whole reduced gradient)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    s = -(-grad.numel() // n)
+    padded = torch.zeros(n * s, dtype=grad.dtype)
+    padded[:grad.numel()] = grad
+    dist.all_reduce(padded)
+    return padded[r * s:(r + 1) * s] / n
+
+
 WRONG = {
     "shard_range": [range_without_padding, range_uneven_chunks, range_owner_offset],
     "zero1_sgd_step": [zero1_forgets_to_average, zero1_updates_the_full_tensor, zero1_wrong_shard,
                        zero1_gathers_every_gradient],
     "gather_unit": [gather_then_clone, gather_by_all_reduce, gather_in_reverse_rank_order],
+    "grad_shard": [shard_plus_one, shard_rounded_down, shard_in_float32, shard_by_all_reduce],
 }

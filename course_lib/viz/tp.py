@@ -1,0 +1,210 @@
+"""Tensor parallelism as pictures: communication per layer and per step against t, and where TP turns
+communication-bound.
+
+* **Arithmetic** (pure): :func:`tp_layer_cost` models one transformer block's training step on one rank of a TP
+  group of t: compute ``6 P_block n / t + 12 h s n / t`` FLOPs at ``peak x mfu`` (Kaplan et al. 2020; PaLM's
+  attention term, ``cost.training_flops_per_token``) against the 4 all-reduces of V = n h e bytes (SP: 4
+  all-gathers + 4 reduce-scatters, the same bytes) in the alpha-beta model (``cost.collective_time``), n =
+  tokens per device. The bandwidth terms both grow with n, so their ratio does not depend on it:
+
+      compute / comm  ~=  6 P_block B / (8 (t-1) h e F)         (~ 9 h B / ((t-1) e F) for a GPT block, f = 4h)
+
+  with B the link bandwidth and F the achieved FLOP/s: TP is communication-bound once (t-1) passes ~9hB/(eF),
+  whatever the batch; few tokens per device (decode) add the latency term on top. Communication is counted as
+  not overlapped with compute (Megatron-LM's TP all-reduces sit on the critical path).
+* **Figure and widget**: :func:`plot_tp_cost` draws compute and communication time per layer against t and the
+  bytes per rank per step; :class:`TPCostWidget` (:func:`tp_cost_widget`) wires model, link, GPU, tokens per
+  device and SP to it and checks the rule of thumb of the Ultra-Scale Playbook summaries ("TP 2-8 inside a node;
+  over PCIe at most 2") against the model. The bytes are *modelled* (ring formula), not measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ipywidgets as W
+from matplotlib.figure import Figure
+
+from course_lib.cost import PEAK_FLOPS, collective_bytes_per_rank, collective_time, training_flops_per_token
+from course_lib.model import PRESETS, GPTConfig, block_params
+from course_lib.viz.comm import LINKS, Link, format_bytes, format_seconds
+from course_lib.viz.panel import ControlPanel, figure_png
+
+__all__ = ["CONTROL_DESCRIPTIONS", "DEGREES", "TPCostWidget", "TPLayerCost", "largest_compute_bound_t",
+           "plot_tp_cost", "rule_of_thumb", "tp_cost_widget", "tp_layer_cost"]
+
+DEGREES = (1, 2, 4, 8, 16, 32)
+MODELS = tuple(name for name, c in PRESETS.items() if name != "tiny" and not c.n_expert)
+CONTROL_DESCRIPTIONS = {"model": "model", "link": "TP link", "gpu": "GPU", "tokens": "tokens per device",
+                        "mfu": "MFU", "sequence_parallel": "sequence parallel"}
+TOKEN_RANGE = (1, 65536)
+
+
+@dataclass(frozen=True)
+class TPLayerCost:
+    """One block's training step on one rank of a TP group of ``t`` (seconds; bytes this rank sends)."""
+
+    t: int
+    valid: bool  # t divides n_head
+    compute_s: float
+    comm_s: float
+    bytes_per_rank: float
+    collectives: int
+
+    @property
+    def comm_bound(self) -> bool:
+        return self.t > 1 and self.comm_s > self.compute_s
+
+
+def tp_layer_cost(cfg: GPTConfig, tokens: int, t: int, link: Link, peak_flops: float, mfu: float = 0.5,
+                  element_bytes: int = 2, sequence_parallel: bool = False) -> TPLayerCost:
+    """The modelled cost of one block at TP degree t (see the module docstring)."""
+    if tokens < 1 or t < 1:
+        raise ValueError(f"tokens and t must be >= 1, got {tokens}, {t}")
+    flops = training_flops_per_token(block_params(cfg), 1, cfg.d_model, cfg.seq_len) * tokens / t
+    v = tokens * cfg.d_model * element_bytes
+    if t == 1:
+        comm, sent, calls = 0.0, 0.0, 0
+    elif sequence_parallel:
+        comm = 4 * (collective_time("all_gather", v, t, link.alpha, link.beta)
+                    + collective_time("reduce_scatter", v, t, link.alpha, link.beta))
+        sent = 4 * (collective_bytes_per_rank("all_gather", v, t) + collective_bytes_per_rank("reduce_scatter", v, t))
+        calls = 8
+    else:
+        comm = 4 * collective_time("all_reduce", v, t, link.alpha, link.beta)
+        sent, calls = 4 * collective_bytes_per_rank("all_reduce", v, t), 4
+    return TPLayerCost(t, cfg.n_head % t == 0, flops / (peak_flops * mfu), comm, sent, calls)
+
+
+def rule_of_thumb(link: Link) -> tuple[int, str]:
+    """The largest t the rule of thumb allows on ``link``: 8 over NVLink (TP 2-8 inside a node), 2 over PCIe,
+    1 over a network (keep TP inside the node)."""
+    if "NVLink" in link.name:
+        return 8, "TP 2-8 inside a node"
+    if "PCIe" in link.name:
+        return 2, "over PCIe at most 2"
+    return 1, "keep TP inside the node"
+
+
+def largest_compute_bound_t(costs: list[TPLayerCost]) -> int:
+    """The largest valid t whose communication stays at or below its compute (1 if none)."""
+    ok = [c.t for c in costs if c.valid and not c.comm_bound]
+    return max(ok) if ok else 1
+
+
+def plot_tp_cost(costs: list[TPLayerCost], cfg: GPTConfig, link: Link, tokens: int, n_layer: int | None = None,
+                 title: str = "") -> Figure:
+    """Left: compute and communication time of one block per rank against t (log scale). Right: bytes one rank
+    sends per training step (all layers, modelled ring bytes) against t."""
+    fig = Figure(figsize=(10.5, 3.8), layout="constrained")
+    ax, bx = fig.subplots(1, 2, width_ratios=(3, 2))
+    xs = list(range(len(costs)))
+    w = 0.38
+    comp = [c.compute_s for c in costs]
+    comm = [max(c.comm_s, 1e-9) for c in costs]
+    ax.bar([x - w / 2 for x in xs], comp, w, label="compute (model FLOPs / achieved FLOP/s)", color="#4C72B0")
+    ax.bar([x + w / 2 for x in xs], comm, w, label=f"TP communication over {link.name} (modelled)",
+           color="#DD8452")
+    for x, c in zip(xs, costs, strict=True):
+        if not c.valid:
+            ax.text(x, min(comp) * 0.9, "t does not\ndivide n_head", ha="center", va="top", fontsize=7, color="gray")
+        elif c.comm_bound:
+            ax.text(x, max(c.comm_s, c.compute_s) * 1.15, "comm-bound", ha="center", va="bottom", fontsize=7,
+                    color="#C44E52")
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [f"t={c.t}" for c in costs])
+    ax.set_ylabel("seconds per block and step, one rank")
+    lo = min(min(comp), min(c for c in comm if c > 1e-9) if any(c > 1e-9 for c in comm) else min(comp))
+    ax.set_ylim(lo / 3, max(max(comp), max(comm)) * 4)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title(f"{cfg.name}: {tokens} tokens per device", fontsize=9)
+    layers = n_layer if n_layer is not None else cfg.n_layer
+    per_step = [layers * c.bytes_per_rank / 1e9 for c in costs]
+    bx.bar(xs, per_step, 0.6, color="#DD8452")
+    for x, b in zip(xs, per_step, strict=True):
+        bx.text(x, b, f"{b:.3g}", ha="center", va="bottom", fontsize=7)
+    bx.set_xticks(xs, [str(c.t) for c in costs])
+    bx.set_xlabel("TP degree t")
+    bx.set_ylabel("GB sent per rank per step (modelled)")
+    bx.set_title(f"{layers} blocks x 4 collectives of b*s*h", fontsize=9)
+    bx.set_ylim(0, max([*per_step, 1e-9]) * 1.2)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+class TPCostWidget(ControlPanel):
+    """Controls (model, link, GPU, tokens per device, MFU, SP), a verdict per t and the figure.
+
+    From code: ``w.set(link="PCIe 4.0 x16", tokens=4096)`` returns ``w.text``; ``w.costs`` the modelled costs,
+    ``w.largest_t`` the largest t that is not communication-bound.
+    """
+
+    def __init__(self, model: str = "llama3-70b", link: str = "NVLink 4 (H100)", gpu: str = "H100_SXM",
+                 tokens: int = 4096, mfu: float = 0.5, sequence_parallel: bool = False, draw: bool = True) -> None:
+        super().__init__()
+        self._draw = draw
+        d, style = CONTROL_DESCRIPTIONS, {"description_width": "initial"}
+        self.controls: dict[str, Any] = {
+            "model": W.Dropdown(options=list(MODELS), value=model, description=d["model"], style=style),
+            "link": W.Dropdown(options=list(LINKS), value=link, description=d["link"], style=style),
+            "gpu": W.Dropdown(options=list(PEAK_FLOPS), value=gpu, description=d["gpu"], style=style),
+            "tokens": W.Dropdown(options=[2 ** k for k in range(17)], value=tokens, description=d["tokens"],
+                                 style=style),
+            "mfu": W.FloatSlider(value=mfu, min=0.1, max=0.8, step=0.05, description=d["mfu"], style=style,
+                                 continuous_update=False),
+            "sequence_parallel": W.Checkbox(value=sequence_parallel, description=d["sequence_parallel"]),
+        }
+        c = self.controls
+        self.result = W.HTML()
+        self.table = W.HTML()
+        self.image = W.Image(format="png", layout=W.Layout(max_width="820px"))
+        self.children = [W.HBox([c["model"], c["link"], c["gpu"]], layout=W.Layout(flex_flow="row wrap")),
+                         W.HBox([c["tokens"], c["mfu"], c["sequence_parallel"]],
+                                layout=W.Layout(flex_flow="row wrap")),
+                         self.result, self.table, self.image]
+        self.add_class("course-tp-cost")
+        self.costs: list[TPLayerCost] = []
+        self.largest_t = 1
+        self._watch()
+        self.update()
+
+    def update(self) -> None:
+        v = self.values()
+        cfg, link = PRESETS[v["model"]], LINKS[v["link"]]
+        peak = PEAK_FLOPS[v["gpu"]]
+        self.costs = [tp_layer_cost(cfg, int(v["tokens"]), t, link, peak, float(v["mfu"]),
+                                    sequence_parallel=bool(v["sequence_parallel"])) for t in DEGREES]
+        self.largest_t = largest_compute_bound_t(self.costs)
+        lines = self.text.split("\n")
+        self.result.value = "<br>".join(lines[:2])
+        self.table.value = "<pre>" + "\n".join(lines[2:]) + "</pre>"
+        if self._draw:
+            fig = plot_tp_cost(self.costs, cfg, link, int(v["tokens"]),
+                               title="modelled: alpha-beta ring times, no compute/comm overlap")
+            self.image.value = figure_png(fig)
+
+    @property
+    def text(self) -> str:
+        v = self.values()
+        cfg, link = PRESETS[v["model"]], LINKS[v["link"]]
+        rule, why = rule_of_thumb(link)
+        hb = 6 * block_params(cfg) * link.beta / (8 * cfg.d_model * 2 * PEAK_FLOPS[v["gpu"]] * float(v["mfu"]))
+        head = [f"{cfg.name} over {link.name}: modelled compute-bound up to t={self.largest_t} "
+                f"(bandwidth terms alone: comm = compute at t-1 = {hb:.3g})",
+                f"rule of thumb: t <= {rule} ({why}); at {v['tokens']} tokens per device the model "
+                + ("allows at least that" if self.largest_t >= rule else f"is stricter: t <= {self.largest_t}")]
+        rows = ["   t  sent/layer   comm/layer  compute/layer  verdict"]
+        for c in self.costs:
+            verdict = ("t does not divide n_head" if not c.valid else
+                       "comm-bound" if c.comm_bound else "compute-bound")
+            rows.append(f"{c.t:>4}  {format_bytes(c.bytes_per_rank):>10}  {format_seconds(c.comm_s):>11}  "
+                        f"{format_seconds(c.compute_s):>13}  {verdict}")
+        return "\n".join(head + rows)
+
+
+def tp_cost_widget(**kwargs: Any) -> TPCostWidget:
+    """The TP cost widget (see :class:`TPCostWidget`)."""
+    return TPCostWidget(**kwargs)
+
