@@ -130,16 +130,16 @@ def test_make_exercises_overwrites_an_exercise_that_was_only_run(one_chapter):
     assert not kept and "ran it" not in exercise.read_text()
 
 
-def test_an_exercise_from_before_fingerprints_counts_as_edited_when_git_says_so(one_chapter):
+def test_git_vouches_for_a_committed_exercise_but_not_for_local_edits(one_chapter):
     _, exercise = one_chapter
     nb = nbformat.read(exercise, as_version=4)
-    del nb.metadata["course"]["generated"]
+    del nb.metadata["course"]["generated"]  # from before fingerprints, or a merge of two generated versions
     nbformat.write(nb, exercise)
     assert notebooks.edited_by_hand(exercise)  # not in a git repository: cannot tell, so it is kept
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(exercise.parent)]
     for cmd in (["init", "-q"], ["add", exercise.name], ["commit", "-qm", "generated"]):
         subprocess.run(git + cmd, check=True, capture_output=True)
-    assert not notebooks.edited_by_hand(exercise)
+    assert not notebooks.edited_by_hand(exercise)  # committed as it is: the repository's, not a learner's
     _edit(exercise, lambda cell: setattr(cell, "source", "x = 1"))
     assert notebooks.edited_by_hand(exercise)
 

@@ -9,8 +9,9 @@ block by ``raise NotImplementedError("<hint>")`` at the block's indentation and 
     python -m course_lib.grading.notebooks --force    # also overwrite exercises whose code was edited
 
 Each exercise records a fingerprint of the code it was generated with (``metadata.course.generated``). An exercise
-whose code no longer matches its fingerprint was edited by someone -- a learner working in place -- and is kept
-(reported, exit 1) unless ``--force``: regenerating never silently destroys a learner's work.
+whose code no longer matches its fingerprint, and that git does not show committed as it is, was edited by
+someone -- a learner working in place -- and is kept (reported, exit 1) unless ``--force``: regenerating never
+silently destroys a learner's work.
 """
 
 from __future__ import annotations
@@ -70,18 +71,25 @@ def fingerprint(nb: nbformat.NotebookNode) -> str:
 
 
 def edited_by_hand(path: Path) -> bool:
-    """True when the exercise at ``path`` no longer has the code it was generated with. One written before
-    fingerprints existed counts as edited when git shows it modified (or when git cannot tell)."""
+    """True when the exercise at ``path`` no longer has the code it was generated with (or has no fingerprint)
+    and git does not vouch for it: a file committed as it is was shipped by the repository (a merge of two
+    generated versions, say), not written by a learner."""
     nb = nbformat.read(path, as_version=4)
-    generated = nb.metadata.get("course", {}).get("generated")
-    if generated is not None:
-        return generated != fingerprint(nb)
+    if nb.metadata.get("course", {}).get("generated") == fingerprint(nb):
+        return False
+    return not _committed_as_is(path)
+
+
+def _committed_as_is(path: Path) -> bool:
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args, "--", path.name], cwd=path.parent, capture_output=True, text=True,
+                              timeout=30)
+
     try:
-        status = subprocess.run(["git", "status", "--porcelain", "--", path.name], cwd=path.parent,
-                                capture_output=True, text=True, timeout=30)
+        tracked, status = git("ls-files", "--error-unmatch"), git("status", "--porcelain")
     except (OSError, subprocess.TimeoutExpired):
-        return True
-    return status.returncode != 0 or bool(status.stdout.strip())
+        return False
+    return tracked.returncode == 0 and status.returncode == 0 and not status.stdout.strip()
 
 
 def exercise_path(solution_path: Path, exercises_dir: Path) -> Path:
