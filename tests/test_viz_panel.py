@@ -10,9 +10,12 @@ import pytest
 from course_lib.viz.comm import collective_cost_widget
 from course_lib.viz.cp import cp_work_widget
 from course_lib.viz.memory import memory_budget_widget
+from course_lib.viz.mesh import PlannerWidget
 from course_lib.viz.moe import moe_dispatch_widget
 from course_lib.viz.panel import KEYBOARD_HINT, ControlPanel
 from course_lib.viz.schedule import bubble_widget
+from course_lib.viz.serving import ServingBudgetPanel, TracePanel
+from course_lib.viz.tp import tp_cost_widget
 from course_lib.viz.zero import zero_memory_widget
 
 FACTORIES = {
@@ -22,6 +25,10 @@ FACTORIES = {
     "bubble": bubble_widget,
     "cp": cp_work_widget,
     "moe": moe_dispatch_widget,
+    "serving": lambda: ServingBudgetPanel(draw=False),
+    "trace": lambda: TracePanel(draw=False),
+    "tp": tp_cost_widget,
+    "planner": PlannerWidget,
 }
 
 
