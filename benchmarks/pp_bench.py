@@ -5,7 +5,7 @@ Every rank runs ``course_lib.parallel.pp.train_pp`` in the **emulated-device mod
 each compute action runs the real tiny-GPT stage (real activations and gradients cross real gloo point-to-point
 links) and then sleeps its emulated cost, as a host waits for a GPU kernel. The sleep costs no CPU, so p ranks run
 side by side even on 2 cores, and the measured idle time follows the schedule rather than the OS scheduler (see
-COURSE_DESIGN.md, "Timing on a 2-core machine"). Stages are uniform: the same number of blocks each, and the same
+the course's note on timing on a 2-core machine). Stages are uniform: the same number of blocks each, and the same
 emulated cost per action; costs F : B = 1 : 2 and W = B / 2 (I = W = F), the equal-cost case for which the ZB-H1
 formula is stated. Interleaved chunks hold 1/v of a rank's layers and sleep 1/v of a stage's cost.
 

@@ -148,6 +148,13 @@ def group_label(group: Group) -> str:
     return _GROUP_NAMES.get(id(group)) or f"ranks{dist.get_process_group_ranks(group)}"
 
 
+def global_rank(group: Group, group_rank: int) -> int:
+    """The global rank of the ``group_rank``-th member of ``group`` (what send/recv/broadcast take)."""
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def _add(record: CommRecord) -> CommRecord:
     for lg in _LOGS:
         lg.records.append(record)

@@ -15,6 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+from course_lib.schedules import SCHEDULE_NAMES
+
 # ------------------------------------------------------------------------------------------ pipelines
 
 ScheduleName = Literal["gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zb_h1"]
@@ -53,8 +55,9 @@ def _check_pipeline(schedule: str, p: int, m: int, v: int) -> None:
     for name, value in (("p", p), ("m", m), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if schedule not in ("gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zb_h1"):
-        raise ValueError(f"unknown schedule {schedule!r}: gpipe, one_f_one_b, interleaved_one_f_one_b or zb_h1")
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {schedule!r}: {', '.join(SCHEDULE_NAMES)} (schedules.SCHEDULE_ALIASES "
+                         f"maps the other accepted names to these)")
     if schedule != "interleaved_one_f_one_b" and v != 1:
         raise ValueError(f"{schedule} has one stage per rank: v must be 1, got {v}")
     if schedule == "interleaved_one_f_one_b" and m % p:

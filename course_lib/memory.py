@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from course_lib.model import PRESETS, GPTConfig, norm_params
+from course_lib.parallel.pp_layers import layer_split
+from course_lib.schedules import SCHEDULE_ALIASES, canonical_schedule
 
 __all__ = [
     "GB",
@@ -93,13 +95,17 @@ def _amount(name: str, value: object, positive: bool = False) -> None:
 # Results: bytes by category
 
 
-def format_bytes(n: float, unit: str | None = None) -> str:
-    """``1.23 GB``-style text, decimal units; ``unit`` forces one of B, kB, MB, GB, TB, KiB, MiB, GiB."""
+def format_bytes(n: float, unit: str | None = None, *, digits: int | None = None) -> str:
+    """The course's one byte formatter, decimal units: ``1.23 GB``-style (two decimals); ``unit`` forces one of
+    B, kB, MB, GB, TB, KiB, MiB, GiB; ``digits`` gives that many significant digits instead
+    (``format_bytes(4e6, digits=3)`` -> ``4 MB``, ``format_bytes(1500, digits=3)`` -> ``1.5 kB``)."""
     units = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     if unit is not None and unit not in units:
         raise ValueError(f"unit must be one of {', '.join(units)} (or None to pick one), got {unit!r}")
     if unit is None:
         unit = next((u for u in ("TB", "GB", "MB", "kB") if abs(n) >= units[u]), "B")
+    if digits is not None:
+        return f"{n / units[unit]:.{digits}g} {unit}"
     if unit == "B":
         return f"{n:,.0f} B"
     return f"{n / units[unit]:,.2f} {unit}"
@@ -339,6 +345,13 @@ class ParallelLayout:
     cp: int = 1
     ep: int = 1
 
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelLayout: {name}={value!r}, but every degree must be an int >= 1 "
+                                 f"(1 = that parallelism is off)")
+
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
@@ -352,7 +365,7 @@ class ParallelLayout:
         """Micro-batches whose activations stage ``stage`` holds at its peak."""
         if self.pp == 1:
             return 1  # gradient accumulation runs micro-batches one after another
-        if self.schedule == "afab":
+        if canonical_schedule(self.schedule) == "gpipe":
             return self.m
         return min(self.pp - stage, self.m)
 
@@ -364,7 +377,7 @@ class ParallelLayout:
                 raise ValueError(f"{name} must be >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0..3, got {self.zero}")
-        if self.schedule not in ("1f1b", "afab"):
+        if self.schedule not in SCHEDULE_ALIASES or canonical_schedule(self.schedule) not in ("one_f_one_b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'afab', got {self.schedule!r}")
         if self.m < 1:
             raise ValueError("microbatches must be >= 1")
@@ -372,8 +385,7 @@ class ParallelLayout:
             raise ValueError(f"tp={self.tp} must divide n_head={c.n_head}")
         if c.kv_heads % self.tp and self.tp % c.kv_heads:
             raise ValueError(f"tp={self.tp} and n_kv_head={c.kv_heads}: one must divide the other")
-        if self.pp > c.n_layer:
-            raise ValueError(f"pp={self.pp} exceeds n_layer={c.n_layer}")
+        layer_split(c.n_layer, self.pp)  # the runtime's rule: pp divides n_layer (equal stages)
         if seq_len is not None and seq_len % self.cp:
             raise ValueError(f"cp={self.cp} must divide the sequence length {seq_len}")
         if seq_len is not None and self.sp and (seq_len // self.cp) % self.tp:
@@ -395,9 +407,8 @@ def _resolve(config: GPTConfig | str) -> GPTConfig:
 
 
 def _layers_per_stage(n_layer: int, pp: int) -> list[int]:
-    """L layers over pp stages as evenly as possible (the first stages take the remainder)."""
-    base, extra = divmod(n_layer, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
+    """L layers over pp stages: the pipeline runtime's rule (``pp_layers.layer_split``: L / pp each)."""
+    return layer_split(n_layer, pp)
 
 
 def _block_params_rank(c: GPTConfig, tp: int) -> tuple[float, float]:

@@ -199,10 +199,14 @@ def make_norm(c: GPTConfig) -> nn.Module:
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0,
-                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables (Su et al. 2021): angle(pos, i) = pos / base^(2i/d). Shapes [T, d/2]."""
-    pos = torch.arange(seq_len, dtype=torch.float32) if positions is None else positions.float()
-    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+                 positions: torch.Tensor | None = None,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables (Su et al. 2021): angle(pos, i) = pos / base^(2i/d). Shapes [T, d/2], on ``device`` (or
+    that of ``positions``)."""
+    if positions is not None:
+        device = positions.device
+    pos = torch.arange(seq_len, dtype=torch.float32, device=device) if positions is None else positions.float()
+    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     ang = torch.outer(pos, inv)
     return ang.cos(), ang.sin()
 
@@ -234,7 +238,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, d]
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rope:
-            cos, sin = rope_cos_sin(T, self.head_dim)
+            cos, sin = rope_cos_sin(T, self.head_dim, device=x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if k.shape[1] != q.shape[1]:  # GQA: each K/V head serves n_head / n_kv_head query heads
             rep = q.shape[1] // k.shape[1]

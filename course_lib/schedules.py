@@ -41,6 +41,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+SCHEDULE_ALIASES: dict[str, str] = {
+    "gpipe": "gpipe", "afab": "gpipe",
+    "1f1b": "one_f_one_b", "one_f_one_b": "one_f_one_b",
+    "interleaved": "interleaved_one_f_one_b", "interleaved_1f1b": "interleaved_one_f_one_b",
+    "interleaved_one_f_one_b": "interleaved_one_f_one_b",
+    "zb_h1": "zb_h1", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
+}
+"""The one schedule-name registry: every accepted name -> its canonical name, which is the builder's name in
+this module and the name ``cost.bubble_fraction`` takes (the runtime, the figures and the estimator all resolve
+names here)."""
+SCHEDULE_NAMES: tuple[str, ...] = tuple(dict.fromkeys(SCHEDULE_ALIASES.values()))
+"""The canonical names, in order."""
+
+
+def canonical_schedule(name: str) -> str:
+    """The canonical name of ``name`` ("1f1b" -> "one_f_one_b"); a clear ``ValueError`` for an unknown one."""
+    if name not in SCHEDULE_ALIASES:
+        raise ValueError(f"unknown schedule {name!r}: use one of {sorted(SCHEDULE_ALIASES)}")
+    return SCHEDULE_ALIASES[name]
+
+
 
 class Kind(StrEnum):
     F = "F"

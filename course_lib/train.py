@@ -61,8 +61,9 @@ def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], tc: TrainCon
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached fp32 copies of every parameter, by name (what parity compares)."""
-    return {k: v.detach().float().clone() for k, v in model.named_parameters()}
+    """Detached fp32 CPU copies of every parameter, by name (what parity compares; CPU so that results of ranks
+    on GPUs travel back and compare with the single-process baseline)."""
+    return {k: v.detach().float().cpu().clone() for k, v in model.named_parameters()}
 
 
 def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),

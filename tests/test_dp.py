@@ -100,15 +100,15 @@ RARE_TOKEN = _rare_token(4)
 class NoDivide(dp.DataParallel):
     """Forgets the 1/N: gradients come out N times too large."""
 
-    def _average(self, summed: torch.Tensor) -> None:
+    def average(self, summed: torch.Tensor) -> None:
         pass
 
 
 class DropLastBucket(dp.DataParallel):
     """Never all-reduces the last (partial) bucket: its parameters keep their local gradients."""
 
-    def _build_buckets(self) -> list[dp.Bucket]:
-        return super()._build_buckets()[:-1]
+    def build_buckets(self) -> list[dp.Bucket]:
+        return super().build_buckets()[:-1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,9 +143,9 @@ def _special_suite(rank: int, world_size: int) -> dict:
             runs["extras", mode, find] = dp.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                                      model_fn=GPTWithExtras, find_unused_parameters=find)
     runs["broken", "no_divide"] = dp.train_dp(rank, world_size, CFG, SGD, mode="bucketed", bucket_mb=BUCKET_MB,
-                                              dp_class=NoDivide)
+                                              wrapper_class=NoDivide)
     runs["broken", "drop_last_bucket"] = dp.train_dp(rank, world_size, CFG, ADAMW, mode="bucketed",
-                                                     bucket_mb=BUCKET_MB, dp_class=DropLastBucket)
+                                                     bucket_mb=BUCKET_MB, wrapper_class=DropLastBucket)
     # broadcast_parameters: every rank starts from its own seed and ends with rank 0's weights
     model = GPT(CFG, seed=100 + rank)
     with comm.recording() as log:

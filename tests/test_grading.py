@@ -137,3 +137,11 @@ def test_the_cli_prints_a_partial_score_exits_0_and_writes_json(tmp_path, monkey
     assert grader.main(["x.ipynb", "--strict"]) == 1
     reports[0].scores[0] = grader.ExerciseScore("k", "t", 2, 2, True, "ok")
     assert grader.main(["x.ipynb", "--strict"]) == 0
+
+
+def test_visible_bucket_check_rejects_a_dropped_partial_bucket():
+    from course_lib.grading import ch02
+    from tests.grading_fixtures.ch02 import buckets_drop_the_last_partial_one
+
+    assert not ch02.check_assign_buckets(buckets_drop_the_last_partial_one).ok
+    assert ch02.check_assign_buckets(ch02.reference_buckets).ok

@@ -56,24 +56,34 @@ def assert_ok(ref: TrainResult, got: TrainResult, what: str) -> None:
 # What the ranks run (module-level: shipped to the ranks by value, see conftest)
 
 
-def _broken_owner_offset(rank, world_size, tc):
+class OwnerOffsetUnit(zero.FlatParamUnit):
     """Every rank takes the shard of its right neighbour: a wrong owner offset (consistent on all ranks)."""
-    right = zero.shard_bounds
-    zero.shard_bounds = lambda r, s: right((r + 1) % world_size, s)
-    try:
-        return zero.train_zero(rank, world_size, CFG, tc, 3)
-    finally:
-        zero.shard_bounds = right
+
+    def bounds(self) -> tuple[int, int]:
+        return zero.shard_bounds((self.shard_rank + 1) % self.world_size, self.layout.shard_numel)
+
+
+class NoAverageUnit(zero.FlatParamUnit):
+    """Reduce-scatter sums the gradients and nobody divides by N."""
+
+    def average(self, g: torch.Tensor) -> None:
+        pass
+
+
+class OwnerOffset(zero.ZeroDataParallel):
+    unit_class = OwnerOffsetUnit
+
+
+class NoAverage(zero.ZeroDataParallel):
+    unit_class = NoAverageUnit
+
+
+def _broken_owner_offset(rank, world_size, tc):
+    return zero.train_zero(rank, world_size, CFG, tc, 3, wrapper_class=OwnerOffset)
 
 
 def _broken_no_average(rank, world_size, tc):
-    """Reduce-scatter sums the gradients and nobody divides by N."""
-    average = zero.FlatParamUnit._average
-    zero.FlatParamUnit._average = lambda self, g: None
-    try:
-        return zero.train_zero(rank, world_size, CFG, tc, 2)
-    finally:
-        zero.FlatParamUnit._average = average
+    return zero.train_zero(rank, world_size, CFG, tc, 2, wrapper_class=NoAverage)
 
 
 def _accumulate(rank, world_size, stage, m):

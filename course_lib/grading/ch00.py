@@ -3,6 +3,9 @@
 1. ``param_state_bytes(precision, optimizer)``: bytes per parameter of weights, gradients and optimizer state.
 2. ``zero_bytes_per_device(psi, n_d, stage, k)``: model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020).
 3. ``kv_cache_bytes(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value)``: the serving KV cache.
+4. ``fewest_gpus(model, gpu, seq_len)``: the smallest cluster whose busiest GPU holds a training step, searched
+   over ZeRO-3 x TP (with SP) x PP layouts with ``memory.training_memory``; returns ``(n_gpus, layout)``. Any layout
+   of the minimal size that fits is accepted (the check recomputes its budget).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Callable
 
 from course_lib import memory
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_equal, expect_number, run_check
+from course_lib.viz.memory import GPUS
 
 GRADER_PARAMETERS = {"seed": 1}
 
@@ -52,6 +56,59 @@ def check_kv_cache_bytes(fn: Callable, cases: tuple[tuple[int, int, int, int, in
     return run_check("kv_cache_bytes", body)
 
 
+TPS, PPS, DPS = (1, 2, 4, 8), (1, 2, 4, 8, 16), tuple(2 ** k for k in range(11))
+"""The search space of ``fewest_gpus``: TP inside a node of 8, PP dividing 80 layers, DP a power of two <= 1024."""
+
+
+def fewest_budget(model: str, layout: dict, seq_len: int) -> memory.MemoryBudget:
+    """The budget ``fewest_gpus`` must use for a layout ``{"tp": t, "pp": p, "dp": d}``."""
+    return memory.training_memory(model, micro_batch=1, seq_len=seq_len, recompute="full",
+                                  layout=memory.ParallelLayout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
+                                                               zero=3, sp=layout["tp"] > 1))
+
+
+def reference_fewest(model: str, gpu: str, seq_len: int) -> int:
+    """The fewest GPUs over the search space (brute force)."""
+    cap = GPUS[gpu].gb * memory.GB
+    sizes = [t * p * d for t in TPS for p in PPS for d in DPS
+             if fewest_budget(model, {"tp": t, "pp": p, "dp": d}, seq_len).total <= cap]
+    if not sizes:
+        raise ValueError(f"{model} at {seq_len} tokens fits no layout of the search space on {gpu}")
+    return min(sizes)
+
+
+def check_fewest_gpus(fn: Callable, cases: tuple[tuple[str, str, int], ...] = (
+        ("llama3-70b", "H100 80GB", 8192), ("llama3-8b", "A100 40GB", 8192))) -> CheckResult:
+    """``fn(model, gpu, seq_len)`` returns ``(n_gpus, {"tp": t, "pp": p, "dp": d})``: an int, a layout of the
+    search space with t x p x d = n_gpus whose budget fits the GPU, and no smaller one fits."""
+    def body() -> str:
+        found = []
+        for model, gpu, seq_len in cases:
+            what = f"fewest_gpus({model!r}, {gpu!r}, {seq_len})"
+            got = fn(model, gpu, seq_len)
+            if (not isinstance(got, tuple) or len(got) != 2 or isinstance(got[0], bool) or not isinstance(got[0], int)
+                    or not isinstance(got[1], dict) or set(got[1]) != {"tp", "pp", "dp"}):
+                raise CheckFailed(f"{what} must return (n_gpus as an int, {{'tp': t, 'pp': p, 'dp': d}}), got {got!r}")
+            n, layout = got
+            t, p, d = layout["tp"], layout["pp"], layout["dp"]
+            if t not in TPS or p not in PPS or d not in DPS:
+                raise CheckFailed(f"{what}: layout {layout} is outside the search space (tp in {TPS}, pp in {PPS}, "
+                                  "dp a power of two up to 1024)")
+            if t * p * d != n:
+                raise CheckFailed(f"{what}: returned {n} GPUs but the layout {layout} uses tp x pp x dp = {t * p * d}")
+            need, cap = fewest_budget(model, layout, seq_len).total, GPUS[gpu].gb * memory.GB
+            if need > cap:
+                raise CheckFailed(f"{what}: layout {layout} needs {need / memory.GB:.2f} GB per GPU, more than the "
+                                  f"{cap / memory.GB:.2f} GB of a {gpu}")
+            best = reference_fewest(model, gpu, seq_len)
+            if n != best:
+                raise CheckFailed(f"{what}: {n} GPUs fit, but a layout of {best} GPUs fits too: search every (tp, pp, "
+                                  "dp) and keep the smallest product")
+            found.append(f"{model} on {n} x {gpu}")
+        return "; ".join(found)
+    return run_check("fewest_gpus", body)
+
+
 EXERCISES = [
     Exercise("param_state_bytes", "Bytes per parameter by precision and optimizer", 2, "param_state_bytes",
              check_param_state_bytes,
@@ -63,4 +120,7 @@ EXERCISES = [
                      {"cases": tuple((70e9, n, s, k) for n in (1, 3, 1024) for s in range(4) for k in (12, 16))}]),
     Exercise("kv_cache_bytes", "KV cache of a served model", 2, "kv_cache_bytes", check_kv_cache_bytes,
              hidden=[{"cases": ((32, 32, 128, 2048, 8, 2), (32, 8, 128, 32768, 3, 1), (1, 1, 1, 1, 1, 4))}]),
+    Exercise("fewest_gpus", "The fewest GPUs that train a model", 3, "fewest_gpus", check_fewest_gpus,
+             hidden=[{"cases": (("llama2-7b", "RTX 4090 24GB", 4096), ("llama2-70b", "H200 141GB", 4096),
+                                ("llama3-70b", "A100 40GB", 8192))}]),
 ]

@@ -5,6 +5,8 @@
 3. ``ring_all_reduce_bytes(numel, element_size, n, rank)``: the exact (sent, received) bytes of one rank in a ring
    all-reduce, chunks not necessarily equal (``comm.ring_bytes``).
 4. ``pairwise_all_to_all(blocks)``: block j to rank j, by pairwise exchange (Thakur et al. 2005).
+5. ``fixed_ring_all_reduce(tensor)``: find the bug in a given ring all-reduce and return the sum over ranks, by the
+   ring (reduce-scatter, then all-gather; its bytes are the ring's).
 
 The launched exercises run the learner's function on ``world_size`` real gloo ranks (``course_lib.launch``, with a
 time limit, so a deadlock fails the check instead of hanging it). On the ranks, the process group only lets
@@ -85,6 +87,8 @@ def _inputs(exercise: str, rank: int, n: int, size: Any, seed: int) -> tuple:
         return torch.randn(chunk_numels(size, n)[rank], generator=g), size
     if exercise == "all_to_all":
         return ([torch.randn(size, generator=g) for _ in range(n)],)
+    if exercise == "all_reduce":
+        return (torch.randn(size, generator=g),)
     raise ValueError(exercise)
 
 
@@ -222,6 +226,31 @@ def check_ring_all_reduce_bytes(fn: Callable[[int, int, int, int], tuple[int, in
     return run_check("ring_all_reduce_bytes", body)
 
 
+def check_fixed_ring_all_reduce(fn: Callable[[torch.Tensor], torch.Tensor], world_size: int = 4,
+                                numel: int = 12, seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Every rank must return the sum over ranks of the 1-D float32 inputs (``numel`` divisible by the world
+    size), as a float32 tensor of the same shape, leave its input unchanged, and send and receive exactly a ring
+    all-reduce's bytes: 2(n-1) messages of numel/n elements."""
+    def body() -> str:
+        n = world_size
+        if numel % n:
+            raise ValueError(f"numel {numel} must be divisible by the world size {n}")
+        expected = sum(_inputs("all_reduce", r, n, numel, seed)[0] for r in range(n))
+        results = _launch(_run_on_rank, n, "all_reduce", fn, numel, seed, timeout=timeout)
+        for r, res in enumerate(results):
+            got = res["got"]
+            if not isinstance(got, torch.Tensor) or got.dtype != torch.float32 or got.shape != (numel,):
+                raise CheckFailed(f"rank {r} returned {type(got).__name__}"
+                                  f"{'' if not isinstance(got, torch.Tensor) else f' {got.dtype} {tuple(got.shape)}'}"
+                                  f"; expected a float32 tensor of shape ({numel},), the sum over ranks")
+            expect_close(got, expected, f"rank {r}'s sum ({n} ranks, numel {numel}, chunks of {numel // n})",
+                         rtol=1e-5, atol=1e-5)
+        _expect_unmodified(results, "tensor")
+        sent = _check_bytes(results, "all_reduce", numel, "a ring all-reduce")
+        return f"{n} ranks, numel {numel}: every rank has the sum; bytes sent per rank {sent} (the ring's)"
+    return run_check("fixed_ring_all_reduce", body)
+
+
 EXERCISES = [
     Exercise("ring_reduce_scatter", "Ring reduce-scatter from send/recv", 4, "ring_reduce_scatter",
              check_ring_reduce_scatter,
@@ -237,4 +266,8 @@ EXERCISES = [
     Exercise("pairwise_all_to_all", "All-to-all by pairwise exchange", 3, "pairwise_all_to_all",
              check_pairwise_all_to_all,
              hidden=[{"world_size": 2, "block": (5,), "seed": 1}, {"world_size": 3, "block": (2, 3), "seed": 2}]),
+    Exercise("fixed_ring_all_reduce", "Find the bug: a ring all-reduce", 3, "fixed_ring_all_reduce",
+             check_fixed_ring_all_reduce,
+             hidden=[{"world_size": 2, "numel": 6, "seed": 1}, {"world_size": 3, "numel": 999, "seed": 2},
+                     {"world_size": 4, "numel": 4, "seed": 3}]),
 ]

@@ -15,6 +15,13 @@
    on the last micro-batch only.
 4. ``dp_bytes_per_step(n_params, bytes_per_grad, n, accumulation)``: bytes one rank sends per optimizer step in
    the ring all-reduce of the gradients, 2 (N-1)/N x V, whatever the number of micro-batches.
+5. ``overlap_buckets(params, buckets)``: the overlapped mode itself. Installs post-accumulate-grad hooks that launch
+   one asynchronous all-reduce per bucket, in bucket order, as soon as the bucket is complete, and returns
+   ``finish()``, which waits, averages and writes the gradients back. Checked on real ranks: the all-reduces are
+   counted and sized where the process group sees them (one per bucket, in order, all during backward, none in
+   ``finish()``), and the gradients compared with one process.
+6. ``fixed_overlap_buckets(params, buckets)``: find the bug in a given version of 5 that is right for one step
+   only; the same check, over several steps.
 
 Launched checks run the learner's function (shipped by cloudpickle, as a notebook cell's) on ``world_size`` gloo
 ranks through ``course_lib.launch`` with a time limit, so a hang fails the check with where each rank waited.
@@ -87,6 +94,8 @@ def _describe_buckets(buckets: list[list[int]], sizes: Sequence[int]) -> str:
 DEFAULT_BUCKET_CASES: tuple[tuple[tuple[int, ...], int], ...] = (
     ((400, 100, 300, 200, 500, 100), 500),
     ((4, 4, 4, 4), 0),
+    ((100, 300, 200, 400, 100), 500),  # the last bucket, [0], is partly filled: it must still be returned
+    ((), 100),
 )
 
 
@@ -276,6 +285,84 @@ def check_dp_bytes_per_step(fn: Callable[[int, int, int, int], float],
     return run_check("dp_bytes_per_step", body)
 
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. overlap_buckets
+
+
+def _overlap_on_rank(rank: int, world_size: int, fn: Callable[..., Any], tc: TrainConfig) -> dict[str, Any]:
+    model = GPT(CFG, seed=tc.seed)
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    buckets = dp.assign_buckets(params, int(BUCKET_MB * dp.MiB))
+    phase, calls = ["setup"], []
+
+    def counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            ts = tensors if isinstance(tensors, list | tuple) else [tensors]
+            calls.append((phase[0], sum(t.numel() for t in ts), str(ts[0].dtype)))
+            return original(self, tensors, *args, **kwargs)
+        return wrapped
+
+    opt = make_optimizer(list(model.parameters()), tc)
+    steps, grads = [], []
+    with core.patch_process_group(("allreduce",), counting):
+        finish = fn(params, buckets)
+        for step in range(tc.steps):
+            x, y = global_batch(step, tc.global_batch, CFG.seq_len, tc.seed)
+            opt.zero_grad()
+            calls.clear()
+            phase[0] = "backward"
+            lm_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            phase[0] = "finish()"
+            finish()
+            phase[0] = "step"
+            steps.append(list(calls))
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            opt.step()
+    return {"calls": steps, "grads": grads, "bucket_numels": [sum(params[j].numel() for j in b) for b in buckets]}
+
+
+def check_overlap_buckets(fn: Callable[..., Any], world_size: int = 2, seed: int = 0, steps: int = 2,
+                          timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """``finish = fn(params, buckets)`` once (``params`` in backward order, ``buckets`` from ``dp.assign_buckets``),
+    then ``steps`` SGD steps of forward, backward, ``finish()``, ``optimizer.step()`` on this rank's shard of the
+    global batch of 8. Each step: exactly one float32 all-reduce per bucket, of the bucket's size, in bucket order,
+    all issued while backward runs and none in ``finish()``; after ``finish()`` every gradient is the
+    single-process gradient of the global batch (rtol 1e-4), on every rank."""
+    def body() -> str:
+        tc = TrainConfig(optimizer="sgd", lr=1e-2, steps=steps, global_batch=8, seed=seed)
+        results = _launch(_overlap_on_rank, world_size, fn, tc, timeout=timeout)
+        numels = results[0]["bucket_numels"]
+        for rank, res in enumerate(results):
+            for step, calls in enumerate(res["calls"]):
+                late = [c for c in calls if c[0] != "backward"]
+                if late:
+                    raise CheckFailed(f"rank {rank}, step {step}: {len(late)} all-reduce(s) issued in {late[0][0]}; "
+                                      "every bucket's all-reduce must start from a gradient hook while backward runs "
+                                      "(that is the overlap), none may wait for finish()")
+                sizes = [c[1] for c in calls]
+                if sizes != numels:
+                    raise CheckFailed(f"rank {rank}, step {step}: all-reduces of {sizes} elements during backward, "
+                                      f"expected one per bucket in bucket order, {numels} (one flat buffer per "
+                                      "bucket; a bucket is launched only after every bucket before it)")
+                if any(c[2] != "torch.float32" for c in calls):
+                    raise CheckFailed(f"rank {rank}, step {step}: all-reduce payloads {[c[2] for c in calls]}: keep "
+                                      "the gradients' dtype (float32) in the bucket buffer")
+        model = GPT(CFG, seed=seed)
+        opt = make_optimizer(list(model.parameters()), tc)
+        for step in range(steps):
+            x, y = global_batch(step, tc.global_batch, CFG.seq_len, tc.seed)
+            opt.zero_grad()
+            lm_loss(model(x), y).backward()
+            for rank, res in enumerate(results):
+                for name, p in model.named_parameters():
+                    expect_close(res["grads"][step][name], p.grad, f"rank {rank}, step {step}: {name}.grad after "
+                                 "finish() vs one process on the whole global batch", rtol=1e-4, atol=1e-7)
+            opt.step()
+        return (f"{world_size} ranks, {len(numels)} buckets: one all-reduce per bucket, in order, during backward; "
+                f"gradients = one process's for {steps} steps")
+    return run_check("overlap_buckets", body)
+
 EXERCISES = [
     Exercise("assign_buckets", "DDP's bucket assignment", 3, "assign_buckets", check_assign_buckets,
              hidden=[{"cases": (((10, 20, 30), 1000), ((), 25), ((5, 5, 5, 5, 5), 10), ((1, 2, 3, 4, 5, 6, 7), 6),
@@ -291,4 +378,9 @@ EXERCISES = [
     Exercise("dp_bytes_per_step", "Bytes per rank and optimizer step", 2, "dp_bytes_per_step",
              check_dp_bytes_per_step,
              hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}]),
+    Exercise("overlap_buckets", "Overlapped, bucketed gradient hooks", 4, "overlap_buckets", check_overlap_buckets,
+             hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3}]),
+    Exercise("fixed_overlap_buckets", "Find the bug: overlap that works for one step", 3, "fixed_overlap_buckets",
+             check_overlap_buckets, visible={"steps": 3},
+             hidden=[{"world_size": 4, "seed": 1, "steps": 3}, {"world_size": 2, "seed": 2, "steps": 4}]),
 ]

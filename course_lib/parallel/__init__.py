@@ -1,13 +1,53 @@
 """Each kind of parallelism, built from scratch on real ``torch.distributed`` ranks, one concept per file.
 
-* ``dp``   data parallelism: naive, bucketed and overlapped gradient all-reduce; gradient accumulation
-* ``zero`` ZeRO stages 1-3 / FSDP
-* ``tp``   tensor parallelism (Megatron column/row parallel, sequence parallel)
-* ``pp``   pipeline parallelism (stages and schedules)
-* ``cp``   context parallelism: the ``ContextParallel`` wrapper; ``cp_attention`` its math (ring and
+* ``dp``        data parallelism: naive, bucketed and overlapped gradient all-reduce; gradient accumulation
+* ``zero``      ZeRO stages 0-3 / FSDP over flat parameters (FSDP1 / DeepSpeed form)
+* ``zero_unit`` one flat-parameter unit; ``zero_checkpoint`` sharded checkpoints of ``zero``: save at N
+  ranks, load at any N or in one process
+* ``fsdp2``     FSDP2-style per-parameter (dim-0) sharding on the same engine
+* ``sharded_optimizer`` ZeRO-1 at the optimizer level (``ShardedOptimizer``, ``ZeroRedundancyOptimizer``'s shape)
+* ``pp``        pipeline parallelism (stages, executor, schedules run on real ranks), ``pp_layers`` the one
+  layer-split rule, ``pp_split`` the I/W backward split, ``pp_balance`` stage balancing from measured costs
+* ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
+* ``tp``        tensor parallelism (Megatron column/row parallel, vocab-parallel loss, sequence parallel);
+  ``tp_comm`` the f/g operators and their sequence-parallel pair
+* ``cp``        context parallelism: the ``ContextParallel`` wrapper; ``cp_attention`` its math (ring and
   all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
-* ``ep``   expert parallelism (all-to-all dispatch and combine)
+* ``ep``        expert parallelism (count exchange, all-to-all dispatch and combine)
 
 Every module talks through ``course_lib.comm`` so that the bytes each rank moves are logged, and is checked
 against the single-process baseline of ``course_lib.train`` and against PyTorch's own implementation.
+
+The wrapper contract
+--------------------
+Every parallelism (these, and tensor, context and expert parallelism) wraps a model the same way, so that
+they compose on one ``course_lib.mesh.Mesh`` of ranks and one training loop drives them all:
+
+* ``Wrapper(module, *, mesh=None, group=None, ...)`` is an ``nn.Module`` (a ``contract.ParallelWrapper``).
+  ``mesh=`` resolves to ``mesh.group(*Wrapper.axes)`` (DP: ``"dp"``; ZeRO/FSDP: ``"dp", "cp"``; the pipeline:
+  ``"pp"``); ``group=`` is a process group (None = every rank); not both. A rank outside the group gets a
+  clear ``ValueError`` at construction. ``forward`` runs the module (the pipeline, whose forward and backward
+  interleave over micro-batches, runs one pass of its schedule in ``forward_backward(x, y)`` instead).
+* ``parameters()`` are what this rank's optimizer steps: the replica's (DP), the flat shards (ZeRO; per-parameter
+  shards for FSDP2), this rank's stages' (pipeline). Where the form replicates weights, the constructor
+  broadcasts them from the group's first rank, so replicas start identical however each rank initialised its
+  model.
+* ``no_sync()``: the forward/backward passes inside it only accumulate gradients locally; the next one outside
+  it reduces the sum (DP: no all-reduce; ZeRO: no reduce-scatter -- stage 3 still gathers its parameters; the
+  pipeline: nothing to hold back, it accumulates its own micro-batches).
+* ``finish_gradient_sync()`` after the last backward, before ``optimizer.step()`` (DP waits for / runs its
+  all-reduces); ``after_step()`` after ``optimizer.step()`` (ZeRO 1/2 all-gather the updated shards). Either
+  is a no-op where a form has nothing to do then, but both exist, so one loop drives every form.
+* ``remove_hooks()`` removes every hook the wrapper installed (ZeRO-3 first gathers the parameters back).
+* Seams: what a variant changes is a public, documented method a subclass overrides -- DP's ``average``,
+  ``build_buckets``, ``all_reduce``; ZeRO's ``unit_class`` with ``FlatParamUnit.average`` / ``bounds``; the
+  pipeline executor's ``scale_loss`` -- so tests and the grader inject bugs through them, never by
+  monkeypatching private names.
+* Device-true: every tensor a wrapper allocates is on the module's device and every collective payload has a
+  dtype NCCL accepts (no float64), so the same code runs on GPUs (``tests/test_device.py`` watches for both).
+* Training helpers ``train_xx(rank, world_size, cfg, tc, <form's options>, *, mesh=None, group=None,
+  model_fn=None, freeze=(), wrapper_class=<the wrapper>)`` are ``launch`` targets running
+  ``loop.train_loop``; their results are ``TrainResult`` subclasses with ``losses`` (the global-batch mean per
+  step), ``params`` (full parameters by name: ``course_lib.train.assert_parity(train_baseline(cfg, tc),
+  result)``) and ``step_comm`` (per step, the ``comm.CommRecord`` s this rank issued).
 """

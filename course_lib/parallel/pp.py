@@ -28,18 +28,7 @@ step (n = p v stages)::
 With v = 1 that is 2 (p - 1) m; interleaving crosses (p v - 1) boundaries instead of (p - 1), about v times the
 point-to-point traffic, which is what buys its v times smaller bubble.
 
-Split backward (zero-bubble, ``I`` and ``W``). ``B`` is one ``backward`` (input and weight gradients together).
-``I`` computes only the gradient of the stage input -- the one the previous stage waits for -- with
-``torch.autograd.grad(output, inputs=[input], retain_graph=True)``; ``W`` computes the weight gradients later,
-when the schedule has a gap. What ``I`` keeps for ``W`` (as ``torch.distributed.pipelining``'s
-``stage_backward_input`` / ``stage_backward_weight`` do): for every weight, the graph nodes where its gradient
-branches off the input-gradient path (a linear layer's matmul, a LayerNorm) and the gradient that arrived at each
-of them during ``I`` (captured by a pre-hook). ``W`` restarts back-propagation from those nodes with those
-gradients (``torch.autograd.grad`` from ``GradientEdge`` s), so it only does the weight part (g^T x per linear
-layer), not the whole backward again. Memory: until ``W`` the micro-batch's graph and its stored layer inputs stay
-alive (the ``W`` needs them), which is why ``schedules.peak_in_flight`` counts a micro-batch until its ``W``; the
-nodes above the captured points are freed after ``I``. Stage 0's embedding lookup has no input gradient: its whole
-backward is weight work and runs in ``W``.
+Split backward (zero-bubble, ``I`` and ``W``): ``course_lib.parallel.pp_split``.
 
 Timeline. Each compute action records its start and end (``time.perf_counter``, one clock for every process of a
 machine) and how long it waited for its input first; ``measured_bubble_fraction`` turns the ranks' records into
@@ -48,10 +37,8 @@ simulator's format for the Gantt chart. On a 2-core laptop ranks time-slice; for
 ``emulate=(t_f, t_b, t_w)``: every action then also sleeps that long (an emulated device: the host waits as it
 waits for a GPU kernel), so ranks run side by side and the measured bubble follows the schedule, not the OS.
 
-Balancing. Equal layer counts are not equal stages: stage 0 also embeds and the last stage runs the head and the
-loss (with a 256-token vocabulary and tiny blocks the head is a big share). ``balance_stages`` returns the
-contiguous split minimizing the slowest stage from per-layer costs, ideally measured (``measure_layer_costs``),
-optionally under a memory limit per stage (Dubrov: balance from measurements, not from layer counts).
+Balancing (``course_lib.parallel.pp_balance``): equal layer counts are not equal stages; ``balance_stages``
+returns the contiguous split minimizing the slowest stage from measured per-layer costs.
 
 Checked (tests/test_pp.py): every schedule at p = 2 and 4, and uneven splits, give bit-for-bit the parameters of
 one process accumulating the same m micro-batches, and of ``torch.distributed.pipelining`` on the same stages
@@ -66,291 +53,47 @@ local layers (each rank here builds the full tiny model once, for identical init
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
 
 from course_lib import comm
 from course_lib import schedules as S
 from course_lib.data import global_batch, micro_batches
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPTConfig, lm_loss
+from course_lib.parallel.contract import HasGroups, ParallelWrapper
+from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.pp_balance import LayerCosts, balance_stages, measure_layer_costs, stage_costs
+from course_lib.parallel.pp_layers import layer_split, stage_layers
+from course_lib.parallel.pp_split import backward_input, backward_weight
+from course_lib.parallel.pp_stages import (
+    SCHEDULES,
+    PipelineParts,
+    PipelinePlan,
+    Stage,
+    build_stages,
+    named_subset,
+    pipeline_parts,
+    plan_pipeline,
+    shares_weights,
+)
 from course_lib.schedules import Action, Kind, Schedule
-from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
+from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
-SCHEDULES: dict[str, str] = {  # accepted names -> the builder in course_lib.schedules
-    "gpipe": "gpipe", "afab": "gpipe",
-    "1f1b": "one_f_one_b", "one_f_one_b": "one_f_one_b",
-    "interleaved": "interleaved_one_f_one_b", "interleaved_1f1b": "interleaved_one_f_one_b",
-    "interleaved_one_f_one_b": "interleaved_one_f_one_b",
-    "zb_h1": "zb_h1", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
-}
+__all__ = [  # with what pp_stages / pp_layers / pp_balance / pp_split define, re-exported here
+    "SCHEDULES", "LayerCosts", "PPResult", "PipelineExecutor", "PipelineParallel", "PipelineParts", "PipelinePlan",
+    "Stage", "StepRecord", "TimedAction", "backward_input", "backward_weight", "balance_stages", "build_stages",
+    "layer_split", "measure_layer_costs", "measured_bubble_fraction", "measured_timeline", "merge_results",
+    "pipeline_parts", "plan_pipeline", "stage_costs", "stage_layers", "train_pp", "train_torch_pp",
+]
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-# ------------------------------------------------------------------------------------------------ the plan
-
-
-def layer_split(n_layer: int, n_stages: int, split: Sequence[int] | None = None) -> list[int]:
-    """Blocks per (virtual) stage: ``split`` checked, or equal counts (``n_layer`` must then divide evenly)."""
-    if split is None:
-        if n_layer % n_stages:
-            raise ValueError(
-                f"n_layer={n_layer} blocks do not divide into {n_stages} equal stages (p x v = {n_stages}): "
-                f"choose n_layer divisible by {n_stages}, or give split=[blocks per stage] (e.g. from balance_stages)"
-            )
-        return [n_layer // n_stages] * n_stages
-    split = list(split)
-    if len(split) != n_stages:
-        raise ValueError(f"split needs one block count per (virtual) stage, {n_stages} = p x v, got {len(split)}: "
-                         f"{split}")
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in split):
-        raise ValueError(f"every stage needs a whole number >= 1 of blocks, got split={split}")
-    if sum(split) != n_layer:
-        raise ValueError(f"split={split} sums to {sum(split)} blocks, but the model has n_layer={n_layer}")
-    return split
-
-
-def stage_layers(split: Sequence[int]) -> list[range]:
-    """The global block indices of each stage: [2, 1, 3] -> range(0, 2), range(2, 3), range(3, 6)."""
-    starts = [sum(split[:s]) for s in range(len(split))]
-    return [range(a, a + c) for a, c in zip(starts, split, strict=True)]
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Everything every rank must agree on: degree p, chunks per rank v, micro-batches m, the layers of each
-    stage and the schedule, with its transfers (``actions[r]`` is rank r's list)."""
-
-    p: int
-    v: int
-    m: int
-    schedule: str
-    split: list[int]
-    layers: list[range]
-    micro_batch: int  # rows per micro-batch (0 when the plan was made without a global batch)
-    actions: Schedule
-
-    @property
-    def n_stages(self) -> int:
-        return self.p * self.v
-
-    def stages_of(self, rank: int) -> list[int]:
-        """The stages rank ``rank`` holds: r, r + p, ... (Megatron's interleaved placement)."""
-        return list(range(rank, self.n_stages, self.p))
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.p
-
-
-def plan_pipeline(cfg: GPTConfig, p: int, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
-                  split: Sequence[int] | None = None, global_batch: int | None = None) -> PipelinePlan:
-    """Check the arguments (clear ``ValueError`` s) and build the plan. ``schedule`` is a name of ``SCHEDULES`` or
-    a compute-only schedule (``list[list[Action]]``) of p ranks, m micro-batches, v chunks per rank."""
-    for name, value in (("p", p), ("microbatches", microbatches), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    m = microbatches
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: use one of {sorted(SCHEDULES)}")
-        name = SCHEDULES[schedule]
-        if name != "interleaved_one_f_one_b" and v != 1:
-            raise ValueError(f"{name} has one stage per rank, so v must be 1 (got v={v}); interleaving v model chunks "
-                             f"per rank needs schedule='interleaved'")
-        if name == "interleaved_one_f_one_b" and m % p:
-            raise ValueError(f"interleaved 1F1B sends micro-batches through each model chunk in groups of p, so m must "
-                             f"be a multiple of p (m >= p): got m={m} micro-batches for p={p} stages")
-        compute = getattr(S, name)(p, m, v) if name == "interleaved_one_f_one_b" else getattr(S, name)(p, m)
-    else:
-        name, compute = "custom", [list(rank) for rank in schedule]
-        S.validate(compute, p, m, v)
-    if cfg.tie_embeddings and p * v > 1:
-        raise ValueError("tie_embeddings=True puts one weight on the first and the last stage: its gradient would need "
-                         "an all-reduce between those ranks (Megatron's embedding group), which this executor does not "
-                         "do; use an untied model")
-    if global_batch is not None and global_batch % m:
-        raise ValueError(f"the global batch of {global_batch} rows does not split into m={m} equal micro-batches: "
-                         f"choose m dividing {global_batch}")
-    counts = layer_split(cfg.n_layer, p * v, split)
-    actions = S.add_send_recv(compute) if p > 1 else compute
-    micro = global_batch // m if global_batch is not None else 0
-    return PipelinePlan(p, v, m, name, counts, stage_layers(counts), micro, actions)
-
-
-# ---------------------------------------------------------------------------------------------- the stages
-
-
-class Stage(nn.Module):
-    """One (virtual) stage: [embeddings] -> its blocks -> [final norm + head]. ``named_parameters()`` gives the
-    global names of ``GPT`` (``blocks`` is a ``ModuleDict`` keyed by the global block index).
-
-    ``forward(x)`` is the whole stage (token ids in on stage 0, logits out on the last): what
-    ``torch.distributed.pipelining.PipelineStage`` wraps. The executor calls ``embed`` and ``body`` separately.
-    """
-
-    def __init__(self, model: GPT, index: int, n_stages: int, layers: range) -> None:
-        super().__init__()
-        self.index, self.n_stages, self.layers = index, n_stages, layers
-        self.is_first, self.is_last = index == 0, index == n_stages - 1
-        if self.is_first:
-            self.tok_emb = model.tok_emb
-            self.pos_emb = model.pos_emb
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        if self.is_last:
-            self.norm_f = model.norm_f
-            self.lm_head = model.lm_head
-
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        return GPT.embed(self, idx)  # the same code as the full model (it only reads tok_emb and pos_emb)
-
-    def body(self, x: torch.Tensor) -> torch.Tensor:
-        """Blocks, then (last stage) final norm + head: hidden states in, hidden states or logits out."""
-        for block in self.blocks.values():
-            x = block(x)
-        return GPT.head(self, x) if self.is_last else x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(self.embed(x) if self.is_first else x)
-
-    def embedding_parameters(self) -> list[nn.Parameter]:
-        if not self.is_first:
-            return []
-        return [p for m in (self.tok_emb, self.pos_emb) if m is not None for p in m.parameters() if p.requires_grad]
-
-    def body_parameters(self) -> list[nn.Parameter]:
-        emb = {id(p) for p in self.embedding_parameters()}
-        return [p for p in self.parameters() if p.requires_grad and id(p) not in emb]
-
-
-def build_stages(cfg: GPTConfig, plan: PipelinePlan, rank: int, seed: int = 0) -> dict[int, Stage]:
-    """This rank's stages, by stage index, cut from ``GPT(cfg, seed)`` (same initial weights as the baseline)."""
-    model = GPT(cfg, seed=seed)
-    return {s: Stage(model, s, plan.n_stages, plan.layers[s]) for s in plan.stages_of(rank)}
-
-
-# ------------------------------------------------------------------------------- backward split in I and W
-
-
-def _grad_node(t: torch.Tensor) -> Node:
-    """The autograd node a tensor's gradient flows into: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-@dataclass(eq=False)  # compared by identity (it holds tensors)
-class _WeightGroup:
-    """Weights whose gradients branch off the input-gradient path at ``nodes``; ``grads[i]``: what reached
-    ``nodes[i]`` (one gradient per output of the forward op) during ``I``."""
-
-    params: list[torch.Tensor]
-    nodes: list[Node]
-    grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
-
-
-def _weight_groups(output: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_WeightGroup]:
-    """Where each parameter's gradient leaves the path output -> x (the nodes ``I`` runs anyway), grouped so that
-    parameters sharing such a node are computed together (then none is counted twice)."""
-    parents: defaultdict[Node, list[Node]] = defaultdict(list)  # reverse edges: node -> nodes that feed it a grad
-    seen, stack = {output.grad_fn}, [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        for child, _ in node.next_functions:
-            if child is not None:
-                parents[child].append(node)
-                if child not in seen:
-                    seen.add(child)
-                    stack.append(child)
-    on_path, stack = set(), [_grad_node(x)]  # every node between the output and x
-    while stack:
-        node = stack.pop()
-        for parent in parents[node]:
-            if parent not in on_path:
-                on_path.add(parent)
-                stack.append(parent)
-    groups: list[_WeightGroup] = []
-    owner: dict[Node, _WeightGroup] = {}
-    for p in params:
-        hits, visited, stack = [], set(), [_grad_node(p)]
-        while stack:  # walk up from the weight until the path: weight-only nodes (transposes, ...) are W's work
-            node = stack.pop()
-            for parent in parents[node]:
-                if parent in on_path:
-                    hits.append(parent)
-                elif parent not in visited:
-                    visited.add(parent)
-                    stack.append(parent)
-        if not hits:
-            continue  # the weight does not influence the output (e.g. an expert no token chose): no gradient
-        merged = list({id(owner[n]): owner[n] for n in hits if n in owner}.values())
-        group = _WeightGroup([p], list(dict.fromkeys(hits)))
-        for other in merged:
-            group.params += other.params
-            group.nodes += [n for n in other.nodes if n not in group.nodes]
-            groups.remove(other)
-        groups.append(group)
-        for n in group.nodes:
-            owner[n] = group
-    return groups
-
-
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor,
-                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[_WeightGroup]]:
-    """``I``: the gradient of the stage input ``x`` only (``x`` must influence ``output``); returns it and what
-    ``backward_weight`` needs: for each group of weights, the nodes where their gradients leave the input path and
-    the gradients that reached those nodes (captured by pre-hooks while this pass runs them anyway). The graph is
-    retained (``retain_graph=True``): W still needs the stored layer inputs."""
-    if grad_output is None:
-        grad_output = torch.ones_like(output)
-    groups = _weight_groups(output, x, params)
-    hooks = []
-    for group in groups:
-        group.grads = [None] * len(group.nodes)
-        for i, node in enumerate(group.nodes):
-            def capture(grad_outputs, group=group, i=i):
-                group.grads[i] = tuple(grad_outputs)
-            hooks.append(node.register_prehook(capture))
-    try:
-        (dx,) = torch.autograd.grad(output, inputs=[x], grad_outputs=grad_output, retain_graph=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    return dx, groups
-
-
-def backward_weight(groups: list[_WeightGroup]) -> None:
-    """``W``: accumulate the weight gradients into ``.grad``, restarting from the nodes ``I`` captured."""
-    for group in groups:
-        edges, grads = [], []
-        for node, captured in zip(group.nodes, group.grads, strict=True):
-            for i, g in enumerate(captured or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        if not edges:
-            continue
-        hooks = []
-        if len(group.nodes) > 1:  # a captured node below another one of the group: use only its captured gradient
-            for node, captured in zip(group.nodes, group.grads, strict=True):
-                hooks.append(node.register_prehook(lambda _, saved=captured: saved))
-        try:
-            dws = torch.autograd.grad(edges, group.params, grad_outputs=grads, allow_unused=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        for p, dw in zip(group.params, dws, strict=True):
-            if dw is not None:
-                p.grad = dw if p.grad is None else p.grad + dw
-        group.grads = []
 
 
 # ------------------------------------------------------------------------------------------------ executor
@@ -386,21 +129,27 @@ class PipelineExecutor:
     (I: t_b - t_w): the emulated-device mode for timing on a small CPU."""
 
     def __init__(self, stages: dict[int, Stage], plan: PipelinePlan, rank: int, group: comm.Group = None,
-                 loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None) -> None:
+                 loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
+                 hidden_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.stages, self.plan, self.rank, self.group = stages, plan, rank, group
         self.loss_fn, self.emulate = loss_fn, emulate
         self.actions = plan.actions[rank]
         self.prefetch = True  # post each compute action's receives one compute action early
-        block = next(iter(next(iter(stages.values())).blocks.values()))
-        self.d_model = block.attn.q_proj.in_features
+        first = next(iter(stages.values()))
+        self.device = next(first.parameters()).device
+        self.dtype = dtype
+        if hidden_shape is None:  # a GPT block: one d_model vector per token
+            attn = getattr(next(iter(first.blocks.values()), None), "attn", None)
+            hidden_shape = (attn.q_proj.in_features,) if attn is not None else None
+        self.hidden_shape = tuple(hidden_shape) if hidden_shape is not None else None
+        """Each message's shape after [rows, tokens] (GPT: [d_model]); ``PipelineParallel`` sets it otherwise."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
         return loss / self.plan.m
 
     def _peer(self, stage: int) -> int:
-        r = self.plan.rank_of(stage)
-        return dist.get_global_rank(self.group, r) if self.group is not None else r
+        return comm.global_rank(self.group, self.plan.rank_of(stage))
 
     def _sleep(self, kind: Kind) -> None:
         if self.emulate:
@@ -412,7 +161,7 @@ class PipelineExecutor:
         Returns the unscaled micro-batch losses (on the rank of the last stage, else []) and the timeline."""
         plan = self.plan
         micro = micro_batches(x, y, plan.m)
-        self._shape = (x.shape[0] // plan.m, x.shape[1], self.d_model)  # every message: one [b, s, h] tensor
+        self._shape = (x.shape[0] // plan.m, x.shape[1], *self.hidden_shape)  # every message: one [b, s, h] tensor
         self._ctx: dict[tuple[int, int], dict[str, Any]] = {}
         self._inbox: dict[tuple[Kind, int, int], tuple[torch.Tensor, Any]] = {}  # (F|B, j, stage) -> data, work
         self._outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
@@ -454,10 +203,10 @@ class PipelineExecutor:
     def _transfer(self, a: Action) -> None:
         j, s = a.microbatch, a.stage
         if a.kind is Kind.RECV_F:
-            buf = torch.empty(self._shape)
+            buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
             self._inbox[Kind.F, j, s] = (buf, comm.irecv(buf, self._peer(s - 1), self.group))
         elif a.kind is Kind.RECV_B:
-            buf = torch.empty(self._shape)
+            buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
             self._inbox[Kind.B, j, s] = (buf, comm.irecv(buf, self._peer(s + 1), self.group))
         elif a.kind is Kind.SEND_F:
             t = self._outbox.pop((Kind.F, j, s))
@@ -537,22 +286,106 @@ class PipelineExecutor:
 # ------------------------------------------------------------------------------------------------ training
 
 
+class PipelineParallel(ParallelWrapper):
+    """Wrap ``module`` (a GPT, an ``nn.Sequential`` [first, *blocks, last] or ``PipelineParts``) so that this
+    rank of ``group`` (or ``mesh.group("pp")``) runs its stages of it under ``schedule``.
+
+    Every rank holds the whole module (built from the same seed: identical weights, nothing to broadcast) and
+    keeps its stages: ``parameters()`` are this rank's stages' parameters, what its optimizer steps.
+    ``forward_backward(x, y)`` runs one pass of the schedule over the ``microbatches`` micro-batches of the batch
+    (forwards and backwards interleave, so a pipeline has no separate forward); it returns the mean micro-batch
+    loss on the last stage's rank (0.0 elsewhere; ``reduce_losses`` broadcasts the last stage's). The pipeline
+    accumulates its own micro-batches, so ``no_sync`` has nothing to hold back here (it is a no-op context) and
+    ``finish_gradient_sync`` / ``after_step`` are no-ops; ``remove_hooks`` has none to remove. Seam: the
+    executor's ``scale_loss`` (``executor_class``, a ``PipelineExecutor`` subclass).
+    """
+
+    axes = ("pp",)
+
+    def __init__(self, module: nn.Module | PipelineParts, *, mesh: HasGroups | None = None,
+                 group: comm.Group = None, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
+                 split: Sequence[int] | None = None, global_batch: int | None = None, loss_fn: LossFn = lm_loss,
+                 emulate: tuple[float, float, float] | None = None,
+                 executor_class: type[PipelineExecutor] = PipelineExecutor) -> None:
+        parts = pipeline_parts(module)
+        super().__init__(module if isinstance(module, nn.Module) else nn.ModuleList([parts.first, *parts.blocks,
+                                                                                        parts.last]),
+                         mesh=mesh, group=group)
+        if shares_weights(parts.first, parts.last) and self.world_size * v > 1:
+            raise ValueError("the first and the last part share a weight (tied embeddings): its gradient would need "
+                             "an all-reduce between those stages' ranks (Megatron's embedding group), which this "
+                             "executor does not do; use an untied model")
+        self.plan = plan_pipeline(len(parts.blocks), self.world_size, schedule, microbatches, v, split, global_batch)
+        self.stages = nn.ModuleDict({str(s): Stage(parts, s, self.plan.n_stages, self.plan.layers[s])
+                                     for s in self.plan.stages_of(self.rank)})
+        by_index = {int(k): st for k, st in self.stages.items()}
+        self.parts = parts
+        self.executor = executor_class(by_index, self.plan, self.rank, self.group, loss_fn, emulate)
+        self.timelines: list[list[TimedAction]] = []  # one per forward_backward
+        self.micro_losses: list[list[float]] = []
+
+    def message_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The shape of one hidden state per token, from the first part on one row of ``x`` (every rank holds
+        the whole module, so every rank can ask it)."""
+        with torch.no_grad():
+            return tuple(self.parts.first(x[:1]).shape[2:])
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """This rank's stages' trainable parameters."""
+        return iter([q for st in self.stages.values() for q in st.parameters() if q.requires_grad])
+
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by the wrapped module's names (copies, fp32)."""
+        return named_subset(self.module, list(self.stages.values()))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a pipeline interleaves forward and backward over micro-batches: call "
+                                  "forward_backward(x, y) (one pass of the schedule), not the wrapper itself")
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                         scale: float = 1.0) -> float:
+        if scale != 1.0:
+            raise ValueError("the pipeline splits the batch into its own micro-batches (microbatches=m) and scales "
+                             "each loss by 1/m itself: run it with accumulation=1")
+        if loss_fn is not None:
+            self.executor.loss_fn = loss_fn
+        if self.executor.hidden_shape is None:
+            self.executor.hidden_shape = self.message_shape(x)
+        losses, timeline = self.executor.run(x, y)
+        self.timelines.append(timeline)
+        self.micro_losses.append(losses)
+        return sum(losses) / len(losses) if losses else 0.0
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """Only the last stage computes the losses: broadcast them from its rank."""
+        losses = local.to(torch.float32)
+        if self.world_size > 1:
+            comm.broadcast(losses, src=comm.global_rank(self.group, self.plan.rank_of(self.plan.n_stages - 1)),
+                           group=self.group)
+        return losses
+
+
 @dataclass
 class PPResult(TrainResult):
     """``TrainResult`` of one rank: losses (the global-batch mean, on every rank) and **this rank's** parameters by
-    global name (``merge_results`` joins the ranks'), plus its stages and the per-step records."""
+    global name (``merge_results`` joins the ranks'), plus its stages and the per-step records (``step_comm``:
+    the communication of each step, the same records as ``steps[i].comm``)."""
 
     rank: int = 0
     stages: list[int] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list, repr=False)
     plan: PipelinePlan | None = field(default=None, repr=False)
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
 
 
 def train_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None,
              schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1, split: Sequence[int] | None = None,
-             group: comm.Group = None, loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
+             *, mesh: HasGroups | None = None, group: comm.Group = None, model_fn: ModelFn | None = None,
+             freeze: Sequence[str] = (), loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
+             wrapper_class: type[PipelineParallel] = PipelineParallel,
              executor_class: type[PipelineExecutor] = PipelineExecutor) -> PPResult:
-    """Train with pipeline parallelism over ``group`` (a ``launch`` target: ``launch(train_pp, 2, cfg, tc)``).
+    """Train with pipeline parallelism over ``group`` / ``mesh``'s pp axis (a ``launch`` target:
+    ``launch(train_pp, 2, cfg, tc)``), through ``course_lib.parallel.loop.train_loop``.
 
     p = the group's size; the model is cut into p * v stages (``split`` blocks each, equal by default); each step
     runs ``schedule`` over ``microbatches`` micro-batches of ``global_batch(step, tc.global_batch, ...)`` and every
@@ -561,32 +394,19 @@ def train_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
     and each step's timeline and communication records.
     """
     tc = tc or TrainConfig()
-    p = dist.get_world_size(group) if group is not None else world_size
-    me = dist.get_rank(group) if group is not None else rank
-    plan = plan_pipeline(cfg, p, schedule, microbatches, v, split, tc.global_batch)
-    stages = build_stages(cfg, plan, me, tc.seed)
-    params = [q for st in stages.values() for q in st.parameters() if q.requires_grad]
-    opt = make_optimizer(params, tc)
-    executor = executor_class(stages, plan, me, group, loss_fn, emulate)
-    records, step_losses = [], []
-    for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        opt.zero_grad(set_to_none=True)
-        with comm.recording() as log:
-            start = time.perf_counter()
-            losses, timeline = executor.run(x, y)
-        opt.step()
-        records.append(StepRecord(step, timeline, list(log.records), losses, start, time.perf_counter()))
-        step_losses.append(sum(losses) / len(losses) if losses else 0.0)
-    last = dist.get_global_rank(group, plan.rank_of(plan.n_stages - 1)) if group is not None else \
-        plan.rank_of(plan.n_stages - 1)
-    losses_t = torch.tensor(step_losses, dtype=torch.float64)
-    if p > 1:
-        comm.broadcast(losses_t, src=last, group=group)  # one call after training: only the last stage has them
-    named = {}
-    for st in stages.values():
-        named.update(full_params(st))
-    return PPResult(losses_t.tolist(), named, rank=me, stages=sorted(stages), steps=records, plan=plan)
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    pipe = wrapper_class(model, mesh=mesh, group=group, schedule=schedule, microbatches=microbatches, v=v,
+                         split=split, global_batch=tc.global_batch, loss_fn=loss_fn, emulate=emulate,
+                         executor_class=executor_class)
+    opt = make_optimizer(list(pipe.parameters()), tc)
+    spans: list[tuple[float, float]] = []
+    out = train_loop(pipe, opt, cfg, tc, data_rank=0, data_size=1, loss_fn=loss_fn,
+                     on_step_end=lambda step: spans.append((pipe.timelines[-1][0].start if pipe.timelines[-1]
+                                                            else time.perf_counter(), time.perf_counter())))
+    records = [StepRecord(step, timeline, comm_, losses, start, end) for step, (timeline, comm_, losses, (start, end))
+               in enumerate(zip(pipe.timelines, out.step_comm, pipe.micro_losses, spans, strict=True))]
+    return PPResult(out.losses, pipe.local_params(), rank=pipe.rank, stages=sorted(int(k) for k in pipe.stages),
+                    steps=records, plan=pipe.plan, step_comm=out.step_comm)
 
 
 def merge_results(results: Sequence[TrainResult]) -> TrainResult:
@@ -643,11 +463,12 @@ def train_torch_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     )
 
     tc = tc or TrainConfig()
-    p = dist.get_world_size(group) if group is not None else world_size
-    me = dist.get_rank(group) if group is not None else rank
+    p, me = dist.get_world_size(group), dist.get_rank(group)
     plan = plan_pipeline(cfg, p, schedule, microbatches, v, split, tc.global_batch)
-    stages = build_stages(cfg, plan, me, tc.seed)
-    pipe_stages = [PipelineStage(st, s, plan.n_stages, torch.device("cpu"), group=group) for s, st in stages.items()]
+    model = build_model(cfg, tc.seed)
+    stages = build_stages(cfg, plan, me, model=model)
+    device = next(model.parameters()).device
+    pipe_stages = [PipelineStage(st, s, plan.n_stages, device, group=group) for s, st in stages.items()]
     single = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B}
     multi = {"interleaved_one_f_one_b": ScheduleInterleaved1F1B, "zb_h1": ScheduleInterleavedZeroBubble}
     if plan.schedule in single:
@@ -661,139 +482,14 @@ def train_torch_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     has_first, has_last = 0 in stages, plan.n_stages - 1 in stages
     step_losses = []
     for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        x, y = (t.to(device) for t in global_batch(step, tc.global_batch, cfg.seq_len, tc.seed))
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         args = (x,) if has_first else ()
         runner.step(*args, target=y if has_last else None, losses=losses if has_last else None)
         opt.step()
         step_losses.append(float(torch.stack(losses).detach().mean()) if has_last else 0.0)
-    last = dist.get_global_rank(group, plan.rank_of(plan.n_stages - 1)) if group is not None else \
-        plan.rank_of(plan.n_stages - 1)
-    losses_t = torch.tensor(step_losses, dtype=torch.float64)
-    dist.broadcast(losses_t, src=last, group=group)
-    named = {}
-    for st in stages.values():
-        named.update(full_params(st))
-    return PPResult(losses_t.tolist(), named, rank=me, stages=sorted(stages), plan=plan)
-
-
-# --------------------------------------------------------------------------------------------- balancing
-
-
-def stage_costs(costs: Sequence[float], split: Sequence[int], first_extra: float = 0.0,
-                last_extra: float = 0.0) -> list[float]:
-    """The cost of each stage of ``split`` (blocks per stage): its blocks' costs, plus ``first_extra`` (embedding)
-    on the first stage and ``last_extra`` (final norm, head, loss) on the last."""
-    if sum(split) != len(costs):
-        raise ValueError(f"split {list(split)} covers {sum(split)} layers, costs has {len(costs)}")
-    out = [float(sum(costs[r.start:r.stop])) for r in stage_layers(list(split))]
-    out[0] += first_extra
-    out[-1] += last_extra
-    return out
-
-
-def balance_stages(costs: Sequence[float], n_stages: int, first_extra: float = 0.0, last_extra: float = 0.0,
-                   memory: Sequence[float] | None = None, memory_limit: float | None = None) -> list[int]:
-    """The contiguous split of the layers into ``n_stages`` stages (>= 1 layer each) that minimizes the slowest
-    stage's cost (the pipeline's clock: every step of the schedule waits for it).
-
-    ``costs[i]``: layer i's cost (e.g. measured forward + backward seconds, ``measure_layer_costs``); the first
-    stage also pays ``first_extra`` and the last ``last_extra``. With ``memory`` (per layer) and ``memory_limit``,
-    only splits whose every stage fits are allowed. Exact (dynamic programming over split points, O(n_stages L^2)).
-    Among equally good splits it returns the one with the earliest cuts.
-    """
-    n = len(costs)
-    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
-        raise ValueError(f"n_stages must be a positive integer, got {n_stages!r}")
-    if n_stages > n:
-        raise ValueError(f"cannot cut {n} layers into {n_stages} stages of at least one layer each")
-    if any(c < 0 for c in costs):
-        raise ValueError(f"costs must be >= 0, got {list(costs)}")
-    if (memory is None) != (memory_limit is None):
-        raise ValueError("give both memory (per layer) and memory_limit, or neither")
-    if memory is not None and len(memory) != n:
-        raise ValueError(f"memory needs one value per layer ({n}), got {len(memory)}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    mprefix = [0.0]
-    for mem in memory or []:
-        mprefix.append(mprefix[-1] + mem)
-    inf = float("inf")
-
-    def segment(k: int, i: int, j: int) -> float:  # stage k (0-based) = layers i..j-1
-        if memory_limit is not None and mprefix[j] - mprefix[i] > memory_limit:
-            return inf
-        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0.0) + (last_extra if k == n_stages - 1 else 0.0)
-
-    # best[k][j]: the smallest max stage cost putting layers 0..j-1 into stages 0..k; cut[k][j]: where stage k starts
-    best = [[inf] * (n + 1) for _ in range(n_stages)]
-    cut = [[0] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = segment(0, 0, j)
-    for k in range(1, n_stages):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], segment(k, i, j))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    if best[n_stages - 1][n] == inf:
-        raise ValueError(f"no split into {n_stages} stages keeps every stage within memory_limit={memory_limit}")
-    bounds, j = [n], n
-    for k in range(n_stages - 1, 0, -1):
-        j = cut[k][j]
-        bounds.append(j)
-    bounds.append(0)
-    bounds.reverse()
-    return [bounds[k + 1] - bounds[k] for k in range(n_stages)]
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Measured forward + backward seconds (median over repeats) of the embedding, each block, and the final
-    norm + head + loss, on this process: the inputs of ``balance_stages``."""
-
-    embed: float
-    blocks: list[float]
-    head: float
-
-    def balance(self, n_stages: int) -> list[int]:
-        return balance_stages(self.blocks, n_stages, first_extra=self.embed, last_extra=self.head)
-
-
-def measure_layer_costs(cfg: GPTConfig, micro_batch: int = 2, repeats: int = 5, seed: int = 0) -> LayerCosts:
-    """Time each piece of ``GPT(cfg)`` on a micro-batch: forward, then backward piece by piece (each piece's input
-    detached, so its backward is timed alone). Run it where the stages will run (same threads, same device)."""
-    model = GPT(cfg, seed=seed)
-    x, y = global_batch(0, micro_batch, cfg.seq_len, seed)
-    samples: list[list[float]] = [[] for _ in range(cfg.n_layer + 2)]
-    for rep in range(repeats + 1):  # the first pass warms up
-        pieces, times, h = [], [], None
-        t = time.perf_counter()
-        out = model.embed(x)
-        times.append(time.perf_counter() - t)
-        pieces.append((None, out))
-        for block in model.blocks:
-            h = out.detach().requires_grad_(True)
-            t = time.perf_counter()
-            out = block(h)
-            times.append(time.perf_counter() - t)
-            pieces.append((h, out))
-        h = out.detach().requires_grad_(True)
-        t = time.perf_counter()
-        loss = lm_loss(model.head(h), y)
-        times.append(time.perf_counter() - t)
-        pieces.append((h, loss))
-        grad = None
-        for i in range(len(pieces) - 1, -1, -1):
-            inp, out = pieces[i]
-            t = time.perf_counter()
-            out.backward(grad)
-            times[i] += time.perf_counter() - t
-            grad = inp.grad if inp is not None else None
-        if rep > 0:
-            for i, ti in enumerate(times):
-                samples[i].append(ti)
-    med = [statistics.median(s) for s in samples]
-    return LayerCosts(med[0], med[1:-1], med[-1])
+    losses_t = torch.tensor(step_losses, dtype=torch.float32, device=device)
+    dist.broadcast(losses_t, src=comm.global_rank(group, plan.rank_of(plan.n_stages - 1)), group=group)
+    return PPResult(losses_t.tolist(), named_subset(model, list(stages.values())), rank=me, stages=sorted(stages),
+                    plan=plan)

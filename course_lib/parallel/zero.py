@@ -71,20 +71,23 @@ would be reduced in the hook on some ranks and in the final callback on others -
 The course's dense GPT uses every parameter on every rank; FSDP2 triggers the reduce from the unit's inputs'
 gradients instead, at the price of subtler ordering arguments.
 
+Gradient accumulation: ``no_sync()`` keeps the full gradients and skips the reduce-scatter until the last
+micro-batch (FSDP's ``no_sync``: less communication, full-size gradient memory); without it stages 2/3
+reduce-scatter every backward and add into the shard's gradient. FSDP2's per-parameter (dim-0) sharding is
+``course_lib.parallel.fsdp2``, built on the same engine; the units and the flat layout are in ``zero_unit``,
+the sharded checkpoints in ``zero_checkpoint``.
+
 Left out compared with FSDP2/DeepSpeed: meta-device initialisation (here every rank builds the full model once,
 then shards it), CUDA streams and rate limiting (CPU gloo runs collectives on its own threads), CPU offload,
-gradient accumulation without communication (``no_sync``), hybrid sharding (HSDP), per-parameter (DTensor)
-sharding -- FSDP2 shards each parameter on dim 0 instead of a flat buffer, which makes the state dict and
-composition with tensor parallelism simpler.
+hybrid sharding (HSDP).
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Iterable, Sequence
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -95,14 +98,24 @@ from torch import nn
 from torch.autograd import Variable
 
 from course_lib import comm
-from course_lib.data import global_batch, shard
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPTConfig
+from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
+from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.zero_checkpoint import (
+    CHECKPOINT_FORMAT,
+    load_checkpoint,
+    load_full_state_dict,
+    load_into_model,
+    save_checkpoint,
+)
+from course_lib.parallel.zero_unit import FlatLayout, FlatParamUnit, shard_bounds
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "FlatLayout",
     "FlatParamUnit",
+    "TorchFullyShard",
     "ZeroDataParallel",
     "ZeroTrainResult",
     "comm_bytes_per_step",
@@ -117,257 +130,7 @@ __all__ = [
     "train_zero",
 ]
 
-CHECKPOINT_FORMAT = "course_lib.zero/v1"
 DEFAULT_TRAIN = TrainConfig()
-
-# ----------------------------------------------------------------------------------------------------------------
-# Flat layout: which element of which parameter lives where, and which rank owns it
-
-
-def shard_bounds(rank: int, shard_numel: int) -> tuple[int, int]:
-    """The owner rule: rank r owns elements [r S, (r+1) S) of a unit's padded flat buffer (S = padded / N)."""
-    return rank * shard_numel, (rank + 1) * shard_numel
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """How a unit's parameters sit in its flat buffer.
-
-    Parameter i occupies ``[offsets[i], offsets[i] + numel(shapes[i]))``; ``numel`` = Ψ_u, the sum of their
-    sizes; ``padded_numel`` = Ψ_u rounded up to a multiple of ``world_size`` (the padding is zeros, gets zero
-    gradients and stays zero under SGD/AdamW); each rank owns ``shard_numel`` = padded / N elements.
-    """
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]
-    numel: int
-    padded_numel: int
-    world_size: int
-
-    @classmethod
-    def build(cls, names: Sequence[str], shapes: Sequence[Sequence[int]], world_size: int) -> FlatLayout:
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        offsets, total = [], 0
-        for s in shapes:
-            offsets.append(total)
-            total += math.prod(s)
-        padded = -(-total // world_size) * world_size  # ceil to a multiple of N
-        return cls(tuple(names), shapes, tuple(offsets), total, padded, world_size)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
-
-    @property
-    def numels(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.shapes)
-
-    def bounds(self, rank: int) -> tuple[int, int]:
-        return shard_bounds(rank, self.shard_numel)
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's slice of ``flat``, shaped like the parameter (views: no copy)."""
-        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes, strict=True)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"params": [{"name": n, "shape": list(s), "offset": o}
-                           for n, s, o in zip(self.names, self.shapes, self.offsets, strict=True)],
-                "numel": self.numel, "padded_numel": self.padded_numel, "world_size": self.world_size}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> FlatLayout:
-        ps = d["params"]
-        return cls(tuple(p["name"] for p in ps), tuple(tuple(p["shape"]) for p in ps),
-                   tuple(p["offset"] for p in ps), d["numel"], d["padded_numel"], d["world_size"])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# One unit
-
-
-class UnitState(Enum):
-    SHARDED = "sharded"  # only the shard exists; the full buffer has 0 bytes of storage
-    GATHERING = "gathering"  # an async all-gather into the full buffer is in flight (prefetch)
-    UNSHARDED = "unsharded"  # the full buffer holds every rank's shard: the module can run
-
-
-class FlatParamUnit:
-    """The parameters of one module (minus those owned by units below it), flattened and sharded.
-
-    * ``full``: the padded flat buffer in the compute dtype; the module's parameters are views into it.
-      Stages 0-2 keep it; stage 3 gives its storage back after use (``reshard``) and re-fills it (``unshard``).
-    * ``shard``: the ``nn.Parameter`` the optimizer sees, fp32, ``shard_numel`` elements (the whole buffer in
-      stage 0). In fp32 stages 0-2 it is a *view* of the rank's own chunk of ``full`` (no second copy: the
-      optimizer updates the full buffer in place, and the all-gather reads its input from the buffer it fills);
-      otherwise a separate tensor (stage 3's only resident weights; the fp32 master copy under mixed precision).
-    * ``flat_grad``: the flat gradient buffer the module's ``.grad`` are views of: persistent in stages 0/1,
-      allocated at the unit's pre-backward and freed after its reduce-scatter in stages 2/3.
-
-    ``name`` is the module's path in the model ("blocks.0"; the root's is "").
-    """
-
-    def __init__(self, name: str, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], stage: int,
-                 group: comm.Group = None, param_dtype: torch.dtype = torch.float32,
-                 events: list[tuple[str, str]] | None = None) -> None:
-        if not named_params:
-            raise ValueError(f"unit {name!r} has no parameters of its own (all belong to units below it)")
-        self.name, self.module, self.stage, self.group = name, module, stage, group
-        self.params = [p for _, p in named_params]
-        self.param_dtype = param_dtype
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.events = events if events is not None else []
-        shard_world = 1 if stage == 0 else self.world_size  # stage 0 = plain DP: every rank owns everything
-        self.shard_rank = 0 if stage == 0 else self.rank
-        self.layout = FlatLayout.build([n for n, _ in named_params], [p.shape for p in self.params], shard_world)
-        lo, hi = self.layout.bounds(self.shard_rank)
-        with torch.no_grad():
-            flat32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32)
-            for view, p in zip(self.layout.views(flat32), self.params, strict=True):
-                view.copy_(p.detach())
-        self.aliased = stage < 3 and param_dtype == torch.float32
-        if self.aliased:
-            self.full = flat32
-            self.shard = nn.Parameter(flat32[lo:hi])
-        else:
-            self.shard = nn.Parameter(flat32[lo:hi].clone())
-            self.full = flat32.to(param_dtype) if stage < 3 else torch.empty(self.layout.padded_numel,
-                                                                              dtype=param_dtype)
-        for p, view in zip(self.params, self.layout.views(self.full), strict=True):
-            p.data = view  # the module now computes with views into the full flat buffer
-        self.flat_grad: torch.Tensor | None = None
-        if stage < 2:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=param_dtype)
-            self.install_grad_views()
-        self.reshard_after_forward = True  # stage 3; ZeroDataParallel sets it per unit
-        self.state = UnitState.UNSHARDED
-        self._pending: tuple[Any, torch.Tensor] | None = None
-        if stage == 3:
-            self.full.untyped_storage().resize_(0)
-            self.state = UnitState.SHARDED
-        # per-backward bookkeeping
-        self.grads_ready = 0
-        self.backward_started = False
-        self.reduced = False
-
-    @property
-    def label(self) -> str:
-        return self.name or "(root)"
-
-    # ---- parameters
-
-    def unshard(self, async_op: bool = False) -> None:
-        """Stage 3: all-gather the shards into the full buffer (allocated again first). Other stages: no-op."""
-        if self.state is UnitState.UNSHARDED:
-            return
-        if self.state is UnitState.GATHERING:
-            if not async_op:
-                self.wait()
-            return
-        elem = self.full.element_size()
-        self.full.untyped_storage().resize_(self.layout.padded_numel * elem)
-        src = self.shard.detach().to(self.param_dtype)  # no copy in fp32; the bf16 cast otherwise
-        work = comm.all_gather(self.full, src, group=self.group, async_op=async_op)
-        self.events.append(("all_gather", self.name))
-        if async_op:
-            self._pending = (work, src)  # keep the input alive until the collective has read it
-            self.state = UnitState.GATHERING
-        else:
-            self.state = UnitState.UNSHARDED
-
-    def wait(self) -> None:
-        if self.state is UnitState.GATHERING:
-            assert self._pending is not None
-            self._pending[0].wait()
-            self._pending = None
-            self.state = UnitState.UNSHARDED
-
-    def reshard(self) -> None:
-        """Stage 3: free the full parameters (storage resized to 0 bytes; every view keeps its shape)."""
-        if self.stage < 3 or self.state is UnitState.SHARDED:
-            return
-        self.wait()
-        self.full.untyped_storage().resize_(0)
-        self.state = UnitState.SHARDED
-
-    def refresh_full(self) -> None:
-        """After the optimizer step (stages 0-2): make every rank's full parameters the updated ones.
-
-        Stages 1/2: all-gather the updated shards (in place when the shard is a view of ``full``)."""
-        if self.stage == 3:
-            return
-        if self.stage == 0:
-            if not self.aliased:
-                with torch.no_grad():
-                    self.full.copy_(self.shard)
-            return
-        lo, hi = self.layout.bounds(self.rank)
-        src = self.full[lo:hi] if self.aliased else self.shard.detach().to(self.param_dtype)
-        comm.all_gather(self.full, src, group=self.group)
-        self.events.append(("all_gather", self.name))
-
-    # ---- gradients
-
-    def install_grad_views(self) -> None:
-        """Point every parameter's ``.grad`` at its slice of the flat gradient buffer (zeros if new)."""
-        if self.flat_grad is None:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype)
-        for p, view in zip(self.params, self.layout.views(self.flat_grad), strict=True):
-            if p.grad is None:
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():  # someone replaced it (e.g. module.zero_grad())
-                view.copy_(p.grad)
-                p.grad = view
-
-    def _average(self, g: torch.Tensor) -> None:
-        """Sum over ranks -> mean: each rank's loss is the mean over its B/N rows, the baseline's over all B."""
-        g.div_(self.world_size)
-
-    def reduce_gradients(self) -> torch.Tensor:
-        """Reduce this unit's gradients and give the optimizer its shard's gradient (``shard.grad``).
-
-        stage 0: all-reduce the whole flat gradient; stage 1: reduce-scatter *in place* (my chunk of the full
-        buffer receives the sum; the buffer stays until the next step); stages 2/3: reduce-scatter into a
-        fresh shard-sized tensor and free the full gradient buffer."""
-        self.install_grad_views()  # a no-op unless the pre-backward hook did not run for this unit
-        flat = self.flat_grad
-        assert flat is not None
-        if self.stage == 0:
-            comm.all_reduce(flat, group=self.group)
-            self.events.append(("all_reduce", self.name))
-            g = flat
-        elif self.stage == 1:
-            lo, hi = self.layout.bounds(self.rank)
-            g = flat[lo:hi]
-            comm.reduce_scatter(g, flat, group=self.group)
-            self.events.append(("reduce_scatter", self.name))
-        else:
-            g = torch.empty(self.layout.shard_numel, dtype=flat.dtype)
-            comm.reduce_scatter(g, flat, group=self.group)
-            self.events.append(("reduce_scatter", self.name))
-        self._average(g)
-        self.reduced = True
-        return g
-
-    def accept_shard_grad(self, g: torch.Tensor) -> None:
-        g32 = g if g.dtype == torch.float32 else g.float()
-        if self.shard.grad is None or self.shard.grad.data_ptr() == g32.data_ptr():
-            self.shard.grad = g32
-        else:  # gradient accumulation over several backward passes (stages 2/3)
-            self.shard.grad += g32
-
-    def free_grads(self) -> None:
-        """Stages 2/3: drop the full gradients once reduce-scattered."""
-        if self.stage >= 2:
-            for p in self.params:
-                p.grad = None
-            self.flat_grad = None
-
-    def zero_flat_grad(self) -> None:
-        if self.stage < 2 and self.flat_grad is not None:
-            self.flat_grad.zero_()
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The engine: units, hooks, the step
@@ -379,8 +142,9 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
 
 
-class ZeroDataParallel:
-    """Data parallelism with ZeRO stage 0 (plain DP), 1, 2 or 3 (FSDP) over ``group``.
+class ZeroDataParallel(ParallelWrapper):
+    """Data parallelism with ZeRO stage 0 (plain DP), 1, 2 or 3 (FSDP) over ``group`` (or ``mesh.group("dp",
+    "cp")``: ZeRO shards over the data and context axes, as Megatron's distributed optimizer does).
 
     Usage (one optimizer step; every rank runs it on its own slice of the global batch)::
 
@@ -398,18 +162,29 @@ class ZeroDataParallel:
     ``param_dtype``: compute dtype (``torch.bfloat16`` for mixed precision with fp32 master shards).
     Parameters that do not require grad stay replicated, untouched. After construction ``peak_bytes`` holds the
     largest parameter / gradient bytes seen at the hooks (``model_state_bytes`` sampled at each event).
+    ``broadcast``: first copy the group's first rank's initial weights to every rank.
+
+    ``no_sync()``: the backward passes inside it keep accumulating the *unsharded* gradients locally (no
+    reduce-scatter; stages 2/3 then hold full gradients until the synchronising backward, as FSDP's
+    ``no_sync`` does). Seams: ``unit_class`` (a ``FlatParamUnit`` subclass overriding ``average`` or
+    ``bounds``).
     """
 
-    def __init__(self, module: nn.Module, stage: int = 3, *, units: Iterable[nn.Module] | None = None,
-                 group: comm.Group = None, prefetch: bool = False, reshard_after_forward: bool | None = None,
-                 param_dtype: torch.dtype = torch.float32) -> None:
+    axes = ("dp", "cp")
+    unit_class: type[FlatParamUnit] = FlatParamUnit
+
+    def __init__(self, module: nn.Module, stage: int = 3, *, mesh: HasGroups | None = None, group: comm.Group = None,
+                 units: Iterable[nn.Module] | None = None, prefetch: bool = False,
+                 reshard_after_forward: bool | None = None, param_dtype: torch.dtype = torch.float32,
+                 broadcast: bool = True) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("ZeroDataParallel needs a process group: run it under course_lib.launch.launch")
-        self.module, self.stage, self.group, self.prefetch = module, stage, group, prefetch
+        super().__init__(module, mesh=mesh, group=group)
+        self.stage, self.prefetch = stage, prefetch
         self.param_dtype = param_dtype
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        group = self.group
+        if broadcast:
+            broadcast_from_first(module, group)
         self.events: list[tuple[str, str]] = []  # (collective, unit name) in issue order
         unit_modules = list(default_units(module) if units is None else units)
         if not unit_modules or unit_modules[-1] is not module:
@@ -423,31 +198,30 @@ class ZeroDataParallel:
             prefix = paths[m] + "." if paths[m] else ""
             named = [(prefix + n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned]
             owned.update(id(p) for _, p in named)
-            self.units.append(FlatParamUnit(paths[m], m, named, stage, group, param_dtype, self.events))
+            self.units.append(self.unit_class(paths[m], m, named, stage, group, param_dtype, self.events))
         self.root = self.units[-1]
         for unit in self.units:
             unit.reshard_after_forward = (unit is not self.root) if reshard_after_forward is None \
                 else bool(reshard_after_forward)
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(partial(self._post_accumulate_grad, unit))
+                self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._post_accumulate_grad, unit)))
         self._forward_order: list[FlatParamUnit] = []  # pre-forward order of this iteration
         self._prev_forward_order: list[FlatParamUnit] = []  # ... of the previous one (forward prefetch)
         self._post_forward_order: list[FlatParamUnit] = []  # its reverse is the backward order
         self._callback_queued = False
+        self._sync_this_backward = True  # decided at the root's forward: False under no_sync()
         self._reduced_since_step = False  # stages 0/1: one backward per optimizer step
         self.peak_bytes = {"parameters": 0, "gradients": 0}
         self._sample()
 
     # ---- what the optimizer and the loop see
 
-    def parameters(self) -> list[nn.Parameter]:
-        """The shards, one flat fp32 parameter per unit: what each rank's optimizer updates."""
-        return [u.shard for u in self.units]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The shards (one flat fp32 parameter per unit; one per parameter with ``PerParameterUnit``): what each
+        rank's optimizer updates."""
+        return iter([s for u in self.units for s in u.optimizer_params()])
 
     def after_step(self) -> None:
         """After ``optimizer.step()``: stages 1/2 all-gather the updated shards into every rank's full
@@ -458,26 +232,28 @@ class ZeroDataParallel:
         self._reduced_since_step = False
         self._sample()
 
+    def remove_hooks(self) -> None:
+        """Remove every hook; stage 3 first gathers every unit back (a collective), so that the module runs on
+        its own afterwards with the current weights."""
+        for unit in self.units:
+            unit.unshard()
+        super().remove_hooks()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, full and fp32, by the model's names (a collective: every rank must call it)."""
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
-            if unit.layout.world_size == 1:
-                flat.copy_(unit.shard.detach())
-            else:
-                comm.all_gather(flat, unit.shard.detach(), group=self.group)
-            for name, view in zip(unit.layout.names, unit.layout.views(flat), strict=True):
-                out[name] = view.clone()
+            out.update(unit.gather_full())
         for name, p in self.module.named_parameters():  # frozen parameters were never sharded
             if name not in out:
-                out[name] = p.detach().float().clone()
+                out[name] = p.detach().float().cpu().clone()
         return {name: out[name] for name, _ in self.module.named_parameters()}
 
     # ---- hooks
 
     def _pre_forward(self, unit: FlatParamUnit, module: nn.Module, args: Any) -> None:
         if unit is self.root:  # a new forward: reset the per-iteration state
+            self._sync_this_backward = self._require_sync
             self._prev_forward_order = self._forward_order
             self._forward_order, self._post_forward_order = [], []
         self._forward_order.append(unit)
@@ -519,7 +295,7 @@ class ZeroDataParallel:
 
     def _post_accumulate_grad(self, unit: FlatParamUnit, param: torch.Tensor) -> None:
         unit.grads_ready += 1
-        if self.stage >= 2 and unit.grads_ready == len(unit.params) and not unit.reduced:
+        if self.stage >= 2 and self._sync_this_backward and unit.grads_ready == len(unit.params) and not unit.reduced:
             self._post_backward(unit)
 
     def _post_backward(self, unit: FlatParamUnit) -> None:
@@ -531,6 +307,13 @@ class ZeroDataParallel:
     def _end_of_backward(self) -> None:
         """Final callback: reduce the units the hooks did not (all of them in stages 0/1), free, reset."""
         self._callback_queued = False
+        if not self._sync_this_backward:  # no_sync(): keep the full gradients, reduce in a later backward
+            for unit in self.units:
+                unit.backward_started = False
+                unit.grads_ready = 0
+                unit.reshard()
+            self._sample()
+            return
         if self.stage < 2 and self._reduced_since_step:
             raise RuntimeError(f"ZeRO stage {self.stage} reduces its full gradient buffer in place: one backward per "
                                "optimizer step (call after_step() before the next backward; gradient accumulation "
@@ -589,10 +372,10 @@ def model_state_bytes(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer | 
 
     fp32_weights = zdp.param_dtype == torch.float32
     units = zdp.units
-    params = total([u.full for u in units] + [p for u in units for p in u.params]
-                   + ([u.shard for u in units] if fp32_weights else []))
-    grads = total([p.grad for u in units for p in u.params] + [u.shard.grad for u in units])
-    opt_tensors = [] if fp32_weights else [u.shard for u in units]
+    shards = [s for u in units for s in u.optimizer_params()]
+    params = total([t for u in units for t in u.weight_tensors()] + (shards if fp32_weights else []))
+    grads = total([p.grad for u in units for p in u.params] + [s.grad for s in shards])
+    opt_tensors = [] if fp32_weights else list(shards)
     if optimizer is not None:
         opt_tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return {"parameters": params, "gradients": grads, "optimizer_state": total(opt_tensors)}
@@ -632,157 +415,6 @@ def comm_bytes_per_step(padded_numels: Sequence[int], world_size: int, stage: in
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Sharded checkpoints
-
-
-def _shard_file(path: Path, shard_rank: int, num_shards: int) -> Path:
-    return path / f"shard_{shard_rank:05d}_of_{num_shards:05d}.pt"
-
-
-def save_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path, step: int) -> None:
-    """Each rank writes only what it owns: its shard of every unit and the optimizer state of that shard.
-
-    Layout of ``path``: ``metadata.json`` (rank 0: format, step, world size, stage, and per unit the parameter
-    names, shapes and offsets in the flat buffer, its sizes and padding) and ``shard_<r>_of_<N>.pt`` per
-    rank (stage 0: one file, every rank holds the same). A collective: every rank must call it; it returns once
-    every file is on disk (a barrier)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    num_shards = zdp.units[0].layout.world_size
-    if zdp.units[0].shard_rank == zdp.rank and zdp.rank < num_shards:
-        units = {}
-        for u in zdp.units:
-            state = optimizer.state.get(u.shard, {})
-            units[u.name] = {"param": u.shard.detach().clone(),
-                             "state": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                                       for k, v in state.items()}}
-        torch.save({"step": step, "units": units}, _shard_file(path, zdp.rank, num_shards))
-    if zdp.rank == 0:
-        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": zdp.world_size, "num_shards": num_shards,
-                "stage": zdp.stage, "optimizer": type(optimizer).__name__,
-                "units": [{"name": u.name, **u.layout.to_json()} for u in zdp.units]}
-        (path / "metadata.json").write_text(json.dumps(meta, indent=1))
-    comm.barrier(zdp.group)
-
-
-def _read_metadata(path: Path) -> dict[str, Any]:
-    meta = json.loads((path / "metadata.json").read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint (format {meta.get('format')!r})")
-    return meta
-
-
-class _ShardReader:
-    """Reads the old ranks' files lazily (memory-mapped) and assembles any element range of a unit."""
-
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path, self.meta = path, meta
-        self._files: dict[int, dict[str, Any]] = {}
-
-    def file(self, j: int) -> dict[str, Any]:
-        if j not in self._files:
-            self._files[j] = torch.load(_shard_file(self.path, j, self.meta["num_shards"]), mmap=True,
-                                        weights_only=True)
-        return self._files[j]
-
-    def gather(self, unit_name: str, layout: FlatLayout, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the unit's flat ``key`` ("param" or a per-element optimizer state), in the
-        unpadded coordinates shared by every layout; elements past Ψ_u are padding (zeros)."""
-        out = torch.zeros(hi - lo, dtype=torch.float32)
-        s_old = layout.shard_numel
-        end = min(hi, layout.numel)
-        first, last = lo // s_old, -(-end // s_old)  # the old shards that overlap [lo, end)
-        for j in range(first, last if end > lo else first):
-            a, b = max(lo, j * s_old), min(end, (j + 1) * s_old)
-            entry = self.file(j)["units"][unit_name]
-            src = entry["param"] if key == "param" else entry["state"][key]
-            out[a - lo:b - lo] = src[a - j * s_old:b - j * s_old]
-        return out
-
-    def scalars(self, unit_name: str) -> dict[str, Any]:
-        state = self.file(0)["units"][unit_name]["state"]
-        return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)}
-
-    def vector_keys(self, unit_name: str) -> list[str]:
-        state = self.file(0)["units"][unit_name]["state"]
-        return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
-
-
-def _check_units(meta: dict[str, Any], names: list[tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...]]]) -> None:
-    saved = [(u["name"], tuple(p["name"] for p in u["params"]), tuple(tuple(p["shape"]) for p in u["params"]))
-             for u in meta["units"]]
-    if saved != names:
-        raise ValueError("the checkpoint's units do not match this model's: saved "
-                         f"{[(n, len(ps)) for n, ps, _ in saved]}, here {[(n, len(ps)) for n, ps, _ in names]}")
-
-
-def load_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
-    """Load a checkpoint saved by ``save_checkpoint`` at *any* data-parallel degree and stage into ``zdp``.
-
-    Each rank computes its new range [lo, hi) of each unit and copies it from the old shards that overlap it
-    (old shard j holds [j S_old, (j+1) S_old)): a re-sharding by offsets, reading only the files it needs.
-    Per-element optimizer states (Adam's m and v, SGD's momentum) follow the same rule; scalar ones (``step``)
-    are copied. Returns the step the checkpoint was taken at."""
-    path = Path(path)
-    meta = _read_metadata(path)
-    _check_units(meta, [(u.name, u.layout.names, u.layout.shapes) for u in zdp.units])
-    reader = _ShardReader(path, meta)
-    for u, saved in zip(zdp.units, meta["units"], strict=True):
-        old = FlatLayout.from_json(saved)
-        lo, hi = u.layout.bounds(u.shard_rank)
-        with torch.no_grad():
-            u.shard.copy_(reader.gather(u.name, old, "param", lo, hi))
-        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in reader.scalars(u.name).items()}
-        for key in reader.vector_keys(u.name):
-            state[key] = reader.gather(u.name, old, key, lo, hi)
-        if state:
-            optimizer.state[u.shard] = state
-        u.refresh_full()  # stages 0-2: every rank's full parameters from the loaded shards
-    return int(meta["step"])
-
-
-def load_full_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], int]:
-    """A sharded checkpoint as one process sees it: (parameters by name, optimizer state by parameter name,
-    step). No process group needed: this is how a checkpoint from N ranks becomes a plain single-process one."""
-    path = Path(path)
-    meta = _read_metadata(path)
-    reader = _ShardReader(path, meta)
-    params: dict[str, torch.Tensor] = {}
-    states: dict[str, dict[str, Any]] = {}
-    for saved in meta["units"]:
-        layout = FlatLayout.from_json(saved)
-        flat = reader.gather(saved["name"], layout, "param", 0, layout.numel)
-        vectors = {k: reader.gather(saved["name"], layout, k, 0, layout.numel)
-                   for k in reader.vector_keys(saved["name"])}
-        scalars = reader.scalars(saved["name"])
-        for i, name in enumerate(layout.names):
-            o, n, s = layout.offsets[i], layout.numels[i], layout.shapes[i]
-            params[name] = flat[o:o + n].view(s).clone()
-            if vectors or scalars:
-                states[name] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()},
-                                **{k: v[o:o + n].view(s).clone() for k, v in vectors.items()}}
-    return params, states, int(meta["step"])
-
-
-def load_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> int:
-    """Load a sharded checkpoint into a plain single-process model (and its per-parameter optimizer, built over
-    ``model.parameters()``). Returns the step."""
-    params, states, step = load_full_state_dict(path)
-    named = dict(model.named_parameters())
-    missing = sorted(set(named) - set(params))
-    if missing:
-        raise ValueError(f"the checkpoint has no values for {missing}")
-    with torch.no_grad():
-        for name, p in named.items():
-            p.copy_(params[name])
-    if optimizer is not None:
-        for name, p in named.items():
-            if name in states:
-                optimizer.state[p] = states[name]
-    return step
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Training loops: ours, and PyTorch's FSDP2 as the second oracle
 
 
@@ -790,92 +422,102 @@ def load_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
 class ZeroTrainResult(TrainResult):
     """``TrainResult`` (losses, final full parameters) plus what this rank measured.
 
-    * ``comm``: one ``CommLog`` per step run: the collectives this rank issued in that step;
+    * ``step_comm``: per step run, the collectives this rank issued in that step (``comm``: the same as logs);
     * ``events``: per step, (collective, unit name) in issue order -- the counts per unit;
     * ``memory``: model-state bytes (``model_state_bytes``) right after the first ``optimizer.step()``;
     * ``peak``: the largest parameter / gradient bytes seen at any hook during the run;
     * ``units``: per unit {name, numel, padded_numel, shard_numel}."""
 
-    comm: list[comm.CommLog] = field(default_factory=list, repr=False)
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
     events: list[list[tuple[str, str]]] = field(default_factory=list, repr=False)
     memory: dict[str, int] = field(default_factory=dict)
     peak: dict[str, int] = field(default_factory=dict)
     units: list[dict[str, Any]] = field(default_factory=list, repr=False)
     start_step: int = 0
 
+    @property
+    def comm(self) -> list[comm.CommLog]:
+        """``step_comm`` as one ``CommLog`` per step (for its counting helpers)."""
+        return [comm.CommLog(list(records)) for records in self.step_comm]
+
 
 def train_zero(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEFAULT_TRAIN, stage: int = 3, *,
                prefetch: bool = False, reshard_after_forward: bool | None = None,
                param_dtype: torch.dtype = torch.float32, save_to: str | Path | None = None,
-               resume_from: str | Path | None = None) -> ZeroTrainResult:
-    """Train ``GPT(cfg, seed=tc.seed)`` with ZeRO ``stage`` on ``world_size`` ranks (a ``launch`` target).
+               resume_from: str | Path | None = None, accumulation: int = 1, mesh: HasGroups | None = None,
+               group: comm.Group = None, model_fn: ModelFn | None = None, freeze: Sequence[str] = (),
+               wrapper_class: type[ZeroDataParallel] = ZeroDataParallel) -> ZeroTrainResult:
+    """Train ``model_fn(cfg, tc.seed)`` (the GPT by default) with ZeRO ``stage`` over ``group`` / ``mesh``'s
+    dp x cp axes (a ``launch`` target), through ``course_lib.parallel.loop.train_loop``.
 
     Every rank takes its contiguous slice of the same global batches as ``train_baseline``. ``losses``: the mean
-    over the global batch per step (the ranks' means, averaged once at the end); ``params``: the final full
-    parameters by GPT's names (stages 0-2 in fp32: this rank's replica; else gathered from the shards).
-    ``resume_from``: continue from a ``save_checkpoint`` directory (any N, any stage) at its step; ``save_to``:
-    save one after the last step. Stop a run at step k with ``replace(tc, steps=k)`` and ``save_to``; resume it
-    with the full ``tc`` and ``resume_from``."""
-    model = GPT(cfg, seed=tc.seed)
-    zdp = ZeroDataParallel(model, stage, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                           param_dtype=param_dtype)
-    opt = make_optimizer(zdp.parameters(), tc)
+    over the global batch per step; ``params``: the final full parameters by the model's names (stages 0-2 in
+    fp32: this rank's replica; else gathered from the shards). ``resume_from``: continue from a
+    ``save_checkpoint`` directory (any N, any stage) at its step; ``save_to``: save one after the last step.
+    Stop a run at step k with ``replace(tc, steps=k)`` and ``save_to``; resume it with the full ``tc`` and
+    ``resume_from``. ``wrapper_class`` swaps in a variant."""
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    zdp = wrapper_class(model, stage, mesh=mesh, group=group, prefetch=prefetch,
+                        reshard_after_forward=reshard_after_forward, param_dtype=param_dtype)
+    opt = make_optimizer(list(zdp.parameters()), tc)
     start = load_checkpoint(zdp, opt, resume_from) if resume_from is not None else 0
     result = ZeroTrainResult([], {}, start_step=start,
                              units=[{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                                      "shard_numel": u.layout.shard_numel} for u in zdp.units])
-    local_losses = []
-    for step in range(start, tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
-        first_event = len(zdp.events)
-        with comm.recording() as log:
-            loss = lm_loss(zdp(x).float(), y)
-            loss.backward()
-            opt.step()
-            if not result.memory:
-                result.memory = model_state_bytes(zdp, opt)
-            zdp.after_step()
-            opt.zero_grad(set_to_none=True)
-        local_losses.append(loss.item())
-        result.comm.append(log)
-        result.events.append(zdp.events[first_event:])
+    marks = [len(zdp.events)]
+
+    def measure(step: int) -> None:
+        if not result.memory:
+            result.memory = model_state_bytes(zdp, opt)
+
+    out = train_loop(zdp, opt, cfg, tc, data_rank=zdp.rank, data_size=zdp.world_size, accumulation=accumulation,
+                     start_step=start, after_optimizer=measure, on_step_end=lambda step: marks.append(len(zdp.events)))
+    result.events = [zdp.events[a:b] for a, b in itertools.pairwise(marks)]
     if save_to is not None:
         save_checkpoint(zdp, opt, save_to, step=tc.steps)
-    losses = torch.tensor(local_losses, dtype=torch.float64)
-    if world_size > 1 and losses.numel():
-        comm.all_reduce(losses)
-    result.losses = (losses / world_size).tolist()
+    result.losses, result.step_comm = out.losses, out.step_comm
     # stages 0-2 in fp32: this rank's own replica, what it computes with; otherwise gathered from the shards
     result.params = full_params(model) if stage < 3 and param_dtype == torch.float32 else zdp.full_state_dict()
     result.peak = dict(zdp.peak_bytes)
     return result
 
 
+class TorchFullyShard(ParallelWrapper):
+    """PyTorch's FSDP2 behind the wrapper contract: ``fully_shard`` on every block, then on the root, over a
+    1-D device mesh of the group's ranks on the rank's device type. Parameters become DTensors sharded on dim 0
+    (per parameter, not flat); gradients are reduce-scattered and divided by N, like ours."""
+
+    axes = ("dp", "cp")
+
+    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
+                 reshard_after_forward: bool | None = None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(module, mesh=mesh, group=group)
+        device_type = next(module.parameters()).device.type
+        dmesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
+        for block in default_units(module)[:-1]:
+            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+
 def train_fsdp2(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEFAULT_TRAIN,
-                reshard_after_forward: bool | None = None) -> TrainResult:
-    """The same training with PyTorch's FSDP2: ``fully_shard`` on every block, then on the root, over a 1-D
-    ``init_device_mesh("cpu", (N,))`` (gloo). Parameters become DTensors sharded on dim 0 (per parameter,
-    not flat); gradients are reduce-scattered and divided by N, like ours."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = GPT(cfg, seed=tc.seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    opt = make_optimizer(list(model.parameters()), tc)
-    local_losses = []
-    for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        loss = lm_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        local_losses.append(loss.item())
-    losses = torch.tensor(local_losses, dtype=torch.float64)
-    dist.all_reduce(losses)
-    params = {name: p.full_tensor().detach().float().clone() for name, p in model.named_parameters()}
-    return TrainResult((losses / world_size).tolist(), params)
-
+                reshard_after_forward: bool | None = None, *, accumulation: int = 1, mesh: HasGroups | None = None,
+                group: comm.Group = None, model_fn: ModelFn | None = None,
+                freeze: Sequence[str] = ()) -> TrainResult:
+    """The same training with PyTorch's FSDP2 (``TorchFullyShard``), the production API as a second oracle."""
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    fsdp = TorchFullyShard(model, mesh=mesh, group=group, reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+    out = train_loop(fsdp, opt, cfg, tc, data_rank=fsdp.rank, data_size=fsdp.world_size, accumulation=accumulation)
+    params = {name: p.full_tensor().detach().float().cpu().clone() for name, p in model.named_parameters()}
+    return TrainResult(out.losses, params)

@@ -36,6 +36,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
 from course_lib.cost import LINK_BANDWIDTH, collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.memory import format_bytes as memory_format_bytes
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
@@ -66,11 +67,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def format_bytes(n: float) -> str:
-    """Decimal units, as the rest of the course: 4000000 -> '4 MB', 1500 -> '1.5 kB'."""
-    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= f:
-            return f"{n / f:.3g} {unit}"
-    return f"{n:.3g} B"
+    """``course_lib.memory.format_bytes`` with three significant digits: 4000000 -> '4 MB', 1500 -> '1.5 kB'."""
+    return memory_format_bytes(n, digits=3)
 
 
 def format_seconds(t: float) -> str:

@@ -64,7 +64,6 @@ IDLE_COLOR = "#e6e6e6"
 SCHEDULE_OPTIONS: dict[str, str] = {"GPipe (AFAB)": "gpipe", "1F1B": "1f1b", "interleaved 1F1B": "interleaved",
                                     "ZB-H1 (zero bubble)": "zb_h1"}
 """Dropdown label -> schedule name (the names of ``parallel.pp.SCHEDULES``)."""
-_COST_NAME = {"gpipe": "gpipe", "1f1b": "one_f_one_b", "interleaved": "interleaved_one_f_one_b", "zb_h1": "zb_h1"}
 _LABEL = {v: k for k, v in SCHEDULE_OPTIONS.items()}
 
 FORMULAS: dict[str, tuple[str, str]] = {  # schedule -> (bubble fraction, bubble / ideal), as cost.py computes them
@@ -82,13 +81,13 @@ FORMULAS: dict[str, tuple[str, str]] = {  # schedule -> (bubble fraction, bubble
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The compute-only schedule ``name`` ("gpipe", "1f1b", "interleaved", "zb_h1") for p ranks, m micro-batches
     and (interleaved only) v chunks per rank. Raises ``ValueError`` with the builder's explanation."""
-    if name not in _COST_NAME:
-        raise ValueError(f"unknown schedule {name!r}: choose one of {list(_COST_NAME)}")
+    if name not in _LABEL:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {list(_LABEL)}")
     if name == "interleaved":
         return S.interleaved_one_f_one_b(p, m, v)
     if v != 1:
         raise ValueError(f"{_LABEL[name]} has one stage per rank: v must be 1, got {v} (v > 1 is interleaved 1F1B)")
-    return getattr(S, _COST_NAME[name])(p, m)
+    return getattr(S, S.canonical_schedule(name))(p, m)
 
 
 def uniform_stage_costs(n_stages: int, v: int = 1, last: float = 1.0, cost_f: float = 1.0,
@@ -336,8 +335,8 @@ class BubbleWidget(ControlPanel):
         self.simulated_fraction, self.peaks = sim.bubble_fraction, sim.peak_in_flight
         frac_f, ratio_f = FORMULAS[name]
         try:
-            self.formula_fraction = cost.bubble_fraction(_COST_NAME[name], p, m, v)  # type: ignore[arg-type]
-            self.formula_ratio = cost.bubble_ratio(_COST_NAME[name], p, m, v)  # type: ignore[arg-type]
+            self.formula_fraction = cost.bubble_fraction(S.canonical_schedule(name), p, m, v)  # type: ignore[arg-type]
+            self.formula_ratio = cost.bubble_ratio(S.canonical_schedule(name), p, m, v)  # type: ignore[arg-type]
             formula = f"formula {frac_f} = {self.formula_fraction:.4f}"
             formula_r = f"formula {ratio_f} = {self.formula_ratio:.4f}"
         except ValueError as err:
@@ -362,7 +361,7 @@ class BubbleWidget(ControlPanel):
             lines.append(f"peak micro-batches in flight per rank: {' '.join(map(str, sim.peak_in_flight))} "
                          f"(activations held at once; AFAB holds m = {m}, 1F1B at most p = {p})")
         rule = 4 * p
-        at_rule = cost.bubble_fraction(_COST_NAME[name], p, rule, v)  # type: ignore[arg-type]
+        at_rule = cost.bubble_fraction(S.canonical_schedule(name), p, rule, v)  # type: ignore[arg-type]
         lines.append(f"the rule of thumb m >= 4p: m = {m} {'>=' if m >= rule else '<'} 4p = {rule}; at m = 4p the "
                      f"formula gives a bubble fraction of {at_rule:.4f}")
         self.text_lines = lines

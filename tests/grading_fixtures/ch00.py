@@ -39,8 +39,40 @@ def kv_forgets_batch(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_valu
     return 2 * n_layer * n_kv_head * head_dim * bytes_per_value * tokens
 
 
+def _search(model, gpu, seq_len, *, tps=(1, 2, 4, 8), sp=True, cap_gib=False):
+    from course_lib.memory import GB, ParallelLayout, training_memory
+    from course_lib.viz.memory import GPUS
+
+    cap = GPUS[gpu].nominal_gib * 2**30 if not cap_gib else GPUS[gpu].nominal_gib * GB
+    best = None
+    for tp in tps:
+        for pp in (1, 2, 4, 8, 16):
+            for dp in (2 ** k for k in range(11)):
+                layout = ParallelLayout(dp=dp, tp=tp, pp=pp, zero=3, sp=sp and tp > 1)
+                total = training_memory(model, micro_batch=1, seq_len=seq_len, recompute="full", layout=layout).total
+                if total <= cap and (best is None or tp * pp * dp < best[0]):
+                    best = (tp * pp * dp, {"tp": tp, "pp": pp, "dp": dp})
+    return best
+
+
+def fewest_without_sequence_parallel(model, gpu, seq_len):
+    """Forgets SP with TP: the activations stay whole on every TP rank, so it needs more GPUs."""
+    return _search(model, gpu, seq_len, sp=False)
+
+
+def fewest_reads_80gb_as_80e9_bytes(model, gpu, seq_len):
+    """Takes the card's "80GB" as 80 x 10^9 bytes instead of 80 GiB."""
+    return _search(model, gpu, seq_len, cap_gib=True)
+
+
+def fewest_without_tensor_parallel(model, gpu, seq_len):
+    """Searches ZeRO-3 x PP only: misses the smaller TP layouts."""
+    return _search(model, gpu, seq_len, tps=(1,))
+
+
 WRONG = {
     "param_state_bytes": [forgets_master_weights, adam_state_in_weight_precision],
     "zero_bytes_per_device": [zero_stage2_forgets_gradients, zero_everything_sharded],
     "kv_cache_bytes": [kv_forgets_values, kv_forgets_batch],
+    "fewest_gpus": [fewest_without_sequence_parallel, fewest_reads_80gb_as_80e9_bytes, fewest_without_tensor_parallel],
 }

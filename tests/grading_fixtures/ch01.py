@@ -222,10 +222,46 @@ def a2a_calls_dist_all_to_all(blocks):
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# fixed_ring_all_reduce (find the bug)
+
+
+def _ring_all_reduce(x, gather_shift):
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = x.view(-1).chunk(n)
+    incoming = torch.empty_like(chunks[0])
+    for k in range(n - 1):
+        _exchange(chunks[(r - k - 1) % n], (r + 1) % n, incoming, (r - 1) % n)
+        chunks[(r - k - 2) % n].add_(incoming)
+    for k in range(n - 1):
+        _exchange(chunks[(r - k - gather_shift) % n], (r + 1) % n, incoming, (r - 1) % n)
+        chunks[(r - k - gather_shift - 1) % n].copy_(incoming)
+    return x
+
+
+def ar_the_bug_kept(tensor):
+    """The given version unchanged: its all-gather starts from chunk r-1, which is not complete on rank r."""
+    return _ring_all_reduce(tensor.clone(), gather_shift=1)
+
+
+def ar_fixed_in_place(tensor):
+    """The right ring, but on the caller's tensor: the input is overwritten."""
+    return _ring_all_reduce(tensor, gather_shift=0)
+
+
+def ar_calls_dist_all_reduce(tensor):
+    """Not a ring: asks the backend."""
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out
+
+
 WRONG = {
     "ring_reduce_scatter": [rs_off_by_one_step, rs_sums_own_data_twice, rs_equal_chunks, rs_through_rank_zero,
                             rs_modifies_input, rs_calls_dist_reduce_scatter],
     "ring_all_gather": [ag_off_by_one_step, ag_stores_at_senders_slot, ag_equal_chunks, ag_own_chunk_to_everyone],
     "ring_all_reduce_bytes": [bytes_float_formula, bytes_one_phase, bytes_same_chunk_in_both_phases],
     "pairwise_all_to_all": [a2a_no_exchange, a2a_wrong_slot, a2a_forgets_own_block, a2a_calls_dist_all_to_all],
+    "fixed_ring_all_reduce": [ar_the_bug_kept, ar_fixed_in_place, ar_calls_dist_all_reduce],
 }
+

@@ -220,6 +220,71 @@ def bytes_2v(n_params, bytes_per_grad, n, accumulation):
     return 2 * n_params * bytes_per_grad
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# overlap_buckets
+
+
+def _overlap(params, buckets, *, divide=True, per_parameter=False, in_finish=False, reset=True):
+    import torch
+
+    n = dist.get_world_size()
+    bucket_of = {id(params[j]): b for b, bucket in enumerate(buckets) for j in bucket}
+    state = {"missing": [len(b) for b in buckets], "next": 0, "in_flight": []}
+
+    def launch(k):
+        if per_parameter:
+            for j in buckets[k]:
+                state["in_flight"].append(([j], params[j].grad, dist.all_reduce(params[j].grad, async_op=True)))
+        else:
+            flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]])
+            state["in_flight"].append((buckets[k], flat, dist.all_reduce(flat, async_op=True)))
+
+    def hook(p):
+        state["missing"][bucket_of[id(p)]] -= 1
+        while not in_finish and state["next"] < len(buckets) and state["missing"][state["next"]] == 0:
+            launch(state["next"])
+            state["next"] += 1
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        if in_finish:
+            for k in range(len(buckets)):
+                launch(k)
+        for idx, flat, work in state["in_flight"]:
+            work.wait()
+            if divide:
+                flat /= n
+            if flat is not params[idx[0]].grad:
+                for j, g in zip(idx, flat.split([params[j].numel() for j in idx]), strict=True):
+                    params[j].grad.copy_(g.view_as(params[j]))
+        if reset:
+            state.update(missing=[len(b) for b in buckets], next=0, in_flight=[])
+
+    return finish
+
+
+def overlap_never_resets(params, buckets):
+    """The given version unchanged: finish() keeps the counters, so from the second step no bucket is launched."""
+    return _overlap(params, buckets, reset=False)
+
+
+def overlap_all_in_finish(params, buckets):
+    """Buckets, but every all-reduce starts in finish(), after backward: nothing overlaps."""
+    return _overlap(params, buckets, in_finish=True)
+
+
+def overlap_forgets_to_divide(params, buckets):
+    """Sums the gradients over the ranks and never divides by N."""
+    return _overlap(params, buckets, divide=False)
+
+
+def overlap_one_all_reduce_per_parameter(params, buckets):
+    """Overlaps, but all-reduces each gradient on its own: as many calls as tensors, not one per bucket."""
+    return _overlap(params, buckets, per_parameter=True)
+
+
 WRONG = {
     "assign_buckets": [buckets_in_forward_order, buckets_never_exceed_the_cap, buckets_close_only_above_the_cap,
                        buckets_drop_the_last_partial_one],
@@ -228,4 +293,6 @@ WRONG = {
     "accumulation_step": [step_loss_not_divided_by_m, step_communicates_on_every_micro_batch, step_without_no_sync,
                           step_zeroes_inside_the_loop, step_forgets_finish_gradient_sync, step_returns_the_loss_tensor],
     "dp_bytes_per_step": [bytes_one_phase, bytes_every_micro_batch, bytes_2v],
+    "overlap_buckets": [overlap_all_in_finish, overlap_forgets_to_divide, overlap_one_all_reduce_per_parameter],
+    "fixed_overlap_buckets": [overlap_never_resets, overlap_forgets_to_divide],
 }

@@ -1,0 +1,115 @@
+"""The one training loop every ``train_xx`` helper runs, through the wrapper contract.
+
+Per optimizer step: this rank's slice of ``global_batch(step, tc.global_batch, ...)`` (``data_rank`` of
+``data_size`` equal slices), cut into ``accumulation`` micro-batches; all but the last run under ``no_sync()``,
+each back-propagates ``loss / accumulation`` (so the accumulated gradient is that of the mean); then
+``finish_gradient_sync()``, ``optimizer.step()``, ``after_step()``. Everything the wrapper communicates in the
+step is recorded (``comm.recording``) into ``step_comm``; the losses are reduced once, after training
+(``wrapper.reduce_losses``), into the global-batch mean per step -- comparable with ``train_baseline``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from course_lib import comm
+from course_lib.data import global_batch, micro_batches, shard
+from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.parallel.contract import LossFn, ParallelWrapper, module_device
+from course_lib.train import TrainConfig
+
+ModelFn = Callable[[GPTConfig, int], nn.Module]
+
+
+def build_model(cfg: GPTConfig, seed: int, model_fn: ModelFn | None = None, freeze: Sequence[str] = (),
+                device: torch.device | None = None) -> nn.Module:
+    """``model_fn(cfg, seed)`` (default ``GPT``) on ``device`` (default: ``launch.device()``, the rank's GPU
+    under NCCL, else the CPU) with the parameters named in ``freeze`` set to requires_grad=False."""
+    from course_lib.launch import device as rank_device
+
+    model = (model_fn or GPT)(cfg, seed).to(device or rank_device())
+    names = dict(model.named_parameters())
+    unknown = sorted(set(freeze) - set(names))
+    if unknown:
+        raise ValueError(f"cannot freeze unknown parameters {unknown}")
+    for name in freeze:
+        names[name].requires_grad_(False)
+    return model
+
+
+@dataclass
+class StepTime:
+    """One optimizer step on one rank. ``compute_s``: forward + backward of all micro-batches (for overlapped
+    data parallelism this includes launching the bucket all-reduces from the hooks); ``exposed_comm_s``: time in
+    ``finish_gradient_sync`` -- communication the compute did not hide; ``optimizer_s``: ``optimizer.step()``
+    and ``after_step()``; ``comm_s``: the collectives' own durations (issue -> completion), which may overlap
+    compute; ``micro_comm_calls``: collectives issued during each micro-batch (the last one includes
+    ``finish_gradient_sync``)."""
+
+    step: int
+    compute_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    comm_s: float
+    comm_calls: int
+    sent_bytes: int
+    micro_comm_calls: list[int]
+
+
+@dataclass
+class LoopOutput:
+    """What ``train_loop`` measured on this rank: per-step losses (already the global-batch means), the
+    communication records of each step, and each step's timing."""
+
+    losses: list[float]
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
+
+
+def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: GPTConfig, tc: TrainConfig, *,
+               data_rank: int, data_size: int, accumulation: int = 1, loss_fn: LossFn = lm_loss,
+               start_step: int = 0, after_optimizer: Callable[[int], None] | None = None,
+               on_step_end: Callable[[int], None] | None = None) -> LoopOutput:
+    """Train ``tc.steps - start_step`` steps (see the module docstring). ``after_optimizer(step)`` runs right
+    after ``optimizer.step()``, before ``after_step()`` (where a form's memory is sampled); ``on_step_end(step)``
+    after the step is complete."""
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+    device = module_device(wrapper.module)
+    local: list[float] = []
+    out = LoopOutput([])
+    for step in range(start_step, tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        micro = micro_batches(shard(x, data_rank, data_size).to(device), shard(y, data_rank, data_size).to(device),
+                              accumulation)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, marks = 0.0, []
+        with comm.recording() as log:
+            t0 = time.perf_counter()
+            for i, (xm, ym) in enumerate(micro):
+                with wrapper.no_sync() if i < accumulation - 1 else contextlib.nullcontext():
+                    loss_sum += wrapper.forward_backward(xm, ym, loss_fn, 1 / accumulation)
+                marks.append(len(log.records))
+            t1 = time.perf_counter()
+            wrapper.finish_gradient_sync()
+            t2 = time.perf_counter()
+            marks[-1] = len(log.records)
+            optimizer.step()
+            if after_optimizer is not None:
+                after_optimizer(step)
+            wrapper.after_step()
+            t3 = time.perf_counter()
+        if on_step_end is not None:
+            on_step_end(step)
+        local.append(loss_sum)
+        out.step_comm.append(list(log.records))
+        out.timeline.append(StepTime(step, t1 - t0, t2 - t1, t3 - t2, log.seconds(), log.count(), log.sent_bytes(),
+                                     [b - a for a, b in zip([0, *marks[:-1]], marks, strict=True)]))
+    out.losses = wrapper.reduce_losses(torch.tensor(local, dtype=torch.float32, device=device)).tolist()
+    return out
