@@ -8,23 +8,77 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 8888
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
+# More options for `jupyter lab` (e.g. LAB_ARGS=--no-browser); root gets --allow-root (Docker, WSL, cloud VMs).
+LAB_ARGS ?=
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
+MY_WORK ?= my_work
 
-.PHONY: setup lab test test-fast test-lib test-browser browser-deps test-notebooks lint execute-notebooks exercises grade benchmarks clean
+# torch: PyPI's Linux wheel is the CUDA build (several GB of NVIDIA libraries). On Linux without an NVIDIA driver,
+# setup installs the CPU wheel from PyTorch's CPU index into $(VENV) first -- unless plain pip already finds a CPU
+# build (a local wheel, a mirror) or torch is installed. TORCH_CPU=yes|no overrides that guess; `make torch-plan`
+# prints the decision; DRY_RUN=1 prints setup's install commands instead of running them. OS_NAME, HAS_NVIDIA
+# and PIP_TORCH (the version plain pip would install) are what the guess is made from.
+TORCH_PIN       := $(shell sed -n 's/^ *"\(torch==[^"]*\)",*$$/\1/p' pyproject.toml)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU       ?= auto
+OS_NAME         ?= $(shell uname -s)
+HAS_NVIDIA      ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia/version ]; \
+                           then echo yes; else echo no; fi)
+# The decision, as shell (no $(MAKE) in a recipe: `make -n` would run that line for real).
+PIP_TORCH_VERSION = py=$(PY); [ -x "$$py" ] || py=$(PYTHON); \
+	$$py -m pip install --dry-run --no-deps --quiet --report - "$(TORCH_PIN)" 2>/dev/null | $$py -c \
+	'import json, sys; i = json.load(sys.stdin)["install"]; print(i[0]["metadata"]["version"] if i else "installed")'
+TORCH_PLAN = if [ "$(TORCH_CPU)" = yes ]; then echo cpu-index; \
+	elif [ "$(TORCH_CPU)" = no ] || [ "$(OS_NAME)" != Linux ] || [ "$(HAS_NVIDIA)" = yes ]; then echo pip-default; \
+	else case "$(if $(PIP_TORCH),$(PIP_TORCH),$$($(PIP_TORCH_VERSION)))" in \
+		*+cpu|installed) echo pip-default;; \
+		*) echo cpu-index;; \
+	esac; fi
+RUN := $(if $(DRY_RUN),@echo "[dry run]",)
+
+.PHONY: setup lab test test-fast test-lib test-browser browser-deps test-notebooks lint execute-notebooks exercises \
+	grade benchmarks clean my-copy torch-plan
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "the course needs Python 3.11, found " + sys.version.split()[0]'
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
-	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (LLM scaling course)"
-	@touch $(STAMP)
+	@echo "==> 1/4 a virtual environment in $(VENV)"
+	$(RUN)$(PYTHON) -m venv $(VENV)
+	$(RUN)$(PY) -m pip install --quiet --upgrade pip
+	@if [ "$$($(TORCH_PLAN))" = cpu-index ]; then \
+		echo "==> 2/4 $(TORCH_PIN), the CPU wheel from PyTorch's CPU index (Linux without an NVIDIA driver)"; \
+		$(if $(DRY_RUN),echo "[dry run]") $(PY) -m pip install --index-url $(TORCH_CPU_INDEX) "$(TORCH_PIN)"; \
+	else \
+		echo "==> 2/4 $(TORCH_PIN) as pip finds it (installed with the rest)"; \
+	fi
+	@echo "==> 3/4 the course library, JupyterLab and the test tools (a few minutes the first time)"
+	$(RUN)$(PY) -m pip install -e ".[test]"
+	@echo "==> 4/4 the notebook kernel"
+	$(RUN)$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (LLM scaling course)"
+	@$(if $(DRY_RUN),echo "[dry run]") touch $(STAMP)
 
-## Open the course: JupyterLab on 127.0.0.1 with token authentication, at the start page.
+## What setup does about torch here: cpu-index (PyTorch's CPU wheel) or pip-default (plain pip's choice).
+torch-plan:
+	@$(TORCH_PLAN)
+
+## Open the course: JupyterLab on 127.0.0.1 with token authentication, serving the repository (notebooks/,
+## exercises/, your my_work/), at the start page: open the URL it prints.
 lab: $(STAMP)
+	@echo "==> JupyterLab on 127.0.0.1 only, token-protected; open the URL printed below: it opens notebooks/START_HERE.ipynb"
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) --ServerApp.open_browser=True \
-		notebooks/START_HERE.ipynb
+		--ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/notebooks/START_HERE.ipynb \
+		$(ALLOW_ROOT) $(LAB_ARGS)
+
+## Your own copy of the exercises in $(MY_WORK)/ (git ignores it): `git pull` and `make exercises` never touch it.
+## Run it again after a pull to get new chapters; a notebook you already have is kept as it is.
+my-copy:
+	@mkdir -p "$(MY_WORK)"
+	@for nb in exercises/*.ipynb; do \
+		name=$${nb#exercises/}; \
+		if [ -e "$(MY_WORK)/$$name" ]; then echo "kept (yours): $(MY_WORK)/$$name"; \
+		else cp "$$nb" "$(MY_WORK)/$$name" && echo "copied: $(MY_WORK)/$$name"; fi; \
+	done
 
 ## Every test: lint, the library (pytest), the widgets in a real browser, every notebook (nbval). This is what CI runs.
 test: $(STAMP) lint test-lib test-browser test-notebooks
@@ -66,13 +120,16 @@ execute-notebooks: $(STAMP)
 		$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 $$nb || exit 1; \
 	done
 
-## Regenerate exercises/ from solutions/ (the solutions are the single source of truth).
+## Regenerate exercises/ from solutions/ (the solutions are the single source of truth). An exercise notebook
+## whose code someone edited is kept (FORCE=1 overwrites it; `make my-copy` is where learners work).
 exercises: $(STAMP)
-	$(PY) -m course_lib.grading.notebooks
+	$(PY) -m course_lib.grading.notebooks $(if $(FORCE),--force)
 
-## Grade notebooks: make grade NB=path/to/notebook_or_folder
+## Grade notebooks: make grade NB=path/to/notebook_or_folder [GRADE_ARGS=--strict]. Prints the score and exits 0;
+## --strict exits 1 unless every mark is earned.
 grade: $(STAMP)
-	$(PY) -m course_lib.grading $(NB)
+	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook_or_folder [GRADE_ARGS=--strict]"; exit 2; }
+	$(PY) -m course_lib.grading $(NB) $(GRADE_ARGS)
 
 benchmarks: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

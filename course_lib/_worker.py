@@ -12,10 +12,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import glob
 import linecache
+import multiprocessing as mp
+import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -27,6 +33,35 @@ import torch.distributed as dist
 
 _STACK_FILE = None  # kept open for faulthandler for the life of the process
 DONE_KEY = "course_launch/done"
+
+
+def launch_dir_prefix(caller_pid: int) -> str:
+    """Every launch folder of the process ``caller_pid`` is ``<tmp>/<this prefix><random>``."""
+    return os.path.join(tempfile.gettempdir(), f"course_launch_{caller_pid}_")
+
+
+def remove_launch_dirs(caller_pid: int) -> None:
+    """Remove every launch folder of ``caller_pid``."""
+    for path in glob.glob(glob.escape(launch_dir_prefix(caller_pid)) + "*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_launch_dirs() -> None:
+    """Remove the launch folders of callers that no longer exist (killed along with their forkserver)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "course_launch_*_*")):
+        pid = os.path.basename(path).split("_")[2]
+        if pid.isdigit() and not _exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def rank_file(tmpdir: str, rank: int, kind: str) -> Path:
@@ -53,15 +88,47 @@ def _capture_output(tmpdir: str, rank: int) -> None:
     faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True)
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL if our parent (the forkserver, which exits with the kernel) dies."""
+def _die_with_the_caller() -> None:
+    """Leave within moments of the caller's death, however it dies (SIGKILL, SIGTERM, SIGHUP, a kernel restart).
+
+    The forkserver exits when every holder of its "alive" pipe has gone, but multiprocessing hands a copy of
+    that pipe to each child it forks: while a rank lives the forkserver would never notice that the caller died,
+    and the rank's parent-death signal (armed against the forkserver, its parent) would never fire. So the rank
+    drops its copy, and the chain becomes: caller dies -> forkserver exits (removing the caller's launch folders,
+    see ``course_lib._forkserver``) -> every rank gets SIGKILL from the kernel (Linux ``PR_SET_PDEATHSIG``).
+    """
+    from multiprocessing import forkserver
+
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Only now drop the pipe: the forkserver cannot exit while we hold it, so the signal is armed in time.
+    server = forkserver._forkserver  # the module's singleton; _serve_one stored this child's copy in it
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None  # a learner's own forkserver use inside a rank starts a fresh one
+    # Where there is no parent-death signal (macOS), or something else keeps the forkserver alive: a thread that
+    # waits on the caller's end of the pipe multiprocessing keeps open for exactly this (readable once it dies).
+    caller = mp.parent_process()
+    if caller is not None:
+        threading.Thread(target=_exit_when_gone, args=(caller.sentinel,), name="course-caller-watch",
+                         daemon=True).start()
+
+
+def _exit_when_gone(sentinel: int) -> None:
+    mp.connection.wait([sentinel])
+    os._exit(1)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for an error that says another rank went away rather than what went wrong: gloo's transport errors
+    ("Connection closed by peer", "Connection reset by peer"...) and c10d's typed errors (store, network)."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport/" in str(exc))
 
 
 def run_rank(rank: int, world_size: int, port: int, prefix: str, tmpdir: str, pg_timeout_s: float) -> None:
     """Entry point of one rank (target of the multiprocessing Process)."""
-    _die_with_parent()
+    _die_with_the_caller()
     _capture_output(tmpdir, rank)
     code = 0
     try:
@@ -85,6 +152,7 @@ def run_rank(rank: int, world_size: int, port: int, prefix: str, tmpdir: str, pg
             "type": type(exc).__name__,
             "message": str(exc),
             "traceback": "".join(traceback.format_exception(exc)),
+            "peer_failure": is_peer_failure(exc),
         }
         try:
             report["exc"] = cloudpickle.dumps(exc)

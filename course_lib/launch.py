@@ -17,15 +17,21 @@ How it works (each choice was measured on a 2-core laptop):
   without an ``if __name__ == "__main__":`` guard.
 * The parent hosts the rendezvous ``TCPStore`` on a port the OS picks (port 0), created once per parent process
   (tearing one down costs 0.1 s) with a fresh key prefix per launch: no hard-coded port, so parallel notebooks
-  and test runs never collide.
+  and test runs never collide. It listens on 127.0.0.1 only, over IPv4 (nothing outside the machine can reach
+  it, and no reverse DNS lookup of ``::ffff:127.0.0.1`` stalls a launch for 5 s).
+* ``fn``, its signature and its arguments are checked before any rank starts (an argument that cannot be pickled
+  is named); two threads may launch at once.
 * Each rank's stdout/stderr (Python and C++) goes to a file that is replayed here in rank order, each line
-  prefixed ``[rank r]`` (ipykernel does not show child output under nbval, and live output would interleave).
+  prefixed ``[rank r]`` (ipykernel does not show child output under nbval, and live output would interleave);
+  more than ``MAX_OUTPUT_BYTES`` per rank and stream is cut in the middle, with a note.
 * A rank that raises: the exception of the rank that failed **first** (by timestamp -- the root cause, not the
   neighbour whose collective broke because its peer died) is raised here as ``RankError`` with that rank's
-  traceback, including lines of notebook cells; the other ranks are killed at once.
+  traceback, including lines of notebook cells; the other ranks are killed at once. A rank that dies without a
+  word (a signal, ``os._exit``) is named ahead of the neighbours whose collectives lost it.
 * A rank that hangs: after ``timeout`` seconds the parent asks every unfinished rank for its Python stack
   (``faulthandler`` on SIGUSR1), kills them and raises ``RankTimeout`` naming them and showing where they wait.
-  No process, port or temporary file survives a launch.
+  No process, port or temporary file survives a launch -- nor the caller: however it dies (SIGKILL, SIGTERM,
+  SIGHUP, a kernel restart), its ranks and forkserver are gone within a moment and its launch folder is removed.
 * Under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set) ``fn`` runs in this process on the already launched rank,
   with NCCL when CUDA is present (gloo otherwise); ``world_size=1`` also runs in-process, for debugging.
 """
@@ -34,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import inspect
+import io
 import itertools
 import linecache
 import multiprocessing as mp
@@ -41,8 +49,10 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -59,9 +69,14 @@ DEFAULT_TIMEOUT = float(os.environ.get("COURSE_LAUNCH_TIMEOUT", 30))
 """Seconds a launch may take before its unfinished ranks are reported as hung (env COURSE_LAUNCH_TIMEOUT)."""
 
 # torch._dynamo: every torch.optim optimizer imports it lazily, ~3.7 s per fresh rank without the preload
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course_lib._worker"]
+# course_lib._forkserver: imported by the forkserver only, so it removes our launch folders when it exits
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course_lib._worker",
+            "course_lib._forkserver"]
 _POLL_S = 0.005  # how often the parent looks for finished ranks
 _EXIT_GRACE_S = 5.0  # how long a released rank may take to leave before it is killed
+_CAUSE_WAIT_S = 1.0  # how long to wait for the cause when only "a peer went away" errors are in
+MAX_OUTPUT_BYTES = 200_000
+"""Per rank and stream, the most captured output replayed; the middle of a longer one is left out, with a note."""
 
 
 class RankError(RuntimeError):
@@ -115,14 +130,37 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float |
     ``timeout`` (seconds, default ``DEFAULT_TIMEOUT``) bounds the whole launch. Raises ``RankError`` for the
     first rank that raised and ``RankTimeout`` for ranks still running at the deadline.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    _check_call(fn, world_size, args, kwargs)
     timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if in_torchrun():
         return _launch_torchrun(fn, world_size, args, kwargs)
     if world_size == 1:
         return _launch_inline(fn, args, kwargs, timeout)
     return _launch_processes(fn, world_size, args, kwargs, timeout)
+
+
+def _check_call(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict) -> None:
+    """Refuse, before any rank starts, a ``fn`` that is not callable or cannot take the call every rank makes."""
+    if not callable(fn):
+        raise TypeError(f"launch(fn, world_size, ...): fn must be a function, got {type(fn).__name__} {fn!r:.80}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: let the call itself decide
+        return
+    try:
+        signature.bind(0, world_size, *args, **kwargs)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        empty = inspect.Parameter.empty
+        signature = signature.replace(parameters=[p.replace(annotation=empty) for p in signature.parameters.values()],
+                                      return_annotation=empty)
+        extra = "".join(f", {a!r:.40}" for a in args) + "".join(f", {k}={v!r:.40}" for k, v in kwargs.items())
+        raise TypeError(f"every rank calls fn(rank, world_size, *args, **kwargs), here {name}(rank, {world_size}"
+                        f"{extra}), but {name}{signature} cannot take it: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -168,14 +206,25 @@ def _launch_inline(fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: f
 
 _STORE: dist.TCPStore | None = None
 _LAUNCHES = itertools.count()
+_START_LOCK = threading.Lock()  # one launch at a time creates the store and starts its ranks (see _no_main_reimport)
 
 
 def _rendezvous() -> tuple[dist.TCPStore, str]:
-    """This process's rendezvous store (started on first use) and a key prefix unique to this launch."""
+    """This process's rendezvous store (started on first use) and a key prefix unique to this launch.
+
+    The store gets a socket we made: IPv4, bound to 127.0.0.1 only. Left to itself TCPStore listens on every
+    interface (``::``), unauthenticated, for the caller's whole life, and its server thread looks up the name of
+    each peer, ``::ffff:127.0.0.1`` -- a reverse DNS query that stalls a launch for 5 s whenever the resolver has
+    no answer. Runs over several machines use torchrun's own rendezvous instead (see the README).
+    """
     global _STORE
     if _STORE is None:
-        _STORE = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=60))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        _STORE = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=60), master_listen_fd=sock.detach())
     return _STORE, f"launch{os.getpid()}_{next(_LAUNCHES)}/"
 
 
@@ -188,7 +237,8 @@ def _context() -> mp.context.ForkServerContext:
 @contextlib.contextmanager
 def _no_main_reimport() -> Iterator[None]:
     """Ranks must not re-run the caller's script: multiprocessing imports ``__main__`` in every child unless its
-    ``__spec__`` is named ``__main__``. cloudpickle already ships everything ``fn`` needs from ``__main__``."""
+    ``__spec__`` is named ``__main__``. cloudpickle already ships everything ``fn`` needs from ``__main__``.
+    Hold ``_START_LOCK`` around it: two threads interleaving the swap would leave the stand-in behind."""
     main = sys.modules["__main__"]
     saved = getattr(main, "__spec__", None)
     main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
@@ -209,6 +259,26 @@ class _SourceKeepingPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+def _write_payload(path: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Pickle what every rank needs; if something cannot travel to another process, say which argument it is."""
+    payload = {"fn": fn, "args": args, "kwargs": kwargs, "linecache": _cell_sources()}
+    try:
+        with open(path, "wb") as f:
+            _SourceKeepingPickler(f).dump(payload)
+    except Exception as exc:
+        parts = [("fn", fn), *((f"argument {i} after world_size", a) for i, a in enumerate(args, 1)),
+                 *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
+        for what, obj in parts:
+            try:
+                _SourceKeepingPickler(io.BytesIO()).dump(obj)
+            except Exception as part_exc:
+                raise TypeError(
+                    f"launch cannot send {what} ({type(obj).__name__}) to the ranks: {part_exc}. Each rank is a"
+                    " separate process and gets a pickled copy of fn and its arguments: pass plain data, and create"
+                    " locks, open files, sockets or generators inside fn.") from exc
+        raise
+
+
 def _cell_sources() -> dict[str, list[str]]:
     """Source lines of code that exists only in memory (notebook cells), so rank tracebacks can show it."""
     cells = {}
@@ -220,23 +290,23 @@ def _cell_sources() -> dict[str, list[str]]:
 
 def _launch_processes(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict,
                       timeout: float) -> list[Any]:
+    _worker.remove_stale_launch_dirs()
     ctx = _context()
-    tmpdir = tempfile.mkdtemp(prefix=f"course_launch_{os.getpid()}_")
+    tmpdir = tempfile.mkdtemp(prefix=os.path.basename(_worker.launch_dir_prefix(os.getpid())))
     procs: list[mp.process.BaseProcess] = []
     released = False
     try:
-        payload = {"fn": fn, "args": args, "kwargs": kwargs, "linecache": _cell_sources()}
-        with open(os.path.join(tmpdir, "payload.pkl"), "wb") as f:
-            _SourceKeepingPickler(f).dump(payload)
-        store, prefix = _rendezvous()
+        _write_payload(os.path.join(tmpdir, "payload.pkl"), fn, args, kwargs)
         # The process group's own timeout is longer than ours: our watchdog reports a hang with stacks first.
         pg_timeout = timeout + 30.0
-        with _no_main_reimport():
-            for rank in range(world_size):
-                rank_args = (rank, world_size, store.port, prefix, tmpdir, pg_timeout)
-                p = ctx.Process(target=_worker.run_rank, args=rank_args, name=f"course-rank-{rank}", daemon=True)
-                p.start()
-                procs.append(p)
+        with _START_LOCK:
+            store, prefix = _rendezvous()
+            with _no_main_reimport():
+                for rank in range(world_size):
+                    rank_args = (rank, world_size, store.port, prefix, tmpdir, pg_timeout)
+                    p = ctx.Process(target=_worker.run_rank, args=rank_args, name=f"course-rank-{rank}", daemon=True)
+                    p.start()
+                    procs.append(p)
         results = _supervise(procs, world_size, tmpdir, timeout, dist.PrefixStore(prefix, store))
         released = True
         return results
@@ -265,24 +335,40 @@ def _supervise(procs: list[mp.process.BaseProcess], world_size: int, tmpdir: str
             if _worker.rank_file(tmpdir, rank, "result").exists():
                 pending.discard(rank)
             elif not procs[rank].is_alive():
-                for p in procs:  # stop the others at once
+                error = _first_failure(procs, world_size, tmpdir)
+                for p in procs:  # stop the others
                     if p.is_alive():
                         p.kill()
-                raise _first_failure(procs, world_size, tmpdir, dead=rank)
+                raise error
     store.set(_worker.DONE_KEY, "1")
     return [cloudpickle.loads(_worker.rank_file(tmpdir, r, "result").read_bytes()) for r in range(world_size)]
 
 
-def _first_failure(procs: list[mp.process.BaseProcess], world_size: int, tmpdir: str, dead: int) -> RankError:
-    """The root cause: of the ranks that reported an exception, the one that raised first; if none did, the
-    rank ``dead`` that was found gone (killed by a signal, ``os._exit``, out of memory)."""
-    reports = {}
-    for rank in range(world_size):
-        path = _worker.rank_file(tmpdir, rank, "error")
-        if path.exists():
-            reports[rank] = cloudpickle.loads(path.read_bytes())
-    if reports:
-        rank = min(reports, key=lambda r: reports[r]["time"])
+def _first_failure(procs: list[mp.process.BaseProcess], world_size: int, tmpdir: str) -> RankError:
+    """The root cause, once some rank is found gone. In order of preference:
+
+    1. of the ranks that raised an error of their own, the one that raised first (by timestamp);
+    2. a rank that died without a word (killed by a signal, ``os._exit``, out of memory): its neighbours'
+       collectives then fail with "Connection closed by peer", which is a consequence, not the cause;
+    3. of the ranks whose collective failed because a peer went away, the first.
+
+    When only (3) is known yet, the dead rank's exit may simply not have been seen: wait up to
+    ``_CAUSE_WAIT_S`` for (1) or (2) to show up, or for every rank without a result to be gone.
+    """
+    give_up = time.monotonic() + _CAUSE_WAIT_S
+    while True:
+        reports = {r: cloudpickle.loads(path.read_bytes()) for r in range(world_size)
+                   if (path := _worker.rank_file(tmpdir, r, "error")).exists()}
+        silent = [r for r in range(world_size) if r not in reports and not procs[r].is_alive()
+                  and not _worker.rank_file(tmpdir, r, "result").exists()]
+        own = [r for r in reports if not reports[r].get("peer_failure")]
+        running = [r for r in range(world_size) if procs[r].is_alive()
+                   and not _worker.rank_file(tmpdir, r, "result").exists()]
+        if own or silent or not running or time.monotonic() > give_up:
+            break
+        multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=_POLL_S)
+    if own or not silent:
+        rank = min(own or reports, key=lambda r: reports[r]["time"])
         rep = reports[rank]
         original = None
         if rep["exc"] is not None:
@@ -291,11 +377,14 @@ def _first_failure(procs: list[mp.process.BaseProcess], world_size: int, tmpdir:
         others = sorted(set(reports) - {rank})
         note = f"(ranks {others} failed after it, most likely as a consequence)" if others else ""
         return RankError(rank, world_size, rep["type"], rep["message"], rep["traceback"], original, note)
+    dead = silent[0]
     code = procs[dead].exitcode or 0
     how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     tail = _read(_worker.rank_file(tmpdir, dead, "err"))[-3000:]
+    others = sorted(set(reports) | set(silent[1:]))
+    note = (f"(ranks {others} failed after it: their collectives lost their peer)" if others else "")
     return RankError(dead, world_size, "ProcessDied", f"the rank process {how} without raising an exception",
-                     tail or "(the rank printed nothing to stderr)")
+                     tail or "(the rank printed nothing to stderr)", note=note)
 
 
 def _hang_report(procs: list[mp.process.BaseProcess], hung: list[int], world_size: int, tmpdir: str,
@@ -307,7 +396,7 @@ def _hang_report(procs: list[mp.process.BaseProcess], hung: list[int], world_siz
     give_up = time.monotonic() + 2.0
     for rank in hung:
         path = _worker.rank_file(tmpdir, rank, "stack")
-        while time.monotonic() < give_up and "File" not in _read(path):
+        while time.monotonic() < give_up and "in run_rank" not in _read(path):
             time.sleep(0.02)
         time.sleep(0.05)  # let the dump finish
         stacks[rank] = _main_thread_stack(_read(path))
@@ -315,12 +404,21 @@ def _hang_report(procs: list[mp.process.BaseProcess], hung: list[int], world_siz
     return RankTimeout(hung, world_size, timeout, stacks)
 
 
-def _read(path: os.PathLike) -> str:
+def _read(path: os.PathLike, limit: int | None = None) -> str:
+    """The file's text; with ``limit``, at most its first and last ``limit // 2`` bytes and a note between."""
     try:
-        with open(path, errors="replace") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if limit is None or size <= limit:
+                return f.read().decode(errors="replace")
+            head = f.read(limit // 2).decode(errors="replace")
+            f.seek(size - limit // 2)
+            tail = f.read().decode(errors="replace")
     except FileNotFoundError:
         return ""
+    left_out = size - 2 * (limit // 2)
+    return (f"{head}\n... {left_out:,} bytes of output left out here (each rank's output is capped at"
+            f" {limit:,} bytes: print less often, or write to a file) ...\n{tail}")
 
 
 def _main_thread_stack(dump: str) -> str:
@@ -329,7 +427,7 @@ def _main_thread_stack(dump: str) -> str:
     for thread in dump.split("\n\n"):
         lines = thread.strip().splitlines()
         for i, line in enumerate(lines):
-            if "_worker.py" in line:
+            if "_worker.py" in line and "in run_rank" in line:
                 return "\n".join(lines[1:i]) or line
     return dump.strip() or "(no stack could be read)"
 
@@ -338,7 +436,7 @@ def _replay_output(tmpdir: str, world_size: int) -> None:
     """Print every rank's captured output, rank by rank, each line prefixed with its rank."""
     for rank in range(world_size):
         for kind, stream in (("out", sys.stdout), ("err", sys.stderr)):
-            text = _read(_worker.rank_file(tmpdir, rank, kind))
+            text = _read(_worker.rank_file(tmpdir, rank, kind), limit=MAX_OUTPUT_BYTES)
             if text:
                 stream.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
         sys.stdout.flush()

@@ -32,6 +32,7 @@ Conventions (all sizes in bytes; GB means 10^9 bytes, GiB 2^30):
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -72,6 +73,25 @@ Formula = Literal["paper", "adapted"]
 OptimizerName = Literal["sgd", "sgd_momentum", "adam", "adamw"]
 
 # ----------------------------------------------------------------------------------------------------------------
+# Input checks: nonsense (seq_len=0, micro_batch=-1, tp=0) is refused by name, never replaced by a default
+
+
+def _count(name: str, value: object, minimum: int = 1, none: str = "") -> None:
+    """``value`` must be an int >= ``minimum``; None too where ``none`` says what None means."""
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        default = f" (or None: {none})" if none else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{default}, got {value!r}")
+
+
+def _amount(name: str, value: object, positive: bool = False) -> None:
+    """``value`` must be a number >= 0 (> 0 where ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{name} must be a number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Results: bytes by category
 
 
@@ -80,6 +100,8 @@ def format_bytes(n: float, unit: str | None = None, *, digits: int | None = None
     B, kB, MB, GB, TB, KiB, MiB, GiB; ``digits`` gives that many significant digits instead
     (``format_bytes(4e6, digits=3)`` -> ``4 MB``, ``format_bytes(1500, digits=3)`` -> ``1.5 kB``)."""
     units = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    if unit is not None and unit not in units:
+        raise ValueError(f"unit must be one of {', '.join(units)} (or None to pick one), got {unit!r}")
     if unit is None:
         unit = next((u for u in ("TB", "GB", "MB", "kB") if abs(n) >= units[u]), "B")
     if digits is not None:
@@ -263,6 +285,8 @@ def bytes_per_param_table() -> list[dict[str, Any]]:
 
 def weight_bytes(n_params: float, bytes_per_weight: float = 2) -> float:
     """Resident weights: n_params x bytes (bf16 = 2, int8 = 1, int4 = 0.5). 70e9 in bf16 = 140 GB."""
+    _amount("n_params", n_params)
+    _amount("bytes_per_weight", bytes_per_weight, positive=True)
     return n_params * bytes_per_weight
 
 
@@ -281,8 +305,9 @@ def zero_memory_per_device(psi: float, K: float = 12, N_d: int = 1, stage: int =
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-    if N_d < 1:
-        raise ValueError(f"N_d must be >= 1, got {N_d}")
+    _count("N_d", N_d)
+    for name, value in (("psi", psi), ("K", K), ("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
+        _amount(name, value)
     p = param_bytes * psi / (N_d if stage >= 3 else 1)
     g = grad_bytes * psi / (N_d if stage >= 2 else 1)
     o = K * psi / (N_d if stage >= 1 else 1)
@@ -444,6 +469,8 @@ def activation_bytes_paper(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     * full recompute: 2sbh (only the layer's input is kept)
     """
     _check_recompute(recompute)
+    for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
+        _count(name, value)
     sbh = s * b * h
     if recompute == "full":
         return 2.0 * sbh
@@ -496,6 +523,10 @@ def layer_activation_bytes(config: GPTConfig | str, micro_batch: int, seq_len: i
     """
     c = _resolve(config)
     _check_recompute(recompute)
+    _count("micro_batch", micro_batch)
+    _count("seq_len", seq_len)
+    _count("tp", tp)
+    _amount("element_bytes", element_bytes, positive=True)
     if c.n_head % tp:
         raise ValueError(f"tp={tp} must divide n_head={c.n_head}")
     e, s, b, t = element_bytes, seq_len, micro_batch, tp
@@ -550,7 +581,11 @@ def model_activation_bytes(config: GPTConfig | str, micro_batch: int, seq_len: i
       total weight.
     """
     c = _resolve(config)
-    s = seq_len or c.seq_len
+    _count("micro_batch", micro_batch)
+    _count("seq_len", seq_len, none="the config's seq_len")
+    _count("tp", tp)
+    _count("n_layers", n_layers, minimum=0, none="all the layers")
+    s = c.seq_len if seq_len is None else seq_len
     L = c.n_layer if n_layers is None else n_layers
     layers = L * layer_activation_bytes(c, micro_batch, s, tp=tp, sp=sp, recompute=recompute, formula=formula,
                                         element_bytes=element_bytes, dropout=dropout)
@@ -661,8 +696,12 @@ def training_memory(config: GPTConfig | str, *, precision: str | Precision = "mi
     kept during the next forward, as with gradient accumulation): an upper bound for one step.
     """
     c = _resolve(config)
+    _count("micro_batch", micro_batch)
+    _count("seq_len", seq_len, none="the config's seq_len")
+    _amount("headroom", headroom)
+    _amount("bucket_bytes", bucket_bytes)
     lay = layout or ParallelLayout()
-    s = seq_len or c.seq_len
+    s = c.seq_len if seq_len is None else seq_len
     lay.validate(c, s)
     _check_recompute(recompute)
     prec = precision_policy(precision, fp32_grad_accum)
@@ -696,6 +735,11 @@ def kv_cache_bytes(config: GPTConfig | str, tokens: int, batch: int = 1, kv_byte
     and t > n_kv_heads the KV heads are replicated and the division stops at one head per rank.
     """
     c = _resolve(config)
+    _count("tokens", tokens, minimum=0)
+    _count("batch", batch)
+    _count("tp", tp)
+    _count("n_layers", n_layers, minimum=0, none="all the layers")
+    _amount("kv_bytes", kv_bytes, positive=True)
     L = c.n_layer if n_layers is None else n_layers
     return 2 * L * math.ceil(c.kv_heads / tp) * c.head_dim * kv_bytes * tokens * batch
 
@@ -718,11 +762,17 @@ def inference_memory(config: GPTConfig | str, *, batch: int = 1, context_len: in
     * headroom: ``headroom`` x the rest.
     """
     c = _resolve(config)
-    ctx = context_len or c.seq_len
+    _count("batch", batch)
+    _count("context_len", context_len, none="the config's seq_len")
+    _count("prefill_chunk", prefill_chunk, none="the whole context at once")
+    _amount("weight_bytes_per_param", weight_bytes_per_param, positive=True)
+    _amount("kv_bytes", kv_bytes, positive=True)
+    _amount("headroom", headroom)
+    ctx = c.seq_len if context_len is None else context_len
     lay = ParallelLayout(tp=tp, pp=pp, ep=ep, dp=ep)  # expert-parallel ranks serve as replicas of the dense part
     lay.validate(c, ctx)
     worst: dict[str, float] | None = None
-    chunk = prefill_chunk or ctx
+    chunk = ctx if prefill_chunk is None else prefill_chunk
     h, d, f, v = c.d_model, c.head_dim, c.ffn_dim, c.vocab_size
     e = 2
     T = chunk * batch

@@ -20,9 +20,10 @@ Formulas (h = d_model, f = d_ff, L = n_layer, v = vocab, h_kv = n_kv_head * d_he
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +62,17 @@ class GPTConfig:
     name: str = "tiny"
 
     def __post_init__(self) -> None:
+        for name, allowed in _choices().items():  # mlp, norm, pos, router: an unknown one is never replaced
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         sizes = {"vocab_size": self.vocab_size, "seq_len": self.seq_len, "n_layer": self.n_layer,
                  "n_head": self.n_head, "d_model": self.d_model}
         sizes |= {k: v for k, v in (("n_kv_head", self.n_kv_head), ("d_ff", self.d_ff)) if v is not None}
         for name, value in sizes.items():
-            if value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.n_expert, bool) or not isinstance(self.n_expert, int) or self.n_expert < 0:
+            raise ValueError(f"n_expert must be an int >= 0 (0: a dense MLP), got {self.n_expert!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
@@ -75,8 +81,6 @@ class GPTConfig:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_expert={self.n_expert}]")
-        if self.router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {self.router!r}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}")
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
@@ -98,6 +102,13 @@ class GPTConfig:
     def with_(self, **changes: object) -> GPTConfig:
         """A copy with some fields changed (``cfg.with_(n_layer=4)``)."""
         return replace(self, **changes)
+
+
+@functools.cache
+def _choices() -> dict[str, tuple]:
+    """The allowed values of every ``Literal`` field of ``GPTConfig``."""
+    hints = get_type_hints(GPTConfig)
+    return {name: get_args(h) for name, h in hints.items() if get_origin(h) is Literal}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def _conda_pins() -> tuple[str, dict[str, str]]:
     env = yaml.safe_load((REPO / "environment.yml").read_text())
     python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python"))
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
-    return python, _pins([p for p in pip if not p.startswith("-e")])
+    return python, _pins([p for p in pip if not p.startswith("-")])  # -e ., --extra-index-url
 
 
 def test_torch_is_pinned_to_the_cpu_wheel_version():

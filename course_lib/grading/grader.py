@@ -2,7 +2,11 @@
 
     python -m course_lib.grading exercises/01_collectives.ipynb          # one notebook
     python -m course_lib.grading submissions/ --out report.json           # a class's folder
-    python -m course_lib.grading submissions/ --always-exit-zero          # batch grading
+    python -m course_lib.grading submissions/ --strict                    # exit 1 unless every mark is earned
+
+Exit status: 0 once the notebooks are graded, whatever they scored (the score is printed and written with
+``--out``); with ``--strict``, 1 unless every notebook has full marks (for CI); 2 for a usage error or when no
+notebook was found.
 
 How a notebook is graded:
 
@@ -243,15 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the reports as JSON here")
     parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT_S, help="seconds per notebook")
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
-    parser.add_argument("--always-exit-zero", action="store_true", help="exit 0 even without full marks")
+    parser.add_argument("--strict", action="store_true", help="exit 1 unless every notebook scores full marks")
     args = parser.parse_args(argv)
     reports = grade(args.paths, args.timeout, args.cell_timeout)
+    if not reports:
+        print(f"no notebook found in {', '.join(map(str, args.paths))}", file=sys.stderr)
+        return 2
     total, best = sum(r.points for r in reports), sum(r.max_points for r in reports)
     print(f"total: {total}/{best} points over {len(reports)} notebook(s)")
     if args.out:
         args.out.write_text(json.dumps([{**asdict(r), "points": r.points, "max_points": r.max_points}
                                         for r in reports], indent=2))
-    return 0 if args.always_exit_zero or (reports and total == best) else 1
+    return 1 if args.strict and total < best else 0
 
 
 if __name__ == "__main__":

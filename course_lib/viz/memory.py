@@ -21,6 +21,7 @@ the driver keeps); the budgets' "headroom" category stands for that and for the 
 
 from __future__ import annotations
 
+import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -274,9 +275,8 @@ class MemoryBudgetWidget(ControlPanel):
             return W.Dropdown(options=options, value=value, description=d[name], style=style,
                               layout=W.Layout(width=width))
 
-        def num(name: str, value: int, lo: int = 0, hi: int = 10**7, width: str = "150px") -> Any:
-            return W.BoundedIntText(value=value, min=lo, max=hi, description=d[name], style=style,
-                                    layout=W.Layout(width=width))
+        def num(name: str, value: int, width: str = "150px") -> Any:  # unbounded: 0 or -5 shows the error
+            return W.IntText(value=value, description=d[name], style=style, layout=W.Layout(width=width))
 
         names = [*[k for k in PRESETS if k != "tiny"], "tiny", "custom"]
         c0 = PRESETS[model] if model in PRESETS else PRESETS["llama2-70b"]
@@ -285,19 +285,19 @@ class MemoryBudgetWidget(ControlPanel):
             "mode": W.ToggleButtons(options=["training", "inference"], value=mode, description=d["mode"],
                                     style={"description_width": "initial", "button_width": "100px"}),
             "gpu": drop("gpu", list(GPUS), gpu, "220px"),
-            "n_layer": num("n_layer", c0.n_layer, 1, 1000),
-            "d_model": num("d_model", c0.d_model, 1),
-            "n_head": num("n_head", c0.n_head, 1, 4096),
-            "n_kv_head": num("n_kv_head", c0.kv_heads, 1, 4096),
-            "d_ff": num("d_ff", c0.ffn_dim, 1),
-            "vocab_size": num("vocab_size", c0.vocab_size, 1),
-            "n_expert": num("n_expert", c0.n_expert, 0, 1024),
-            "top_k": num("top_k", c0.top_k, 1, 1024),
+            "n_layer": num("n_layer", c0.n_layer),
+            "d_model": num("d_model", c0.d_model),
+            "n_head": num("n_head", c0.n_head),
+            "n_kv_head": num("n_kv_head", c0.kv_heads),
+            "d_ff": num("d_ff", c0.ffn_dim),
+            "vocab_size": num("vocab_size", c0.vocab_size),
+            "n_expert": num("n_expert", c0.n_expert),
+            "top_k": num("top_k", c0.top_k),
             "precision": drop("precision", list(PRECISION_OPTIONS.items()), ("mixed", False), "330px"),
             "optimizer": drop("optimizer", ["adamw", "adam", "sgd_momentum", "sgd"], "adamw", "170px"),
             "recompute": drop("recompute", ["none", "selective", "full"], "none", "170px"),
-            "batch": num("batch", 1, 1, 4096),
-            "seq_len": num("seq_len", c0.seq_len, 1, 10**7, "170px"),
+            "batch": num("batch", 1),
+            "seq_len": num("seq_len", c0.seq_len, "170px"),
             "zero": drop("zero", [0, 1, 2, 3], 0, "130px"),
             "dp": drop("dp", _POW2, 1, "100px"),
             "tp": drop("tp", _POW2[:8], 1, "100px"),
@@ -309,7 +309,8 @@ class MemoryBudgetWidget(ControlPanel):
             "kv_bytes": drop("kv_bytes", list(KV_OPTIONS.items()), 2.0, "170px"),
         }
         self.verdict_html = W.HTML()
-        self.image = W.Image(format="png", layout=W.Layout(max_width="820px"))
+        self.note = ""  # what the last change did besides the obvious (a preset's own sequence length)
+        self.image = W.Image(format="png", layout=W.Layout(max_width="820px", display="none"))  # shown once drawn
         self.table = W.HTML()
         ctl = self.controls
         sizes = W.HBox([ctl[k] for k in SIZE_FIELDS], layout=W.Layout(flex_flow="row wrap"))
@@ -324,6 +325,7 @@ class MemoryBudgetWidget(ControlPanel):
             self.verdict_html, self.image, self.table,
         ])
         self.add_class("course-memory-budget")
+        self._settle_controls()
         ctl["model"].observe(self._on_model, names="value")
         for k in SIZE_FIELDS:
             ctl[k].observe(self._on_size, names="value")
@@ -344,17 +346,20 @@ class MemoryBudgetWidget(ControlPanel):
     def _assign(self, values: dict[str, Any]) -> None:
         """``model`` first (a preset fills the sizes and the sequence length), then the sizes, then the rest."""
         order = ["model", *SIZE_FIELDS]
+        self.note = ""  # as for a learner's change: only what this change did is pointed out
         for k in sorted(values, key=lambda k: order.index(k) if k in order else len(order)):
             self.controls[k].value = values[k]
             if k == "model":
                 self._apply_model(values[k])
             elif k in SIZE_FIELDS:
                 self.controls["model"].value = "custom"
+            elif k == "seq_len":
+                self.note = ""  # the caller chose the length
 
     @property
     def text(self) -> str:
         """The verdict, the layout and the budget table, as plain text (what the widget shows)."""
-        lines = [self.verdict_text]
+        lines = [self.verdict_text] + ([self.note] if self.note else [])
         if self.budget is not None:
             lines += [self._layout_line(), self.budget.to_string("GB")]
         return "\n".join(lines)
@@ -362,10 +367,12 @@ class MemoryBudgetWidget(ControlPanel):
     # ---- callbacks
 
     def _apply_model(self, name: str) -> None:
+        """A preset fills the sizes and sets the sequence to the model's own context length, and says so."""
         if name == "custom":
             return
         c = PRESETS[name]
         was, self._busy = self._busy, True
+        before = self.controls["seq_len"].value
         try:
             for k in SIZE_FIELDS:
                 self.controls[k].value = c.kv_heads if k == "n_kv_head" else (
@@ -374,6 +381,8 @@ class MemoryBudgetWidget(ControlPanel):
         finally:
             self._busy = was
         self._base = c
+        self.note = (f"sequence length set to {c.seq_len:,} tokens, the context length of {name} (was {before:,})"
+                     if before != c.seq_len else "")
 
     def _on_model(self, change: dict) -> None:
         if self._busy:
@@ -381,9 +390,15 @@ class MemoryBudgetWidget(ControlPanel):
         self._apply_model(change["new"])
         self.update()
 
+    def _on_change(self, change: dict) -> None:
+        if not self._busy:
+            self.note = ""
+        super()._on_change(change)
+
     def _on_size(self, change: dict) -> None:
         if self._busy:
             return
+        self.note = ""
         self._busy = True
         try:
             self.controls["model"].value = "custom"
@@ -424,19 +439,24 @@ class MemoryBudgetWidget(ControlPanel):
                                      recompute=v["recompute"], zero=v["zero"], dp=v["dp"], tp=v["tp"], pp=v["pp"],
                                      cp=v["cp"], ep=v["ep"], sp=v["sp"], weight_bytes=v["weight_bytes"],
                                      kv_bytes=v["kv_bytes"])
-        except ValueError as err:
+        except ValueError as err:  # the message names the field and what it accepts; no stale or empty figure
             self.budget, self.fits = None, None
             self.verdict_text = f"invalid settings: {err}"
-            self.verdict_html.value = f"<b style='color:darkorange'>{self.verdict_text}</b>"
+            self.verdict_html.value = f"<b style='color:darkorange'>{html.escape(self.verdict_text)}</b>"
             self.table.value = ""
+            self.image.layout.display = "none"
             return
         self.fits, self.verdict_text = verdict(self.budget, v["gpu"])
+        # the figure first, then text, table and figure together: they never show different settings
+        png = figure_png(plot_budget(self.budget, target=v["gpu"], title=self.budget.label, figsize=(8.0, 4.2))) \
+            if self._draw else None
         color = "darkgreen" if self.fits else "darkred"
-        self.verdict_html.value = f"<b style='color:{color}'>{self.verdict_text}</b><br>{self._layout_line()}"
+        note = f"<br><i>{html.escape(self.note)}</i>" if self.note else ""
+        self.verdict_html.value = f"<b style='color:{color}'>{self.verdict_text}</b>{note}<br>{self._layout_line()}"
         self.table.value = f"<pre style='font-size:11px'>{self.budget.to_string('GB')}</pre>"
-        if self._draw:
-            fig = plot_budget(self.budget, target=v["gpu"], title=self.budget.label, figsize=(8.0, 4.2))
-            self.image.value = figure_png(fig)
+        if png is not None:
+            self.image.value = png
+            self.image.layout.display = None
 
     def __repr__(self) -> str:
         return f"MemoryBudgetWidget({self.verdict_text!r})"

@@ -34,10 +34,11 @@ from tests.browser.conftest import EXPECT_MS, WidgetUI, mirror_from_notebook
 
 
 def _expect_memory_budget(ui: WidgetUI, mirror: MemoryBudgetWidget, step: str) -> None:
-    """The page shows ``mirror``'s verdict, layout line, table and figure; then a screenshot of the step."""
-    verdict, layout, *table = mirror.text.split("\n")
-    expect(ui.html(0), f"verdict after {step!r}").to_have_text(f"{verdict}\n{layout}", use_inner_text=True)
-    expect(ui.container.locator("pre"), f"budget table after {step!r}").to_have_text("\n".join(table))
+    """The page shows ``mirror``'s verdict (and note), layout line, table and figure; then a screenshot."""
+    lines = mirror.text.split("\n")
+    head = 3 if mirror.note else 2  # verdict, the note of a preset that changed the sequence length, layout
+    expect(ui.html(0), f"verdict after {step!r}").to_have_text("\n".join(lines[:head]), use_inner_text=True)
+    expect(ui.container.locator("pre"), f"budget table after {step!r}").to_have_text("\n".join(lines[head:]))
     ui.expect_image(mirror.image.value, step=step)
     ui.screenshot(step)
 
@@ -78,6 +79,20 @@ def test_memory_budget_widget(lab):
     batch = mirror.controls["batch"].value + 1
     ui.type_into(MEMORY["batch"], str(batch))
     step("batch_by_typing", batch=batch)
+
+    # a nonsense batch: the error, by name, and no figure at all (neither a stale one nor a broken image)
+    ui.type_into(MEMORY["batch"], "0")
+    mirror.set(batch=0)
+    expect(ui.html(0)).to_have_text(mirror.text, use_inner_text=True)
+    assert "micro_batch must be an int >= 1, got 0" in mirror.text
+    expect(ui.image()).to_be_hidden()
+    ui.screenshot("batch_zero")
+    ui.type_into(MEMORY["batch"], str(batch))
+    mirror.set(batch=batch)
+    _expect_memory_budget(ui, mirror, "batch_back")
+
+    # how to use its dropdowns from the keyboard, said in the widget (JupyterLab keeps a closed list's arrows)
+    expect(ui.container.locator(".course-keyboard-hint")).to_be_visible()
 
     # inference, by mouse: the training-only controls are disabled
     ui.click("inference")

@@ -1,0 +1,69 @@
+"""Nonsense input to the estimators and the model config is refused with the field's name and what is allowed
+(before: seq_len=0 silently meant the default, micro_batch=-1 gave a negative total, tp=0 a ZeroDivisionError,
+pos="alibi" a model with no positional information, mlp="relu" / norm="batchnorm" silently replaced)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from course_lib import memory as M
+from course_lib.model import GPTConfig
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: M.training_memory("tiny", seq_len=0), "seq_len must be an int >= 1 (or None: the config's seq_len)"),
+    (lambda: M.training_memory("tiny", micro_batch=-1), "micro_batch must be an int >= 1, got -1"),
+    (lambda: M.training_memory("tiny", micro_batch=1.5), "micro_batch must be an int >= 1, got 1.5"),
+    (lambda: M.training_memory("tiny", headroom=-0.1), "headroom must be a number >= 0, got -0.1"),
+    (lambda: M.training_memory("tiny", bucket_bytes=float("nan")), "bucket_bytes must be a number >= 0, got nan"),
+    (lambda: M.inference_memory("tiny", context_len=0), "context_len must be an int >= 1"),
+    (lambda: M.inference_memory("tiny", prefill_chunk=0), "prefill_chunk must be an int >= 1 (or None: the whole"),
+    (lambda: M.inference_memory("tiny", batch=0), "batch must be an int >= 1, got 0"),
+    (lambda: M.inference_memory("tiny", kv_bytes=0), "kv_bytes must be a number > 0, got 0"),
+    (lambda: M.kv_cache_bytes("tiny", 10, tp=0), "tp must be an int >= 1, got 0"),
+    (lambda: M.kv_cache_bytes("tiny", -10), "tokens must be an int >= 0, got -10"),
+    (lambda: M.layer_activation_bytes("tiny", 1, 32, tp=0), "tp must be an int >= 1, got 0"),
+    (lambda: M.layer_activation_bytes("tiny", 1, 0), "seq_len must be an int >= 1, got 0"),
+    (lambda: M.model_activation_bytes("tiny", 1, 0), "seq_len must be an int >= 1"),
+    (lambda: M.model_activation_bytes("tiny", 0), "micro_batch must be an int >= 1, got 0"),
+    (lambda: M.activation_bytes_paper(32, 1, 64, 4, t=0), "t must be an int >= 1, got 0"),
+    (lambda: M.activation_bytes_paper(32, 1, 0, 4), "h must be an int >= 1, got 0"),
+    (lambda: M.zero_memory_per_device(-1), "psi must be a number >= 0, got -1"),
+    (lambda: M.weight_bytes(7e9, 0), "bytes_per_weight must be a number > 0, got 0"),
+    (lambda: M.format_bytes(1, "XB"), "unit must be one of B, kB, MB, GB, TB, KiB, MiB, GiB"),
+])
+def test_estimators_refuse_nonsense_by_name(call, message):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert message in str(info.value)
+
+
+def test_sensible_edge_values_and_numpy_ints_are_accepted():
+    assert M.kv_cache_bytes("tiny", 0) == 0  # an empty cache
+    assert M.kv_cache_bytes("tiny", np.int64(10), tp=np.int64(2)) == M.kv_cache_bytes("tiny", 10, tp=2)
+    assert M.training_memory("tiny", headroom=0).total > 0
+    assert M.training_memory("tiny", seq_len=None).total == M.training_memory("tiny", seq_len=32).total
+    assert M.model_activation_bytes("tiny", 1, n_layers=0)["layers"] == 0
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("pos", "alibi", "'learned', 'rope'"),
+    ("mlp", "relu", "'gelu', 'swiglu'"),
+    ("norm", "batchnorm", "'layernorm', 'rmsnorm'"),
+    ("router", "topk", "'softmax', 'sigmoid'"),
+])
+def test_config_choices_are_never_silently_replaced(field, value, allowed):
+    with pytest.raises(ValueError, match=f"{field} must be one of {allowed}, got '{value}'"):
+        GPTConfig(**{field: value})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"n_layer": 2.5}, "n_layer must be a positive int, got 2.5"),
+    ({"d_model": True}, "d_model must be a positive int, got True"),
+    ({"seq_len": 0}, "seq_len must be a positive int, got 0"),
+    ({"n_expert": -1}, r"n_expert must be an int >= 0 \(0: a dense MLP\), got -1"),
+])
+def test_config_sizes_must_be_ints_of_the_right_range(changes, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**changes)
