@@ -37,7 +37,7 @@ TORCH_PLAN = if [ "$(TORCH_CPU)" = yes ]; then echo cpu-index; \
 RUN := $(if $(DRY_RUN),@echo "[dry run]",)
 
 .PHONY: setup lab test test-fast test-lib test-browser browser-deps test-notebooks lint execute-notebooks exercises \
-	grade benchmarks clean my-copy torch-plan
+	grade benchmarks clean my-copy torch-plan site test-site handout
 
 setup: $(STAMP)
 
@@ -125,14 +125,29 @@ execute-notebooks: $(STAMP)
 exercises: $(STAMP)
 	$(PY) -m course_lib.grading.notebooks $(if $(FORCE),--force)
 
-## Grade notebooks: make grade NB=path/to/notebook_or_folder [GRADE_ARGS=--strict]. Prints the score and exits 0;
-## --strict exits 1 unless every mark is earned.
+## Grade: make grade NB=notebook.ipynb, or NB=folder/ for a class (one notebook per learner, any names: writes
+## gradebook.csv and gradebook_summary.csv). Prints the score and exits 0; GRADE_ARGS=--strict exits 1 unless every
+## mark is earned.
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook_or_folder [GRADE_ARGS=--strict]"; exit 2; }
-	$(PY) -m course_lib.grading $(NB) $(GRADE_ARGS)
+	@if [ -d "$(NB)" ]; then $(PY) -m course_lib.grading.gradebook $(NB) --out $(or $(CSV),gradebook.csv) $(GRADE_ARGS); \
+	else $(PY) -m course_lib.grading $(NB) $(GRADE_ARGS); fi
+
+## The learners' copy without solutions/: make handout OUT=handout
+OUT ?= handout
+handout: $(STAMP)
+	$(PY) -m course_lib.handout $(OUT)
+
+## The course as a static site (site/index.html): chapters, figures, math, exercises without solutions.
+site: $(STAMP)
+	$(PY) -m course_lib.site site
+
+## The site built and checked: links, images, no solutions (pytest), then every page in chromium.
+test-site: $(STAMP) browser-deps
+	$(PY) -m pytest tests/test_site.py tests/browser/test_site_browser.py
 
 benchmarks: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site handout gradebook*.csv
