@@ -1,0 +1,257 @@
+"""Which bytes cross a node boundary: ranks labelled with node ids, the comm log read as flows, and the prediction.
+
+A cluster is nodes of ``gpus_per_node`` GPUs; inside a node the links are fast (NVLink, ~450 GB/s a direction on
+an H100), between nodes slow (InfiniBand, ~50 GB/s a GPU). ``torchrun --nnodes=N --nproc-per-node=G`` gives
+node i the contiguous global ranks ``i*G .. i*G+G-1``, so
+
+    node(rank) = rank // gpus_per_node
+
+and the axis order of the mesh (``course_lib.mesh``) decides which groups stay inside a node. Megatron-LM's
+default ``"tp-cp-ep-dp-pp"`` puts TP fastest: a TP group of t <= G ranks is consecutive and never leaves its node,
+and TP's per-layer collectives, the heaviest traffic of a step, ride NVLink.
+
+Bytes per step are read from a run as **flows**: (source rank, destination rank, bytes, group). Each kind of record
+gives its flows its own way, and the kind stays on the flow:
+
+* point-to-point records (``peer`` set, ``bytes_kind`` MEASURED): the message we handed to the backend goes to
+  ``peer`` -- **measured**;
+* a backend collective (MODELLED) has no observable peers. We use the **ring model**, as ``comm`` does for its
+  bytes: the group's ranks in group order form a ring and every rank sends its ``sent_bytes`` to its successor
+  (a broadcast's chain from the source follows the same order). So a rank's bytes cross a node boundary exactly
+  when its ring successor lives on another node -- **modelled**, not an observation (NCCL builds rings and trees
+  over the topology it detects; gloo uses its own algorithms). An all-to-all sends to every other rank: its
+  bytes are split equally over the n-1 peers (exact for equal splits).
+
+The **prediction** builds the same flows from the mesh arithmetic alone (``MeshShape.all_groups``) and message
+sizes from the model config: TP's collectives of one step (``parallel.tp.step_collectives``), and the data-parallel
+gradient all-reduce of the parameters one TP rank holds (``memory.params_per_rank``), both as rings. A run and
+its prediction give equal cross-node bytes per group when the run is what the arithmetic says it is.
+
+To have *measured* bytes for the gradient sync, ``RingDataParallel`` replaces ``DataParallel``'s backend
+all-reduce (its ``all_reduce`` seam) by the course's own ring (``collectives.ring_all_reduce``: isend/irecv, every
+message logged with its peer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from course_lib import comm
+from course_lib.collectives import ring_all_reduce
+from course_lib.memory import ParallelLayout, params_per_rank
+from course_lib.mesh import Mesh, MeshShape
+from course_lib.model import GPTConfig
+from course_lib.parallel.dp import DataParallel
+from course_lib.parallel.loop import build_model, train_loop
+from course_lib.parallel.tp import TensorParallel, step_collectives
+from course_lib.train import TrainConfig, TrainResult, make_optimizer
+
+NodeOf = Callable[[int], int]
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def node_of(rank: int, gpus_per_node: int) -> int:
+    """The node of a global rank when each node runs ``gpus_per_node`` contiguous ranks (torchrun's layout)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return rank // gpus_per_node
+
+
+def nodes(world_size: int, gpus_per_node: int) -> list[int]:
+    """``node_of`` of every rank: the fake node ids a run on one machine is labelled with."""
+    if world_size % gpus_per_node:
+        raise ValueError(f"{world_size} ranks do not fill nodes of {gpus_per_node} GPUs: use a world size that is "
+                         f"a multiple of gpus_per_node")
+    return [node_of(r, gpus_per_node) for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class Flow:
+    """``nbytes`` that rank ``src`` sends to rank ``dst`` in the group named ``group`` ("tp", "dp+cp");
+    ``kind``: ``comm.MEASURED`` (our own point-to-point message) or ``comm.MODELLED`` (the ring model)."""
+
+    src: int
+    dst: int
+    nbytes: int
+    group: str
+    kind: str
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flows from a run's comm log
+
+
+def group_members(label: str, rank: int, shape: MeshShape) -> list[int]:
+    """The global ranks, in group order, of ``rank``'s group named ``label`` in the comm log: mesh axes joined by
+    '+' ("dp+cp", the names ``Mesh`` gives), "world", "self", or "ranks[0, 2]" (an unnamed group)."""
+    if label == "world":
+        return list(range(shape.world_size))
+    if label == "self":
+        return [rank]
+    found = re.fullmatch(r"ranks\[([\d, ]*)\]", label)
+    if found:
+        return [int(r) for r in found.group(1).split(",") if r.strip()]
+    return shape.group_ranks(rank, *label.split("+"))
+
+
+def record_flows(record: comm.CommRecord, rank: int, shape: MeshShape) -> list[Flow]:
+    """The flows of one record of ``rank`` (see the module docstring): a send to its peer (measured); a ring
+    collective to the ring successor, an all-to-all equally to every other member (modelled)."""
+    if record.sent_bytes == 0:
+        return []
+    if record.peer is not None:
+        return [Flow(rank, record.peer, record.sent_bytes, record.group, record.bytes_kind)]
+    members = group_members(record.group, rank, shape)
+    if rank not in members:
+        raise ValueError(f"rank {rank} logged a {record.op} in group {record.group!r}, whose ranks under {shape} "
+                         f"are {members}: the shape is not the one the run used (degrees or order)")
+    n, pos = len(members), members.index(rank)
+    if record.op in RING_OPS:
+        return [Flow(rank, members[(pos + 1) % n], record.sent_bytes, record.group, comm.MODELLED)]
+    if record.op == "all_to_all":
+        share = record.sent_bytes // (n - 1)
+        return [Flow(rank, dst, share, record.group, comm.MODELLED) for dst in members if dst != rank]
+    raise ValueError(f"no flow model for {record.op!r} records")
+
+
+def flows_from_log(step_comm: Sequence[Sequence[comm.CommRecord]], shape: MeshShape) -> list[Flow]:
+    """Every flow of one step: ``step_comm[r]`` holds rank r's records of that step (``result.step_comm[k]``)."""
+    if len(step_comm) != shape.world_size:
+        raise ValueError(f"step_comm has the records of {len(step_comm)} ranks, the mesh has {shape.world_size}")
+    return [f for rank, records in enumerate(step_comm) for rec in records for f in record_flows(rec, rank, shape)]
+
+
+def cross_node_bytes(flows: Iterable[Flow], gpus_per_node: int, node: NodeOf | None = None) -> dict[str, int]:
+    """Bytes per group that leave their source's node: the sum over flows whose ``dst`` is on another node.
+    ``node``: rank -> node id (default ``node_of(rank, gpus_per_node)``). Every group of the flows is a key."""
+    where = node or (lambda r: node_of(r, gpus_per_node))
+    out: dict[str, int] = defaultdict(int)
+    for f in flows:
+        out[f.group] += f.nbytes if where(f.src) != where(f.dst) else 0
+    return dict(out)
+
+
+def bytes_kinds(flows: Iterable[Flow]) -> dict[str, str]:
+    """Group -> the kind of its bytes ("measured", "modelled", or "measured+modelled" when both occur)."""
+    kinds: dict[str, set[str]] = defaultdict(set)
+    for f in flows:
+        kinds[f.group].add(f.kind)
+    return {g: "+".join(sorted(k)) for g, k in kinds.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The prediction, from the mesh arithmetic and the model config
+
+
+def ring_flows(shape: MeshShape, axes: tuple[str, ...], sent: Callable[[int, int], int], kind: str) -> list[Flow]:
+    """Every group over ``axes`` as a ring in group order: rank r at position i sends ``sent(i, n)`` bytes to the
+    member after it. The group is named as ``Mesh`` names it (its axes of degree > 1)."""
+    label = "+".join(a for a in ("dp", "cp", "tp", "pp", "ep", "edp") if a in axes and shape.size(a) > 1)
+    flows = []
+    for members in shape.all_groups(*axes):
+        n = len(members)
+        if n > 1:
+            flows += [Flow(r, members[(i + 1) % n], sent(i, n), label or "self", kind) for i, r in enumerate(members)]
+    return flows
+
+
+def predicted_flows(cfg: GPTConfig, shape: MeshShape, local_batch: int, *, element_bytes: int = 4,
+                    dp_kind: str = comm.MEASURED) -> list[Flow]:
+    """The flows of one training step of a DP x TP run of ``cfg`` (``local_batch`` sequences per replica),
+    from arithmetic alone:
+
+    * TP (modelled ring): every collective of ``parallel.tp.step_collectives`` (2 all-reduces of b*s*h a block
+      forward, 2 backward, the embedding's and the head's, the loss's 3 small ones); rank i of t sends
+      ``comm.ring_bytes(op, V, e, t, i)`` of each;
+    * DP: one ring all-reduce of the gradients of the parameters one TP rank holds, Psi_t =
+      ``memory.params_per_rank(cfg, tp=t)`` (all of them in one bucket), 2(d-1)/d x Psi_t x e a rank;
+      ``dp_kind`` MEASURED for ``RingDataParallel``'s own ring, MODELLED for the backend's.
+
+    Pipeline, context and expert parallelism are not modelled here: the shape must have pp = cp = ep = 1.
+    """
+    if (shape.pp, shape.cp, shape.ep) != (1, 1, 1):
+        raise ValueError(f"predicted_flows models DP x TP runs; got pp={shape.pp}, cp={shape.cp}, ep={shape.ep}")
+    t = shape.tp
+    planned = step_collectives(cfg, local_batch, t, element_bytes=element_bytes)
+
+    def tp_sent(i: int, n: int) -> int:
+        return sum(comm.ring_bytes(c.op, c.tensor_bytes // element_bytes, element_bytes, n, i)[0] for c in planned)
+
+    psi = int(sum(params_per_rank(cfg, ParallelLayout(tp=t)).values()))
+
+    def dp_sent(i: int, n: int) -> int:
+        return comm.ring_bytes("all_reduce", psi, element_bytes, n, i)[0]
+
+    return ring_flows(shape, ("tp",), tp_sent, comm.MODELLED) + ring_flows(shape, ("dp",), dp_sent, dp_kind)
+
+
+def cross_node_table(measured: Mapping[str, int], predicted: Mapping[str, int],
+                     kinds: Mapping[str, str]) -> list[dict[str, Any]]:
+    """One row per group: bytes across nodes from the log, the prediction, their kind, and whether they agree."""
+    return [{"group": g, "from the log": measured.get(g, 0), "predicted": predicted.get(g, 0),
+             "bytes": kinds.get(g, "-"), "equal": measured.get(g, 0) == predicted.get(g, 0)}
+            for g in sorted(set(measured) | set(predicted))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A run whose data-parallel bytes are measured
+
+
+class RingDataParallel(DataParallel):
+    """``DataParallel`` whose ``all_reduce`` seam is the course's ring (``collectives.ring_all_reduce``): every
+    message is a logged isend/irecv with its peer, so the gradient sync's bytes across nodes are *measured*.
+    Blocking (the ring runs when the bucket is launched); use ``mode="bucketed"``."""
+
+    def all_reduce(self, tensor: torch.Tensor, label: str, async_op: bool) -> None:
+        ring_all_reduce(tensor, group=self.group)
+
+
+class DataParallelOverTP(RingDataParallel):
+    """Data parallelism over replicas that are themselves ``TensorParallel``: the TP pair makes its partial
+    gradients whole first (``TensorParallel.finish_gradient_sync``), then the replicas average over ``dp``."""
+
+    module: TensorParallel
+
+    def finish_gradient_sync(self) -> None:
+        self.module.finish_gradient_sync()
+        super().finish_gradient_sync()
+
+
+@dataclass
+class LabelledRun(TrainResult):
+    """A DP x TP run of one rank: ``TrainResult`` (losses, full params), its ``step_comm`` and, when asked, the
+    ``MemoryTracker``'s per-category peaks over the run (bytes)."""
+
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+def train_dp_tp_ring(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, *, dp: int, tp: int,
+                     order: str = "tp-cp-ep-dp-pp", track_memory: bool = False,
+                     wrapper_class: type[DataParallelOverTP] = DataParallelOverTP) -> LabelledRun:
+    """Train ``cfg`` with DP x TP on a ``Mesh(dp=dp, tp=tp, order=order)`` (a ``launch`` target): TP splits
+    every replica over ``mesh.group("tp")``, ``DataParallelOverTP`` averages the gradients over ``"dp"`` with
+    the logged ring (one bucket). ``track_memory``: run the steps under a ``MemoryTracker`` of this rank's
+    model and optimizer."""
+    from course_lib.memtrack import MemoryTracker
+
+    mesh = Mesh(dp=dp, tp=tp, order=order)
+    tp_model = TensorParallel(build_model(cfg, tc.seed), mesh=mesh)
+    wrapper = wrapper_class(tp_model, mesh=mesh, mode="bucketed", bucket_mb=1024)
+    opt = make_optimizer([p for p in tp_model.parameters() if p.requires_grad], tc)
+    tracker = MemoryTracker(tp_model, opt) if track_memory else contextlib.nullcontext()
+    with tracker:
+        out = train_loop(wrapper, opt, cfg, tc, data_rank=wrapper.rank, data_size=wrapper.world_size,
+                         loss_fn=tp_model.loss)
+    memory = dict(tracker.category_peaks) if track_memory else {}
+    return LabelledRun(out.losses, tp_model.full_parameters(), out.step_comm, memory)
+

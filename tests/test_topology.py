@@ -1,0 +1,206 @@
+"""Bytes across nodes and model-state memory of a DP 2 x TP 2 run on two fake nodes of two ranks.
+
+The same run under Megatron's order "tp-cp-ep-dp-pp" (TP pairs inside a node, DP across) and under
+"dp-tp-cp-ep-pp" (DP pairs inside, TP across): the cross-node bytes read from the comm log equal the prediction
+from the mesh arithmetic exactly -- measured for the data-parallel ring (our own isend/irecv), the ring model for
+TP's backend collectives -- and keeping TP inside a node sends fewer bytes across. Mutations (an off-by-one node
+map, the log read with the wrong order, DP synchronised over the TP group) fail. Then the estimator's model states
+against each rank's MemoryTracker (within 2 %; parameters and gradients to the byte).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from course_lib import comm
+from course_lib.launch import launch
+from course_lib.memcheck import format_checks, model_state_check
+from course_lib.memory import ParallelLayout, params_per_rank
+from course_lib.mesh import MeshShape
+from course_lib.model import GPT
+from course_lib.topology import (
+    DataParallelOverTP,
+    Flow,
+    bytes_kinds,
+    cross_node_bytes,
+    cross_node_table,
+    flows_from_log,
+    group_members,
+    node_of,
+    nodes,
+    predicted_flows,
+    record_flows,
+    train_dp_tp_ring,
+)
+from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline
+
+CFG = PARITY_MODEL.with_(seq_len=32, n_layer=2, d_model=32)  # fp32, no biases: parity at 1e-5
+TC = TrainConfig(steps=2, global_batch=8, optimizer="adamw", lr=1e-3, seed=0)
+GPN, DP, TP = 2, 2, 2  # two nodes of two "GPUs"
+LOCAL_BATCH = TC.global_batch // DP
+TP_FIRST, DP_FIRST = "tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp"
+
+
+def run(order: str, **kwargs) -> list:
+    return launch(train_dp_tp_ring, DP * TP, CFG, TC, dp=DP, tp=TP, order=order, timeout=180, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list]:
+    return {TP_FIRST: run(TP_FIRST, track_memory=True), DP_FIRST: run(DP_FIRST)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_baseline(CFG, TC)
+
+
+def cross_from_log(results: list, shape: MeshShape, step: int, node=None) -> dict[str, int]:
+    return cross_node_bytes(flows_from_log([r.step_comm[step] for r in results], shape), GPN, node)
+
+
+def check_run(results: list, order: str, node=None, read_order: str | None = None) -> None:
+    """Every check of one run: log == prediction per group and step, kinds, and the hand-derived totals."""
+    shape, read = MeshShape(dp=DP, tp=TP, order=order), MeshShape(dp=DP, tp=TP, order=read_order or order)
+    predicted = cross_node_bytes(predicted_flows(CFG, shape, LOCAL_BATCH), GPN)
+    for step in range(TC.steps):
+        assert cross_from_log(results, read, step, node) == predicted, f"step {step}"
+    kinds = bytes_kinds(flows_from_log([r.step_comm[0] for r in results], read))
+    assert kinds == {"dp": comm.MEASURED, "tp": comm.MODELLED}
+    # by hand: t = d = 2, so every ring all-reduce sends V per rank. TP: the embedding's, 2 per block forward
+    # and 2 backward, the head's (4L + 2 all-reduces of b*s*h fp32) + the loss's 3 of b*s fp32; DP: Psi_t fp32.
+    v = LOCAL_BATCH * CFG.seq_len * CFG.d_model * 4
+    tp_rank = (4 * CFG.n_layer + 2) * v + 3 * LOCAL_BATCH * CFG.seq_len * 4
+    dp_rank = 4 * int(sum(params_per_rank(CFG, ParallelLayout(tp=TP)).values()))
+    world = DP * TP
+    expected = {"tp": 0, "dp": world * dp_rank} if order == TP_FIRST else {"tp": world * tp_rank, "dp": 0}
+    assert cross_from_log(results, read, 0, node) == expected
+
+
+# ------------------------------------------------------------------------------------------------ node ids
+
+
+def test_node_of_is_torchrun_layout():
+    assert nodes(8, 4) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [node_of(r, 2) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="gpus_per_node must be >= 1"):
+        node_of(3, 0)
+    with pytest.raises(ValueError, match="do not fill nodes of 4 GPUs"):
+        nodes(6, 4)
+
+
+def test_group_members_reads_every_label():
+    shape = MeshShape(dp=2, tp=2, order=DP_FIRST)
+    assert group_members("tp", 1, shape) == [1, 3]
+    assert group_members("dp", 3, shape) == [2, 3]
+    assert group_members("world", 2, shape) == [0, 1, 2, 3]
+    assert group_members("self", 2, shape) == [2]
+    assert group_members("ranks[0, 3]", 0, shape) == [0, 3]
+
+
+def test_record_flows_ring_successor_and_all_to_all():
+    shape = MeshShape(dp=4)
+    ring = comm.CommRecord("all_reduce", "dp", 4, 64, 96, 96, None)
+    assert record_flows(ring, 3, shape) == [Flow(3, 0, 96, "dp", comm.MODELLED)]  # the ring wraps around
+    a2a = comm.CommRecord("all_to_all", "dp", 4, 64, 48, 48, None)
+    assert [f.dst for f in record_flows(a2a, 1, shape)] == [0, 2, 3]
+    assert {f.nbytes for f in record_flows(a2a, 1, shape)} == {16}
+    send = comm.CommRecord("send", "pp", 2, 8, 8, 0, None, peer=2)
+    assert record_flows(send, 0, shape) == [Flow(0, 2, 8, "pp", comm.MEASURED)]
+    with pytest.raises(ValueError, match="not the one the run used"):
+        record_flows(dataclasses.replace(ring, group="ranks[1, 2]"), 0, shape)
+    with pytest.raises(ValueError, match="no flow model"):
+        record_flows(dataclasses.replace(ring, op="scatter"), 0, shape)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="models DP x TP runs"):
+        predicted_flows(CFG, MeshShape(dp=2, pp=2), 2)
+    with pytest.raises(ValueError, match="records of 2 ranks, the mesh has 4"):
+        flows_from_log([[], []], MeshShape(dp=2, tp=2))
+    with pytest.raises(ValueError, match="category_peaks"):
+        model_state_check(CFG, ParallelLayout(), {"parameters": 1})
+    with pytest.raises(ValueError, match="stage="):
+        model_state_check(CFG, ParallelLayout(pp=2), dict.fromkeys(("parameters", "gradients",
+                                                                    "optimizer_state"), 1))
+
+
+def test_prediction_alone_megatron_order_keeps_tp_inside():
+    """Arithmetic only, a bigger mesh: 2 nodes of 4, tp=4 x dp=2. TP fastest: only DP crosses; DP fastest: only TP."""
+    for order, crossing in ((TP_FIRST, {"dp"}), (DP_FIRST, {"tp"})):
+        got = cross_node_bytes(predicted_flows(CFG, MeshShape(dp=2, tp=4, order=order), 4), 4)
+        assert {g for g, b in got.items() if b} == crossing, order
+
+
+# ------------------------------------------------------------------------------------------------ the runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", [TP_FIRST, DP_FIRST])
+def test_cross_node_bytes_from_log_equal_prediction(runs, reference, order):
+    results = runs[order]
+    for r in results:
+        assert compare(reference, r).ok, compare(reference, r)  # a correct DP x TP run (fp32, rtol 1e-5)
+    check_run(results, order)
+
+
+@pytest.mark.slow
+def test_order_keeping_tp_inside_a_node_sends_fewer_bytes_across(runs):
+    across = {o: sum(cross_from_log(runs[o], MeshShape(dp=DP, tp=TP, order=o), 0).values()) for o in runs}
+    assert 0 < across[TP_FIRST] < across[DP_FIRST]
+    table = cross_node_table(cross_from_log(runs[TP_FIRST], MeshShape(dp=DP, tp=TP), 0),
+                             cross_node_bytes(predicted_flows(CFG, MeshShape(dp=DP, tp=TP), LOCAL_BATCH), GPN),
+                             {"dp": comm.MEASURED, "tp": comm.MODELLED})
+    assert [(row["group"], row["equal"]) for row in table] == [("dp", True), ("tp", True)]
+
+
+@pytest.mark.slow
+def test_off_by_one_node_map_fails(runs):
+    with pytest.raises(AssertionError):
+        check_run(runs[TP_FIRST], TP_FIRST, node=lambda r: (r + 1) // GPN)
+
+
+@pytest.mark.slow
+def test_log_read_with_the_wrong_order_fails(runs):
+    with pytest.raises(AssertionError):
+        check_run(runs[TP_FIRST], TP_FIRST, read_order=DP_FIRST)
+
+
+class DPOverWrongAxis(DataParallelOverTP):
+    """The bug: gradients averaged over the TP group instead of the replicas."""
+
+    axes = ("tp",)
+
+
+@pytest.mark.slow
+def test_dp_over_the_wrong_group_fails(reference):
+    results = run(TP_FIRST, wrapper_class=DPOverWrongAxis)
+    assert not compare(reference, results[0]).ok
+    with pytest.raises(AssertionError):
+        check_run(results, TP_FIRST)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.slow
+def test_planner_model_states_equal_the_tracker(runs):
+    layout = ParallelLayout(dp=DP, tp=TP)
+    for rank, r in enumerate(runs[TP_FIRST]):
+        checks = model_state_check(CFG, layout, r.memory)
+        assert all(c.ok for c in checks), f"rank {rank}\n{format_checks(checks)}"
+        by = {c.category: c for c in checks}
+        assert by["parameters"].predicted == by["parameters"].measured  # to the byte
+        assert by["gradients"].predicted == by["gradients"].measured
+        # the only difference: PyTorch's AdamW keeps a 4-byte `step` counter per parameter tensor
+        extra = by["optimizer_state"].measured - by["optimizer_state"].predicted
+        assert extra == 4 * len(list(GPT(CFG).parameters()))
+
+
+@pytest.mark.slow
+def test_model_state_check_catches_a_layout_that_does_not_split(runs):
+    checks = model_state_check(CFG, ParallelLayout(dp=DP, tp=1), runs[TP_FIRST][0].memory)
+    assert not any(c.ok for c in checks)
+    assert "FAIL" in format_checks(checks)
