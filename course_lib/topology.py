@@ -35,6 +35,7 @@ message logged with its peer).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,7 +51,8 @@ from course_lib.mesh import Mesh, MeshShape
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.loop import build_model, train_loop
-from course_lib.parallel.tp import TensorParallel, step_collectives
+from course_lib.parallel.pp_layers import layer_split
+from course_lib.parallel.tp import PlannedCollective, TensorParallel, step_collectives
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 NodeOf = Callable[[int], int]
@@ -152,46 +154,73 @@ def bytes_kinds(flows: Iterable[Flow]) -> dict[str, str]:
 # The prediction, from the mesh arithmetic and the model config
 
 
-def ring_flows(shape: MeshShape, axes: tuple[str, ...], sent: Callable[[int, int], int], kind: str) -> list[Flow]:
-    """Every group over ``axes`` as a ring in group order: rank r at position i sends ``sent(i, n)`` bytes to the
-    member after it. The group is named as ``Mesh`` names it (its axes of degree > 1)."""
+def ring_flows(shape: MeshShape, axes: tuple[str, ...], sent: Callable[[int, int, int], int],
+               kind: str) -> list[Flow]:
+    """Every group over ``axes`` as a ring in group order: rank r at position i of n sends ``sent(r, i, n)`` bytes
+    to the member after it. The group is named as ``Mesh`` names it (its axes of degree > 1)."""
     label = "+".join(a for a in ("dp", "cp", "tp", "pp", "ep", "edp") if a in axes and shape.size(a) > 1)
     flows = []
     for members in shape.all_groups(*axes):
         n = len(members)
         if n > 1:
-            flows += [Flow(r, members[(i + 1) % n], sent(i, n), label or "self", kind) for i, r in enumerate(members)]
+            flows += [Flow(r, members[(i + 1) % n], sent(r, i, n), label, kind) for i, r in enumerate(members)]
     return flows
 
 
-def predicted_flows(cfg: GPTConfig, shape: MeshShape, local_batch: int, *, element_bytes: int = 4,
-                    dp_kind: str = comm.MEASURED) -> list[Flow]:
-    """The flows of one training step of a DP x TP run of ``cfg`` (``local_batch`` sequences per replica),
-    from arithmetic alone:
+def _stage_collectives(cfg: GPTConfig, micro_batch: int, t: int, stage: int, pp: int,
+                       element_bytes: int) -> tuple[list[PlannedCollective], list[PlannedCollective]]:
+    """TP's collectives of one micro-batch on pipeline ``stage`` (its blocks; the embedding on the first stage,
+    the head and the loss on the last), and those of the once-a-step sync."""
+    first = sum(layer_split(cfg.n_layer, pp)[:stage])
+    mine = {f"blocks.{i}.{part}" for i in range(first, first + layer_split(cfg.n_layer, pp)[stage])
+            for part in ("attn", "mlp")}
+    mine |= {"tok_emb"} if stage == 0 else set()
+    mine |= {"lm_head", "loss"} if stage == pp - 1 else set()
+    planned = step_collectives(cfg, micro_batch, t, element_bytes=element_bytes)
+    return [c for c in planned if c.where in mine], [c for c in planned if c.phase == "sync"]
 
-    * TP (modelled ring): every collective of ``parallel.tp.step_collectives`` (2 all-reduces of b*s*h a block
-      forward, 2 backward, the embedding's and the head's, the loss's 3 small ones); rank i of t sends
-      ``comm.ring_bytes(op, V, e, t, i)`` of each;
-    * DP: one ring all-reduce of the gradients of the parameters one TP rank holds, Psi_t =
-      ``memory.params_per_rank(cfg, tp=t)`` (all of them in one bucket), 2(d-1)/d x Psi_t x e a rank;
-      ``dp_kind`` MEASURED for ``RingDataParallel``'s own ring, MODELLED for the backend's.
 
-    Pipeline, context and expert parallelism are not modelled here: the shape must have pp = cp = ep = 1.
+def predicted_flows(cfg: GPTConfig, shape: MeshShape, global_batch: int, *, microbatches: int = 1,
+                    element_bytes: int = 4, dp_kind: str = comm.MEASURED) -> list[Flow]:
+    """The flows of one training step of a DP x TP x PP run of ``cfg`` from arithmetic alone. Each replica takes
+    B/d sequences in ``microbatches`` m micro-batches of b = B/(d m) (the pipeline's m, or gradient accumulation):
+
+    * TP (modelled ring): for each micro-batch, the collectives of ``parallel.tp.step_collectives`` that the
+      rank's pipeline stage issues (2 all-reduces of b*s*h a block forward, 2 backward; the embedding's on the
+      first stage, the head's and the loss's 3 small ones on the last), plus the once-a-step sync of partial
+      gradients; rank i of t sends ``comm.ring_bytes(op, V, e, t, i)`` of each;
+    * PP (measured p2p, one stage per rank): for each micro-batch, stage i sends its output activation b*s*h
+      to stage i+1 and the gradient of its input, the same size, back to stage i-1;
+    * DP: one ring all-reduce of the gradients of the parameters the rank trains, Psi =
+      ``memory.params_per_rank(cfg, ParallelLayout(tp=t, pp=p), stage)`` (one bucket), 2(d-1)/d x Psi x e a
+      rank; ``dp_kind`` MEASURED for ``RingDataParallel``'s own ring, MODELLED for the backend's.
+
+    Context and expert parallelism are not modelled here: the shape must have cp = ep = 1.
     """
-    if (shape.pp, shape.cp, shape.ep) != (1, 1, 1):
-        raise ValueError(f"predicted_flows models DP x TP runs; got pp={shape.pp}, cp={shape.cp}, ep={shape.ep}")
-    t = shape.tp
-    planned = step_collectives(cfg, local_batch, t, element_bytes=element_bytes)
+    if (shape.cp, shape.ep) != (1, 1):
+        raise ValueError(f"predicted_flows models DP x TP x PP runs; got cp={shape.cp}, ep={shape.ep}")
+    d, t, p, m = shape.dp, shape.tp, shape.pp, microbatches
+    if global_batch % (d * m):
+        raise ValueError(f"global batch {global_batch} does not split into dp x microbatches = {d} x {m}")
+    b = global_batch // (d * m)
+    stage_of = {r: shape.coords(r)["pp"] for r in range(shape.world_size)}
+    per_stage = {s: _stage_collectives(cfg, b, t, s, p, element_bytes) for s in range(p)}
 
-    def tp_sent(i: int, n: int) -> int:
-        return sum(comm.ring_bytes(c.op, c.tensor_bytes // element_bytes, element_bytes, n, i)[0] for c in planned)
+    def ring(c: PlannedCollective, i: int, n: int) -> int:
+        return comm.ring_bytes(c.op, c.tensor_bytes // element_bytes, element_bytes, n, i)[0]
 
-    psi = int(sum(params_per_rank(cfg, ParallelLayout(tp=t)).values()))
+    def tp_sent(r: int, i: int, n: int) -> int:
+        micro, sync = per_stage[stage_of[r]]
+        return m * sum(ring(c, i, n) for c in micro) + sum(ring(c, i, n) for c in sync)
 
-    def dp_sent(i: int, n: int) -> int:
+    def dp_sent(r: int, i: int, n: int) -> int:
+        psi = int(sum(params_per_rank(cfg, ParallelLayout(tp=t, pp=p), stage_of[r]).values()))
         return comm.ring_bytes("all_reduce", psi, element_bytes, n, i)[0]
 
-    return ring_flows(shape, ("tp",), tp_sent, comm.MODELLED) + ring_flows(shape, ("dp",), dp_sent, dp_kind)
+    act = m * b * cfg.seq_len * cfg.d_model * element_bytes
+    edges = [pair for g in shape.all_groups("pp") for pair in itertools.pairwise(g)]  # stage i -> stage i+1
+    pp_flows = [Flow(src, dst, act, "pp", comm.MEASURED) for lo, hi in edges for src, dst in ((lo, hi), (hi, lo))]
+    return ring_flows(shape, ("tp",), tp_sent, comm.MODELLED) + pp_flows + ring_flows(shape, ("dp",), dp_sent, dp_kind)
 
 
 def cross_node_table(measured: Mapping[str, int], predicted: Mapping[str, int],

@@ -18,8 +18,11 @@ from course_lib import comm
 from course_lib.launch import launch
 from course_lib.memcheck import format_checks, model_state_check
 from course_lib.memory import ParallelLayout, params_per_rank
-from course_lib.mesh import MeshShape
+from course_lib.memtrack import MemoryTracker
+from course_lib.mesh import Mesh, MeshShape
 from course_lib.model import GPT
+from course_lib.parallel.loop import build_model, train_loop
+from course_lib.parallel.pp import PipelineParallel
 from course_lib.topology import (
     DataParallelOverTP,
     Flow,
@@ -34,7 +37,7 @@ from course_lib.topology import (
     record_flows,
     train_dp_tp_ring,
 )
-from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline
+from course_lib.train import PARITY_MODEL, TrainConfig, compare, make_optimizer, train_baseline
 
 CFG = PARITY_MODEL.with_(seq_len=32, n_layer=2, d_model=32)  # fp32, no biases: parity at 1e-5
 TC = TrainConfig(steps=2, global_batch=8, optimizer="adamw", lr=1e-3, seed=0)
@@ -64,7 +67,7 @@ def cross_from_log(results: list, shape: MeshShape, step: int, node=None) -> dic
 def check_run(results: list, order: str, node=None, read_order: str | None = None) -> None:
     """Every check of one run: log == prediction per group and step, kinds, and the hand-derived totals."""
     shape, read = MeshShape(dp=DP, tp=TP, order=order), MeshShape(dp=DP, tp=TP, order=read_order or order)
-    predicted = cross_node_bytes(predicted_flows(CFG, shape, LOCAL_BATCH), GPN)
+    predicted = cross_node_bytes(predicted_flows(CFG, shape, TC.global_batch), GPN)
     for step in range(TC.steps):
         assert cross_from_log(results, read, step, node) == predicted, f"step {step}"
     kinds = bytes_kinds(flows_from_log([r.step_comm[0] for r in results], read))
@@ -116,8 +119,10 @@ def test_record_flows_ring_successor_and_all_to_all():
 
 
 def test_bad_inputs_are_refused():
-    with pytest.raises(ValueError, match="models DP x TP runs"):
-        predicted_flows(CFG, MeshShape(dp=2, pp=2), 2)
+    with pytest.raises(ValueError, match="models DP x TP x PP runs"):
+        predicted_flows(CFG, MeshShape(dp=2, cp=2), 8)
+    with pytest.raises(ValueError, match="does not split into dp x microbatches = 2 x 3"):
+        predicted_flows(CFG, MeshShape(dp=2, pp=2), 8, microbatches=3)
     with pytest.raises(ValueError, match="records of 2 ranks, the mesh has 4"):
         flows_from_log([[], []], MeshShape(dp=2, tp=2))
     with pytest.raises(ValueError, match="category_peaks"):
@@ -130,7 +135,7 @@ def test_bad_inputs_are_refused():
 def test_prediction_alone_megatron_order_keeps_tp_inside():
     """Arithmetic only, a bigger mesh: 2 nodes of 4, tp=4 x dp=2. TP fastest: only DP crosses; DP fastest: only TP."""
     for order, crossing in ((TP_FIRST, {"dp"}), (DP_FIRST, {"tp"})):
-        got = cross_node_bytes(predicted_flows(CFG, MeshShape(dp=2, tp=4, order=order), 4), 4)
+        got = cross_node_bytes(predicted_flows(CFG, MeshShape(dp=2, tp=4, order=order), 8), 4)
         assert {g for g, b in got.items() if b} == crossing, order
 
 
@@ -151,7 +156,7 @@ def test_order_keeping_tp_inside_a_node_sends_fewer_bytes_across(runs):
     across = {o: sum(cross_from_log(runs[o], MeshShape(dp=DP, tp=TP, order=o), 0).values()) for o in runs}
     assert 0 < across[TP_FIRST] < across[DP_FIRST]
     table = cross_node_table(cross_from_log(runs[TP_FIRST], MeshShape(dp=DP, tp=TP), 0),
-                             cross_node_bytes(predicted_flows(CFG, MeshShape(dp=DP, tp=TP), LOCAL_BATCH), GPN),
+                             cross_node_bytes(predicted_flows(CFG, MeshShape(dp=DP, tp=TP), TC.global_batch), GPN),
                              {"dp": comm.MEASURED, "tp": comm.MODELLED})
     assert [(row["group"], row["equal"]) for row in table] == [("dp", True), ("tp", True)]
 
@@ -180,6 +185,34 @@ def test_dp_over_the_wrong_group_fails(reference):
     assert not compare(reference, results[0]).ok
     with pytest.raises(AssertionError):
         check_run(results, TP_FIRST)
+
+
+def train_pp_tracked(rank: int, world_size: int, cfg, tc, microbatches: int) -> tuple[list, dict[str, float]]:
+    """A pipeline of ``world_size`` stages on a Mesh(pp=...), under a MemoryTracker of this rank's stages only
+    (every rank holds the whole tiny model; it trains, and is measured on, its stage)."""
+    mesh = Mesh(pp=world_size)
+    pipe = PipelineParallel(build_model(cfg, tc.seed), mesh=mesh, microbatches=microbatches,
+                            global_batch=tc.global_batch)
+    opt = make_optimizer(list(pipe.parameters()), tc)
+    with MemoryTracker(list(pipe.stages.values()), opt) as mt:
+        out = train_loop(pipe, opt, cfg, tc, data_rank=0, data_size=1)
+    return out.step_comm, dict(mt.category_peaks)
+
+
+@pytest.mark.slow
+def test_pipeline_sends_across_nodes_and_stage_memory_equal_prediction():
+    """PP 4 on two nodes of 2: only the stage 1 <-> 2 edge crosses, m activations forward and m gradients back,
+    measured; each rank's model states are those of its stage."""
+    cfg, m = CFG.with_(n_layer=4), 4
+    results = launch(train_pp_tracked, 4, cfg, TC, m, timeout=180)
+    shape = MeshShape(pp=4)
+    got = cross_node_bytes(flows_from_log([r[0][0] for r in results], shape), GPN)
+    assert got == cross_node_bytes(predicted_flows(cfg, shape, TC.global_batch, microbatches=m), GPN)
+    assert got == {"pp": 2 * m * (TC.global_batch // m) * cfg.seq_len * cfg.d_model * 4}
+    assert bytes_kinds(flows_from_log([r[0][0] for r in results], shape)) == {"pp": comm.MEASURED}
+    for stage, (_, memory) in enumerate(results):
+        checks = model_state_check(cfg, ParallelLayout(pp=4, microbatches=m), memory, stage=stage)
+        assert all(c.ok for c in checks), f"stage {stage}\n{format_checks(checks)}"
 
 
 # ------------------------------------------------------------------------------------------------ memory
