@@ -23,9 +23,10 @@ gives its flows its own way, and the kind stays on the flow:
   bytes are split equally over the n-1 peers (exact for equal splits).
 
 The **prediction** builds the same flows from the mesh arithmetic alone (``MeshShape.all_groups``) and message
-sizes from the model config: TP's collectives of one step (``parallel.tp.step_collectives``), and the data-parallel
-gradient all-reduce of the parameters one TP rank holds (``memory.params_per_rank``), both as rings. A run and
-its prediction give equal cross-node bytes per group when the run is what the arithmetic says it is.
+sizes from the model config: TP's collectives of each micro-batch (``parallel.tp.step_collectives``) as rings, the
+pipeline's activations and gradients between neighbouring stages, and the data-parallel gradient all-reduce of the
+parameters a rank trains (``memory.params_per_rank``) as a ring. A run and its prediction give equal cross-node
+bytes per group when the run is what the arithmetic says it is.
 
 To have *measured* bytes for the gradient sync, ``RingDataParallel`` replaces ``DataParallel``'s backend
 all-reduce (its ``all_reduce`` seam) by the course's own ring (``collectives.ring_all_reduce``: isend/irecv, every
@@ -47,6 +48,7 @@ import torch
 from course_lib import comm
 from course_lib.collectives import ring_all_reduce
 from course_lib.memory import ParallelLayout, params_per_rank
+from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh, MeshShape
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp import DataParallel
@@ -177,7 +179,11 @@ def _stage_collectives(cfg: GPTConfig, micro_batch: int, t: int, stage: int, pp:
     mine |= {"tok_emb"} if stage == 0 else set()
     mine |= {"lm_head", "loss"} if stage == pp - 1 else set()
     planned = step_collectives(cfg, micro_batch, t, element_bytes=element_bytes)
-    return [c for c in planned if c.where in mine], [c for c in planned if c.phase == "sync"]
+    sync = [c for c in planned if c.phase == "sync"]
+    if sync and pp > 1:
+        raise ValueError("TP's partial-gradient sync (replicated GQA K/V heads) is counted for the whole model; "
+                         "with pp > 1 each stage syncs only its own: not modelled, use tp | n_kv_head")
+    return [c for c in planned if c.where in mine], sync
 
 
 def predicted_flows(cfg: GPTConfig, shape: MeshShape, global_batch: int, *, microbatches: int = 1,
@@ -188,7 +194,8 @@ def predicted_flows(cfg: GPTConfig, shape: MeshShape, global_batch: int, *, micr
     * TP (modelled ring): for each micro-batch, the collectives of ``parallel.tp.step_collectives`` that the
       rank's pipeline stage issues (2 all-reduces of b*s*h a block forward, 2 backward; the embedding's on the
       first stage, the head's and the loss's 3 small ones on the last), plus the once-a-step sync of partial
-      gradients; rank i of t sends ``comm.ring_bytes(op, V, e, t, i)`` of each;
+      gradients (replicated GQA K/V heads; refused with pp > 1); rank i of t sends
+      ``comm.ring_bytes(op, V, e, t, i)`` of each;
     * PP (measured p2p, one stage per rank): for each micro-batch, stage i sends its output activation b*s*h
       to stage i+1 and the gradient of its input, the same size, back to stage i-1;
     * DP: one ring all-reduce of the gradients of the parameters the rank trains, Psi =
@@ -271,8 +278,6 @@ def train_dp_tp_ring(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig
     every replica over ``mesh.group("tp")``, ``DataParallelOverTP`` averages the gradients over ``"dp"`` with
     the logged ring (one bucket). ``track_memory``: run the steps under a ``MemoryTracker`` of this rank's
     model and optimizer."""
-    from course_lib.memtrack import MemoryTracker
-
     mesh = Mesh(dp=dp, tp=tp, order=order)
     tp_model = TensorParallel(build_model(cfg, tc.seed), mesh=mesh)
     wrapper = wrapper_class(tp_model, mesh=mesh, mode="bucketed", bucket_mb=1024)

@@ -123,6 +123,8 @@ def test_bad_inputs_are_refused():
         predicted_flows(CFG, MeshShape(dp=2, cp=2), 8)
     with pytest.raises(ValueError, match="does not split into dp x microbatches = 2 x 3"):
         predicted_flows(CFG, MeshShape(dp=2, pp=2), 8, microbatches=3)
+    with pytest.raises(ValueError, match="partial-gradient sync"):
+        predicted_flows(CFG.with_(n_kv_head=1), MeshShape(tp=2, pp=2), 8, microbatches=2)
     with pytest.raises(ValueError, match="records of 2 ranks, the mesh has 4"):
         flows_from_log([[], []], MeshShape(dp=2, tp=2))
     with pytest.raises(ValueError, match="category_peaks"):
