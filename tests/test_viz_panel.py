@@ -15,6 +15,7 @@ from course_lib.viz.moe import moe_dispatch_widget
 from course_lib.viz.panel import KEYBOARD_HINT, ControlPanel
 from course_lib.viz.schedule import bubble_widget
 from course_lib.viz.serving import ServingBudgetPanel, TracePanel
+from course_lib.viz.topology import TopologyWidget
 from course_lib.viz.tp import tp_cost_widget
 from course_lib.viz.zero import zero_memory_widget
 
@@ -29,6 +30,7 @@ FACTORIES = {
     "trace": lambda: TracePanel(draw=False),
     "tp": tp_cost_widget,
     "planner": PlannerWidget,
+    "topology": TopologyWidget,
 }
 
 
