@@ -594,6 +594,11 @@ class TensorParallel(nn.Module):
         """True when each rank holds a different slice of ``p`` (a public seam of the gradient norm)."""
         return id(p) in self._sharded
 
+    def shard_dim(self, p: nn.Parameter) -> int | None:
+        """The dimension along which ``p`` is cut into tp equal contiguous slices (rank r holds slice r), or
+        None for a replicated parameter: how to gather it, or its optimizer state, and cut it again."""
+        return self._sharded.get(id(p))
+
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients: sum of squares of every *shard* (all-reduced, one fp32 scalar) plus
         the replicated parameters' squares counted once (they are equal on every rank after the sync)."""
