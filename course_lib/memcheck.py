@@ -8,8 +8,9 @@ checked where it is exact by construction -- the **model states** of what this r
 
 with Psi_rank = ``memory.params_per_rank(cfg, layout, stage)`` (TP splits the block matrices and the vocabulary,
 PP the layers, EP the experts), ZeRO's sharding over dp x cp on top, and (p, g, K) = ``memory.bytes_per_param``:
-(4, 4, 8) for the fp32 AdamW runs of the course. A pipeline rank may hold the whole tiny model but trains only
-its stage(s): track the stage modules, and pass ``stage``.
+(4, 4, 8) for the fp32 AdamW runs of the course. A pipeline rank holds the whole tiny model but trains only its
+stage: ``train_tracked`` (a composed run, ``compose.parallelize``, under a tracker) tracks what the rank trains,
+and ``check_run`` compares the stage the rank runs.
 
 Tolerance: 2 % (``REL_TOL``), the one ``tests/test_memory.py`` states for model states. Parameters and gradients
 agree to the byte; the optimizer's measured state has 4 more bytes per parameter *tensor* than K x Psi (PyTorch's
@@ -19,10 +20,16 @@ agree to the byte; the optimizer's measured state has 4 more bytes per parameter
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from course_lib.memory import OptimizerName, ParallelLayout, training_memory
+from course_lib.memtrack import MemoryTracker
+from course_lib.mesh import DEFAULT_ORDER, Mesh
 from course_lib.model import GPTConfig
+from course_lib.parallel.compose import ComposedResult, parallelize
+from course_lib.parallel.loop import build_model, train_loop
+from course_lib.train import TrainConfig, make_optimizer
 
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 REL_TOL = 0.02
@@ -69,3 +76,37 @@ def format_checks(checks: list[StateCheck]) -> str:
     lines += [f"{c.category:<16}{round(c.predicted):>13}{round(c.measured):>13}  {'PASS' if c.ok else 'FAIL'}"
               for c in checks]
     return "\n".join(lines)
+
+
+def check_run(cfg: GPTConfig, run: TrackedRun, layout: ParallelLayout, **kwargs: Any) -> list[StateCheck]:
+    """``model_state_check`` of one rank of a ``train_tracked`` run: its pipeline stage is its pp coordinate."""
+    return model_state_check(cfg, layout, run.memory, stage=run.coords["pp"] if layout.pp > 1 else None, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A composed run under a tracker
+
+
+@dataclass
+class TrackedRun(ComposedResult):
+    """``ComposedResult`` plus ``memory``: the tracker's per-category peaks on this rank over the run (bytes)."""
+
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+def train_tracked(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, *, dp: int = 1, tp: int = 1,
+                  pp: int = 1, order: str = DEFAULT_ORDER, mesh_class: type[Mesh] = Mesh,
+                  **options: Any) -> TrackedRun:
+    """``compose.train_parallel``'s run (replicated optimizer, no checkpoints) with every step under a
+    ``MemoryTracker`` of what this rank trains: its pipeline stages (the rank holds the whole model, it trains
+    those) or its whole (TP-sharded) model. ``options`` go to ``parallelize``; ``mesh_class`` is a seam for tests
+    (a mesh that builds its groups wrong). A ``launch`` target."""
+    mesh = mesh_class(dp=dp, tp=tp, pp=pp, order=order)
+    model = build_model(cfg, tc.seed)
+    composed = parallelize(model, mesh, global_batch=tc.global_batch, **options)
+    optimizer = make_optimizer(list(composed.parameters()), tc)
+    trained = list(composed.pipe.stages.values()) if composed.pipe is not None else [model]
+    with MemoryTracker(trained, optimizer) as tracker:
+        out = train_loop(composed, optimizer, cfg, tc, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"))
+    return TrackedRun(out.losses, composed.full_parameters(), rank=rank, coords=mesh.shape.coords(rank),
+                      step_comm=out.step_comm, timeline=out.timeline, memory=dict(tracker.category_peaks))

@@ -30,17 +30,17 @@ bytes per group when the run is what the arithmetic says it is.
 
 To have *measured* bytes for the gradient sync, ``RingDataParallel`` replaces ``DataParallel``'s backend
 all-reduce (its ``all_reduce`` seam) by the course's own ring (``collectives.ring_all_reduce``: isend/irecv, every
-message logged with its peer).
+message logged with its peer); ``compose.train_parallel(..., data_parallel_class=RingDataParallel)`` runs a
+composed mesh with it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,14 +48,11 @@ import torch
 from course_lib import comm
 from course_lib.collectives import ring_all_reduce
 from course_lib.memory import ParallelLayout, params_per_rank
-from course_lib.memtrack import MemoryTracker
-from course_lib.mesh import Mesh, MeshShape
+from course_lib.mesh import MeshShape
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp import DataParallel
-from course_lib.parallel.loop import build_model, train_loop
 from course_lib.parallel.pp_layers import layer_split
-from course_lib.parallel.tp import PlannedCollective, TensorParallel, step_collectives
-from course_lib.train import TrainConfig, TrainResult, make_optimizer
+from course_lib.parallel.tp import PlannedCollective, step_collectives
 
 NodeOf = Callable[[int], int]
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -239,7 +236,7 @@ def cross_node_table(measured: Mapping[str, int], predicted: Mapping[str, int],
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A run whose data-parallel bytes are measured
+# Data parallelism whose bytes are measured
 
 
 class RingDataParallel(DataParallel):
@@ -249,43 +246,3 @@ class RingDataParallel(DataParallel):
 
     def all_reduce(self, tensor: torch.Tensor, label: str, async_op: bool) -> None:
         ring_all_reduce(tensor, group=self.group)
-
-
-class DataParallelOverTP(RingDataParallel):
-    """Data parallelism over replicas that are themselves ``TensorParallel``: the TP pair makes its partial
-    gradients whole first (``TensorParallel.finish_gradient_sync``), then the replicas average over ``dp``."""
-
-    module: TensorParallel
-
-    def finish_gradient_sync(self) -> None:
-        self.module.finish_gradient_sync()
-        super().finish_gradient_sync()
-
-
-@dataclass
-class LabelledRun(TrainResult):
-    """A DP x TP run of one rank: ``TrainResult`` (losses, full params), its ``step_comm`` and, when asked, the
-    ``MemoryTracker``'s per-category peaks over the run (bytes)."""
-
-    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
-    memory: dict[str, float] = field(default_factory=dict)
-
-
-def train_dp_tp_ring(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, *, dp: int, tp: int,
-                     order: str = "tp-cp-ep-dp-pp", track_memory: bool = False,
-                     wrapper_class: type[DataParallelOverTP] = DataParallelOverTP) -> LabelledRun:
-    """Train ``cfg`` with DP x TP on a ``Mesh(dp=dp, tp=tp, order=order)`` (a ``launch`` target): TP splits
-    every replica over ``mesh.group("tp")``, ``DataParallelOverTP`` averages the gradients over ``"dp"`` with
-    the logged ring (one bucket). ``track_memory``: run the steps under a ``MemoryTracker`` of this rank's
-    model and optimizer."""
-    mesh = Mesh(dp=dp, tp=tp, order=order)
-    tp_model = TensorParallel(build_model(cfg, tc.seed), mesh=mesh)
-    wrapper = wrapper_class(tp_model, mesh=mesh, mode="bucketed", bucket_mb=1024)
-    opt = make_optimizer([p for p in tp_model.parameters() if p.requires_grad], tc)
-    tracker = MemoryTracker(tp_model, opt) if track_memory else contextlib.nullcontext()
-    with tracker:
-        out = train_loop(wrapper, opt, cfg, tc, data_rank=wrapper.rank, data_size=wrapper.world_size,
-                         loss_fn=tp_model.loss)
-    memory = dict(tracker.category_peaks) if track_memory else {}
-    return LabelledRun(out.losses, tp_model.full_parameters(), out.step_comm, memory)
-

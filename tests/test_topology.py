@@ -1,11 +1,13 @@
-"""Bytes across nodes and model-state memory of a DP 2 x TP 2 run on two fake nodes of two ranks.
+"""Bytes across nodes and model-state memory of composed runs on fake nodes (``node = rank // gpus_per_node``).
 
-The same run under Megatron's order "tp-cp-ep-dp-pp" (TP pairs inside a node, DP across) and under
-"dp-tp-cp-ep-pp" (DP pairs inside, TP across): the cross-node bytes read from the comm log equal the prediction
-from the mesh arithmetic exactly -- measured for the data-parallel ring (our own isend/irecv), the ring model for
-TP's backend collectives -- and keeping TP inside a node sends fewer bytes across. Mutations (an off-by-one node
-map, the log read with the wrong order, DP synchronised over the TP group) fail. Then the estimator's model states
-against each rank's MemoryTracker (within 2 %; parameters and gradients to the byte).
+DP 2 x TP 2 on two nodes of two ranks, under Megatron's order "tp-cp-ep-dp-pp" (TP pairs inside a node, DP across)
+and under "dp-tp-cp-ep-pp" (DP pairs inside, TP across), with the data-parallel sync on our own ring: the
+cross-node bytes read from the comm log equal the prediction from the mesh arithmetic exactly -- measured for the
+ring's isend/irecv, the ring model for TP's backend collectives -- and keeping TP inside a node sends fewer bytes
+across. Mutations (an off-by-one node map, the log read with the wrong order, groups built in the wrong order)
+fail. A pipeline of 4 and the 2 x 2 x 2 DP x TP x PP run: PP's measured sends across nodes equal the prediction.
+On every rank of these runs, the estimator's model states (what the planner prunes by) equal the tracker's within
+2 % -- parameters and gradients to the byte -- for the stage that rank trains.
 """
 
 from __future__ import annotations
@@ -16,16 +18,14 @@ import pytest
 
 from course_lib import comm
 from course_lib.launch import launch
-from course_lib.memcheck import format_checks, model_state_check
+from course_lib.memcheck import check_run, format_checks, model_state_check, train_tracked
 from course_lib.memory import ParallelLayout, params_per_rank
-from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh, MeshShape
 from course_lib.model import GPT
-from course_lib.parallel.loop import build_model, train_loop
-from course_lib.parallel.pp import PipelineParallel
+from course_lib.parallel.compose import merge_composed
 from course_lib.topology import (
-    DataParallelOverTP,
     Flow,
+    RingDataParallel,
     bytes_kinds,
     cross_node_bytes,
     cross_node_table,
@@ -35,54 +35,61 @@ from course_lib.topology import (
     nodes,
     predicted_flows,
     record_flows,
-    train_dp_tp_ring,
 )
-from course_lib.train import PARITY_MODEL, TrainConfig, compare, make_optimizer, train_baseline
+from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline
 
 CFG = PARITY_MODEL.with_(seq_len=32, n_layer=2, d_model=32)  # fp32, no biases: parity at 1e-5
 TC = TrainConfig(steps=2, global_batch=8, optimizer="adamw", lr=1e-3, seed=0)
 GPN, DP, TP = 2, 2, 2  # two nodes of two "GPUs"
-LOCAL_BATCH = TC.global_batch // DP
 TP_FIRST, DP_FIRST = "tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp"
 
 
 def run(order: str, **kwargs) -> list:
-    return launch(train_dp_tp_ring, DP * TP, CFG, TC, dp=DP, tp=TP, order=order, timeout=180, **kwargs)
+    return launch(train_tracked, DP * TP, CFG, TC, dp=DP, tp=TP, order=order, data_parallel_class=RingDataParallel,
+                  timeout=180, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list]:
-    return {TP_FIRST: run(TP_FIRST, track_memory=True), DP_FIRST: run(DP_FIRST)}
+    return {TP_FIRST: run(TP_FIRST), DP_FIRST: run(DP_FIRST)}
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return train_baseline(CFG, TC)
+def cross_from_log(results: list, shape: MeshShape, step: int, node=None, gpn: int = GPN) -> dict[str, int]:
+    return cross_node_bytes(flows_from_log([r.step_comm[step] for r in results], shape), gpn, node)
 
 
-def cross_from_log(results: list, shape: MeshShape, step: int, node=None) -> dict[str, int]:
-    return cross_node_bytes(flows_from_log([r.step_comm[step] for r in results], shape), GPN, node)
-
-
-def check_run(results: list, order: str, node=None, read_order: str | None = None) -> None:
-    """Every check of one run: log == prediction per group and step, kinds, and the hand-derived totals."""
+def check_dp_tp(results: list, order: str, node=None, read_order: str | None = None) -> None:
+    """Every check of one DP x TP run: log == prediction per group and step, kinds, and the totals by hand."""
     shape, read = MeshShape(dp=DP, tp=TP, order=order), MeshShape(dp=DP, tp=TP, order=read_order or order)
     predicted = cross_node_bytes(predicted_flows(CFG, shape, TC.global_batch), GPN)
     for step in range(TC.steps):
         assert cross_from_log(results, read, step, node) == predicted, f"step {step}"
-    kinds = bytes_kinds(flows_from_log([r.step_comm[0] for r in results], read))
-    assert kinds == {"dp": comm.MEASURED, "tp": comm.MODELLED}
+    assert bytes_kinds(flows_from_log([r.step_comm[0] for r in results], read)) == {"dp": comm.MEASURED,
+                                                                                  "tp": comm.MODELLED}
     # by hand: t = d = 2, so every ring all-reduce sends V per rank. TP: the embedding's, 2 per block forward
     # and 2 backward, the head's (4L + 2 all-reduces of b*s*h fp32) + the loss's 3 of b*s fp32; DP: Psi_t fp32.
-    v = LOCAL_BATCH * CFG.seq_len * CFG.d_model * 4
-    tp_rank = (4 * CFG.n_layer + 2) * v + 3 * LOCAL_BATCH * CFG.seq_len * 4
+    b = TC.global_batch // DP
+    tp_rank = (4 * CFG.n_layer + 2) * b * CFG.seq_len * CFG.d_model * 4 + 3 * b * CFG.seq_len * 4
     dp_rank = 4 * int(sum(params_per_rank(CFG, ParallelLayout(tp=TP)).values()))
     world = DP * TP
     expected = {"tp": 0, "dp": world * dp_rank} if order == TP_FIRST else {"tp": world * tp_rank, "dp": 0}
     assert cross_from_log(results, read, 0, node) == expected
 
 
-# ------------------------------------------------------------------------------------------------ node ids
+def assert_model_states(cfg, results: list, layout: ParallelLayout) -> None:
+    n_tensors = {}
+    for r in results:
+        checks = check_run(cfg, r, layout)
+        assert all(c.ok for c in checks), f"rank {r.rank}\n{format_checks(checks)}"
+        by = {c.category: c for c in checks}
+        assert by["parameters"].predicted == by["parameters"].measured  # to the byte
+        assert by["gradients"].predicted == by["gradients"].measured
+        # the only difference: PyTorch's AdamW keeps a 4-byte `step` counter per parameter tensor
+        n_tensors[r.rank] = (by["optimizer_state"].measured - by["optimizer_state"].predicted) / 4
+    assert all(0 < n <= len(list(GPT(cfg).parameters())) for n in n_tensors.values()), n_tensors
+
+
+# ------------------------------------------------------------------------------------------------ no ranks
 
 
 def test_node_of_is_torchrun_layout():
@@ -135,22 +142,21 @@ def test_bad_inputs_are_refused():
 
 
 def test_prediction_alone_megatron_order_keeps_tp_inside():
-    """Arithmetic only, a bigger mesh: 2 nodes of 4, tp=4 x dp=2. TP fastest: only DP crosses; DP fastest: only TP."""
+    """Arithmetic only, 2 nodes of 4, tp=4 x dp=2. TP fastest: only DP crosses; DP fastest: only TP."""
     for order, crossing in ((TP_FIRST, {"dp"}), (DP_FIRST, {"tp"})):
         got = cross_node_bytes(predicted_flows(CFG, MeshShape(dp=2, tp=4, order=order), 8), 4)
         assert {g for g, b in got.items() if b} == crossing, order
 
 
-# ------------------------------------------------------------------------------------------------ the runs
+# ------------------------------------------------------------------------------------------------ DP x TP
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("order", [TP_FIRST, DP_FIRST])
-def test_cross_node_bytes_from_log_equal_prediction(runs, reference, order):
+def test_cross_node_bytes_from_log_equal_prediction(runs, order):
     results = runs[order]
-    for r in results:
-        assert compare(reference, r).ok, compare(reference, r)  # a correct DP x TP run (fp32, rtol 1e-5)
-    check_run(results, order)
+    assert compare(train_baseline(CFG, TC), merge_composed(results)).ok  # a correct run (fp32, rtol 1e-5)
+    check_dp_tp(results, order)
 
 
 @pytest.mark.slow
@@ -166,72 +172,32 @@ def test_order_keeping_tp_inside_a_node_sends_fewer_bytes_across(runs):
 @pytest.mark.slow
 def test_off_by_one_node_map_fails(runs):
     with pytest.raises(AssertionError):
-        check_run(runs[TP_FIRST], TP_FIRST, node=lambda r: (r + 1) // GPN)
+        check_dp_tp(runs[TP_FIRST], TP_FIRST, node=lambda r: (r + 1) // GPN)
 
 
 @pytest.mark.slow
 def test_log_read_with_the_wrong_order_fails(runs):
     with pytest.raises(AssertionError):
-        check_run(runs[TP_FIRST], TP_FIRST, read_order=DP_FIRST)
+        check_dp_tp(runs[TP_FIRST], TP_FIRST, read_order=DP_FIRST)
 
 
-class DPOverWrongAxis(DataParallelOverTP):
-    """The bug: gradients averaged over the TP group instead of the replicas."""
+class DPFirstMesh(Mesh):
+    """The bug: whatever order it is given, the groups are built with DP fastest."""
 
-    axes = ("tp",)
+    def __init__(self, **degrees) -> None:
+        super().__init__(**{**degrees, "order": DP_FIRST})
 
 
 @pytest.mark.slow
-def test_dp_over_the_wrong_group_fails(reference):
-    results = run(TP_FIRST, wrapper_class=DPOverWrongAxis)
-    assert not compare(reference, results[0]).ok
+def test_groups_built_in_the_wrong_order_fail():
+    results = run(TP_FIRST, mesh_class=DPFirstMesh)
     with pytest.raises(AssertionError):
-        check_run(results, TP_FIRST)
-
-
-def train_pp_tracked(rank: int, world_size: int, cfg, tc, microbatches: int) -> tuple[list, dict[str, float]]:
-    """A pipeline of ``world_size`` stages on a Mesh(pp=...), under a MemoryTracker of this rank's stages only
-    (every rank holds the whole tiny model; it trains, and is measured on, its stage)."""
-    mesh = Mesh(pp=world_size)
-    pipe = PipelineParallel(build_model(cfg, tc.seed), mesh=mesh, microbatches=microbatches,
-                            global_batch=tc.global_batch)
-    opt = make_optimizer(list(pipe.parameters()), tc)
-    with MemoryTracker(list(pipe.stages.values()), opt) as mt:
-        out = train_loop(pipe, opt, cfg, tc, data_rank=0, data_size=1)
-    return out.step_comm, dict(mt.category_peaks)
+        check_dp_tp(results, TP_FIRST)
 
 
 @pytest.mark.slow
-def test_pipeline_sends_across_nodes_and_stage_memory_equal_prediction():
-    """PP 4 on two nodes of 2: only the stage 1 <-> 2 edge crosses, m activations forward and m gradients back,
-    measured; each rank's model states are those of its stage."""
-    cfg, m = CFG.with_(n_layer=4), 4
-    results = launch(train_pp_tracked, 4, cfg, TC, m, timeout=180)
-    shape = MeshShape(pp=4)
-    got = cross_node_bytes(flows_from_log([r[0][0] for r in results], shape), GPN)
-    assert got == cross_node_bytes(predicted_flows(cfg, shape, TC.global_batch, microbatches=m), GPN)
-    assert got == {"pp": 2 * m * (TC.global_batch // m) * cfg.seq_len * cfg.d_model * 4}
-    assert bytes_kinds(flows_from_log([r[0][0] for r in results], shape)) == {"pp": comm.MEASURED}
-    for stage, (_, memory) in enumerate(results):
-        checks = model_state_check(cfg, ParallelLayout(pp=4, microbatches=m), memory, stage=stage)
-        assert all(c.ok for c in checks), f"stage {stage}\n{format_checks(checks)}"
-
-
-# ------------------------------------------------------------------------------------------------ memory
-
-
-@pytest.mark.slow
-def test_planner_model_states_equal_the_tracker(runs):
-    layout = ParallelLayout(dp=DP, tp=TP)
-    for rank, r in enumerate(runs[TP_FIRST]):
-        checks = model_state_check(CFG, layout, r.memory)
-        assert all(c.ok for c in checks), f"rank {rank}\n{format_checks(checks)}"
-        by = {c.category: c for c in checks}
-        assert by["parameters"].predicted == by["parameters"].measured  # to the byte
-        assert by["gradients"].predicted == by["gradients"].measured
-        # the only difference: PyTorch's AdamW keeps a 4-byte `step` counter per parameter tensor
-        extra = by["optimizer_state"].measured - by["optimizer_state"].predicted
-        assert extra == 4 * len(list(GPT(CFG).parameters()))
+def test_planner_model_states_equal_the_tracker_dp_x_tp(runs):
+    assert_model_states(CFG, runs[TP_FIRST], ParallelLayout(dp=DP, tp=TP))
 
 
 @pytest.mark.slow
@@ -239,3 +205,38 @@ def test_model_state_check_catches_a_layout_that_does_not_split(runs):
     checks = model_state_check(CFG, ParallelLayout(dp=DP, tp=1), runs[TP_FIRST][0].memory)
     assert not any(c.ok for c in checks)
     assert "FAIL" in format_checks(checks)
+
+
+# ------------------------------------------------------------------------------------------------ pipelines
+
+
+@pytest.mark.slow
+def test_pipeline_of_four_on_two_nodes():
+    """PP 4 on two nodes of 2: only the stage 1 <-> 2 edge crosses, m activations forward and m gradients back,
+    measured; each rank's model states are those of its stage (it holds the whole model)."""
+    cfg, m = CFG.with_(n_layer=4), 4
+    results = launch(train_tracked, 4, cfg, TC, pp=4, microbatches=m, timeout=180)
+    shape = MeshShape(pp=4)
+    got = cross_from_log(results, shape, 0)
+    assert got == cross_node_bytes(predicted_flows(cfg, shape, TC.global_batch, microbatches=m), GPN)
+    assert got == {"pp": 2 * m * (TC.global_batch // m) * cfg.seq_len * cfg.d_model * 4}
+    assert bytes_kinds(flows_from_log([r.step_comm[0] for r in results], shape)) == {"pp": comm.MEASURED}
+    assert_model_states(cfg, results, ParallelLayout(pp=4, microbatches=m))
+
+
+@pytest.mark.slow
+def test_dp_tp_pp_2x2x2_on_two_nodes_of_four():
+    """The chapter's 8-rank run: with Megatron's order only PP's edge crosses the two nodes of 4 (measured), TP
+    and DP stay inside; the ring model of TP and of the pipeline's DP all-reduce agrees with the arithmetic."""
+    cfg, m = CFG.with_(n_layer=4), 2
+    results = launch(train_tracked, 8, cfg, TC, dp=2, tp=2, pp=2, microbatches=m, timeout=240)
+    shape = MeshShape(dp=2, tp=2, pp=2)  # (its parity with one process: tests/test_compose.py)
+    flows = flows_from_log([r.step_comm[0] for r in results], shape)
+    predicted = predicted_flows(cfg, shape, TC.global_batch, microbatches=m, dp_kind=comm.MODELLED)
+    got = cross_node_bytes(flows, 4)
+    assert got == cross_node_bytes(predicted, 4)
+    assert {g for g, b in got.items() if b} == {"pp"}
+    on_two_per_node = cross_node_bytes(flows, 2)  # the same log on nodes of 2: DP's all-reduce leaves them too
+    assert on_two_per_node == cross_node_bytes(predicted, 2) and on_two_per_node["dp"] > 0
+    assert bytes_kinds(flows) == {"dp": comm.MODELLED, "pp": comm.MEASURED, "tp": comm.MODELLED}
+    assert_model_states(cfg, results, ParallelLayout(dp=2, tp=2, pp=2, microbatches=m))
