@@ -141,6 +141,20 @@ def cross_node_bytes(flows: Iterable[Flow], gpus_per_node: int, node: NodeOf | N
     return dict(out)
 
 
+def busiest_rank_bytes(flows: Iterable[Flow], gpus_per_node: int, node: NodeOf | None = None) -> dict[str, int]:
+    """Per group, the most bytes one rank sends across nodes: what a ring's slowest hop carries. A ring collective
+    runs at the pace of its slowest link, so its time is about this / the inter-node bandwidth (every rank of a
+    ring sends the same bytes, but only the ranks whose successor is remote send them over the slow link)."""
+    where = node or (lambda r: node_of(r, gpus_per_node))
+    per_rank: dict[tuple[str, int], int] = defaultdict(int)
+    groups = set()
+    for f in flows:
+        groups.add(f.group)
+        if where(f.src) != where(f.dst):
+            per_rank[f.group, f.src] += f.nbytes
+    return {g: max((b for (h, _), b in per_rank.items() if h == g), default=0) for g in groups}
+
+
 def bytes_kinds(flows: Iterable[Flow]) -> dict[str, str]:
     """Group -> the kind of its bytes ("measured", "modelled", or "measured+modelled" when both occur)."""
     kinds: dict[str, set[str]] = defaultdict(set)

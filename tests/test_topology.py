@@ -26,6 +26,7 @@ from course_lib.parallel.compose import merge_composed
 from course_lib.topology import (
     Flow,
     RingDataParallel,
+    busiest_rank_bytes,
     bytes_kinds,
     cross_node_bytes,
     cross_node_table,
@@ -240,3 +241,10 @@ def test_dp_tp_pp_2x2x2_on_two_nodes_of_four():
     assert on_two_per_node == cross_node_bytes(predicted, 2) and on_two_per_node["dp"] > 0
     assert bytes_kinds(flows) == {"dp": comm.MODELLED, "pp": comm.MEASURED, "tp": comm.MODELLED}
     assert_model_states(cfg, results, ParallelLayout(dp=2, tp=2, pp=2, microbatches=m))
+
+
+def test_busiest_rank_carries_a_ring_crossing_alone():
+    """A TP ring of 8 over two nodes of 4 crosses twice: the total counts two ranks' bytes, the busiest one."""
+    flows = predicted_flows(CFG, MeshShape(tp=4, dp=2, order=DP_FIRST), 8)  # tp groups [0,2,4,6], [1,3,5,7]
+    total, busiest = cross_node_bytes(flows, 4), busiest_rank_bytes(flows, 4)
+    assert total["tp"] == 4 * busiest["tp"] and busiest["dp"] == 0  # 2 crossings a ring, 2 rings

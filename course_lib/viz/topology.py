@@ -47,8 +47,9 @@ def plot_cross_node(bars: Mapping[str, Mapping[str, int]], predicted: Mapping[st
 
 class TopologyWidget(ControlPanel):
     """Model preset, gpus per node, tp / pp / dp, batch and sequence -> the bytes per step that leave a node under
-    each axis order in ``ORDERS`` (predicted, bf16 messages, one micro-batch of one sequence at a time), and the
-    TP groups of the chosen order drawn in their nodes."""
+    each axis order in ``ORDERS`` (predicted, bf16 messages, one micro-batch of one sequence at a time), in all and
+    on the busiest GPU of each group (what the ring's slowest hop carries), and the TP groups of the chosen order
+    drawn in their nodes."""
 
     ORDERS: ClassVar[tuple[str, ...]] = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "dp-tp-cp-ep-pp", "pp-dp-tp-cp-ep")
 
@@ -83,17 +84,20 @@ class TopologyWidget(ControlPanel):
             shape.validate(cfg, global_batch=v["global_batch"])
             topology.nodes(shape.world_size, v["gpus_per_node"])
             m = v["global_batch"] // v["dp"]
-            self.crossing = {o: topology.cross_node_bytes(topology.predicted_flows(
-                cfg, MeshShape(dp=v["dp"], tp=v["tp"], pp=v["pp"], order=o), v["global_batch"], microbatches=m,
-                element_bytes=2), v["gpus_per_node"]) for o in self.ORDERS}
+            flows = {o: topology.predicted_flows(cfg, MeshShape(dp=v["dp"], tp=v["tp"], pp=v["pp"], order=o),
+                                                 v["global_batch"], microbatches=m, element_bytes=2)
+                     for o in self.ORDERS}
         except (MeshError, ValueError) as e:
             self.crossing, self.message = {}, f"invalid: {e}"
         else:
-            mine, n = self.crossing[v["order"]], shape.world_size
+            self.crossing = {o: topology.cross_node_bytes(f, v["gpus_per_node"]) for o, f in flows.items()}
+            busiest = topology.busiest_rank_bytes(flows[v["order"]], v["gpus_per_node"])
+            n = shape.world_size
             self.message = (f"{n} GPUs on {n // v['gpus_per_node']} nodes; {v['order']}: bytes per step across "
-                            "nodes, all GPUs together (predicted): "
-                            + ", ".join(f"{g} {b / 1e9:.1f} GB" for g, b in sorted(mine.items()))
-                            + f"; {sum(mine.values()) / n / 1e9:.2f} GB a GPU")
+                            "nodes (predicted), all GPUs: "
+                            + ", ".join(f"{g} {b / 1e9:.1f} GB" for g, b in sorted(self.crossing[v["order"]].items()))
+                            + "; the busiest GPU of each group: "
+                            + ", ".join(f"{g} {b / 1e9:.1f} GB" for g, b in sorted(busiest.items())))
         self._out.value = f"<pre>{self.message}</pre>"
         plot = plot_cross_node(self.crossing, unit=1e9, unit_name="GB") if self.crossing else None
         mesh = draw_mesh(shape, ("tp",), v["gpus_per_node"]) if plot and shape.world_size <= 32 else None
