@@ -3,6 +3,7 @@ answers rejected, and broken notebooks graded in bounded time with nothing left 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import time
 from pathlib import Path
@@ -145,3 +146,28 @@ def test_visible_bucket_check_rejects_a_dropped_partial_bucket():
 
     assert not ch02.check_assign_buckets(buckets_drop_the_last_partial_one).ok
     assert ch02.check_assign_buckets(ch02.reference_buckets).ok
+
+
+def _notebook_function(notebook: Path, name: str, namespace: dict) -> object:
+    """Define ``name`` as the notebook's own cell defines it (the cell's other statements are not run)."""
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            tree = ast.parse(cell.source)
+            defs = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name]
+            exec(compile(ast.Module(defs, type_ignores=[]), str(notebook), "exec"), namespace)
+            return namespace[name]
+    raise AssertionError(f"{notebook.name} defines no {name}")
+
+
+def test_chapter_00_find_the_bug_fails_as_shipped_and_passes_once_fixed():
+    from course_lib.grading import ch00
+
+    notebook = REPO / "solutions" / "00_budgets.ipynb"
+    colleague = _notebook_function(notebook, "model_states_per_gpu_from_a_colleague", {})
+    visible = ch00.check_model_states_per_gpu(colleague)
+    assert not visible.ok and "optimizer_state" in visible.message, visible  # the notebook's symptom
+    assert colleague(7.5e9, 1, 1, 64, 3) == ch00.reference_model_states(7.5e9, 1, 1, 64, 3)  # right for pure DP
+    fixed = _notebook_function(notebook, "model_states_per_gpu", {})
+    exercise = next(ex for ex in ch00.EXERCISES if ex.key == "model_states_per_gpu")
+    assert grader.grade_exercise(exercise, {"model_states_per_gpu": fixed}).ok
+    assert not grader.grade_exercise(exercise, {"model_states_per_gpu": colleague}).ok
