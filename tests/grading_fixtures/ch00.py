@@ -25,7 +25,7 @@ def zero_stage2_forgets_gradients(psi, n_d, stage, k=12):
 
 
 def zero_everything_sharded(psi, n_d, stage, k=12):
-    """Treats every stage as ZeRO-3 (the seeds' 'linear in N' read too broadly)."""
+    """Treats every stage as ZeRO-3 (the summaries' 'linear in N' read too broadly)."""
     return (4 + k) * psi / (n_d if stage else 1)
 
 
