@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -213,7 +214,7 @@ def library_prediction(cfg: GPTConfig, degrees: dict[str, int], gpu: planner.GPU
 
 PREDICT_KEYS = ("model_state_bytes", "step_s")
 # (preset, degrees, gpu, global batch, sequence, micro-batch, ZeRO stage, efficiency)
-_PREDICT_CASES = (
+PREDICT_CASES = (
     ("llama2-70b", {"dp": 8, "tp": 8}, planner.H100, 512, 2048, 1, 1, 0.5),           # no pipeline
     ("llama2-70b", {"dp": 2, "tp": 8, "pp": 4}, planner.H100, 16, 2048, 1, 1, 0.5),   # m = 8: bubble 3/11
     ("llama2-7b", {"dp": 16}, planner.H100, 64, 1024, 1, 3, 0.5),                     # ZeRO-3 divides all by 16
@@ -229,7 +230,7 @@ def _describe_case(name: str, degrees: dict[str, int], gpu: planner.GPU, gb: int
             f"micro-batch {mb}")
 
 
-def check_predict_mesh(fn: Callable, cases: tuple = _PREDICT_CASES) -> CheckResult:
+def check_predict_mesh(fn: Callable, cases: tuple = PREDICT_CASES) -> CheckResult:
     def body() -> str:
         worst = dict.fromkeys(PREDICT_KEYS, 0.0)
         for name, degrees, gpu, gb, s, mb, zero, eff in cases:
@@ -241,7 +242,7 @@ def check_predict_mesh(fn: Callable, cases: tuple = _PREDICT_CASES) -> CheckResu
             want = library_prediction(cfg, degrees, gpu, gb, s, mb, zero, eff)
             for key, rtol in (("model_state_bytes", MEMORY_RTOL), ("step_s", TIME_RTOL)):
                 value = got[key]
-                if isinstance(value, torch.Tensor | bool) or not isinstance(value, int | float) or value <= 0:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
                     raise CheckFailed(f"{what}: {key} must be a positive Python number, got {value!r}")
                 ratio = value / want[key]
                 if abs(ratio - 1) > rtol:
