@@ -321,9 +321,15 @@ def _check_rank(r: int, given: list[Action], got: list[Action], what: str) -> No
     if plain != given:
         first = next((i for i, (a, b) in enumerate(zip(plain, given, strict=False)) if a != b),
                      min(len(plain), len(given)))
+        want, have = (str(x[first]) if first < len(x) else "the end of the list" for x in (given, plain))
         raise CheckFailed(f"{what}, rank {r}: without its REDUCE_GRAD actions the list must be the input's, in "
-                          f"order; first difference at position {first}")
-    for stage in sorted({a.stage for a in given}):
+                          f"order; at position {first} expected {want}, got {have}")
+    held = {a.stage for a in given}
+    foreign = sorted({a.stage for a in got if a.kind is Kind.REDUCE_GRAD} - held)
+    if foreign:
+        raise CheckFailed(f"{what}, rank {r}: REDUCE_GRAD of stage(s) {foreign}, which this rank does not hold "
+                          f"(its stages: {sorted(held)})")
+    for stage in sorted(held):
         mine = [i for i, a in enumerate(got) if a.kind is Kind.REDUCE_GRAD and a.stage == stage]
         if len(mine) != 1:
             raise CheckFailed(f"{what}, rank {r}: stage {stage} has {len(mine)} REDUCE_GRAD actions, expected "
