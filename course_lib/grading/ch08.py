@@ -362,10 +362,11 @@ def _check_transform(fn: Callable, schedule: S.Schedule, what: str) -> None:
     if not isinstance(got, list) or len(got) != len(schedule) or not all(isinstance(rank, list) for rank in got):
         raise CheckFailed(f"{what}: expected a list of {len(schedule)} lists (one per rank), got {got!r:.200}")
     for r, rank in enumerate(got):
-        bad = next((a for a in rank if not isinstance(a, Action)), None)
+        bad = next((a for a in rank if not isinstance(a, Action) or not isinstance(a.kind, Kind)
+                    or type(a.microbatch) is not int or type(a.stage) is not int), None)
         if bad is not None:
-            raise CheckFailed(f"{what}, rank {r}: every item must be a schedules.Action, got {bad!r} (build "
-                              "REDUCE_GRAD as Action(Kind.REDUCE_GRAD, microbatch, stage))")
+            raise CheckFailed(f"{what}, rank {r}: every item must be a schedules.Action of a Kind and two ints, got "
+                              f"{bad!r} (build REDUCE_GRAD as Action(Kind.REDUCE_GRAD, microbatch, stage))")
         _check_rank(r, schedule[r], rank, what)
 
 
@@ -452,7 +453,7 @@ def check_add_grad_reduce(fn: Callable, cases: tuple = _REDUCE_CASES, ranks: tup
             _check_transform(fn, S.add_send_recv(compute), f"{label} (with transfers)")
             n += 2
         runs = [_on_ranks(fn, schedule, m, seed, timeout) for schedule, m, seed in ranks]
-        return f"{n} schedules right; " + "; ".join(runs)
+        return "; ".join([f"{n} schedules right", *runs])
     return run_check("add_grad_reduce", body)
 
 

@@ -219,6 +219,12 @@ def reduce_as_tuples(schedule):
     return out
 
 
+def reduce_kind_as_a_string(schedule):
+    """Action("REDUCE_GRAD", j, s): equal to the Kind as a string, but the executor tests ``kind is Kind.X``."""
+    return [[Action("REDUCE_GRAD", a.microbatch, a.stage) if a.kind is Kind.REDUCE_GRAD else a for a in actions]
+            for actions in add_grad_reduce(schedule)]
+
+
 def reduce_in_place(schedule):
     """The right places, but written into the input lists: the caller's schedule changes under it."""
     for actions, new in zip(schedule, add_grad_reduce(schedule), strict=True):
@@ -234,5 +240,5 @@ WRONG = {
                      predict_ignores_zero_stage, predict_fp32_gradients],
     "average_dp_gradients": [average_over_tp, average_over_world, sum_without_dividing],
     "add_grad_reduce": [reduce_after_last_i, reduce_once_per_rank, reduce_after_every_weight_pass,
-                        reduce_at_the_end, reduce_as_tuples, reduce_in_place],
+                        reduce_at_the_end, reduce_as_tuples, reduce_kind_as_a_string, reduce_in_place],
 }
