@@ -148,7 +148,6 @@ def test_visible_bucket_check_rejects_a_dropped_partial_bucket():
     assert ch02.check_assign_buckets(ch02.reference_buckets).ok
 
 
-<<<<<<< HEAD
 def _notebook_function(notebook: Path, name: str, namespace: dict) -> object:
     """Define ``name`` as the notebook's own cell defines it (the cell's other statements are not run)."""
     for cell in nbformat.read(notebook, as_version=4).cells:
@@ -172,7 +171,8 @@ def test_chapter_00_find_the_bug_fails_as_shipped_and_passes_once_fixed():
     exercise = next(ex for ex in ch00.EXERCISES if ex.key == "model_states_per_gpu")
     assert grader.grade_exercise(exercise, {"model_states_per_gpu": fixed}).ok
     assert not grader.grade_exercise(exercise, {"model_states_per_gpu": colleague}).ok
-=======
+
+
 def test_ch08_stated_formulas_sit_well_inside_the_tolerance_on_every_mesh_the_grader_tries():
     """predict_mesh's spec (``predict_mesh_spec``) against the library's planner on the visible and the hidden
     meshes: within 3/4 of each tolerance, so an answer that follows the notebook's formulas is never called wrong;
@@ -202,4 +202,3 @@ def test_ch08_on_rank_check_names_the_weight_passes_the_reduction_missed():
     assert not result.ok
     assert "W1 after its REDUCE_GRAD" in result.message and "missed those weight gradients" in result.message, \
         result.message
->>>>>>> ex08
