@@ -171,3 +171,17 @@ def test_chapter_00_find_the_bug_fails_as_shipped_and_passes_once_fixed():
     exercise = next(ex for ex in ch00.EXERCISES if ex.key == "model_states_per_gpu")
     assert grader.grade_exercise(exercise, {"model_states_per_gpu": fixed}).ok
     assert not grader.grade_exercise(exercise, {"model_states_per_gpu": colleague}).ok
+
+
+def test_chapter_05_find_the_bug_fails_as_shipped_on_the_stage_without_the_loss():
+    import torch.distributed as dist
+
+    from course_lib.grading import ch05
+    from course_lib.model import lm_loss
+
+    namespace = {"torch": torch, "dist": dist, "lm_loss": lm_loss}
+    colleague = _notebook_function(REPO / "solutions" / "05_pipeline_parallel.ipynb", "gpipe_step_from_a_colleague",
+                                   namespace)
+    visible = ch05.check_gpipe_step(colleague, m=4, batch=8)
+    assert not visible.ok and visible.message.startswith("rank 0's gradient"), visible  # the stated symptom
+    assert ch05.check_gpipe_step(colleague, m=4, batch=16).ok  # b = m rows per micro-batch: the bug is the 1/b
