@@ -3,7 +3,8 @@
 * ``dp``        data parallelism: naive, bucketed and overlapped gradient all-reduce; gradient accumulation
 * ``zero``      ZeRO stages 0-3 / FSDP over flat parameters (FSDP1 / DeepSpeed form)
 * ``zero_unit`` one flat-parameter unit; ``zero_checkpoint`` sharded checkpoints of ``zero``: save at N
-  ranks, load at any N or in one process
+  ranks, load at any N or in one process; ``zero_accounting`` model-state bytes measured and comm bytes exact
+* ``fsdp_torch`` PyTorch's FSDP2 (``fully_shard``) behind the wrapper contract, the oracle for ``zero``/``fsdp2``
 * ``fsdp2``     FSDP2-style per-parameter (dim-0) sharding on the same engine
 * ``sharded_optimizer`` ZeRO-1 at the optimizer level (``ShardedOptimizer``, ``ZeroRedundancyOptimizer``'s shape)
 * ``pp``        pipeline parallelism (stages, executor, schedules run on real ranks), ``pp_layers`` the one

@@ -1,6 +1,7 @@
 """One ZeRO / FSDP unit: the parameters of one module in one flat buffer, sharded over the ranks (``FlatLayout``
 says which element of which parameter lives where and which rank owns it; ``FlatParamUnit`` gathers, frees,
-and reduces). ``course_lib.parallel.zero`` explains the design and runs the units from hooks.
+and reduces; ``default_units`` says which modules become units). ``course_lib.parallel.zero`` explains the design
+and runs the units from hooks.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class FlatLayout:
 
 # ----------------------------------------------------------------------------------------------------------------
 # One unit
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Units bottom-up: one per transformer block (``model.blocks``), then the root for everything else."""
+    blocks = getattr(model, "blocks", None)
+    return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
 
 
 class UnitState(Enum):
