@@ -13,6 +13,9 @@ Actions (the letters of the literature and of ``torch.distributed.pipelining``):
   previous stage). Their ``stage`` is the stage on *this* rank: ``SEND_F(j, s)`` sends stage s's output to
   s + 1, ``RECV_F(j, s)`` receives stage s's input from s - 1 (the same convention as torch's ``_Action``).
 
+* ``REDUCE_GRAD`` (pipeline + data parallelism): start the data-parallel reduction of one stage's gradients,
+  right after the stage's last action that writes weight gradients (``add_grad_reduce``).
+
 The builders return compute-only schedules; ``add_send_recv`` inserts the transfers for an executor on real
 ranks. Its execution model, which ``validate`` checks: a ``RECV`` posts a non-blocking receive (``irecv``) and
 the compute action that needs the data waits for it; a ``SEND`` posts a non-blocking send (``isend``) that the
@@ -72,6 +75,7 @@ class Kind(StrEnum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"
 
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
@@ -460,6 +464,34 @@ def add_send_recv(schedule: Schedule) -> Schedule:
             if a in sends_after:
                 with_transfers.append(sends_after[a])
         result.append(with_transfers)
+    return result
+
+
+def add_grad_reduce(schedule: Schedule) -> Schedule:
+    """Insert one ``REDUCE_GRAD`` per stage, right after the stage's last action that writes weight gradients:
+    its last ``B``, or its last ``W`` when the backward is split (Zero Bubble).
+
+    With data parallelism on top of the pipeline, a stage's gradients are complete once its last micro-batch's
+    weight gradient is in: the all-reduce (or reduce-scatter) over the data-parallel group can start there and
+    overlap the rest of the schedule (the other stages' drain), instead of waiting for the end of the step, as
+    Megatron-LM and torchtitan do. Placing it after the last ``I`` instead would reduce gradients that the
+    pending ``W`` passes have not written yet -- the reduced gradient would miss them (a bug
+    ``torch.distributed.pipelining`` once had with zero-bubble schedules).
+    """
+    result: Schedule = []
+    for actions in schedule:
+        last: dict[int, int] = {}
+        split = {a.stage for a in actions if a.kind is Kind.W}
+        for i, a in enumerate(actions):
+            if a.kind is (Kind.W if a.stage in split else Kind.B):
+                last[a.stage] = i
+        after = {i: Action(Kind.REDUCE_GRAD, actions[i].microbatch, s) for s, i in last.items()}
+        with_reduce: list[Action] = []
+        for i, a in enumerate(actions):
+            with_reduce.append(a)
+            if i in after:
+                with_reduce.append(after[i])
+        result.append(with_reduce)
     return result
 
 

@@ -15,6 +15,8 @@
 * ``cp``        context parallelism: the ``ContextParallel`` wrapper; ``cp_attention`` its math (ring and
   all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
 * ``ep``        expert parallelism (count exchange, all-to-all dispatch and combine)
+* ``compose``   ``parallelize(model, mesh)``: TP -> CP -> PP -> DP / ZeRO on one mesh, ``train_parallel``;
+  ``mesh_checkpoint`` saves a composed run at one mesh and resumes it at another
 
 Every module talks through ``course_lib.comm`` so that the bytes each rank moves are logged, and is checked
 against the single-process baseline of ``course_lib.train`` and against PyTorch's own implementation.

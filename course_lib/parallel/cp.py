@@ -100,6 +100,12 @@ class CPContext:
         self.positions: torch.Tensor | None = None  # [cp, T_local]
         self.stats = AttentionStats()
 
+    def local_positions(self) -> torch.Tensor:
+        """The global positions of this rank's tokens in the batch now running."""
+        if self.positions is None:
+            raise RuntimeError("no batch is running: the positions are set by SequenceShardedGPT.forward")
+        return self.positions[self.rank]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = ring_attention if self.algorithm == "ring" else allgather_attention
         return fn(q, k, v, self.positions, chunks_per_rank(self.layout), self.causal, self.group, self.kernel,
@@ -127,12 +133,12 @@ class CPAttention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rope:
-            q, k = self.rotary(q, k, self.ctx.positions[self.ctx.rank])
+            q, k = self.rotary(q, k, self.ctx.local_positions())
         y = self.ctx.attend(q.contiguous(), k.contiguous(), v.contiguous())
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class _ShardedGPT(nn.Module):
+class SequenceShardedGPT(nn.Module):
     """The GPT's forward on this rank's tokens: embeddings at their global positions, blocks, head."""
 
     def __init__(self, model: GPT, ctx: CPContext) -> None:
@@ -190,7 +196,7 @@ class ContextParallel(nn.Module):
         for block in module.blocks:
             block.attn = attention_class(block.attn, self.ctx)
         self.grad_group = grad_group
-        self.sharded = _ShardedGPT(module, self.ctx)
+        self.sharded = SequenceShardedGPT(module, self.ctx)
         first = 0 if grad_group is None else dist.get_global_rank(grad_group, 0)
         self.grad_sync = DataParallel(self.sharded, group=grad_group, mode=dp_mode, broadcast_from=first) \
             if average_gradients else None

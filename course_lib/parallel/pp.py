@@ -53,6 +53,7 @@ local layers (each rank here builds the full tiny model once, for identical init
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ from course_lib import comm
 from course_lib import schedules as S
 from course_lib.data import global_batch, micro_batches
 from course_lib.model import GPTConfig, lm_loss
-from course_lib.parallel.contract import HasGroups, ParallelWrapper
+from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first, require_member
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.parallel.pp_balance import LayerCosts, balance_stages, measure_layer_costs, stage_costs
 from course_lib.parallel.pp_layers import layer_split, stage_layers
@@ -143,10 +144,18 @@ class PipelineExecutor:
             hidden_shape = (attn.q_proj.in_features,) if attn is not None else None
         self.hidden_shape = tuple(hidden_shape) if hidden_shape is not None else None
         """Each message's shape after [rows, tokens] (GPT: [d_model]); ``PipelineParallel`` sets it otherwise."""
+        self.grad_reduce: Callable[[int], None] | None = None
+        """What ``REDUCE_GRAD`` of a stage calls (``PipelineParallel`` sets it when it has a ``grad_group``)."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
         return loss / self.plan.m
+
+    def reduce_grad(self, stage: int) -> None:
+        """``REDUCE_GRAD``: the weight gradients of ``stage`` are complete; start their data-parallel reduction
+        (``grad_reduce(stage)``). A seam: a test skips it on purpose."""
+        if self.grad_reduce is not None:
+            self.grad_reduce(stage)
 
     def _peer(self, stage: int) -> int:
         return comm.global_rank(self.group, self.plan.rank_of(stage))
@@ -173,7 +182,7 @@ class PipelineExecutor:
                 continue  # a receive already posted ahead of time
             if not a.is_compute:
                 start = time.perf_counter()
-                self._transfer(a)
+                self.reduce_grad(a.stage) if a.kind is Kind.REDUCE_GRAD else self._transfer(a)
                 timed[i] = TimedAction(a, start, time.perf_counter())
                 continue
             if self.prefetch:  # post the next compute action's receives now: its data arrives while this one runs
@@ -295,9 +304,18 @@ class PipelineParallel(ParallelWrapper):
     ``forward_backward(x, y)`` runs one pass of the schedule over the ``microbatches`` micro-batches of the batch
     (forwards and backwards interleave, so a pipeline has no separate forward); it returns the mean micro-batch
     loss on the last stage's rank (0.0 elsewhere; ``reduce_losses`` broadcasts the last stage's). The pipeline
-    accumulates its own micro-batches, so ``no_sync`` has nothing to hold back here (it is a no-op context) and
+    accumulates its own micro-batches, so on its own ``no_sync`` has nothing to hold back and
     ``finish_gradient_sync`` / ``after_step`` are no-ops; ``remove_hooks`` has none to remove. Seam: the
     executor's ``scale_loss`` (``executor_class``, a ``PipelineExecutor`` subclass).
+
+    Pipeline + data parallelism: with ``grad_group`` (the data-parallel group of this pipeline rank, e.g.
+    ``mesh.group("dp", "cp")``), each stage's gradients are averaged over that group by the schedule's own
+    ``REDUCE_GRAD`` action (``schedules.add_grad_reduce``: after the stage's last B, or its last W under a
+    split backward): one async all-reduce of the stage's gradients in a flat buffer starts there, while the
+    other stages drain, and ``finish_gradient_sync`` waits for them and writes the averages back. The stage's
+    weights are broadcast over ``grad_group`` at construction; inside ``no_sync`` nothing is reduced (the next
+    pass outside it reduces the accumulated sum). Seams: ``place_grad_reduce`` (where the action goes) and the
+    executor's ``reduce_grad``.
     """
 
     axes = ("pp",)
@@ -306,7 +324,7 @@ class PipelineParallel(ParallelWrapper):
                  group: comm.Group = None, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
                  split: Sequence[int] | None = None, global_batch: int | None = None, loss_fn: LossFn = lm_loss,
                  emulate: tuple[float, float, float] | None = None,
-                 executor_class: type[PipelineExecutor] = PipelineExecutor) -> None:
+                 executor_class: type[PipelineExecutor] = PipelineExecutor, grad_group: comm.Group = None) -> None:
         parts = pipeline_parts(module)
         super().__init__(module if isinstance(module, nn.Module) else nn.ModuleList([parts.first, *parts.blocks,
                                                                                         parts.last]),
@@ -320,9 +338,38 @@ class PipelineParallel(ParallelWrapper):
                                      for s in self.plan.stages_of(self.rank)})
         by_index = {int(k): st for k, st in self.stages.items()}
         self.parts = parts
+        self.grad_group = grad_group
+        self._pending: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []  # (params, flat, work) per stage
+        if grad_group is not None:
+            require_member(grad_group, type(self).__name__)
+            self.plan = dataclasses.replace(self.plan, actions=self.place_grad_reduce(self.plan.actions))
+            broadcast_from_first(self.stages, grad_group)
         self.executor = executor_class(by_index, self.plan, self.rank, self.group, loss_fn, emulate)
+        if grad_group is not None:
+            self.executor.grad_reduce = self._launch_grad_reduce
         self.timelines: list[list[TimedAction]] = []  # one per forward_backward
         self.micro_losses: list[list[float]] = []
+
+    def place_grad_reduce(self, actions: Schedule) -> Schedule:
+        """The schedule with its ``REDUCE_GRAD`` actions (a seam: a test puts them in the wrong place)."""
+        return S.add_grad_reduce(actions)
+
+    def _launch_grad_reduce(self, stage: int) -> None:
+        if not self._require_sync:
+            return
+        params = [q for q in self.stages[str(stage)].parameters() if q.requires_grad]
+        flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
+        self._pending.append((params, flat, comm.all_reduce(flat, group=self.grad_group, async_op=True)))
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for the stages' gradient all-reduces (started by ``REDUCE_GRAD``) and write back the averages."""
+        n = dist.get_world_size(self.grad_group) if self.grad_group is not None else 1
+        for params, flat, work in self._pending:
+            work.wait()
+            flat /= n
+            for q, chunk in zip(params, flat.split([q.numel() for q in params]), strict=True):
+                q.grad = chunk.view_as(q)
+        self._pending.clear()
 
     def message_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The shape of one hidden state per token, from the first part on one row of ``x`` (every rank holds
@@ -357,11 +404,15 @@ class PipelineParallel(ParallelWrapper):
         return sum(losses) / len(losses) if losses else 0.0
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
-        """Only the last stage computes the losses: broadcast them from its rank."""
+        """Only the last stage computes the losses: broadcast them from its rank (then the mean over the
+        data-parallel group, when there is one)."""
         losses = local.to(torch.float32)
         if self.world_size > 1:
             comm.broadcast(losses, src=comm.global_rank(self.group, self.plan.rank_of(self.plan.n_stages - 1)),
                            group=self.group)
+        if self.grad_group is not None:
+            comm.all_reduce(losses, group=self.grad_group)
+            losses /= dist.get_world_size(self.grad_group)
         return losses
 
 

@@ -247,6 +247,11 @@ class TensorParallelAttention(TensorParallelModule):
     then partial sums, all-reduced over the group by ``TensorParallel.finish_gradient_sync``.
     """
 
+    context: Any = None
+    """A ``cp.CPContext`` when context parallelism is composed on top (``parallel.compose``): each rank then holds
+    s/cp tokens, rotates them at their global positions and attends over the cp group, as Megatron's attention
+    core takes a ``cp_group``. None: the whole sequence is local."""
+
     def __init__(self, attn: Attention, group: comm.Group = None, sequence_parallel: bool = False) -> None:
         super().__init__(group, sequence_parallel)
         t, r = self.tp_size, self.tp_rank
@@ -280,9 +285,7 @@ class TensorParallelAttention(TensorParallelModule):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, local K/V heads, T, d]
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rope:
-            cos, sin = rope_cos_sin(T, self.head_dim)
-            cos, sin = cos.to(x.device), sin.to(x.device)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rotary(q, k)
         q_heads = torch.arange(self.head_offset, self.head_offset + self.local_heads, device=x.device)
         kv_local = self.kv_head_of(q_heads) - self.kv_offset
         if not bool(((kv_local >= 0) & (kv_local < k.shape[1])).all()):
@@ -295,8 +298,21 @@ class TensorParallelAttention(TensorParallelModule):
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         else:  # replicated K/V (or another map): pick each query head's K/V head
             k, v = k.index_select(1, kv_local), v.index_select(1, kv_local)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE at positions 0..T-1, or at the tokens' global positions when ``context`` is set. A seam."""
+        positions = None if self.context is None else self.context.local_positions()
+        cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, positions=positions)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's heads [B, heads/t, T, d]: over the local sequence, or, when
+        ``context`` is set, over the whole sequence held by the context-parallel group (its ring). A seam."""
+        if self.context is not None:
+            return self.context.attend(q.contiguous(), k.contiguous(), v.contiguous())
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _copy_linear(linear: nn.Linear) -> nn.Linear:
@@ -577,6 +593,11 @@ class TensorParallel(nn.Module):
     def is_sharded(self, p: nn.Parameter) -> bool:
         """True when each rank holds a different slice of ``p`` (a public seam of the gradient norm)."""
         return id(p) in self._sharded
+
+    def shard_dim(self, p: nn.Parameter) -> int | None:
+        """The dimension along which ``p`` is cut into tp equal contiguous slices (rank r holds slice r), or
+        None for a replicated parameter: how to gather it, or its optimizer state, and cut it again."""
+        return self._sharded.get(id(p))
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients: sum of squares of every *shard* (all-reduced, one fp32 scalar) plus

@@ -1,0 +1,317 @@
+"""Composing the axes: ``parallelize(model, mesh)`` applies TP, CP, PP and DP / ZeRO in one fixed order.
+
+Each axis of a ``course_lib.mesh.Mesh`` is one wrapper of this package; composing them is applying them one
+after the other to the *same* model, each on its own group of the mesh. The order is fixed, and it is the one
+torchtitan's ``parallelize`` applies and Megatron-LM builds its model in:
+
+1. **TP (and SP)** over ``mesh.group("tp")`` first: it changes the modules themselves (sliced weights, the f / g
+   operators in forward, a vocab-parallel loss). Everything after it must see the sharded layers: the pipeline
+   cuts sharded blocks, data parallelism averages shards, CP's attention reads this rank's heads.
+2. **CP** over ``mesh.group("cp")``: the model runs on its s / cp tokens at their global positions
+   (``cp.SequenceShardedGPT``) and each attention layer attends over the cp ring (a TP layer's ``context``, or a
+   ``cp.CPAttention``). The sequence is split, not the weights: no parameter changes.
+3. **PP** over ``mesh.group("pp")``: the (TP-sharded) model is cut into stages; each rank keeps its own.
+4. **DP / ZeRO** last, over ``mesh.group("dp", "cp")``: CP ranks hold different tokens of the same rows, so for
+   the gradient they are data-parallel ranks like any other (Megatron's distributed optimizer, torchtitan's
+   ``dp_shard_cp``). It goes last because it must see exactly the parameters this rank trains, which exist only
+   after steps 1-3. With a pipeline the averaging is the schedule's own ``REDUCE_GRAD`` action (each stage's
+   all-reduce starts on its last backward); without one a bucketed ``DataParallel``. ZeRO-1 is a
+   ``ShardedOptimizer`` over the same group (``train_parallel(zero_stage=1)``). A mixture-of-experts model
+   with ep > 1 gets ``ExpertParallel`` here instead: dense gradients averaged over dp x cp, experts over ``edp``.
+
+One step, per rank: this dp rank's rows (``train_loop``), then its cp share of their tokens
+(``forward_backward``), forward and backward through TP layers (and the pipeline's schedule), then
+``finish_gradient_sync``: the data-parallel average first, then TP's partial sums (both are sums of the same
+gradients over different groups, so they commute; each completes before the next starts).
+
+What this composition leaves out, with a clear error: PP with CP (the pipeline's first stage would have to place
+the tokens at their zig-zag positions), SP with PP (messages would be s/t tokens long), EP with TP, PP or CP
+(expert tensor parallelism), and ZeRO-2/3 with TP or PP (their unit hooks assume an unsharded, unpipelined model;
+ZeRO-1 composes with everything).
+
+Checked (tests/test_compose.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP, TP x CP, EP x DP and others match
+one process (``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order,
+the DP average over the wrong group, the pipeline's gradient reduction skipped or run before the last weight
+pass) fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from course_lib import comm
+from course_lib.mesh import DEFAULT_ORDER, Mesh, MeshShape
+from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
+from course_lib.parallel.contract import LossFn, ParallelWrapper
+from course_lib.parallel.cp import Algorithm, CPAttention, CPContext, SequenceShardedGPT
+from course_lib.parallel.cp_attention import BlockAttention, Layout, shard_sequence
+from course_lib.parallel.dp import DataParallel
+from course_lib.parallel.ep import ExpertParallel
+from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
+from course_lib.parallel.mesh_checkpoint import load_checkpoint, load_parameters, restore_optimizer, save_checkpoint
+from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
+from course_lib.parallel.sharded_optimizer import ShardedOptimizer
+from course_lib.parallel.tp import TensorParallel, TensorParallelAttention
+from course_lib.schedules import Schedule
+from course_lib.train import TrainConfig, TrainResult, make_optimizer
+
+
+def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
+                     = None, microbatches: int = 1, v: int = 1) -> None:
+    """Raise ``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError``
+    for a combination this composition does not build (see the module docstring)."""
+    micro = global_batch // (shape.dp * microbatches) if global_batch and shape.pp > 1 else 1
+    shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
+                   sp=sequence_parallel)
+    unsupported = []
+    if shape.pp > 1 and shape.cp > 1:
+        unsupported.append("pp > 1 with cp > 1: the pipeline's first stage does not place tokens at their context-"
+                           "parallel positions; use pp = 1 or cp = 1")
+    if shape.pp > 1 and sequence_parallel:
+        unsupported.append("sequence_parallel with pp > 1: pipeline messages are whole sequences here")
+    if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
+        unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
+                           "use ep x dp")
+    if unsupported:
+        raise ValueError("cannot compose this mesh: " + "; ".join(unsupported))
+
+
+class Parallelized(ParallelWrapper):
+    """``model`` with every non-trivial axis of ``mesh`` applied in the module docstring's order, behind the one
+    wrapper contract (``train_loop`` drives it like any other form).
+
+    ``forward_backward(x, y)`` takes this data-parallel rank's rows of full sequences: it cuts its cp share of
+    the tokens and runs forward and backward (the pipeline's schedule when pp > 1). The parts are attributes:
+    ``tp`` (a ``TensorParallel`` or None), ``cp`` (the ``CPContext`` or None), ``pipe`` (a ``PipelineParallel``
+    or None), ``dp`` (the data-parallel wrapper of a model without pipeline: ``DataParallel`` or
+    ``ExpertParallel``, or None). Seams: the classes of the parts (``tp_class``, ``pipeline_class``,
+    ``executor_class``, ``data_parallel_class``), for variants and tests.
+    """
+
+    axes = ("dp", "cp")
+
+    def __init__(self, model: GPT, mesh: Mesh, *, sequence_parallel: bool = False, cp_layout: Layout = "zigzag",
+                 cp_algorithm: Algorithm = "ring", schedule: str | Schedule = "1f1b", microbatches: int = 2,
+                 v: int = 1, global_batch: int | None = None, tp_class: type[TensorParallel] = TensorParallel,
+                 pipeline_class: type[PipelineParallel] = PipelineParallel,
+                 executor_class: type[PipelineExecutor] = PipelineExecutor,
+                 data_parallel_class: type[DataParallel] = DataParallel) -> None:
+        super().__init__(model, mesh=mesh)
+        check_composable(mesh.shape, model.config, sequence_parallel=sequence_parallel, global_batch=global_batch,
+                         microbatches=microbatches, v=v)
+        self.mesh = mesh
+        dp_size = mesh.size("dp", "cp")
+
+        # 1. Tensor (and sequence) parallelism: slice the layers over the tp group.
+        self.tp = tp_class(model, mesh=mesh, sequence_parallel=sequence_parallel) if mesh.size("tp") > 1 else None
+
+        # 2. Context parallelism: this rank's tokens, attention over the cp ring.
+        self.cp: CPContext | None = None
+        body: nn.Module = model
+        if mesh.size("cp") > 1:
+            self.cp = CPContext(mesh.group("cp"), cp_layout, cp_algorithm, True, BlockAttention())
+            for block in model.blocks:
+                if isinstance(block.attn, TensorParallelAttention):
+                    block.attn.context = self.cp
+                else:
+                    block.attn = CPAttention(block.attn, self.cp)
+            body = SequenceShardedGPT(model, self.cp)
+
+        # 3. Pipeline parallelism, with 4. its data-parallel gradient reduction as a schedule action.
+        self.pipe: PipelineParallel | None = None
+        self.dp: nn.Module | None = None
+        if mesh.size("pp") > 1:
+            self.pipe = pipeline_class(model, mesh=mesh, schedule=schedule, microbatches=microbatches, v=v,
+                                       global_batch=global_batch // mesh.size("dp") if global_batch else None,
+                                       loss_fn=self.loss, executor_class=executor_class,
+                                       grad_group=mesh.group("dp", "cp") if dp_size > 1 else None)
+        # 4. Data parallelism over dp x cp (experts: over edp).
+        elif mesh.size("ep") > 1:
+            self.dp = ExpertParallel(model, mesh=mesh)
+        elif dp_size > 1:
+            self.dp = data_parallel_class(body, group=mesh.group("dp", "cp"), mode="bucketed")
+        self.body = self.dp if self.dp is not None else body
+
+    # -- one step -------------------------------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of this rank's tokens: vocab-parallel cross-entropy under TP (+ the router losses of an
+        MoE model)."""
+        loss = self.tp.loss(logits.float(), targets) if self.tp is not None else lm_loss(logits.float(), targets)
+        return loss + moe_aux_loss(self.module) if self.module.config.n_expert else loss
+
+    def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's context-parallel share of the tokens of ``t`` [rows, seq] (all of them when cp = 1)."""
+        if self.cp is None:
+            return t
+        return shard_sequence(t, self.cp.rank, self.cp.size, self.cp.layout, dim=1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's tokens (``local_tokens(idx)``): vocab-sharded under TP."""
+        if self.pipe is not None:
+            return self.pipe(idx)  # raises: a pipeline runs forward_backward
+        return self.body(idx)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                         scale: float = 1.0) -> float:
+        """One micro-batch of this data-parallel rank's rows (full sequences); ``loss_fn`` is ignored: the
+        composed loss is ``loss``. Returns the scaled loss of this rank's tokens."""
+        x, y = self.local_tokens(x), self.local_tokens(y)
+        if self.pipe is not None:
+            return self.pipe.forward_backward(x, y, self.loss, scale)
+        loss = self.loss(self(x), y) * scale
+        loss.backward()
+        return loss.item()
+
+    # -- the contract -------------------------------------------------------------------------------------------
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """What this rank's optimizer steps: its stages' shards (pipeline) or all its shards."""
+        if self.pipe is not None:
+            return self.pipe.parameters()
+        return iter([p for p in self.module.parameters() if p.requires_grad])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in (self.pipe, self.dp):
+                if part is not None:
+                    stack.enter_context(part.no_sync())
+            yield
+
+    def finish_gradient_sync(self) -> None:
+        """The data-parallel average (over dp x cp; the pipeline waits for its REDUCE_GRAD all-reduces), then
+        TP's partial sums (over tp)."""
+        for part in (self.pipe, self.dp, self.tp):
+            if part is not None:
+                part.finish_gradient_sync()
+
+    def after_step(self) -> None:
+        for part in (self.pipe, self.dp, self.tp):
+            if part is not None:
+                part.after_step()
+
+    def remove_hooks(self) -> None:
+        for part in (self.pipe, self.dp, self.tp):
+            if part is not None:
+                part.remove_hooks()
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """The global-batch mean per step: the pipeline's (broadcast from the last stage, then averaged over
+        dp x cp), or the mean over dp x cp of the ranks' token means (equal token counts)."""
+        return self.pipe.reduce_losses(local) if self.pipe is not None else super().reduce_losses(local)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters this rank trains, whole (TP shards all-gathered, experts gathered), by the
+        single-process model's names, fp32 on the CPU. A collective over tp (or ep): every rank calls it."""
+        if self.tp is not None:
+            full = self.tp.full_parameters()
+        elif isinstance(self.dp, ExpertParallel):
+            full = self.dp.full_params()
+        else:
+            full = {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
+        if self.pipe is not None:
+            mine = set(self.pipe.local_params())
+            full = {n: t for n, t in full.items() if n in mine}
+        return {n: t.cpu() for n, t in full.items()}
+
+
+def parallelize(model: GPT, mesh: Mesh, **options: Any) -> Parallelized:
+    """Apply every non-trivial axis of ``mesh`` to ``model`` in the fixed order TP -> CP -> PP -> DP / ZeRO (see
+    the module docstring); ``options`` are ``Parallelized``'s. Every rank calls it with the same model (built
+    from the same seed) and the same mesh."""
+    return Parallelized(model, mesh, **options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training helper (a launch target)
+
+
+@dataclass
+class ComposedResult(TrainResult):
+    """One rank's run: losses (the global-batch mean per step, equal on every rank), the parameters it trains
+    (whole, by name: ``pp.merge_results`` joins the ranks'), its mesh coordinates, and per step its comm records
+    and timing."""
+
+    rank: int = 0
+    coords: dict[str, int] = field(default_factory=dict)
+    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
+
+
+def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, dp: int = 1,
+                   tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, order: str = DEFAULT_ORDER,
+                   zero_stage: int = 0, accumulation: int = 1, model_fn: ModelFn | None = None,
+                   freeze: Sequence[str] = (), composed_class: type[Parallelized] = Parallelized,
+                   mesh_class: type[Mesh] = Mesh, save_to: str | None = None, save_after: int | None = None,
+                   resume_from: str | None = None, **options: Any) -> ComposedResult:
+    """Train on the mesh ``Mesh(dp, cp, tp, pp, ep, order)`` through ``parallelize`` and the one training loop (a
+    ``launch`` target: ``launch(train_parallel, 8, cfg, tc, dp=2, tp=2, pp=2)``). ``zero_stage`` 0: the
+    optimizer is local (gradients averaged by the data-parallel step); 1: a ``ShardedOptimizer`` partitions the
+    optimizer state over dp x cp. ``options`` go to ``Parallelized`` (``schedule``, ``microbatches``,
+    ``sequence_parallel``, ``cp_layout``, ...). ``mesh_class``: a seam for tests (a mesh that builds its groups
+    wrong). Checkpoints (``mesh_checkpoint``): ``save_to`` a folder after ``save_after`` steps; ``resume_from`` a
+    folder written at any mesh: the run continues from its step on this mesh. Compare ``merge_composed`` of the
+    ranks' results with ``train_baseline(cfg, tc, accumulation=accumulation)``."""
+    tc = tc or TrainConfig()
+    if zero_stage not in (0, 1):
+        raise ValueError(f"zero_stage {zero_stage}: the composed run takes 0 (replicated optimizer) or 1 "
+                         "(ShardedOptimizer over dp x cp); ZeRO-2/3 compose with data and context parallelism "
+                         "only (train_cp(zero_stage=...), chapter 06)")
+    if zero_stage == 1 and (save_to or resume_from):
+        raise ValueError("checkpoints of train_parallel need zero_stage=0 (a replicated optimizer state)")
+    mesh = mesh_class(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, order=order)
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    start, states = 0, None
+    if resume_from is not None:  # whole tensors into the single-process model: parallelize cuts them for this mesh
+        start, whole, states = load_checkpoint(resume_from)
+        load_parameters(model, whole)
+    composed = composed_class(model, mesh, global_batch=tc.global_batch, **options)
+    params = list(composed.parameters())
+    if zero_stage == 1 and mesh.size("dp", "cp") > 1:
+        opt_cls, kwargs = ((torch.optim.SGD, {"lr": tc.lr, "momentum": tc.momentum}) if tc.optimizer == "sgd"
+                           else (torch.optim.AdamW, {"lr": tc.lr}))
+        optimizer: torch.optim.Optimizer = ShardedOptimizer(params, opt_cls, group=mesh.group("dp", "cp"),
+                                                            average_gradients=False, broadcast=False,
+                                                            weight_decay=tc.weight_decay, foreach=False, **kwargs)
+    else:
+        optimizer = make_optimizer(params, tc)
+    if states is not None:
+        restore_optimizer(composed, optimizer, states)
+
+    def maybe_save(step: int) -> None:
+        if save_to is not None and step + 1 == save_after:
+            save_checkpoint(composed, optimizer, step + 1, save_to)
+
+    out = train_loop(composed, optimizer, cfg, tc, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"),
+                     accumulation=accumulation, start_step=start, on_step_end=maybe_save)
+    return ComposedResult(out.losses, composed.full_parameters(), rank=rank, coords=mesh.shape.coords(rank),
+                          step_comm=out.step_comm, timeline=out.timeline)
+
+
+def merge_composed(results: Sequence[ComposedResult]) -> TrainResult:
+    """Join the ranks' results (as ``launch`` returns them) into one ``TrainResult`` with every parameter once,
+    comparable with ``train_baseline``. Every copy of a parameter (its data-parallel replicas, its TP ranks after
+    the all-gather) must be bit-for-bit equal, and every rank must report the same losses: a replica that drifted
+    is a bug, named here with its ranks."""
+    if not results:
+        raise ValueError("no results to merge")
+    params: dict[str, torch.Tensor] = {}
+    holder: dict[str, int] = {}
+    for r in results:
+        if r.losses != results[0].losses:
+            raise ValueError(f"rank {r.rank} reports losses {r.losses}, rank {results[0].rank} {results[0].losses}")
+        for name, t in r.params.items():
+            if name not in params:
+                params[name], holder[name] = t, r.rank
+            elif not torch.equal(params[name], t):
+                diff = (params[name] - t).abs().max().item()
+                raise ValueError(f"{name} differs between rank {holder[name]} and rank {r.rank} (max |diff| "
+                                 f"{diff:.3g}): replicas drifted apart")
+    return TrainResult(list(results[0].losses), params)

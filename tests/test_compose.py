@@ -1,0 +1,302 @@
+"""course_lib.parallel.compose: every composed mesh against one process, checkpoints across meshes, the
+pipeline's data-parallel reduction as a schedule action, and mutations that must fail.
+
+Launches are few and batched (each costs seconds of rank start-up on 2 cores): one launch at 4 ranks runs every
+4-rank configuration in turn, one at 8 ranks the 2 x 2 x 2 mesh under two axis orders; the tests read their
+cached results. Parity: ``train_baseline`` at the default tolerance (|a-b| <= 1e-6 + 1e-5 |ref|), AdamW at the
+default lr, fp32; the MoE run with SGD (AdamW turns 1e-9 round-off in the tiny first gradient of a rarely used
+expert into a 1e-6 step, for ``train_ep`` alike). Every copy of a parameter over its replicas and TP ranks must be
+bit-for-bit equal (``merge_composed``).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from course_lib import schedules as S
+from course_lib.launch import launch
+from course_lib.mesh import Mesh, MeshError, MeshShape
+from course_lib.model import GPTConfig
+from course_lib.parallel import compose as C
+from course_lib.parallel.ep import train_ep
+from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
+from course_lib.schedules import Action, Kind
+from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+CFG = GPTConfig(n_layer=4, d_model=32, n_head=4, seq_len=16, bias=False)
+MOE = GPTConfig(bias=False, n_layer=2, d_model=32, n_head=2, seq_len=16, n_expert=4, top_k=2)
+TC = TrainConfig(steps=2, global_batch=8)
+TC4 = TrainConfig(steps=4, global_batch=8)
+SGD = TrainConfig(steps=3, global_batch=8, optimizer="sgd", lr=0.05)
+LAUNCH_TIMEOUT = 300
+OTHER_ORDER = "dp-cp-ep-tp-pp"  # TP slowest but PP: TP groups span what the default order keeps together
+
+PARITY_4 = {  # name: train_parallel options, at 4 ranks
+    "dp2_tp2": dict(dp=2, tp=2),
+    "tp2_cp2": dict(tp=2, cp=2),
+    "dp2_cp2": dict(dp=2, cp=2),
+    "dp2_pp2_1f1b": dict(dp=2, pp=2),
+    "dp2_pp2_zb_h1": dict(dp=2, pp=2, schedule="zb_h1"),
+    "dp2_pp2_interleaved_zero1": dict(dp=2, pp=2, schedule="interleaved", v=2, zero_stage=1),
+    "tp2_pp2": dict(tp=2, pp=2),
+    "dp2_tp2_zero1_sp": dict(dp=2, tp=2, zero_stage=1, sequence_parallel=True),
+    "dp4_accumulation2": dict(dp=4, accumulation=2),
+    "dp2_tp2_other_order": dict(dp=2, tp=2, order=OTHER_ORDER),
+}
+
+
+class CoordsInAnotherOrder(Mesh):
+    """Groups built in the default order, but coordinates (which rows a rank trains on) read in another: the
+    data-parallel rank of a TP pair differs, so the two TP halves of one layer see different rows."""
+
+    def coord(self, axis: str) -> int:
+        s = self.shape
+        return MeshShape(dp=s.dp, cp=s.cp, tp=s.tp, pp=s.pp, ep=s.ep, order=OTHER_ORDER).coords(self.rank)[axis]
+
+
+class DPWithoutCP(Mesh):
+    """The data-parallel average over "dp" only, not "dp" x "cp": CP ranks' gradients of the same rows are never
+    added up."""
+
+    def group(self, *axes: str):  # type: ignore[no-untyped-def]
+        return super().group("dp") if set(axes) == {"dp", "cp"} else super().group(*axes)
+
+
+class SkipGradReduce(PipelineExecutor):
+    """The pipeline's data-parallel gradient reduction never runs."""
+
+    def reduce_grad(self, stage: int) -> None:
+        pass
+
+
+class ReduceBeforeLastW(PipelineParallel):
+    """Each stage's REDUCE_GRAD right after its last I, before the W passes still pending: the reduced gradient
+    misses them (the zero-bubble bug)."""
+
+    def place_grad_reduce(self, actions: S.Schedule) -> S.Schedule:
+        out = []
+        for rank in S.add_grad_reduce(actions):
+            plain = [a for a in rank if a.kind is not Kind.REDUCE_GRAD]
+            for stage in sorted({a.stage for a in plain}):
+                last_i = max(i for i, a in enumerate(plain) if a.kind is Kind.I and a.stage == stage)
+                plain.insert(last_i + 1, Action(Kind.REDUCE_GRAD, plain[last_i].microbatch, stage))
+            out.append(plain)
+        return out
+
+
+MUTATIONS_4 = {
+    "coords_in_another_order": dict(dp=2, tp=2, mesh_class=CoordsInAnotherOrder),
+    "dp_average_without_cp": dict(dp=2, cp=2, mesh_class=DPWithoutCP),
+    "pipeline_grad_reduce_skipped": dict(dp=2, pp=2, executor_class=SkipGradReduce),
+    "pipeline_grad_reduce_before_last_w": dict(dp=2, pp=2, schedule="zb_h1", pipeline_class=ReduceBeforeLastW),
+}
+
+CHECKPOINTS = {  # name: (mesh that saves after 2 steps, world size, mesh that resumes for 2 more, world size)
+    "dp4_to_dp2_tp2": (dict(dp=4), 4, dict(dp=2, tp=2), 4),
+    "pp2_to_pp1": (dict(pp=2), 2, dict(), 1),
+    "dp2_tp2_to_tp2_pp2": (dict(dp=2, tp=2), 4, dict(tp=2, pp=2), 4),
+}
+
+
+def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, kw in {**PARITY_4, **MUTATIONS_4}.items():
+        out[name] = C.train_parallel(rank, world_size, CFG, TC, **kw)
+    out["uninterrupted_dp4"] = C.train_parallel(rank, world_size, CFG, TC4, dp=4)
+    out["moe_dp4_ep2"] = C.train_parallel(rank, world_size, MOE, SGD, dp=4, ep=2)
+    out["moe_train_ep"] = train_ep(rank, world_size, MOE, SGD, ep=2)
+    for name, (first, n_first, _, _) in CHECKPOINTS.items():
+        if n_first == world_size:
+            C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), save_to=f"{folder}/{name}",
+                             save_after=2, **first)
+    for name, (_, _, second, n_second) in CHECKPOINTS.items():
+        if n_second == world_size:
+            out[f"resumed_{name}"] = C.train_parallel(rank, world_size, CFG, TC4, resume_from=f"{folder}/{name}",
+                                                      **second)
+    return out
+
+
+def _suite2(rank: int, world_size: int, folder: str) -> dict[str, object]:
+    out: dict[str, object] = {"tp2": C.train_parallel(rank, world_size, CFG, TC, tp=2),
+                              "cp2": C.train_parallel(rank, world_size, CFG, TC, cp=2)}
+    C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), save_to=f"{folder}/pp2_to_pp1",
+                     save_after=2, pp=2)
+    return out
+
+
+def _suite8(rank: int, world_size: int) -> dict[str, object]:
+    return {order: C.train_parallel(rank, world_size, CFG, TC, dp=2, tp=2, pp=2, order=order)
+            for order in ("tp-cp-ep-dp-pp", OTHER_ORDER)}
+
+
+@functools.cache
+def _folder() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="compose-ckpt-")
+
+
+@functools.cache
+def _results(n: int) -> dict[str, list]:
+    if n == 8:
+        per_rank = launch(_suite8, 8, timeout=LAUNCH_TIMEOUT)
+    elif n == 2:
+        per_rank = launch(_suite2, 2, _folder(), timeout=LAUNCH_TIMEOUT)
+    else:
+        _results(2)  # writes the PP 2 checkpoint the 1-rank resume reads
+        per_rank = launch(_suite4, 4, _folder(), timeout=LAUNCH_TIMEOUT)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+@functools.cache
+def _reference(tc: TrainConfig, cfg: GPTConfig = CFG, accumulation: int = 1) -> TrainResult:
+    return train_baseline(cfg, tc, accumulation=accumulation)
+
+
+def _outcome(results: list) -> str:
+    """'PASS' when the ranks' results merge and match the baseline; else why not."""
+    try:
+        merged = C.merge_composed(results)
+    except ValueError as e:
+        return f"merge failed: {e}"
+    report = compare(_reference(TC), merged)
+    return "PASS" if report.ok else str(report)
+
+
+@pytest.mark.parametrize("name", sorted(PARITY_4))
+def test_composed_mesh_matches_one_process_at_4_ranks(name: str) -> None:
+    acc = PARITY_4[name].get("accumulation", 1)
+    report = compare(_reference(TC, accumulation=acc), C.merge_composed(_results(4)[name]))
+    assert report.ok, f"{name}: {report}"
+
+
+@pytest.mark.parametrize("name", ["tp2", "cp2"])
+def test_composed_mesh_matches_one_process_at_2_ranks(name: str) -> None:
+    assert _outcome(_results(2)[name]) == "PASS"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", OTHER_ORDER])
+def test_dp_tp_pp_2x2x2_on_8_ranks(order: str) -> None:
+    results = _results(8)[order]
+    assert _outcome(results) == "PASS"
+    shape = MeshShape(dp=2, tp=2, pp=2, order=order)
+    assert [r.coords for r in results] == [shape.coords(r) for r in range(8)]
+    for r in results:  # each rank trains exactly its pipeline stage's blocks (TP shards gathered whole)
+        blocks = {int(n.split(".")[1]) for n in r.params if n.startswith("blocks.")}
+        assert blocks == ({0, 1} if r.coords["pp"] == 0 else {2, 3}), (r.rank, r.coords, blocks)
+    groups = {rec.group for r in results for step in r.step_comm for rec in step}
+    assert {"tp", "pp", "dp"} <= groups, groups  # every axis communicated, each over its own named group
+
+
+def test_expert_parallel_composes_with_data_parallel() -> None:
+    ours = C.merge_composed(_results(4)["moe_dp4_ep2"])
+    report = compare(_reference(SGD, MOE), ours)
+    assert report.ok, str(report)
+    library = _results(4)["moe_train_ep"][0]  # the chapter-07 helper: the same computation, bit for bit
+    assert ours.losses == library.losses
+    assert all(torch.equal(ours.params[n], library.params[n]) for n in library.params)
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS_4))
+def test_mutation_fails(name: str) -> None:
+    assert _outcome(_results(4)[name]) != "PASS", f"the broken variant {name} still matches one process"
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_checkpoint_resumed_on_another_mesh_equals_the_uninterrupted_run(name: str) -> None:
+    n_second = CHECKPOINTS[name][3]
+    if n_second == 1:
+        _results(2)
+        resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4, resume_from=f"{_folder()}/{name}"))
+    else:
+        resumed = C.merge_composed(_results(4)[f"resumed_{name}"])
+    ref = _reference(TC4)
+    report = compare(TrainResult(ref.losses[2:], ref.params), resumed)
+    assert report.ok, f"{name}: {report}"
+    uninterrupted = C.merge_composed(_results(4)["uninterrupted_dp4"])
+    assert compare(TrainResult(uninterrupted.losses[2:], uninterrupted.params), resumed).ok
+
+
+def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
+    """Mutation: the same checkpoint without the optimizer state (AdamW starts afresh at step 2): the resumed run
+    is another run, and the parity check says so."""
+    _results(2)
+    src = Path(_folder()) / "pp2_to_pp1"
+    broken = Path(_folder()) / "no_optimizer_state"
+    broken.mkdir(exist_ok=True)
+    (broken / "meta.json").write_text((src / "meta.json").read_text())
+    for f in src.glob("stage*.pt"):
+        part = torch.load(f, weights_only=True)
+        part["optimizer"] = {n: {} for n in part["optimizer"]}
+        torch.save(part, broken / f.name)
+    resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4, resume_from=str(broken)))
+    ref = _reference(TC4)
+    assert not compare(TrainResult(ref.losses[2:], ref.params), resumed).ok
+
+
+# -- the schedule action --------------------------------------------------------------------------------------
+
+
+def _reduce_positions(schedule: S.Schedule) -> list[dict[int, int]]:
+    return [{a.stage: i for i, a in enumerate(rank) if a.kind is Kind.REDUCE_GRAD} for rank in schedule]
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 4, 1), ("gpipe", 4, 4, 1), ("interleaved", 2, 4, 2),
+                                        ("zb_h1", 4, 8, 1)])
+def test_grad_reduce_follows_each_stage_last_weight_gradient(name: str, p: int, m: int, v: int) -> None:
+    builder = getattr(S, S.canonical_schedule(name))
+    compute = builder(p, m, v) if v > 1 else builder(p, m)
+    with_reduce = S.add_grad_reduce(S.add_send_recv(compute))
+    for r, (rank, positions) in enumerate(zip(with_reduce, _reduce_positions(with_reduce), strict=True)):
+        assert sorted(positions) == list(range(r, p * v, p)), (r, positions)  # one per stage of this rank
+        for stage, i in positions.items():
+            weight_kind = Kind.W if any(a.kind is Kind.W for a in rank) else Kind.B
+            writes = [j for j, a in enumerate(rank) if a.stage == stage and a.kind is weight_kind]
+            assert len(writes) == m and i == writes[-1] + 1, (name, r, stage, i, writes[-1])
+        assert [a for a in rank if a.kind is not Kind.REDUCE_GRAD] == S.add_send_recv(compute)[r]
+
+
+# -- what does not compose gets a clear error -----------------------------------------------------------------
+
+
+def _check(shape: MeshShape, **kw: object) -> None:
+    C.check_composable(shape, CFG, **kw)
+
+
+@pytest.mark.parametrize("shape,kw,words", [
+    (MeshShape(pp=2, cp=2), {}, "pp > 1 with cp > 1"),
+    (MeshShape(pp=2, tp=2), {"sequence_parallel": True}, "sequence_parallel with pp > 1"),
+])
+def test_unsupported_combination_is_named(shape: MeshShape, kw: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        _check(shape, **kw)
+
+
+def test_expert_parallel_with_tensor_parallel_is_refused() -> None:
+    with pytest.raises(ValueError, match="ep > 1 with tp"):
+        C.check_composable(MeshShape(dp=2, tp=2, ep=2), MOE)
+
+
+def test_mesh_that_does_not_divide_the_model_names_the_constraint() -> None:
+    with pytest.raises(MeshError, match="n_head"):
+        _check(MeshShape(tp=8))
+    with pytest.raises(MeshError, match="n_layer"):
+        _check(MeshShape(pp=8))
+
+
+def test_zero_stage_2_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="zero_stage 2"):
+        launch(C.train_parallel, 1, CFG, TC, zero_stage=2)
+
+
+def test_parallelize_on_one_rank_is_the_model() -> None:
+    """With every axis trivial, parallelize changes nothing: one process, the baseline's numbers."""
+    report = compare(_reference(TC), C.merge_composed(launch(C.train_parallel, 1, CFG, TC)))
+    assert report.ok and report.max_param_diff == 0.0, str(report)
