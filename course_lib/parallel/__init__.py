@@ -10,8 +10,10 @@
 * ``pp``        pipeline parallelism (stages, executor, schedules run on real ranks), ``pp_layers`` the one
   layer-split rule, ``pp_split`` the I/W backward split, ``pp_balance`` stage balancing from measured costs
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
-* ``tp``        tensor parallelism (Megatron column/row parallel, vocab-parallel loss, sequence parallel);
-  ``tp_comm`` the f/g operators and their sequence-parallel pair
+* ``tp``        tensor parallelism: the plan, the ``TensorParallel`` wrapper, ``train_tp``; ``tp_layers`` its
+  layers (Megatron column/row parallel, attention by heads, MLP, vocab-parallel embedding and loss);
+  ``tp_comm`` the f/g operators and their sequence-parallel pair; ``tp_accounting`` a step's collectives and
+  activations on paper; ``tp_dtensor`` DTensor's plan and comm log (the oracle)
 * ``cp``        context parallelism: the ``ContextParallel`` wrapper; ``cp_attention`` its math (ring and
   all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
 * ``ep``        expert parallelism (count exchange, all-to-all dispatch and combine)
