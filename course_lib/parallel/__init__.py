@@ -7,7 +7,8 @@
 * ``fsdp_torch`` PyTorch's FSDP2 (``fully_shard``) behind the wrapper contract, the oracle for ``zero``/``fsdp2``
 * ``fsdp2``     FSDP2-style per-parameter (dim-0) sharding on the same engine
 * ``sharded_optimizer`` ZeRO-1 at the optimizer level (``ShardedOptimizer``, ``ZeroRedundancyOptimizer``'s shape)
-* ``pp``        pipeline parallelism (stages, executor, schedules run on real ranks), ``pp_layers`` the one
+* ``pp``        pipeline parallelism (the ``PipelineParallel`` wrapper, schedules run on real ranks, ``train_pp``),
+  ``pp_stages`` the plan and the stages, ``pp_executor`` the executor of one rank's actions, ``pp_layers`` the one
   layer-split rule, ``pp_split`` the I/W backward split, ``pp_balance`` stage balancing from measured costs
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
 * ``tp``        tensor parallelism: the plan, the ``TensorParallel`` wrapper, ``train_tp``; ``tp_layers`` its
