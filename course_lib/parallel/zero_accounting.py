@@ -10,19 +10,16 @@ communication, 2 (N-1)/N V per step for stages 0-2 and 3 (N-1)/N V for stage 3 (
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from course_lib import comm
-
-if TYPE_CHECKING:
-    from course_lib.parallel.zero import ZeroDataParallel
+from course_lib.parallel.zero_unit import ShardedModel
 
 __all__ = ["comm_bytes_per_step", "model_state_bytes"]
 
 
-def model_state_bytes(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def model_state_bytes(zdp: ShardedModel, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Live bytes of model states on this rank, by ZeRO's categories, summing the storages that exist now.
 
     * ``parameters``: the compute-dtype weights: the full flat buffers (0 bytes while resharded) and, when the

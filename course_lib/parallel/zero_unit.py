@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,20 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     """Units bottom-up: one per transformer block (``model.blocks``), then the root for everything else."""
     blocks = getattr(model, "blocks", None)
     return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
+
+
+class ShardedModel(Protocol):
+    """What the byte accounting (``zero_accounting``) and the checkpoints (``zero_checkpoint``) read of a
+    ``zero.ZeroDataParallel``: its units and how it shards them (so that neither imports the engine)."""
+
+    units: list[FlatParamUnit]
+    stage: int
+    param_dtype: torch.dtype
+    group: comm.Group
+    rank: int
+    world_size: int
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 class UnitState(Enum):
