@@ -20,6 +20,7 @@ from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 __all__ = ["TorchFullyShard", "train_fsdp2"]
 
+
 class TorchFullyShard(ParallelWrapper):
     """PyTorch's FSDP2 behind the wrapper contract: ``fully_shard`` on every block, then on the root, over a
     1-D device mesh of the group's ranks on the rank's device type. Parameters become DTensors sharded on dim 0
