@@ -363,6 +363,37 @@ def megatron_config(name: str, heads: int, hidden: int, layers: int) -> GPTConfi
                      d_model=hidden)
 
 
+MEGATRON_SPACE: dict[str, tuple] = {"zero_stages": (1,), "recomputes": ("selective",), "micro_batches": (1, 2, 4)}
+"""The search space of those runs: Megatron's distributed optimizer (ZeRO-1), selective recomputation."""
+
+
+@dataclass(frozen=True)
+class PublishedCheck:
+    """One published run against the planner: its pick with DP fixed as in the study (``pinned``) and, left
+    free, the 1-based place of the published mesh among its ranked candidates (None: not among them)."""
+
+    name: str
+    gpus: int
+    tp: int
+    pp: int
+    mfu: float
+    pinned: Prediction
+    free_place: int | None
+
+
+def check_megatron(cluster_name: str = "dgx-h100") -> list[PublishedCheck]:
+    """Every row of ``MEGATRON_WEAK_SCALING`` planned on ``cluster_name`` (seq 2048, ``MEGATRON_SPACE``)."""
+    out = []
+    for name, heads, h, layers, tp, pp, gpus, gb, mfu in MEGATRON_WEAK_SCALING:
+        cfg, cl = megatron_config(name, heads, h, layers), cluster(cluster_name, gpus // 8)
+        pinned = plan(cfg, cl, gb, 2048, fixed={"dp": 48, "cp": 1}, **MEGATRON_SPACE).ranked[0]
+        meshes = [(q.candidate.tp, q.candidate.pp, q.candidate.cp) for q in plan(cfg, cl, gb, 2048,
+                                                                                **MEGATRON_SPACE).ranked]
+        place = meshes.index((tp, pp, 1)) + 1 if (tp, pp, 1) in meshes else None
+        out.append(PublishedCheck(name, gpus, tp, pp, mfu, pinned, place))
+    return out
+
+
 def fewest_gpus(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, max_nodes: int = 1024,
                 **space: object) -> tuple[int, Prediction] | None:
     """The smallest number of nodes (a power of two) on which some candidate fits, and the fastest one there."""
@@ -380,6 +411,7 @@ __all__ = [
     "CLUSTERS",
     "GPU",
     "H100",
+    "MEGATRON_SPACE",
     "MEGATRON_WEAK_SCALING",
     "Assumptions",
     "Candidate",
@@ -387,7 +419,9 @@ __all__ = [
     "Link",
     "PlanResult",
     "Prediction",
+    "PublishedCheck",
     "candidates",
+    "check_megatron",
     "cluster",
     "fewest_gpus",
     "megatron_config",

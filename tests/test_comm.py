@@ -3,7 +3,7 @@
 One launch per world size (2, 3, 4) runs a fixed list of calls (``_specs``) on real gloo ranks and returns the
 outputs and the log; the tests below check that list from several sides. Expected values are computed here, in
 the parent, from the same inputs: results from torch semantics written out by hand, ring bytes from a ring that
-is actually played on data (``_play_ring``), the rest from the byte formulas in COURSE_DESIGN.md.
+is actually played on data (``_play_ring``), the rest from the ring byte formulas.
 """
 
 from __future__ import annotations

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from course_lib import comm
 from course_lib import schedules as S
+from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.mesh import Mesh, MeshError, MeshShape
-from course_lib.model import GPTConfig
+from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel.ep import train_ep
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
@@ -104,8 +106,36 @@ CHECKPOINTS = {  # name: (mesh that saves after 2 steps, world size, mesh that r
 }
 
 
+LIFECYCLE = {"dp2_tp2": dict(dp=2, tp=2), "dp2_pp2": dict(dp=2, pp=2), "dp2_cp2": dict(dp=2, cp=2)}
+REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def _lifecycle(rank: int) -> dict[str, dict]:
+    """The wrapper contract on a composed model initialised differently on every rank: the weights made identical,
+    no data-parallel reduction under ``no_sync``, one outside it, nothing left after ``remove_hooks``."""
+    out = {}
+    for name, kw in LIFECYCLE.items():
+        mesh = Mesh(**kw)
+        model = GPT(CFG, seed=rank)
+        w = C.parallelize(model, mesh, global_batch=4)
+        x, y = global_batch(0, 4, CFG.seq_len, 0)
+        x, y = shard(x, mesh.coord("dp"), mesh.size("dp")), shard(y, mesh.coord("dp"), mesh.size("dp"))
+        got: dict = {"params": C.ComposedResult([], w.full_parameters(), rank=rank)}
+        dp_label = mesh.label("dp", "cp")
+        with comm.recording() as log, w.no_sync():
+            w.forward_backward(x, y)
+        got["no_sync"] = sum(r.op in REDUCTIONS and r.group == dp_label for r in log.records)
+        with comm.recording() as log:
+            w.forward_backward(x, y)
+            w.finish_gradient_sync()
+        got["sync"] = sum(r.op in REDUCTIONS and r.group == dp_label for r in log.records)
+        w.remove_hooks()
+        out[name] = got
+    return out
+
+
 def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
-    out: dict[str, object] = {}
+    out: dict[str, object] = {"lifecycle": _lifecycle(rank)}
     for name, kw in {**PARITY_4, **MUTATIONS_4}.items():
         out[name] = C.train_parallel(rank, world_size, CFG, TC, **kw)
     out["uninterrupted_dp4"] = C.train_parallel(rank, world_size, CFG, TC4, dp=4)
@@ -239,6 +269,16 @@ def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
     resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4, resume_from=str(broken)))
     ref = _reference(TC4)
     assert not compare(TrainResult(ref.losses[2:], ref.params), resumed).ok
+
+
+@pytest.mark.parametrize("name", sorted(LIFECYCLE))
+def test_the_composed_wrapper_follows_the_contract(name: str) -> None:
+    ranks = [r[name] for r in _results(4)["lifecycle"]]
+    merged = C.merge_composed([r["params"] for r in ranks])  # raises if two copies of a parameter differ
+    if "pp" not in LIFECYCLE[name]:  # every rank now holds the first rank's initial weights (seed 0)
+        assert all(torch.equal(t, GPT(CFG, seed=0).get_parameter(n).detach()) for n, t in merged.params.items())
+    assert all(r["no_sync"] == 0 for r in ranks), f"{name}: no_sync() reduced gradients over dp"
+    assert all(r["sync"] > 0 for r in ranks), f"{name}: the synchronising pass did not reduce over dp"
 
 
 # -- the schedule action --------------------------------------------------------------------------------------

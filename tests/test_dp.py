@@ -12,7 +12,7 @@ in exact arithmetic (softmax ignores a shift shared by all scores of a query), s
 AdamW divides it by its own RMS, turning noise into lr-sized steps (max diff ~7e-5 at lr 1e-2). At lr 1e-2 and
 DP 4, AdamW's near-sign first step also lifts q/k weight differences to ~2e-6 (DDP: 2.3e-6). SGD is checked too
 because it is the optimizer that exposes a missing 1/N or 1/m: Adam's update does not depend on the gradient's
-scale, which is how the "loss not divided by the number of micro-batches" bug hid in the anchors.
+scale, which is how a "loss not divided by the number of micro-batches" bug can hide under Adam.
 """
 
 from __future__ import annotations

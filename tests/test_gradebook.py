@@ -55,26 +55,30 @@ def test_the_gradebook_csv_row_by_row(graded):
         ["alice", "00", "zero_bytes_per_device", "3", "3"],
         ["alice", "00", "kv_cache_bytes", "2", "2"],
         ["alice", "00", "fewest_gpus", "3", "3"],
+        ["alice", "00", "model_states_per_gpu", "2", "2"],
         ["bob", "00", "param_state_bytes", "2", "2"],
         ["bob", "00", "zero_bytes_per_device", "3", "3"],
         ["bob", "00", "kv_cache_bytes", "0", "2"],
         ["bob", "00", "fewest_gpus", "3", "3"],
+        ["bob", "00", "model_states_per_gpu", "2", "2"],
         ["carol-ch00", "00", "param_state_bytes", "0", "2"],
         ["carol-ch00", "00", "zero_bytes_per_device", "0", "3"],
         ["carol-ch00", "00", "kv_cache_bytes", "0", "2"],
         ["carol-ch00", "00", "fewest_gpus", "0", "3"],
+        ["carol-ch00", "00", "model_states_per_gpu", "0", "2"],
     ]
-    for i in (0, 1, 2, 3, 4, 5, 7):
+    for i in (0, 1, 2, 3, 4, 5, 6, 8, 9):
         assert "checks passed" in reasons[i], reasons[i]
-    assert reasons[6].startswith("the visible check") and "kv_cache_bytes" in reasons[6]
-    assert all(r.startswith("not a readable notebook (") for r in reasons[8:])
+    assert reasons[7].startswith("the visible check") and "kv_cache_bytes" in reasons[7]
+    assert all(r.startswith("not a readable notebook (") for r in reasons[10:])
 
 
 @pytest.mark.slow
 def test_the_summary_counts_passes_and_the_common_failure_reasons(graded, tmp_path):
     rows, _ = graded
     summary = {s.exercise: s for s in gradebook.summarize(rows)}
-    assert list(summary) == ["param_state_bytes", "zero_bytes_per_device", "kv_cache_bytes", "fewest_gpus"]
+    assert list(summary) == ["param_state_bytes", "zero_bytes_per_device", "kv_cache_bytes", "fewest_gpus",
+                             "model_states_per_gpu"]
     assert (summary["param_state_bytes"].passed, summary["param_state_bytes"].submitted) == (2, 3)
     kv = summary["kv_cache_bytes"]
     assert (kv.passed, kv.submitted) == (1, 3)
@@ -110,9 +114,10 @@ def test_the_cli_exits_zero_with_a_partial_score_unless_strict(tmp_path, capsys)
         ["dave_00", "00", "zero_bytes_per_device", "0", "3"],
         ["dave_00", "00", "kv_cache_bytes", "0", "2"],
         ["dave_00", "00", "fewest_gpus", "0", "3"],
+        ["dave_00", "00", "model_states_per_gpu", "0", "2"],
         ["erin", "", "", "0", "0"],
     ]
-    assert "cannot tell the chapter" in table[5][5]
+    assert "cannot tell the chapter" in table[6][5]
     assert gradebook.summary_path(out).exists()
     with pytest.raises(SystemExit) as exc:
         gradebook.main(["--help"])

@@ -3,6 +3,7 @@ answers rejected, and broken notebooks graded in bounded time with nothing left 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import time
 from pathlib import Path
@@ -145,3 +146,59 @@ def test_visible_bucket_check_rejects_a_dropped_partial_bucket():
 
     assert not ch02.check_assign_buckets(buckets_drop_the_last_partial_one).ok
     assert ch02.check_assign_buckets(ch02.reference_buckets).ok
+
+
+def _notebook_function(notebook: Path, name: str, namespace: dict) -> object:
+    """Define ``name`` as the notebook's own cell defines it (the cell's other statements are not run)."""
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            tree = ast.parse(cell.source)
+            defs = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name]
+            exec(compile(ast.Module(defs, type_ignores=[]), str(notebook), "exec"), namespace)
+            return namespace[name]
+    raise AssertionError(f"{notebook.name} defines no {name}")
+
+
+def test_chapter_00_find_the_bug_fails_as_shipped_and_passes_once_fixed():
+    from course_lib.grading import ch00
+
+    notebook = REPO / "solutions" / "00_budgets.ipynb"
+    colleague = _notebook_function(notebook, "model_states_per_gpu_from_a_colleague", {})
+    visible = ch00.check_model_states_per_gpu(colleague)
+    assert not visible.ok and "optimizer_state" in visible.message, visible  # the notebook's symptom
+    assert colleague(7.5e9, 1, 1, 64, 3) == ch00.reference_model_states(7.5e9, 1, 1, 64, 3)  # right for pure DP
+    fixed = _notebook_function(notebook, "model_states_per_gpu", {})
+    exercise = next(ex for ex in ch00.EXERCISES if ex.key == "model_states_per_gpu")
+    assert grader.grade_exercise(exercise, {"model_states_per_gpu": fixed}).ok
+    assert not grader.grade_exercise(exercise, {"model_states_per_gpu": colleague}).ok
+
+
+def test_ch08_stated_formulas_sit_well_inside_the_tolerance_on_every_mesh_the_grader_tries():
+    """predict_mesh's spec (``predict_mesh_spec``) against the library's planner on the visible and the hidden
+    meshes: within 3/4 of each tolerance, so an answer that follows the notebook's formulas is never called wrong;
+    the cases include pp > 1, cp > 1 and ZeRO-3."""
+    from course_lib.grading import ch08
+    from course_lib.model import PRESETS
+
+    ex = next(e for e in ch08.EXERCISES if e.key == "predict_mesh")
+    cases = [*ch08.PREDICT_CASES, *(c for h in ex.hidden for c in h["cases"])]
+    assert any(c[1].get("pp", 1) > 1 for c in cases) and any(c[1].get("cp", 1) > 1 for c in cases)
+    assert any(c[6] == 3 for c in cases)
+    for name, *rest in cases:
+        spec = ch08.predict_mesh_spec(PRESETS[name], *rest)
+        lib = ch08.library_prediction(PRESETS[name], *rest)
+        for key, rtol in (("model_state_bytes", ch08.MEMORY_RTOL), ("step_s", ch08.TIME_RTOL)):
+            assert abs(spec[key] / lib[key] - 1) <= 0.75 * rtol, (name, rest, key, spec[key] / lib[key])
+
+
+@pytest.mark.slow
+def test_ch08_on_rank_check_names_the_weight_passes_the_reduction_missed():
+    """The on-rank half alone (the data check would stop this answer first): a REDUCE_GRAD after the last I
+    trains on 4 ranks, and the check says which W ran after the all-reduce had started."""
+    from course_lib.grading import ch08
+    from tests.grading_fixtures.ch08 import reduce_after_last_i
+
+    result = ch08.check_grad_reduce_on_ranks(reduce_after_last_i)
+    assert not result.ok
+    assert "W1 after its REDUCE_GRAD" in result.message and "missed those weight gradients" in result.message, \
+        result.message

@@ -170,7 +170,7 @@ def test_layout_validation() -> None:
 
 
 def test_tensor_parallel_divides_parameters() -> None:
-    """The anchors' memory widget ignored TP: here weights per GPU drop ~t-fold (embeddings vocab-parallel)."""
+    """A memory widget that ignores TP is wrong: here weights per GPU drop ~t-fold (embeddings vocab-parallel)."""
     one = training_memory("gpt3-175b", layout=ParallelLayout(tp=1))
     eight = training_memory("gpt3-175b", layout=ParallelLayout(tp=8))
     assert one["parameters"] == 2 * param_count(GPT3)  # bytes multiplied once, not twice

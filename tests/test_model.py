@@ -4,7 +4,7 @@ GQA, MoE routing by hand, configuration errors and a bf16 forward.
 Published sizes (exact counts as the Hugging Face checkpoints report them):
 GPT-2 small 124,439,808; Llama 2 7B 6,738,415,616; Llama 2 70B 68,976,648,192; Llama 3 8B 8,030,261,248;
 Llama 3 70B 70,553,706,496; Mixtral 8x7B 46,702,792,704 total, ~12.9B active per token (2 of 8 experts) --
-not the "56B / 13B" that the seeds say; GPT-3 175B (Brown et al. 2020, Table 2.1) ~175B.
+not the "56B / 13B" that the Ultra-Scale Playbook summaries say; GPT-3 175B (Brown et al. 2020, Table 2.1) ~175B.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Repo-wide checks on every notebook: what nbval, a clean clone and a learner's first view rely on.
 
 (a) a cell compared by nbval (``# NBVAL_CHECK_OUTPUT``) prints nothing that floating-point noise can change;
-(b) no relative link in a notebook or the README points at a file that does not exist;
+(b) no relative link in a notebook or the README points at a file that does not exist, and every chapter links to
+    the chapter before it (START_HERE before 00), the one after it and its exercise notebook;
 (c) no word of the course's internal working notes reaches a learner;
 (d) every notebook names the kernel ``make setup`` installs, so it opens unmodified;
 (e) the nbval marker is the last line of its cell, after the code a learner reads.
@@ -28,9 +29,7 @@ NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (LLM scaling course)", "language": "python"}
 MARKER = "# NBVAL_CHECK_OUTPUT"
 DEFAULT_TOLERANCE = 1e-5
-# Chapters being written in parallel: a link to one of these may point at nothing until it lands.
-COMING = frozenset({"04_tensor_parallel.ipynb", "06_context_parallel.ipynb", "07_expert_parallel.ipynb",
-                    "08_composing_4d.ipynb", "09_serving.ipynb"})
+CHAPTERS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 JARGON = re.compile(r"\bseeds?\s+0\d\d\b|\bthe seeds\b|\bboth seeds\b|\banchors\b|\banchor implementations?\b|"
                     r"COURSE_DESIGN", re.IGNORECASE)
 
@@ -61,11 +60,11 @@ def relative_links(markdown: str) -> list[str]:
 
 
 def dead_links(markdown: str, base: Path) -> list[str]:
-    """Relative links of ``markdown`` (a file in ``base``) whose file does not exist and is not a coming chapter."""
+    """Relative links of ``markdown`` (a file in ``base``) whose file does not exist."""
     dead = []
     for target in relative_links(markdown):
         path = target.split("#", 1)[0].split("?", 1)[0]
-        if path and not (base / path).exists() and Path(path).name not in COMING:
+        if path and not (base / path).exists():
             dead.append(target)
     return dead
 
@@ -126,7 +125,7 @@ def test_unstable_numbers_follows_the_tolerance():
 def test_links_rule(tmp_path):
     (tmp_path / "here.ipynb").write_text("{}")
     text = ("[ok](here.ipynb) [anchor](here.ipynb#section) [web](https://pytorch.org) [mail](mailto:a@b.c) "
-            "[top](#top) [gone](gone.ipynb) [coming](04_tensor_parallel.ipynb) <a href=\"lost.html\">x</a> "
+            "[top](#top) [gone](gone.ipynb) <a href=\"lost.html\">x</a> "
             "![img](missing.png) [spaced](<here.ipynb>)")
     assert dead_links(text, tmp_path) == ["gone.ipynb", "lost.html", "missing.png"]
 
@@ -187,3 +186,15 @@ def test_no_internal_jargon(path):
         texts = [line for c in _load(path)["cells"] for line in (_source(c) + "\n" + _output_text(c)).splitlines()]
     hits = [line.strip()[:120] for line in texts if JARGON.search(line)]
     assert not hits, f"{_rel(path)}: cite the articles by title or author, or state the claim: {hits}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=_rel)
+def test_every_chapter_links_its_neighbours_and_its_exercises(path):
+    i = CHAPTERS.index(path)
+    wanted = [CHAPTERS[i - 1].name if i else "START_HERE.ipynb", f"../exercises/{path.name}"]
+    if i + 1 < len(CHAPTERS):
+        wanted.append(CHAPTERS[i + 1].name)
+    text = "\n".join(_source(c) for c in _load(path)["cells"] if c["cell_type"] == "markdown")
+    targets = {t.split("#", 1)[0] for t in relative_links(text)}
+    missing = [w for w in wanted if w not in targets]
+    assert not missing, f"{_rel(path)}: link to {missing} (previous chapter, next chapter, exercises)"

@@ -57,7 +57,7 @@ def _config(p: int, v: int) -> GPTConfig:
 
 
 class NoLossScaling(pp.PipelineExecutor):
-    """The anchors' bug: each micro-batch back-propagates its full mean loss, not loss / m."""
+    """A common bug: each micro-batch back-propagates its full mean loss, not loss / m."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss

@@ -55,3 +55,27 @@ def test_roofline_figure_marks_the_ridge():
     ax = fig.axes[0]
     assert any("ridge 295" in t.get_text() for t in ax.get_legend().get_texts())
     assert critical_batch(989e12, 3.35e12) == pytest.approx(295.2, abs=0.1)
+
+
+def test_drawn_budget_panel_redraws_on_each_control_and_hides_its_figure_for_an_invalid_split():
+    w = ServingBudgetPanel(model="llama3-8b")
+    shown = [w.image.value]
+    assert shown[0][:4] == b"\x89PNG"
+    for change in ({"tp": 2}, {"batch": 128}, {"context": 32768}, {"quant": "int8"}, {"gpu": "A100 80GB"}):
+        w.set(**change)
+        assert w.image.value[:4] == b"\x89PNG" and w.image.value not in shown, f"{change}: the bar was not redrawn"
+        assert w.image.layout.display is None
+        shown.append(w.image.value)
+    assert w.set(model="gpt2-124m", tp=8).startswith("invalid")  # 12 heads on 8 ranks: no budget to draw
+    assert w.image.value == b"" and w.image.layout.display == "none"  # no stale bar beside the error
+    w.set(tp=4)
+    assert w.image.value[:4] == b"\x89PNG" and w.image.layout.display is None
+
+
+def test_drawn_trace_panel_redraws_the_schedule_for_each_policy():
+    w = TracePanel(n_requests=8)
+    shown = [w.image.value]
+    for policy in ("static", "chunked prefill"):
+        w.set(policy=policy)
+        assert w.image.value[:4] == b"\x89PNG" and w.image.value not in shown, policy
+        shown.append(w.image.value)

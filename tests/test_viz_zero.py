@@ -1,4 +1,4 @@
-"""Tests for course_lib.viz.zero: ZeRO's per-rank arithmetic and where the seeds' multipliers hold, the figure's
+"""Tests for course_lib.viz.zero: ZeRO's per-rank arithmetic and where the summaries' multipliers hold, the figure's
 bars and curves, the widget driven from the kernel side, and the unit timeline (a hand-laid trace, and the
 markers a real one-rank run records). Pure and fast: Agg, one in-process rank."""
 

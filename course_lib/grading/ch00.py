@@ -6,6 +6,9 @@
 4. ``fewest_gpus(model, gpu, seq_len)``: the smallest cluster whose busiest GPU holds a training step, searched
    over ZeRO-3 x TP (with SP) x PP layouts with ``memory.training_memory``; returns ``(n_gpus, layout)``. Any layout
    of the minimal size that fits is accepted (the check recomputes its budget).
+5. ``model_states_per_gpu(psi, tp, pp, dp, zero, k)``: find the bug in a colleague's per-GPU model states of a
+   TP x PP x DP layout (ZeRO sharded over every GPU of the cluster instead of over the data-parallel ranks, which
+   alone hold the same parameters); returns bytes per category.
 """
 
 from __future__ import annotations
@@ -109,6 +112,37 @@ def check_fewest_gpus(fn: Callable, cases: tuple[tuple[str, str, int], ...] = (
     return run_check("fewest_gpus", body)
 
 
+STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+
+
+def reference_model_states(psi: float, tp: int, pp: int, dp: int, zero: int, k: float = 12) -> dict[str, float]:
+    """Model-state bytes on one GPU of a TP x PP x DP layout: TP and PP give each GPU of a replica ``psi / (tp pp)``
+    parameters (an even split); ZeRO stage ``zero`` shards them over the ``dp`` replicas only, with the ZeRO paper's
+    per-category rule (weights 2, gradients 2, optimizer K bytes a parameter; Rajbhandari et al. 2020, Fig. 1)."""
+    local = psi / (tp * pp)
+    return {"parameters": 2 * local / (dp if zero >= 3 else 1),
+            "gradients": 2 * local / (dp if zero >= 2 else 1),
+            "optimizer_state": k * local / (dp if zero >= 1 else 1)}
+
+
+def check_model_states_per_gpu(fn: Callable, cases: tuple[tuple[float, int, int, int, int, float], ...] = (
+        (7.5e9, 1, 1, 64, 3, 12), (70e9, 8, 4, 2, 1, 12), (70e9, 4, 2, 8, 3, 12))) -> CheckResult:
+    """``fn(psi, tp, pp, dp, zero, k)`` returns ``{"parameters", "gradients", "optimizer_state"}`` in bytes per GPU,
+    each a plain number within 1e-6 of :func:`reference_model_states`."""
+    def body() -> str:
+        for psi, tp, pp, dp, zero, k in cases:
+            what = f"model_states_per_gpu(psi={psi:g}, tp={tp}, pp={pp}, dp={dp}, zero={zero}, k={k})"
+            got = fn(psi, tp, pp, dp, zero, k)
+            if not isinstance(got, dict) or set(got) != set(STATE_CATEGORIES):
+                raise CheckFailed(f"{what} must return a dict with exactly the keys {list(STATE_CATEGORIES)}, "
+                                  f"got {got!r}")
+            expected = reference_model_states(psi, tp, pp, dp, zero, k)
+            for cat in STATE_CATEGORIES:
+                expect_number(got[cat], expected[cat], f"{what}[{cat!r}]", rel=1e-6)
+        return f"{len(cases)} layouts correct"
+    return run_check("model_states_per_gpu", body)
+
+
 EXERCISES = [
     Exercise("param_state_bytes", "Bytes per parameter by precision and optimizer", 2, "param_state_bytes",
              check_param_state_bytes,
@@ -123,4 +157,9 @@ EXERCISES = [
     Exercise("fewest_gpus", "The fewest GPUs that train a model", 3, "fewest_gpus", check_fewest_gpus,
              hidden=[{"cases": (("llama2-7b", "RTX 4090 24GB", 4096), ("llama2-70b", "H200 141GB", 4096),
                                 ("llama3-70b", "A100 40GB", 8192))}]),
+    Exercise("model_states_per_gpu", "Find the bug: model states on a TP x PP x DP layout", 2,
+             "model_states_per_gpu", check_model_states_per_gpu,
+             hidden=[{"cases": tuple((1e9, 2, 1, 4, z, 12) for z in range(4))},
+                     {"cases": tuple((70e9, 1, 8, 8, z, 16) for z in range(4))},
+                     {"cases": ((13e9, 8, 1, 1, 3, 12), (405e9, 8, 16, 1, 0, 12), (175e9, 8, 8, 16, 2, 12))}]),
 ]

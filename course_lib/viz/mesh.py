@@ -81,7 +81,8 @@ class PlannerWidget(ControlPanel):
             "model": W.Dropdown(options=sorted(PRESETS), value=model, description="model"),
             "cluster": W.Dropdown(options=sorted(P.CLUSTERS), value=cluster, description="cluster"),
             "nodes": W.BoundedIntText(value=nodes, min=1, max=1024, description="nodes"),
-            "global_batch": W.BoundedIntText(value=global_batch, min=1, max=65536, description="batch (seqs)"),
+            "global_batch": W.BoundedIntText(value=global_batch, min=1, max=65536, description="batch (seqs)",
+                                             style={"description_width": "initial"}),
             "seq_len": W.Dropdown(options=[2048, 4096, 8192, 16384, 32768, 131072], value=seq_len,
                                   description="sequence"),
         }
@@ -92,6 +93,7 @@ class PlannerWidget(ControlPanel):
         self._mesh = W.Image(format="png")
         super().__init__([W.HBox(list(self.controls.values())[:3]), W.HBox(list(self.controls.values())[3:]),
                           self._out, self._img, self._mesh])
+        self.add_class("course-planner")
         self._watch()
         self.update()
 

@@ -122,8 +122,9 @@ class ServingBudgetPanel(ControlPanel):
         except ValueError as e:
             self.prediction, self.error = None, str(e)
         self.out.value = "<pre>" + self.text + "</pre>"
-        if self._draw and self.prediction is not None:
-            self.image.value = figure_png(self.figure())
+        if self._draw:  # an invalid split shows its error and no figure (not the last valid one's)
+            self.image.value = figure_png(self.figure()) if self.prediction is not None else b""
+            self.image.layout.display = None if self.prediction is not None else "none"
 
     def figure(self) -> Figure:
         p = self.prediction

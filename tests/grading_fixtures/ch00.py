@@ -25,7 +25,7 @@ def zero_stage2_forgets_gradients(psi, n_d, stage, k=12):
 
 
 def zero_everything_sharded(psi, n_d, stage, k=12):
-    """Treats every stage as ZeRO-3 (the seeds' 'linear in N' read too broadly)."""
+    """Treats every stage as ZeRO-3 (the summaries' 'linear in N' read too broadly)."""
     return (4 + k) * psi / (n_d if stage else 1)
 
 
@@ -70,9 +70,32 @@ def fewest_without_tensor_parallel(model, gpu, seq_len):
     return _search(model, gpu, seq_len, tps=(1,))
 
 
+def _states(weights: float, grads: float, states: float, shard: float, zero: int) -> dict[str, float]:
+    return {"parameters": weights / (shard if zero >= 3 else 1), "gradients": grads / (shard if zero >= 2 else 1),
+            "optimizer_state": states / (shard if zero >= 1 else 1)}
+
+
+def zero_over_every_gpu(psi, tp, pp, dp, zero, k=12):
+    """The colleague's bug, left in: ZeRO shards over all tp x pp x dp GPUs, not over the dp replicas."""
+    local = psi / (tp * pp)
+    return _states(2 * local, 2 * local, k * local, tp * pp * dp, zero)
+
+
+def forgets_pipeline_stages(psi, tp, pp, dp, zero, k=12):
+    """Each GPU holds psi / tp parameters: the pipeline's split of the layers is forgotten."""
+    local = psi / tp
+    return _states(2 * local, 2 * local, k * local, dp, zero)
+
+
+def splits_only_the_weights(psi, tp, pp, dp, zero, k=12):
+    """TP and PP divide the weights, but the gradients and optimizer state are counted for the whole model."""
+    return _states(2 * psi / (tp * pp), 2 * psi, k * psi, dp, zero)
+
+
 WRONG = {
     "param_state_bytes": [forgets_master_weights, adam_state_in_weight_precision],
     "zero_bytes_per_device": [zero_stage2_forgets_gradients, zero_everything_sharded],
     "kv_cache_bytes": [kv_forgets_values, kv_forgets_batch],
     "fewest_gpus": [fewest_without_sequence_parallel, fewest_reads_80gb_as_80e9_bytes, fewest_without_tensor_parallel],
+    "model_states_per_gpu": [zero_over_every_gpu, forgets_pipeline_stages, splits_only_the_weights],
 }

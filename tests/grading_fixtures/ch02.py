@@ -116,7 +116,7 @@ def average_ignores_frozen_parameters(model, group=None):
 
 
 def step_loss_not_divided_by_m(model, optimizer, micro):
-    """Gradients m times too large (the pipeline bug of the anchors; SGD shows it)."""
+    """Gradients m times too large (a bug real pipeline code has had; SGD shows it)."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for i, (x, y) in enumerate(micro):

@@ -4,6 +4,9 @@ import math
 
 import torch.distributed as dist
 
+from course_lib.model import param_count
+from course_lib.schedules import Action, Kind, add_grad_reduce
+
 
 def coords_slowest_first(rank, degrees, order):
     """Reads the order backwards: the last axis fastest."""
@@ -97,9 +100,145 @@ def sum_without_dividing(params, mesh):
         dist.all_reduce(p.grad, group=mesh.group("dp"))
 
 
+def _predict(cfg, degrees, gpu, global_batch, seq_len, micro_batch, zero_stage, efficiency, *, split_over=None,
+             shard_over=None, bytes_per_param=(2, 2, 12), zero3_shards_weights=True, bubble=None, m_of=None):
+    """The spec's formulas with one thing changed (each wrong answer below names which)."""
+    tp, cp, dp, pp = (degrees.get(a, 1) for a in ("tp", "cp", "dp", "pp"))
+    n = param_count(cfg)
+    per_gpu = n / (split_over(tp, pp) if split_over else tp * pp)
+    n_d = shard_over(dp, cp) if shard_over else dp * cp
+    w, g, o = bytes_per_param
+    weights = w * per_gpu / (n_d if zero_stage >= 3 and zero3_shards_weights else 1)
+    grads = g * per_gpu / (n_d if zero_stage >= 2 else 1)
+    optimizer = o * per_gpu / (n_d if zero_stage >= 1 else 1)
+    m = m_of(global_batch, dp, micro_batch) if m_of else global_batch // (dp * micro_batch)
+    ideal = 6 * n * global_batch * seq_len / (tp * cp * dp * pp * gpu.peak_flops * efficiency)
+    factor = bubble(pp, m) if bubble else (m + pp - 1) / m
+    return {"model_state_bytes": weights + grads + optimizer, "step_s": ideal * factor}
+
+
+def predict_ignores_pp_in_memory(*args):
+    """Splits the parameters over tp only: each pipeline stage would hold the whole model."""
+    return _predict(*args, split_over=lambda tp, pp: tp)
+
+
+def predict_without_bubble(*args):
+    """The ideal time: the 1F1B bubble (p-1)/(m+p-1) of the step left out."""
+    return _predict(*args, bubble=lambda pp, m: 1.0)
+
+
+def predict_bubble_fraction_as_ratio(*args):
+    """Adds the idle fraction (p-1)/(m+p-1) to the ideal time, as if it were bubble / ideal ((p-1)/m)."""
+    return _predict(*args, bubble=lambda pp, m: 1 + (pp - 1) / (m + pp - 1))
+
+
+def predict_microbatches_ignore_dp(*args):
+    """m = global batch / micro-batch: every pipeline would run the whole global batch, a bubble too small."""
+    return _predict(*args, m_of=lambda gb, dp, mb: gb // mb)
+
+
+def predict_zero_over_dp_only(*args):
+    """Shards ZeRO over dp, not dp x cp (context-parallel ranks hold the same weights)."""
+    return _predict(*args, shard_over=lambda dp, cp: dp)
+
+
+def predict_zero3_like_zero2(*args):
+    """ZeRO-3 that never shards the weights (ZeRO-2's memory)."""
+    return _predict(*args, zero3_shards_weights=False)
+
+
+def predict_ignores_zero_stage(*args):
+    """Plain data parallelism's 16 bytes per parameter whatever the ZeRO stage."""
+    cfg, degrees, gpu, gb, s, mb, _zero, eff = args
+    return _predict(cfg, degrees, gpu, gb, s, mb, 0, eff)
+
+
+def predict_fp32_gradients(*args):
+    """fp32 gradients (18 bytes per parameter): not the spec's bf16 ones."""
+    return _predict(*args, bytes_per_param=(2, 4, 12))
+
+
+def _insert_after(schedule, place):
+    """Each rank's list with Action(REDUCE_GRAD, j, s) after the positions ``place(actions)`` returns
+    ({position: stage})."""
+    out = []
+    for actions in schedule:
+        after = place(actions)
+        new = []
+        for i, a in enumerate(actions):
+            new.append(a)
+            if i in after:
+                new.append(Action(Kind.REDUCE_GRAD, a.microbatch, after[i]))
+        out.append(new)
+    return out
+
+
+def reduce_after_last_i(schedule):
+    """The zero-bubble bug: after each stage's last B or I, before the W passes still pending."""
+    def place(actions):
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.I)}
+        return {i: s for s, i in last.items()}
+    return _insert_after(schedule, place)
+
+
+def reduce_once_per_rank(schedule):
+    """One REDUCE_GRAD per rank, after its last weight-gradient action: interleaved ranks hold several stages."""
+    def place(actions):
+        writes = [i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)]
+        return {writes[-1]: actions[writes[-1]].stage}
+    return _insert_after(schedule, place)
+
+
+def reduce_after_every_weight_pass(schedule):
+    """A REDUCE_GRAD after every B / W: m reductions of partial sums per stage instead of one."""
+    return _insert_after(schedule, lambda actions: {i: a.stage for i, a in enumerate(actions)
+                                                    if a.kind in (Kind.B, Kind.W)})
+
+
+def reduce_at_the_end(schedule):
+    """Each stage's REDUCE_GRAD appended at the end of the rank's list: right, but it overlaps nothing, and on an
+    interleaved rank it waits for the other stage's drain."""
+    out = []
+    for actions in schedule:
+        last = {a.stage: a.microbatch for a in actions if a.kind in (Kind.B, Kind.W)}
+        out.append(list(actions) + [Action(Kind.REDUCE_GRAD, j, s) for s, j in sorted(last.items())])
+    return out
+
+
+def reduce_as_tuples(schedule):
+    """Inserts ("REDUCE_GRAD", j, s) tuples: the executor only runs schedules.Action."""
+    out = []
+    for actions in schedule:
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+        new = []
+        for i, a in enumerate(actions):
+            new.append(a)
+            if i in last.values():
+                new.append(("REDUCE_GRAD", a.microbatch, a.stage))
+        out.append(new)
+    return out
+
+
+def reduce_kind_as_a_string(schedule):
+    """Action("REDUCE_GRAD", j, s): equal to the Kind as a string, but the executor tests ``kind is Kind.X``."""
+    return [[Action("REDUCE_GRAD", a.microbatch, a.stage) if a.kind is Kind.REDUCE_GRAD else a for a in actions]
+            for actions in add_grad_reduce(schedule)]
+
+
+def reduce_in_place(schedule):
+    """The right places, but written into the input lists: the caller's schedule changes under it."""
+    for actions, new in zip(schedule, add_grad_reduce(schedule), strict=True):
+        actions[:] = new
+    return schedule
+
 WRONG = {
     "coords_of": [coords_slowest_first, coords_default_order],
     "group_of": [group_fixes_the_wrong_axes, group_by_stride],
     "mesh_problems": [problems_kv_never_replicated, problems_sequence_by_cp, problems_batch_without_micro_batch],
+    "predict_mesh": [predict_ignores_pp_in_memory, predict_without_bubble, predict_bubble_fraction_as_ratio,
+                     predict_microbatches_ignore_dp, predict_zero_over_dp_only, predict_zero3_like_zero2,
+                     predict_ignores_zero_stage, predict_fp32_gradients],
     "average_dp_gradients": [average_over_tp, average_over_world, sum_without_dividing],
+    "add_grad_reduce": [reduce_after_last_i, reduce_once_per_rank, reduce_after_every_weight_pass,
+                        reduce_at_the_end, reduce_as_tuples, reduce_kind_as_a_string, reduce_in_place],
 }
