@@ -202,3 +202,17 @@ def test_ch08_on_rank_check_names_the_weight_passes_the_reduction_missed():
     assert not result.ok
     assert "W1 after its REDUCE_GRAD" in result.message and "missed those weight gradients" in result.message, \
         result.message
+
+
+def test_chapter_05_find_the_bug_fails_as_shipped_on_the_stage_without_the_loss():
+    import torch.distributed as dist
+
+    from course_lib.grading import ch05
+    from course_lib.model import lm_loss
+
+    namespace = {"torch": torch, "dist": dist, "lm_loss": lm_loss}
+    colleague = _notebook_function(REPO / "solutions" / "05_pipeline_parallel.ipynb", "gpipe_step_from_a_colleague",
+                                   namespace)
+    visible = ch05.check_gpipe_step(colleague, m=4, batch=8)
+    assert not visible.ok and visible.message.startswith("rank 0's gradient"), visible  # the stated symptom
+    assert ch05.check_gpipe_step(colleague, m=4, batch=16).ok  # b = m rows per micro-batch: the bug is the 1/b

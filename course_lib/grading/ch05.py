@@ -1,4 +1,4 @@
-"""Chapter 05 — pipeline parallelism: a schedule, a 1F1B step on real ranks, and a bug to find.
+"""Chapter 05 — pipeline parallelism: a schedule, two steps on real ranks, and a bug to find in one of them.
 
 1. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
    2021), as strings "F3" / "B3", checked against ``course_lib.schedules.one_f_one_b``.
@@ -11,8 +11,9 @@
    float32 [b, s, h] activation (forward) or its gradient (backward), m each way, and each rank's sends and receives
    come in the order of 1F1B's actions (rank 0 sends at F, receives at B; rank 1 the other way round). Collectives
    are refused: a pipeline only talks to its neighbour.
-4. ``microbatch_gradients(model, x, y, m)``: find the bug in a colleague's gradient accumulation (each micro-batch
-   loss divided by the micro-batch's rows instead of by m) and fix it; checked against the full-batch gradients.
+4. ``gpipe_step(stage, x, y, m)``: find the bug in a colleague's GPipe step on the same two ranks (the last stage
+   divides each micro-batch loss by the micro-batch's rows b instead of by m, so the gradients of *both* stages are
+   m/b times too large) and fix it; the same check as 3 with GPipe's order (all forwards, then all backwards).
 """
 
 from __future__ import annotations
@@ -35,10 +36,6 @@ GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 30.0
 """A launched check stops the ranks after this long (below the grader's 60 s per check)."""
 
-_P2P = ("send", "recv")  # torch.distributed.ProcessGroup methods that dist.send/isend/recv/irecv end in
-_REFUSED = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
-            "all_gather_single", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "gather",
-            "scatter", "alltoall", "alltoall_base", "all_to_all_single", "barrier")
 
 
 class RefusedCollective(RuntimeError):  # noqa: N818 - reads as what happened
@@ -103,7 +100,7 @@ _CFG = GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, bias=False)
 def _p2p_log(log: list[tuple[str, int, str]]) -> contextlib.AbstractContextManager[None]:
     """Record (send|recv, bytes, dtype) of every point-to-point message; refuse every collective."""
     def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        if name not in _P2P:
+        if name not in core.PG_POINT_TO_POINT:
             return core.refusal(RefusedCollective, "a pipeline stage only talks to its neighbour with point-to-point "
                                 "messages (dist.isend / dist.irecv); it called a collective")
 
@@ -112,7 +109,7 @@ def _p2p_log(log: list[tuple[str, int, str]]) -> contextlib.AbstractContextManag
                 log.append((name, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch.")))
             return original(self, tensors, *args, **kwargs)
         return logged
-    return core.patch_process_group((*_P2P, *_REFUSED), wrap)
+    return core.patch_process_group((*core.PG_POINT_TO_POINT, *core.PG_COLLECTIVES), wrap)
 
 
 def _stage(rank: int, seed: int) -> pp.Stage:
@@ -136,11 +133,11 @@ _launch = functools.partial(
     "receives at F and sends at B), or a message of another shape?", guard_errors=("RefusedCollective",))
 
 
-def check_pipeline_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: int = 0,
-                        timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+def _check_two_stage_step(name: str, fn: Callable[..., Any], schedule: Callable[[int, int], schedules.Schedule],
+                          label: str, m: int, batch: int, seed: int, timeout: float) -> CheckResult:
     """Two ranks run ``fn(stage, x, y, m)``; the gradients of both stages must be those of ``lm_loss`` on the full
     batch in one process; rank 1 returns the m unscaled micro-batch losses (Python floats), rank 0 []; every message
-    is float32 [b, s, h]; each rank's message sequence follows its 1F1B actions."""
+    is float32 [b, s, h]; each rank's message sequence follows its compute actions in ``schedule(2, m)``."""
     def body() -> str:
         if batch % m:
             raise ValueError(f"the check needs batch ({batch}) divisible by m ({m})")
@@ -152,14 +149,14 @@ def check_pipeline_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed
         micro = [lm_loss(ref(xj), yj).item() for xj, yj in zip(x.chunk(m), y.chunk(m), strict=True)]
         nbytes = (batch // m) * _CFG.seq_len * _CFG.d_model * 4
         for r, res in enumerate(results):
-            order = [a for a in schedules.one_f_one_b(2, m)[r] if a.is_compute]
+            order = [a for a in schedule(2, m)[r] if a.is_compute]
             sends_at = "F" if r == 0 else "B"
             expected = [("send" if a.kind.value == sends_at else "recv") for a in order]
             got = [op for op, _, _ in res["log"]]
             if got != expected:
                 i = next((i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
                          min(len(got), len(expected)))
-                raise CheckFailed(f"rank {r}: its messages in order were {got}; 1F1B's actions "
+                raise CheckFailed(f"rank {r}: its messages in order were {got}; {label}'s actions "
                                   f"{[str(a) for a in order]} give {expected} (rank {r} sends at {sends_at}); first "
                                   f"difference at message {i}")
             for op, size, dtype in res["log"]:
@@ -167,10 +164,10 @@ def check_pipeline_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed
                     raise CheckFailed(f"rank {r}: a {op} of {size:,} bytes ({dtype}); every message is one float32 "
                                       f"[b, s, h] = [{batch // m}, {_CFG.seq_len}, {_CFG.d_model}] tensor, "
                                       f"{nbytes:,} bytes")
-            for name, g in res["grads"].items():
+            for pname, g in res["grads"].items():
                 if g is None:
-                    raise CheckFailed(f"rank {r}: {name}.grad is None after the step")
-                expect_close(g, ref_grads[name], f"rank {r}'s gradient of {name} (m={m}, batch={batch}; the "
+                    raise CheckFailed(f"rank {r}: {pname}.grad is None after the step")
+                expect_close(g, ref_grads[pname], f"rank {r}'s gradient of {pname} (m={m}, batch={batch}; the "
                              "gradient of the full-batch mean loss)", rtol=1e-4, atol=1e-6)
         losses0, losses1 = results[0]["losses"], results[1]["losses"]
         if losses0 != []:
@@ -178,27 +175,26 @@ def check_pipeline_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed
         if not isinstance(losses1, list) or not all(type(v) is float for v in losses1) or len(losses1) != m:
             raise CheckFailed(f"rank 1 must return a list of {m} Python floats (each micro-batch's unscaled mean loss, "
                               f"loss.item()), got {losses1!r}")
-        for j, (got, want) in enumerate(zip(losses1, micro, strict=True)):
-            if abs(got - want) > 1e-5 * max(1.0, abs(want)):
-                raise CheckFailed(f"rank 1's loss of micro-batch {j}: expected {want:.6f} (unscaled), got {got:.6f}")
-        return f"m={m}, batch={batch}: gradients of both stages right, {2 * m} messages of {nbytes:,} B in 1F1B order"
-    return run_check("pipeline_step", body)
+        for j, (got_loss, want) in enumerate(zip(losses1, micro, strict=True)):
+            if abs(got_loss - want) > 1e-5 * max(1.0, abs(want)):
+                raise CheckFailed(f"rank 1's loss of micro-batch {j}: expected {want:.6f} (unscaled), got "
+                                  f"{got_loss:.6f}")
+        return (f"m={m}, batch={batch}: gradients of both stages right, {2 * m} messages of {nbytes:,} B in {label} "
+                "order")
+    return run_check(name, body)
 
 
-def check_microbatch_gradients(fn: Callable, m: int = 4, batch: int = 8, seed: int = 0) -> CheckResult:
-    def body() -> str:
-        cfg = GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16)
-        x, y = global_batch(seed, batch, cfg.seq_len, seed)
-        reference = GPT(cfg, seed=seed)
-        lm_loss(reference(x), y).backward()
-        model = GPT(cfg, seed=seed)
-        fn(model, x, y, m)
-        for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
-            if p.grad is None:
-                raise CheckFailed(f"{name}.grad is None after microbatch_gradients")
-            expect_close(p.grad, ref.grad, f"gradient of {name} (m={m}, batch={batch})", rtol=1e-4, atol=1e-6)
-        return f"gradients equal the full-batch gradients (m={m}, batch={batch})"
-    return run_check("microbatch_gradients", body)
+def check_pipeline_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: int = 0,
+                        timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """``fn(stage, x, y, m)`` on two ranks in 1F1B's order: full-batch gradients, m float32 [b, s, h] messages each
+    way, unscaled losses on rank 1."""
+    return _check_two_stage_step("pipeline_step", fn, schedules.one_f_one_b, "1F1B", m, batch, seed, timeout)
+
+
+def check_gpipe_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: int = 0,
+                     timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """The same as ``check_pipeline_step`` in GPipe's order (all m forwards, then all m backwards)."""
+    return _check_two_stage_step("gpipe_step", fn, schedules.gpipe, "GPipe", m, batch, seed, timeout)
 
 
 EXERCISES = [
@@ -209,8 +205,7 @@ EXERCISES = [
     Exercise("pipeline_step", "One 1F1B step on two real ranks", 5, "pipeline_step", check_pipeline_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 1, "batch": 2, "seed": 2},
                      {"m": 8, "batch": 8, "seed": 3}]),
-    Exercise("microbatch_gradients", "Find the bug: gradient accumulation over micro-batches", 3,
-             "microbatch_gradients", check_microbatch_gradients,
+    Exercise("gpipe_step", "Find the bug: a GPipe step on two real ranks", 4, "gpipe_step", check_gpipe_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
                      {"m": 4, "batch": 12, "seed": 3}]),
 ]

@@ -6,26 +6,38 @@
 2. ``dispatch(x, expert, n_expert)`` on real ranks: send each row of ``x`` to the rank holding its expert
    (E/world contiguous experts per rank) with a count exchange and one uneven ``all_to_all_single``; return the rows
    received (by source rank, then by expert) and the counts [world, E/world].
-3. ``load_balancing_loss(probs, chosen, alpha)``: the Switch / GShard loss alpha * E * sum_i f_i P_i, f_i over the
+3. ``combine(y, counts, expert, token, weight, n_tokens)`` on real ranks: the way back. The experts' outputs ``y`` (in
+   the order the dispatch received the rows) return to their tokens' ranks by one uneven ``all_to_all_single`` (the
+   dispatch's splits swapped), and each token sums weight x output. Checked against the single-process ``MoE``
+   layer's output (capacity drops included), with every other collective and send/recv refused.
+4. ``load_balancing_loss(probs, chosen, alpha)``: the Switch / GShard loss alpha * E * sum_i f_i P_i, f_i over the
    T*k assignments (exactly alpha for uniform routing).
-4. Find the bug in ``kept_counts(counts, capacity)``: kept assignments of every (rank, expert) under a global
+5. Find the bug in ``kept_counts(counts, capacity)``: kept assignments of every (rank, expert) under a global
    capacity, the queue of each expert filled rank after rank (``course_lib.parallel.ep.kept_counts``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
-from course_lib.model import expert_capacity, expert_positions
+from course_lib.model import GPTConfig, MoE, expert_capacity, expert_positions
 from course_lib.parallel.ep import kept_counts
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 30.0
+_A2A = ("alltoall_base", "all_to_all_single")  # the ProcessGroup method dist.all_to_all_single ends in (by version)
+
+
+class RefusedCollective(RuntimeError):  # noqa: N818 - reads as what happened
+    """Raised on a rank when the learner's combine communicates by anything but dist.all_to_all_single."""
 
 
 def _tensor(got: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -122,7 +134,99 @@ def check_dispatch(fn: Callable, world_size: int = 2, rows: tuple[int, ...] = (5
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3. load-balancing loss
+# 3. combine on ranks
+
+
+def _dispatch(x: torch.Tensor, expert: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatch of exercise 2 (count exchange, then one uneven all-to-all of the rows sorted by expert)."""
+    world = dist.get_world_size()
+    send = torch.bincount(expert, minlength=n_expert)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    counts = recv.view(world, n_expert // world)
+    received = x.new_empty(int(counts.sum()), x.shape[1])
+    dist.all_to_all_single(received, x[torch.argsort(expert, stable=True)].contiguous(), counts.sum(1).tolist(),
+                           send.view(world, -1).sum(1).tolist())
+    return received, counts
+
+
+def _only_all_to_all(log: list[tuple[int, int, str]]) -> contextlib.AbstractContextManager[None]:
+    """Record (input rows, output rows, dtype) of every all_to_all_single; refuse every other communication."""
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        if name not in _A2A:
+            return core.refusal(RefusedCollective, "the combine is one dist.all_to_all_single of the expert outputs "
+                                "back to their tokens' ranks; it called another collective or a send/recv")
+
+        def logged(self: Any, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            log.append((input.shape[0] if input.dim() else 1, output.shape[0] if output.dim() else 1,
+                        str(input.dtype).removeprefix("torch.")))
+            return original(self, output, input, *args, **kwargs)
+        return logged
+    return core.patch_process_group((*core.PG_POINT_TO_POINT, *core.PG_COLLECTIVES), wrap)
+
+
+def _combine_on_rank(rank: int, world_size: int, fn: Callable, moe: MoE,
+                     shards: list[tuple[torch.Tensor, ...]]) -> dict[str, Any]:
+    """Dispatch this rank's kept assignments, run the local experts on what arrived, then the learner's combine."""
+    x, chosen, weights, keep = shards[rank]
+    token, slot = keep.nonzero(as_tuple=True)  # token order, a token's first choice before its second
+    expert, weight = chosen[token, slot], weights[token, slot]
+    with torch.no_grad():
+        received, counts = _dispatch(x[token], expert, moe.n_expert)
+        n_local = moe.n_expert // world_size
+        chunks = received.split(counts.reshape(-1).tolist())  # by source rank, then by local expert
+        y = torch.cat([moe.experts[rank * n_local + j](c)
+                       for (_, j), c in zip(itertools.product(range(world_size), range(n_local)), chunks,
+                                            strict=True)])
+        log: list[tuple[int, int, str]] = []
+        with _only_all_to_all(log):
+            out = fn(y.clone(), counts.clone(), expert.clone(), token.clone(), weight.clone(), x.shape[0])
+    return {"out": out, "log": log, "rows": (y.shape[0], expert.numel())}
+
+
+def check_combine(fn: Callable, world_size: int = 2, rows: tuple[int, ...] = (5, 7), n_expert: int = 4,
+                  top_k: int = 2, capacity_factor: float | None = 1.0, h: int = 8, seed: int = 0,
+                  timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Each rank's ``fn(y, counts, expert, token, weight, n_tokens)`` must return the single-process MoE's output
+    for its tokens, [rows[r], h] float32, with exactly one all_to_all_single (M rows in, N rows out)."""
+    def body() -> str:
+        cfg = GPTConfig(n_layer=1, d_model=h, n_head=2, seq_len=8, n_expert=n_expert, top_k=top_k,
+                        capacity_factor=capacity_factor, bias=False)
+        torch.manual_seed(seed)
+        moe = MoE(cfg)
+        x = torch.randn(sum(rows), h, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            r = moe.route(x)
+            cap = moe.capacity(x.shape[0])
+            keep = torch.ones_like(r.chosen, dtype=torch.bool) if cap is None else (
+                expert_positions(r.chosen, n_expert) < cap)
+            ref = moe(x)
+        bounds = [sum(rows[:i]) for i in range(world_size + 1)]
+        shards = [tuple(t[bounds[i]:bounds[i + 1]] for t in (x, r.chosen, r.weights, keep))
+                  for i in range(world_size)]
+        results = core.launch_check(_combine_on_rank, world_size, fn, moe, shards, timeout=timeout,
+                                    hang_hint=" (did every rank call one all_to_all_single, with the dispatch's "
+                                              "splits swapped: input splits = what it received from each rank?)",
+                                    course_files=("course_lib/grading/ch07.py",), guard_errors=("RefusedCollective",))
+        what = f"of {world_size} (tokens per rank {rows}, E={n_expert}, k={top_k}, cf={capacity_factor}, C={cap})"
+        for i, res in enumerate(results):
+            expect_close(res["out"], ref[bounds[i]:bounds[i + 1]], f"rank {i} {what}: the combined output of its "
+                         "tokens vs the single-process MoE layer", rtol=1e-5, atol=1e-6)
+            m_rows, n_rows = res["rows"]
+            if len(res["log"]) != 1:
+                raise CheckFailed(f"rank {i} {what} called all_to_all_single {len(res['log'])} times; the combine is "
+                                  "one (the splits are known: counts for the rows that came, expert for those sent)")
+            if res["log"][0] != (m_rows, n_rows, "float32"):
+                raise CheckFailed(f"rank {i} {what}: its all_to_all_single took {res['log'][0][0]} rows "
+                                  f"({res['log'][0][2]}) and gave {res['log'][0][1]}; the way back sends the {m_rows} "
+                                  f"float32 expert outputs it holds and receives its own {n_rows} assignments")
+        dropped = int((~keep).sum())
+        return f"{world_size} ranks, tokens {rows}, E={n_expert}, k={top_k}: the MoE's output ({dropped} dropped)"
+    return run_check("combine", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. load-balancing loss
 
 
 def check_load_balancing_loss(fn: Callable, cases: tuple[tuple[int, int, int], ...] = ((16, 4, 2),),
@@ -155,7 +259,7 @@ def check_load_balancing_loss(fn: Callable, cases: tuple[tuple[int, int, int], .
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 4. find the bug: kept counts over ranks
+# 5. find the bug: kept counts over ranks
 
 
 def check_kept_counts(fn: Callable, cases: tuple[tuple[int, int, int | None], ...] = ((3, 4, 5),),
@@ -182,6 +286,10 @@ EXERCISES = [
     Exercise("dispatch", "Count exchange and uneven all-to-all dispatch", 4, "dispatch", check_dispatch,
              hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "seed": 1},
                      {"world_size": 2, "rows": (0, 4), "n_expert": 2, "seed": 2}]),
+    Exercise("combine", "The combine: the reverse all-to-all and the weighted sum", 4, "combine", check_combine,
+             hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "capacity_factor": 0.5, "seed": 1},
+                     {"world_size": 2, "rows": (0, 4), "n_expert": 2, "top_k": 1, "capacity_factor": None,
+                      "seed": 2}]),
     Exercise("load_balancing_loss", "The load-balancing loss", 3, "load_balancing_loss", check_load_balancing_loss,
              hidden=[{"cases": ((20, 8, 1), (12, 4, 3)), "alpha": 0.1, "seed": 1}]),
     Exercise("kept_counts", "Find the bug: capacity over ranks", 2, "kept_counts", check_kept_counts,

@@ -118,6 +118,15 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
 # Checks that run the learner's function on ranks
 
 
+PG_POINT_TO_POINT = ("send", "recv")
+"""``torch.distributed.ProcessGroup`` methods that ``dist.send`` / ``isend`` / ``recv`` / ``irecv`` end in."""
+PG_COLLECTIVES = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+                  "all_gather_single", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "gather",
+                  "scatter", "alltoall", "alltoall_base", "all_to_all_single", "barrier")
+"""``torch.distributed.ProcessGroup`` methods of the collectives (their names vary between torch versions; a
+method this torch lacks is skipped by ``patch_process_group``)."""
+
+
 @contextlib.contextmanager
 def patch_process_group(names: Iterable[str],
                         wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:

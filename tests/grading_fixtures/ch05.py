@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.model import lm_loss
-from course_lib.schedules import Action, Kind, one_f_one_b
+from course_lib.schedules import Action, Kind, gpipe, one_f_one_b
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -54,41 +54,11 @@ def _h_shape(stage, x, m):
     return (x.shape[0] // m, x.shape[1], stage.blocks[next(iter(stage.blocks))].attn.q_proj.in_features)
 
 
-def step_gpipe_order(stage, x, y, m):
-    """All forwards, then all backwards: right gradients, but not 1F1B (m activations held)."""
+def _two_stage_step(stage, x, y, m, schedule, loss_scale):
+    """A two-stage step that runs ``schedule(2, m)``'s compute actions and back-propagates ``loss_scale(loss)``."""
     rank, xs, ys, shape = dist.get_rank(), x.chunk(m), y.chunk(m), _h_shape(stage, x, m)
     saved, sends, losses = {}, [], []
-    for j in range(m):
-        if rank == 0:
-            out = stage(xs[j])
-            sends.append(dist.isend(out.detach(), dst=1))
-            saved[j] = out
-        else:
-            h = torch.empty(shape)
-            dist.irecv(h, src=0).wait()
-            h.requires_grad_(True)
-            loss = lm_loss(stage(h), ys[j])
-            losses.append(loss.item())
-            saved[j] = (h, loss / m)
-    for j in range(m):
-        if rank == 0:
-            g = torch.empty(shape)
-            dist.irecv(g, src=1).wait()
-            saved[j].backward(g)
-        else:
-            h, scaled = saved[j]
-            scaled.backward()
-            sends.append(dist.isend(h.grad, dst=0))
-    for w in sends:
-        w.wait()
-    return losses
-
-
-def step_without_loss_scale(stage, x, y, m):
-    """1F1B order, but each micro-batch back-propagates its full mean loss (m x too large)."""
-    rank, xs, ys, shape = dist.get_rank(), x.chunk(m), y.chunk(m), _h_shape(stage, x, m)
-    saved, sends, losses = {}, [], []
-    for a in [a for a in one_f_one_b(2, m)[rank] if a.is_compute]:
+    for a in [a for a in schedule(2, m)[rank] if a.is_compute]:
         j = a.microbatch
         if a.kind is Kind.F and rank == 0:
             out = stage(xs[j])
@@ -100,18 +70,28 @@ def step_without_loss_scale(stage, x, y, m):
             h.requires_grad_(True)
             loss = lm_loss(stage(h), ys[j])
             losses.append(loss.item())
-            saved[j] = (h, loss)
+            saved[j] = (h, loss_scale(loss))
         elif rank == 0:
             g = torch.empty(shape)
             dist.irecv(g, src=1).wait()
             saved.pop(j).backward(g)
         else:
-            h, unscaled = saved.pop(j)
-            unscaled.backward()
+            h, scaled = saved.pop(j)
+            scaled.backward()
             sends.append(dist.isend(h.grad, dst=0))
     for w in sends:
         w.wait()
     return losses
+
+
+def step_gpipe_order(stage, x, y, m):
+    """All forwards, then all backwards: right gradients, but not 1F1B (m activations held)."""
+    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / m)
+
+
+def step_without_loss_scale(stage, x, y, m):
+    """1F1B order, but each micro-batch back-propagates its full mean loss (m x too large)."""
+    return _two_stage_step(stage, x, y, m, one_f_one_b, lambda loss: loss)
 
 
 def step_with_all_reduce(stage, x, y, m):
@@ -121,29 +101,24 @@ def step_with_all_reduce(stage, x, y, m):
     return []
 
 
-def loss_divided_by_rows(model, x, y, m):
+def gpipe_divided_by_rows(stage, x, y, m):
     """The colleague's bug, left in: each micro-batch loss divided by its rows b instead of m."""
-    b = x.shape[0] // m
-    for i in range(m):
-        (lm_loss(model(x[i * b:(i + 1) * b]), y[i * b:(i + 1) * b]) / b).backward()
+    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / (x.shape[0] // m))
 
 
-def loss_not_divided_by_m(model, x, y, m):
-    """Gradients m x too large: the classic pipeline bug."""
-    for xm, ym in zip(x.chunk(m), y.chunk(m), strict=True):
-        lm_loss(model(xm), ym).backward()
+def gpipe_without_loss_scale(stage, x, y, m):
+    """GPipe's order, no loss scale at all: gradients m x too large."""
+    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss)
 
 
-def only_last_microbatch(model, x, y, m):
-    """Zeroes the gradients before every micro-batch."""
-    for xm, ym in zip(x.chunk(m), y.chunk(m), strict=True):
-        model.zero_grad()
-        (lm_loss(model(xm), ym) / m).backward()
+def gpipe_fixed_but_in_1f1b_order(stage, x, y, m):
+    """Right gradients, but the step of exercise 3 (1F1B) instead of the colleague's GPipe schedule."""
+    return _two_stage_step(stage, x, y, m, one_f_one_b, lambda loss: loss / m)
 
 
 WRONG = {
     "one_f_one_b_order": [warmup_off_by_one, all_forwards_then_backwards],
     "zb_h1_schedule": [split_backward_without_delay, all_weight_gradients_at_the_end, weight_before_input],
     "pipeline_step": [step_gpipe_order, step_without_loss_scale, step_with_all_reduce],
-    "microbatch_gradients": [loss_divided_by_rows, loss_not_divided_by_m, only_last_microbatch],
+    "gpipe_step": [gpipe_divided_by_rows, gpipe_without_loss_scale, gpipe_fixed_but_in_1f1b_order],
 }

@@ -1,10 +1,15 @@
-"""Wrong answers for chapter 07 (mixture of experts and expert parallelism)."""
+"""Wrong answers for chapter 07 (mixture of experts and expert parallelism). The launched ones run on real ranks:
+this module is shipped to them by value (as a notebook cell's functions are)."""
 
 import math
+import sys
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _positions(chosen, E):
@@ -59,6 +64,34 @@ def counts_not_exchanged(x, expert, n_expert):
     return x[order], counts
 
 
+def _way_back(y, counts, expert):
+    """The expert outputs of this rank's assignments, in the order it dispatched them (sorted by expert)."""
+    world, n_local = counts.shape
+    sent = torch.bincount(expert, minlength=world * n_local).view(world, n_local).sum(1).tolist()
+    back = y.new_empty(expert.numel(), y.shape[1])
+    dist.all_to_all_single(back, y.contiguous(), sent, counts.sum(1).tolist())
+    return back
+
+
+def combine_in_dispatch_order(y, counts, expert, token, weight, n_tokens):
+    """Forgets that the rows come back sorted by expert: adds them to the tokens in the original order."""
+    back = _way_back(y, counts, expert)
+    return y.new_zeros(n_tokens, y.shape[1]).index_add(0, token, weight[:, None] * back)
+
+
+def combine_without_weights(y, counts, expert, token, weight, n_tokens):
+    """Sums the k expert outputs of a token without its router weights."""
+    order = torch.argsort(expert, stable=True)
+    return y.new_zeros(n_tokens, y.shape[1]).index_add(0, token[order], _way_back(y, counts, expert))
+
+
+def combine_by_all_gather(y, counts, expert, token, weight, n_tokens):
+    """Gathers every rank's expert outputs instead of one all-to-all back (refused: moves W x the bytes)."""
+    out = [torch.empty_like(y) for _ in range(counts.shape[0])]
+    dist.all_gather(out, y)
+    return y.new_zeros(n_tokens, y.shape[1])
+
+
 def f_not_divided_by_k(probs, chosen, alpha):
     """f_i = counts / T: k times too large for top-k."""
     T, E = probs.shape
@@ -90,6 +123,7 @@ def no_cap_per_rank(counts, capacity):
 WRONG = {
     "top_k_with_capacity": [capacity_floor, slot_major_queue, softmax_over_all_experts],
     "dispatch": [unsorted_rows, counts_not_exchanged],
+    "combine": [combine_in_dispatch_order, combine_without_weights, combine_by_all_gather],
     "load_balancing_loss": [f_not_divided_by_k, without_e_factor],
     "kept_counts": [inclusive_offset, no_cap_per_rank],
 }
