@@ -102,6 +102,9 @@ class MemoryTracker:
       recomputed in backward under ``torch.utils.checkpoint`` (held by the checkpoint, not by autograd's
       saved slots; the checkpointed blocks' inputs, which autograd does save, count as activations).
       Precedence: parameters > gradients > optimizer_state > activations > other.
+    * **resized storages** (FSDP frees a gathered parameter with ``storage.resize_(0)`` and gathers it back into
+      the same storage, which no ATen op reports): a storage seen at two sizes is re-read at every later
+      allocation, so freed parameters stop counting before the next peak is taken.
 
     Phases: "backward" while autograd's engine runs, "optimizer" inside ``optimizer.step()``, "forward"
     otherwise (the loss, ``zero_grad`` and data preparation count as forward).
@@ -124,6 +127,7 @@ class MemoryTracker:
         self.optimizers = [optimizer] if optimizer is not None else []
         self.record_timeline = record_timeline
         self._entries: dict[int, _Entry] = {}
+        self._resized: set[int] = set()  # keys of storages seen at two sizes: re-read at every allocation
         self._totals = dict.fromkeys(TRACKER_CATEGORIES, 0)
         self._total = 0
         self._active = False
@@ -142,6 +146,7 @@ class MemoryTracker:
         """Live bytes by category now (after exit: at exit)."""
         if not self._active and self._final is not None:
             return self._final
+        self._reread_resized()
         return MemoryBudget(dict(self._totals), label="measured: current")
 
     @property
@@ -189,10 +194,24 @@ class MemoryTracker:
             self._totals["other"] += nbytes
             self._total += nbytes
         elif entry.nbytes != nbytes:  # resized storage (e.g. FSDP frees a gathered parameter with resize_)
-            self._totals[entry.category] += nbytes - entry.nbytes
-            self._total += nbytes - entry.nbytes
-            entry.nbytes = nbytes
+            self._resize(entry, nbytes)
+            self._resized.add(key)
         return entry
+
+    def _resize(self, entry: _Entry, nbytes: int) -> None:
+        self._totals[entry.category] += nbytes - entry.nbytes
+        self._total += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+
+    def _reread_resized(self) -> None:
+        """Storages once resized may have been resized again outside any op: take their size now."""
+        for key in list(self._resized):
+            entry = self._entries.get(key)
+            st = entry.ref() if entry is not None and entry.ref is not None else None
+            if st is None:
+                self._resized.discard(key)
+            elif st.nbytes() != entry.nbytes:
+                self._resize(entry, st.nbytes())
 
     def _recategorize(self, entry: _Entry) -> None:
         if entry.flags & _PARAM:
@@ -242,6 +261,7 @@ class MemoryTracker:
             self._update_peak()
 
     def _update_peak(self) -> None:
+        self._reread_resized()
         total, totals = self._total, self._totals
         if total > self._peak_total:
             self._peak_total = total
@@ -337,9 +357,11 @@ class MemoryTracker:
             h.remove()
         self._handles.clear()
         self._scan_grads()
+        self._reread_resized()
         self._final = MemoryBudget(dict(self._totals), label="measured: at exit")
         self._active = False
         self._entries.clear()
+        self._resized.clear()
 
 
 def track_training_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, idx: torch.Tensor,

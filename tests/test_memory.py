@@ -350,6 +350,23 @@ def test_tracker_counts_saved_storage_once() -> None:
     assert set(mt.phase_peaks) == {"forward", "backward"}
 
 
+def test_tracker_follows_storages_resized_outside_any_op() -> None:
+    """FSDP frees a gathered parameter with ``storage.resize_(0)`` and gathers it back into the same storage:
+    no ATen op reports either, so the tracker re-reads a storage it has seen at two sizes."""
+    w = torch.nn.Parameter(torch.zeros(1000))
+    w.data.untyped_storage().resize_(0)  # sharded before the tracker starts
+    with MemoryTracker(torch.nn.ParameterList([w])) as mt:
+        for _ in range(3):
+            w.data.untyped_storage().resize_(4000)
+            w.data.copy_(torch.ones(1000))  # the gather writes into the parameter: seen at its full size
+            assert mt.current["parameters"] == 4000
+            w.data.untyped_storage().resize_(0)  # freed again, by no op
+            assert mt.current["parameters"] == 0
+            torch.empty(10)  # the next allocation takes the peak with the parameter freed
+    assert mt.category_peaks["parameters"] == 4000
+    assert mt.peak.total == 4000 + 4000  # the full parameter and the ones it was copied from, never 3 x 4000
+
+
 def test_tracker_phases_and_peaks() -> None:
     c = GPTConfig()
     model = GPT(c)

@@ -17,6 +17,7 @@ from matplotlib.text import Annotation
 
 from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
 from course_lib.cost import LINK_BANDWIDTH, collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.memory import format_bytes
 from course_lib.viz.comm import (
     CONTROL_DESCRIPTIONS,
     FITTED,
@@ -25,7 +26,6 @@ from course_lib.viz.comm import (
     Measurement,
     bus_bandwidth_factor,
     collective_cost_widget,
-    format_bytes,
     format_seconds,
     plot_bytes_per_rank,
     plot_collective_cost,
@@ -153,7 +153,8 @@ def test_bus_bandwidth_factors_and_formatting() -> None:
     assert bus_bandwidth_factor("broadcast", 16) == 1.0
     with pytest.raises(ValueError):
         bus_bandwidth_factor("gather", 4)
-    assert format_bytes(4e6) == "4 MB" and format_bytes(1500) == "1.5 kB" and format_bytes(12) == "12 B"
+    assert format_bytes(4e6, digits=3) == "4 MB" and format_bytes(1500, digits=3) == "1.5 kB"
+    assert format_bytes(12, digits=3) == "12 B"
     assert format_seconds(4.37e-4) == "437 µs" and format_seconds(0.0123) == "12.3 ms"
 
 

@@ -1,7 +1,8 @@
 """FSDP2-style per-parameter sharding (``course_lib.parallel.fsdp2``) and the optimizer-level ZeRO-1
 (``ShardedOptimizer``): parity with ``train_baseline`` (default tolerance) and with PyTorch's ``fully_shard`` at
 2 and 4 ranks, gradient shards of the parameters' own shape and dtype after backward, gradient accumulation
-under ``no_sync``, and the optimizer state partitioned over the ranks.
+under ``no_sync``, the optimizer state partitioned over the ranks, and the memory measured by
+``MemoryTracker`` against the estimator (the ZeRO-3 formula) with a variant that keeps the full gradients.
 
 The model has odd sizes (as in tests/test_zero.py: d_model 33, d_ff 65, seq_len 15) so that dim 0 of most
 parameters does not divide by 2 or 4: the padding rows are exercised.
@@ -16,19 +17,34 @@ import torch
 
 from course_lib.data import global_batch, shard
 from course_lib.launch import launch
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.memory import ParallelLayout, training_memory, zero_memory_per_device
+from course_lib.memtrack import MemoryTracker
+from course_lib.model import GPT, GPTConfig, lm_loss, num_params
 from course_lib.parallel import zero
 from course_lib.parallel.contract import ParallelWrapper
-from course_lib.parallel.fsdp2 import FSDP2DataParallel
+from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit
 from course_lib.parallel.loop import train_loop
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer, partition
-from course_lib.train import TrainConfig, TrainResult, compare, full_params, train_baseline
+from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 CFG = GPTConfig(bias=False, d_model=33, n_head=3, d_ff=65, n_layer=3, seq_len=15)
 SGD = TrainConfig(optimizer="sgd", lr=1e-2)
 ADAMW = TrainConfig(optimizer="adamw", lr=1e-3)
+PSI = num_params(GPT(CFG))
+MODEL_STATES = ("parameters", "gradients", "optimizer_state")
+
+
+class KeepFullGradUnit(PerParameterUnit):
+    """Never drops the full gradients after the reduce-scatter: Ψ x 4 bytes more gradients than FSDP holds."""
+
+    def free_grads(self) -> None:
+        pass
+
+
+class KeepFullGrad(FSDP2DataParallel):
+    unit_class = KeepFullGradUnit
 
 
 def _sharded_optimizer(rank, world_size, tc):
@@ -51,6 +67,22 @@ def _grad_shards(rank, world_size):
             [p.grad is None for p in model.parameters()], len(shards) == len(list(model.parameters())))
 
 
+def _tracked_step(rank, world_size, wrapper_class):
+    """One AdamW step under ``MemoryTracker`` watching the shards (``w``) and the full parameters (``model``):
+    the breakdown at the optimizer step's peak, each category's own peak, the units' sizes."""
+    model = GPT(CFG, seed=ADAMW.seed)
+    w = wrapper_class(model)
+    opt = make_optimizer(list(w.parameters()), ADAMW)
+    x, y = global_batch(0, ADAMW.global_batch, CFG.seq_len, ADAMW.seed)
+    with MemoryTracker([w, model], opt) as mt:
+        loss = lm_loss(w(shard(x, rank, world_size)), shard(y, rank, world_size))
+        loss.backward()
+        del loss
+        opt.step()
+    units = [(sum(p.numel() for p in u.params), sum(s.numel() for s in u.shards)) for u in w.units]
+    return dict(mt.phase_peaks["optimizer"]), dict(mt.category_peaks), units
+
+
 def _suite(rank, world_size):
     runs = {}
     for name, tc in (("sgd", SGD), ("adamw", ADAMW)):
@@ -62,6 +94,8 @@ def _suite(rank, world_size):
                                                 wrapper_class=FSDP2DataParallel)
     runs["fully_shard"] = zero.train_fsdp2(rank, world_size, CFG, ADAMW)
     runs["grad_shards"] = _grad_shards(rank, world_size)
+    runs["memory"] = _tracked_step(rank, world_size, FSDP2DataParallel)
+    runs["memory", "keeps_full_grad"] = _tracked_step(rank, world_size, KeepFullGrad)
     return runs
 
 
@@ -107,6 +141,49 @@ def test_sharded_optimizer_matches_the_baseline_and_partitions_the_state(world_s
     local = [runs["sharded_optimizer", tc.optimizer][1] for runs in ranks]
     total = sum(p.numel() for p in GPT(CFG).parameters())
     assert sum(local) == total and max(local) < total / world_size * 1.5
+
+
+def estimator_errors(states: dict[str, int], n: int) -> list[str]:
+    """Where the model states measured at the optimizer step leave the ZeRO-3 estimate by more than 2% (the
+    tolerance of tests/test_zero.py's flat form: the padding rows are the difference), per category and in
+    total. fp32 weights and gradients, K = 8 (AdamW's m and v)."""
+    est = training_memory(CFG, precision="fp32", optimizer="adamw", micro_batch=ADAMW.global_batch // n,
+                          layout=ParallelLayout(dp=n, zero=3), activation_formula="adapted")
+    predicted = {**{cat: est[cat] for cat in MODEL_STATES},
+                 "total": zero_memory_per_device(PSI, K=8, N_d=n, stage=3, param_bytes=4, grad_bytes=4)}
+    measured = {**{cat: states[cat] for cat in MODEL_STATES}, "total": sum(states[cat] for cat in MODEL_STATES)}
+    return [f"{k}: measured {measured[k]} B, estimated {v:.0f} B" for k, v in predicted.items()
+            if abs(measured[k] - v) > 0.02 * v]
+
+
+@pytest.mark.slow
+def test_measured_memory_by_category_matches_the_zero3_estimate():
+    """At 2 ranks: model states (sharded: Ψ/N each) within 2% of the estimate, and exactly the shards' bytes;
+    activations within 1% of the adapted formula (tests/test_memory.py's tolerance: the gathered weights saved
+    for backward count as parameters, not activations); the parameters' own peak is the shards plus the
+    gathered root (kept from forward to backward) and one block, as for the flat form in tests/test_zero.py.
+    (At 4 ranks the padding rows -- up to N-1 per parameter, not per unit -- put the parameters 4.9% above Ψ/N:
+    the cost the module docstring of ``fsdp2`` states.)"""
+    n = 2
+    est = training_memory(CFG, precision="fp32", optimizer="adamw", micro_batch=ADAMW.global_batch // n,
+                          layout=ParallelLayout(dp=n, zero=3), activation_formula="adapted")
+    for rank, runs in enumerate(suite(n)):
+        states, peaks, units = runs["memory"]
+        assert estimator_errors(states, n) == [], f"rank {rank}"
+        shards = 4 * sum(s for _, s in units)
+        assert states["parameters"] == states["gradients"] == shards
+        assert states["optimizer_state"] == 2 * shards + 4 * len(list(GPT(CFG).parameters()))  # + step counters
+        assert peaks["activations"] == pytest.approx(est["activations"], rel=0.01)
+        root, block = 4 * units[-1][0], 4 * max(full for full, _ in units[:-1])
+        assert peaks["parameters"] == shards + root + block
+
+
+@pytest.mark.slow
+def test_a_variant_that_keeps_the_full_gradients_fails_the_estimate():
+    states, _, _ = suite(2)[0]["memory", "keeps_full_grad"]
+    errors = estimator_errors(states, 2)
+    assert any(e.startswith("gradients") for e in errors) and any(e.startswith("total") for e in errors), errors
+    assert states["gradients"] >= 4 * PSI  # the full gradients, on top of the shards
 
 
 def test_partition_is_greedy_and_balanced():

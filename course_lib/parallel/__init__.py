@@ -3,14 +3,18 @@
 * ``dp``        data parallelism: naive, bucketed and overlapped gradient all-reduce; gradient accumulation
 * ``zero``      ZeRO stages 0-3 / FSDP over flat parameters (FSDP1 / DeepSpeed form)
 * ``zero_unit`` one flat-parameter unit; ``zero_checkpoint`` sharded checkpoints of ``zero``: save at N
-  ranks, load at any N or in one process
+  ranks, load at any N or in one process; ``zero_accounting`` model-state bytes measured and comm bytes exact
+* ``fsdp_torch`` PyTorch's FSDP2 (``fully_shard``) behind the wrapper contract, the oracle for ``zero``/``fsdp2``
 * ``fsdp2``     FSDP2-style per-parameter (dim-0) sharding on the same engine
 * ``sharded_optimizer`` ZeRO-1 at the optimizer level (``ShardedOptimizer``, ``ZeroRedundancyOptimizer``'s shape)
-* ``pp``        pipeline parallelism (stages, executor, schedules run on real ranks), ``pp_layers`` the one
+* ``pp``        pipeline parallelism (the ``PipelineParallel`` wrapper, schedules run on real ranks, ``train_pp``),
+  ``pp_stages`` the plan and the stages, ``pp_executor`` the executor of one rank's actions, ``pp_layers`` the one
   layer-split rule, ``pp_split`` the I/W backward split, ``pp_balance`` stage balancing from measured costs
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
-* ``tp``        tensor parallelism (Megatron column/row parallel, vocab-parallel loss, sequence parallel);
-  ``tp_comm`` the f/g operators and their sequence-parallel pair
+* ``tp``        tensor parallelism: the plan, the ``TensorParallel`` wrapper, ``train_tp``; ``tp_layers`` its
+  layers (Megatron column/row parallel, attention by heads, MLP, vocab-parallel embedding and loss);
+  ``tp_comm`` the f/g operators and their sequence-parallel pair; ``tp_accounting`` a step's collectives and
+  activations on paper; ``tp_dtensor`` DTensor's plan and comm log (the oracle)
 * ``cp``        context parallelism: the ``ContextParallel`` wrapper; ``cp_attention`` its math (ring and
   all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
 * ``ep``        expert parallelism (count exchange, all-to-all dispatch and combine)

@@ -22,8 +22,9 @@ run's sharded state has its own resharding checkpoint (``zero_checkpoint``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,8 +32,16 @@ from torch import nn
 
 from course_lib.parallel.tp_comm import all_gather_along
 
-if TYPE_CHECKING:
-    from course_lib.parallel.compose import Parallelized
+
+class Parallelized(Protocol):
+    """What a checkpoint needs of ``compose.Parallelized`` (a protocol, so this module does not import compose):
+    the model, its mesh, its TP part (or None) and the parameters this rank trains."""
+
+    module: nn.Module
+    mesh: Any
+    tp: Any
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """The per-element optimizer states of AdamW and SGD (shaped like the parameter); ``step`` is a scalar."""

@@ -75,7 +75,9 @@ Gradient accumulation: ``no_sync()`` keeps the full gradients and skips the redu
 micro-batch (FSDP's ``no_sync``: less communication, full-size gradient memory); without it stages 2/3
 reduce-scatter every backward and add into the shard's gradient. FSDP2's per-parameter (dim-0) sharding is
 ``course_lib.parallel.fsdp2``, built on the same engine; the units and the flat layout are in ``zero_unit``,
-the sharded checkpoints in ``zero_checkpoint``.
+the sharded checkpoints in ``zero_checkpoint``, the byte accounting (``model_state_bytes``,
+``comm_bytes_per_step``) in ``zero_accounting``, PyTorch's ``fully_shard`` as the oracle in ``fsdp_torch``; all
+are importable from here.
 
 Left out compared with FSDP2/DeepSpeed: meta-device initialisation (here every rank builds the full model once,
 then shards it), CUDA streams and rate limiting (CPU gloo runs collectives on its own threads), CPU offload,
@@ -84,7 +86,6 @@ hybrid sharding (HSDP).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -93,14 +94,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
 from course_lib import comm
 from course_lib.model import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
+from course_lib.parallel.fsdp_torch import TorchFullyShard, train_fsdp2
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.zero_accounting import comm_bytes_per_step, model_state_bytes
 from course_lib.parallel.zero_checkpoint import (
     CHECKPOINT_FORMAT,
     load_checkpoint,
@@ -108,7 +110,7 @@ from course_lib.parallel.zero_checkpoint import (
     load_into_model,
     save_checkpoint,
 )
-from course_lib.parallel.zero_unit import FlatLayout, FlatParamUnit, shard_bounds
+from course_lib.parallel.zero_unit import FlatLayout, FlatParamUnit, default_units, shard_bounds
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
 
 __all__ = [
@@ -133,13 +135,7 @@ __all__ = [
 DEFAULT_TRAIN = TrainConfig()
 
 # ----------------------------------------------------------------------------------------------------------------
-# The engine: units, hooks, the step
-
-
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """Units bottom-up: one per transformer block (``model.blocks``), then the root for everything else."""
-    blocks = getattr(model, "blocks", None)
-    return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
+# The engine: hooks, the step
 
 
 class ZeroDataParallel(ParallelWrapper):
@@ -346,76 +342,8 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
-def model_state_bytes(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Live bytes of model states on this rank, by ZeRO's categories, summing the storages that exist now.
-
-    * ``parameters``: the compute-dtype weights: the full flat buffers (0 bytes while resharded) and, when the
-      shard *is* the weights (fp32), the shards;
-    * ``gradients``: the module parameters' ``.grad`` (views of the flat gradient buffers) and the shards' grads;
-    * ``optimizer_state``: every tensor in ``optimizer.state`` (Adam's m and v, the ``step`` counters) and the
-      fp32 master shards under mixed precision (memory.py's convention: the master copy is part of K).
-
-    A storage is counted once (views share it), in the first category that claims it. Transient buffers of
-    the collectives (a bf16 cast of a shard) are not model states and are not counted."""
-    seen: set[int] = set()
-
-    def total(tensors: Iterable[torch.Tensor | None]) -> int:
-        n = 0
-        for t in tensors:
-            if t is None:
-                continue
-            st = t.untyped_storage()
-            if st._cdata not in seen:
-                seen.add(st._cdata)
-                n += st.nbytes()
-        return n
-
-    fp32_weights = zdp.param_dtype == torch.float32
-    units = zdp.units
-    shards = [s for u in units for s in u.optimizer_params()]
-    params = total([t for u in units for t in u.weight_tensors()] + (shards if fp32_weights else []))
-    grads = total([p.grad for u in units for p in u.params] + [s.grad for s in shards])
-    opt_tensors = [] if fp32_weights else list(shards)
-    if optimizer is not None:
-        opt_tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return {"parameters": params, "gradients": grads, "optimizer_state": total(opt_tensors)}
-
-
-def comm_bytes_per_step(padded_numels: Sequence[int], world_size: int, stage: int,
-                        reshard_after_forward: bool | None = None, element_size: int = 4,
-                        rank: int = 0) -> dict[str, int]:
-    """Bytes rank ``rank`` sends per training step in this implementation, by collective (ring algorithm).
-
-    ``padded_numels``: the units' flat sizes in ``ZeroDataParallel.units`` order (the root last): multiples of
-    N in stages 1-3, so every ring chunk is equal and each all-gather or reduce-scatter of V bytes sends exactly
-    (N-1)/N V; stage 0 does not pad (the all-reduce's chunks may differ by one element: ``comm.ring_bytes``).
-    Stage 3 all-gathers every unit in forward, and again in backward every unit freed after forward
-    (``reshard_after_forward``: None = all but the root, True = all, False = none)."""
-    n = world_size
-
-    def sent(op: str, numels: Sequence[int]) -> int:
-        return sum(comm.ring_bytes(op, p, element_size, n, rank)[0] for p in numels)
-
-    out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-    if stage == 0:
-        out["all_reduce"] = sent("all_reduce", padded_numels)
-        return out
-    if stage not in (1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-    if any(p % n for p in padded_numels):
-        raise ValueError(f"padded sizes {list(padded_numels)} must be multiples of world_size={n}")
-    out["reduce_scatter"] = out["all_gather"] = sent("all_gather", padded_numels)
-    if stage == 3:
-        if reshard_after_forward is None:
-            again = padded_numels[:-1]
-        else:
-            again = padded_numels if reshard_after_forward else []
-        out["all_gather"] += sent("all_gather", again)
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Training loops: ours, and PyTorch's FSDP2 as the second oracle
+# The training loop (PyTorch's FSDP2 as the second oracle: ``fsdp_torch.train_fsdp2``)
 
 
 @dataclass
@@ -480,44 +408,3 @@ def train_zero(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEF
     result.params = full_params(model) if stage < 3 and param_dtype == torch.float32 else zdp.full_state_dict()
     result.peak = dict(zdp.peak_bytes)
     return result
-
-
-class TorchFullyShard(ParallelWrapper):
-    """PyTorch's FSDP2 behind the wrapper contract: ``fully_shard`` on every block, then on the root, over a
-    1-D device mesh of the group's ranks on the rank's device type. Parameters become DTensors sharded on dim 0
-    (per parameter, not flat); gradients are reduce-scattered and divided by N, like ours."""
-
-    axes = ("dp", "cp")
-
-    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
-                 reshard_after_forward: bool | None = None) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        super().__init__(module, mesh=mesh, group=group)
-        device_type = next(module.parameters()).device.type
-        dmesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
-        for block in default_units(module)[:-1]:
-            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
-
-
-def train_fsdp2(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEFAULT_TRAIN,
-                reshard_after_forward: bool | None = None, *, accumulation: int = 1, mesh: HasGroups | None = None,
-                group: comm.Group = None, model_fn: ModelFn | None = None,
-                freeze: Sequence[str] = ()) -> TrainResult:
-    """The same training with PyTorch's FSDP2 (``TorchFullyShard``), the production API as a second oracle."""
-    model = build_model(cfg, tc.seed, model_fn, freeze)
-    fsdp = TorchFullyShard(model, mesh=mesh, group=group, reshard_after_forward=reshard_after_forward)
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
-    out = train_loop(fsdp, opt, cfg, tc, data_rank=fsdp.rank, data_size=fsdp.world_size, accumulation=accumulation)
-    params = {name: p.full_tensor().detach().float().cpu().clone() for name, p in model.named_parameters()}
-    return TrainResult(out.losses, params)

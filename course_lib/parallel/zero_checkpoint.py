@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.parallel.zero_unit import FlatLayout
-
-if TYPE_CHECKING:
-    from course_lib.parallel.zero import ZeroDataParallel
+from course_lib.parallel.zero_unit import FlatLayout, ShardedModel
 
 CHECKPOINT_FORMAT = "course_lib.zero/v1"
 
 
-def _require_flat(zdp: ZeroDataParallel) -> None:
+def _require_flat(zdp: ShardedModel) -> None:
     if not all(u.flat for u in zdp.units):
         raise ValueError("sharded checkpoints store flat-parameter units; per-parameter (FSDP2-style) units are not "
                          "supported: save zdp.full_state_dict() instead")
@@ -33,7 +30,7 @@ def _shard_file(path: Path, shard_rank: int, num_shards: int) -> Path:
     return path / f"shard_{shard_rank:05d}_of_{num_shards:05d}.pt"
 
 
-def save_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path, step: int) -> None:
+def save_checkpoint(zdp: ShardedModel, optimizer: torch.optim.Optimizer, path: str | Path, step: int) -> None:
     """Each rank writes only what it owns: its shard of every unit and the optimizer state of that shard.
 
     Layout of ``path``: ``metadata.json`` (rank 0: format, step, world size, stage, and per unit the parameter
@@ -111,7 +108,7 @@ def _check_units(meta: dict[str, Any], names: list[tuple[str, tuple[str, ...], t
                          f"{[(n, len(ps)) for n, ps, _ in saved]}, here {[(n, len(ps)) for n, ps, _ in names]}")
 
 
-def load_checkpoint(zdp: ZeroDataParallel, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
+def load_checkpoint(zdp: ShardedModel, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
     """Load a checkpoint saved by ``save_checkpoint`` at *any* data-parallel degree and stage into ``zdp``.
 
     Each rank computes its new range [lo, hi) of each unit and copies it from the old shards that overlap it

@@ -1,6 +1,7 @@
 """One ZeRO / FSDP unit: the parameters of one module in one flat buffer, sharded over the ranks (``FlatLayout``
 says which element of which parameter lives where and which rank owns it; ``FlatParamUnit`` gathers, frees,
-and reduces). ``course_lib.parallel.zero`` explains the design and runs the units from hooks.
+and reduces; ``default_units`` says which modules become units). ``course_lib.parallel.zero`` explains the design
+and runs the units from hooks.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,26 @@ class FlatLayout:
 
 # ----------------------------------------------------------------------------------------------------------------
 # One unit
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Units bottom-up: one per transformer block (``model.blocks``), then the root for everything else."""
+    blocks = getattr(model, "blocks", None)
+    return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
+
+
+class ShardedModel(Protocol):
+    """What the byte accounting (``zero_accounting``) and the checkpoints (``zero_checkpoint``) read of a
+    ``zero.ZeroDataParallel``: its units and how it shards them (so that neither imports the engine)."""
+
+    units: list[FlatParamUnit]
+    stage: int
+    param_dtype: torch.dtype
+    group: comm.Group
+    rank: int
+    world_size: int
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 class UnitState(Enum):

@@ -17,7 +17,7 @@ shrinks only to one head per rank: ``ceil(n_kv / t)`` heads, as ``memory.kv_cach
 
 **Replicas**: d ranks each with the full model serve 1/d of the requests, with no communication at all.
 
-The layers are chapter 04's (``course_lib.parallel.tp``): ``ColumnParallelLinear`` / ``RowParallelLinear`` /
+The layers are chapter 04's (``course_lib.parallel.tp_layers``): ``ColumnParallelLinear`` / ``RowParallelLinear`` /
 ``TensorParallelMLP`` built from the full ``nn.Linear`` layers of ``course_lib.model.GPT``; the K/V projections keep
 exactly the heads this rank reads (:meth:`TPDecodeEngine.kv_heads`), so the rank's cache holds only those.
 Embeddings, norms and the LM head stay replicated.
@@ -35,7 +35,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, Block, GPTConfig
-from course_lib.parallel.tp import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
+from course_lib.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 from course_lib.serving.engine import Engine, Segment, generate, sample
 from course_lib.serving.kv_cache import ContiguousKVCache, KVCache
 

@@ -36,7 +36,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
 from course_lib.cost import LINK_BANDWIDTH, collective_bytes_per_rank, collective_steps, collective_time
-from course_lib.memory import format_bytes as memory_format_bytes
+from course_lib.memory import format_bytes
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "Transfer",
     "bus_bandwidth_factor",
     "collective_cost_widget",
-    "format_bytes",
     "format_seconds",
     "plot_bytes_per_rank",
     "plot_collective_cost",
@@ -64,11 +63,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Units
-
-
-def format_bytes(n: float) -> str:
-    """``course_lib.memory.format_bytes`` with three significant digits: 4000000 -> '4 MB', 1500 -> '1.5 kB'."""
-    return memory_format_bytes(n, digits=3)
 
 
 def format_seconds(t: float) -> str:
@@ -354,7 +348,7 @@ def plot_collective_cost(op: str = "all_reduce", n: int = 8, links: Mapping[str,
         link = _as_link(name, links[name])
         t = collective_time(op, v, n, link.alpha, link.beta)
         ax.plot([v], [t], marker="*", ms=14, color="gold", mec="black", ls="none", zorder=4,
-                label=f"{format_bytes(v)} on {name}: {format_seconds(t)}", gid="highlight")
+                label=f"{format_bytes(v, digits=3)} on {name}: {format_seconds(t)}", gid="highlight")
     if loglog:
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -436,12 +430,13 @@ class CollectiveCostWidget(ControlPanel):
         b, v = self.breakdown, self.values()
         link = self.links[v["link"]]
         op, n = v["op"], v["world_size"]
+        nbytes, step_bytes, sent = (format_bytes(b[k], digits=3) for k in ("nbytes", "step_bytes", "bytes_per_rank"))
         return "\n".join([
-            f"{op} of {format_bytes(b['nbytes'])} on {n} ranks over {link.name}: {format_seconds(self.seconds)}",
-            f"  = {b['steps']:.0f} steps x (alpha {format_seconds(link.alpha)} + {format_bytes(b['step_bytes'])}"
+            f"{op} of {nbytes} on {n} ranks over {link.name}: {format_seconds(self.seconds)}",
+            f"  = {b['steps']:.0f} steps x (alpha {format_seconds(link.alpha)} + {step_bytes}"
             f" / beta {link.beta / 1e9:.3g} GB/s) = latency {format_seconds(b['latency'])}"
             f" + bandwidth {format_seconds(b['bandwidth'])}",
-            f"  each rank sends {format_bytes(b['bytes_per_rank'])}; algbw = V/t = {b['algbw'] / 1e9:.3g} GB/s, "
+            f"  each rank sends {sent}; algbw = V/t = {b['algbw'] / 1e9:.3g} GB/s, "
             f"busbw = algbw x {b['busbw_factor']:.3g} = {b['busbw'] / 1e9:.3g} GB/s (nccl-tests convention)",
         ])
 

@@ -27,8 +27,9 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from course_lib.cost import PEAK_FLOPS, collective_bytes_per_rank, collective_time, training_flops_per_token
+from course_lib.memory import format_bytes
 from course_lib.model import PRESETS, GPTConfig, block_params
-from course_lib.viz.comm import LINKS, Link, format_bytes, format_seconds
+from course_lib.viz.comm import LINKS, Link, format_seconds
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = ["CONTROL_DESCRIPTIONS", "DEGREES", "TPCostWidget", "TPLayerCost", "largest_compute_bound_t",
@@ -199,7 +200,7 @@ class TPCostWidget(ControlPanel):
         for c in self.costs:
             verdict = ("t does not divide n_head" if not c.valid else
                        "comm-bound" if c.comm_bound else "compute-bound")
-            rows.append(f"{c.t:>4}  {format_bytes(c.bytes_per_rank):>10}  {format_seconds(c.comm_s):>11}  "
+            rows.append(f"{c.t:>4}  {format_bytes(c.bytes_per_rank, digits=3):>10}  {format_seconds(c.comm_s):>11}  "
                         f"{format_seconds(c.compute_s):>13}  {verdict}")
         return "\n".join(head + rows)
 

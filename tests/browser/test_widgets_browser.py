@@ -24,8 +24,9 @@ except ImportError:  # a learner without the test extras; CI has them (and fails
                 allow_module_level=True)
 
 from course_lib.cost import collective_time
+from course_lib.memory import format_bytes
 from course_lib.viz.comm import CONTROL_DESCRIPTIONS as COMM
-from course_lib.viz.comm import FITTED, CollectiveCostWidget, collective_cost_widget, format_bytes
+from course_lib.viz.comm import FITTED, CollectiveCostWidget, collective_cost_widget
 from course_lib.viz.memory import CONTROL_DESCRIPTIONS as MEMORY
 from course_lib.viz.memory import MemoryBudgetWidget, memory_budget_widget
 from course_lib.viz.schedule import CONTROL_DESCRIPTIONS as BUBBLE
@@ -133,12 +134,13 @@ def _fitted_pattern(mirror: CollectiveCostWidget) -> str:
     numbers. Groups: t, unit, alpha, unit, beta GB/s, latency, unit, bandwidth, unit, algbw, busbw."""
     v, b = mirror.values(), mirror.breakdown
     ws = r"\s+"
+    nbytes, step_bytes, sent = (format_bytes(b[k], digits=3) for k in ("nbytes", "step_bytes", "bytes_per_rank"))
     return "".join([
-        r"^\s*", _literal(f"{v['op']} of {format_bytes(b['nbytes'])} on {v['world_size']} ranks over {FITTED}:"),
+        r"^\s*", _literal(f"{v['op']} of {nbytes} on {v['world_size']} ranks over {FITTED}:"),
         ws, _TIME, ws, _literal(f"= {b['steps']:.0f} steps x (alpha"), ws, _TIME, ws,
-        _literal(f"+ {format_bytes(b['step_bytes'])} / beta"), ws, _NUM, ws, _literal("GB/s) = latency"), ws, _TIME,
+        _literal(f"+ {step_bytes} / beta"), ws, _NUM, ws, _literal("GB/s) = latency"), ws, _TIME,
         ws, _literal("+ bandwidth"), ws, _TIME, ws,
-        _literal(f"each rank sends {format_bytes(b['bytes_per_rank'])}; algbw = V/t ="), ws, _NUM, ws,
+        _literal(f"each rank sends {sent}; algbw = V/t ="), ws, _NUM, ws,
         _literal(f"GB/s, busbw = algbw x {b['busbw_factor']:.3g} ="), ws, _NUM, ws,
         _literal("GB/s (nccl-tests convention)"), r"\s+\S[\s\S]*$",  # then the note: where the fit comes from
     ])

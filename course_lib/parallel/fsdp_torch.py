@@ -1,0 +1,63 @@
+"""PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the course's wrapper contract: the production
+API as a second oracle for ``course_lib.parallel.zero`` and ``course_lib.parallel.fsdp2``, run on the same units
+(every transformer block, then the root) and the same training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import comm
+from course_lib.model import GPTConfig
+from course_lib.parallel.contract import HasGroups, ParallelWrapper
+from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.zero_unit import default_units
+from course_lib.train import TrainConfig, TrainResult, make_optimizer
+
+__all__ = ["TorchFullyShard", "train_fsdp2"]
+
+
+class TorchFullyShard(ParallelWrapper):
+    """PyTorch's FSDP2 behind the wrapper contract: ``fully_shard`` on every block, then on the root, over a
+    1-D device mesh of the group's ranks on the rank's device type. Parameters become DTensors sharded on dim 0
+    (per parameter, not flat); gradients are reduce-scattered and divided by N, like ours."""
+
+    axes = ("dp", "cp")
+
+    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
+                 reshard_after_forward: bool | None = None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(module, mesh=mesh, group=group)
+        device_type = next(module.parameters()).device.type
+        dmesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
+        for block in default_units(module)[:-1]:
+            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+
+def train_fsdp2(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None,
+                reshard_after_forward: bool | None = None, *, accumulation: int = 1, mesh: HasGroups | None = None,
+                group: comm.Group = None, model_fn: ModelFn | None = None,
+                freeze: Sequence[str] = ()) -> TrainResult:
+    """The same training with PyTorch's FSDP2 (``TorchFullyShard``), the production API as a second oracle."""
+    tc = tc or TrainConfig()
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    fsdp = TorchFullyShard(model, mesh=mesh, group=group, reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+    out = train_loop(fsdp, opt, cfg, tc, data_rank=fsdp.rank, data_size=fsdp.world_size, accumulation=accumulation)
+    params = {name: p.full_tensor().detach().float().cpu().clone() for name, p in model.named_parameters()}
+    return TrainResult(out.losses, params)

@@ -1,0 +1,234 @@
+"""The pipeline executor: runs one rank's action list of a schedule (``course_lib.schedules``) for one batch, on
+real ranks, and records when each action ran.
+
+Transfers. The executor runs this rank's list of ``schedules.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
+an ``irecv`` that the compute action needing the data waits for; ``SEND_F`` / ``SEND_B`` post an ``isend`` waited
+for at the end of the step. A receive is posted one compute action ahead (as torch's runtime batches it with the
+previous action), so the message travels while this rank computes; posting it only when needed cost up to 150 ms
+of extra idle per message on a loaded 2-core machine. All go through ``course_lib.comm`` (logged). Every message
+is one activation (forward) or one activation gradient (backward) of shape [b, s, h], fp32, so per optimizer
+step (n = p v stages)::
+
+    messages   = 2 (n - 1) m  sends (and as many receives) over all ranks: n - 1 boundaries, both ways
+    bytes each = b * s * h * 4 = (B / m) * seq_len * d_model * 4
+
+With v = 1 that is 2 (p - 1) m; interleaving crosses (p v - 1) boundaries instead of (p - 1), about v times the
+point-to-point traffic, which is what buys its v times smaller bubble.
+
+Each compute action (F, B, and the split backward's I and W of ``pp_split``) records its start, end and the time
+it waited for its input (``TimedAction``); ``emulate=(t_f, t_b, t_w)`` makes each action also sleep that long (the
+emulated-device mode for timing lessons on a small CPU). ``pp_stages`` builds the plan and the stages,
+``course_lib.parallel.pp`` wraps them (``PipelineParallel``) and trains (``train_pp``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from course_lib import comm
+from course_lib.data import micro_batches
+from course_lib.model import lm_loss
+from course_lib.parallel.pp_split import backward_input, backward_weight
+from course_lib.parallel.pp_stages import PipelinePlan, Stage
+from course_lib.schedules import Action, Kind
+
+__all__ = ["LossFn", "PipelineExecutor", "StepRecord", "TimedAction"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One action as it ran: ``start``/``end`` in ``time.perf_counter`` seconds (transfers: when posted);
+    ``wait``: seconds spent waiting for the action's input (a receive) before ``start``."""
+
+    action: Action
+    start: float
+    end: float
+    wait: float = 0.0
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step on one rank: its actions as they ran, its communication, the unscaled loss of each
+    micro-batch (last stage only), and the step's wall-clock span including the optimizer."""
+
+    step: int
+    actions: list[TimedAction] = field(repr=False)
+    comm: list[comm.CommRecord] = field(repr=False)
+    losses: list[float]
+    start: float
+    end: float
+
+
+class PipelineExecutor:
+    """Runs this rank's action list for one batch: ``run(x, y)``. Subclass to change a piece (a test breaks
+    ``scale_loss`` on purpose). ``emulate=(t_f, t_b, t_w)`` adds that many seconds of sleep to each F, B, W
+    (I: t_b - t_w): the emulated-device mode for timing on a small CPU."""
+
+    def __init__(self, stages: dict[int, Stage], plan: PipelinePlan, rank: int, group: comm.Group = None,
+                 loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
+                 hidden_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> None:
+        self.stages, self.plan, self.rank, self.group = stages, plan, rank, group
+        self.loss_fn, self.emulate = loss_fn, emulate
+        self.actions = plan.actions[rank]
+        self.prefetch = True  # post each compute action's receives one compute action early
+        first = next(iter(stages.values()))
+        self.device = next(first.parameters()).device
+        self.dtype = dtype
+        if hidden_shape is None:  # a GPT block: one d_model vector per token
+            attn = getattr(next(iter(first.blocks.values()), None), "attn", None)
+            hidden_shape = (attn.q_proj.in_features,) if attn is not None else None
+        self.hidden_shape = tuple(hidden_shape) if hidden_shape is not None else None
+        """Each message's shape after [rows, tokens] (GPT: [d_model]); ``PipelineParallel`` sets it otherwise."""
+        self.grad_reduce: Callable[[int], None] | None = None
+        """What ``REDUCE_GRAD`` of a stage calls (``PipelineParallel`` sets it when it has a ``grad_group``)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
+        return loss / self.plan.m
+
+    def reduce_grad(self, stage: int) -> None:
+        """``REDUCE_GRAD``: the weight gradients of ``stage`` are complete; start their data-parallel reduction
+        (``grad_reduce(stage)``). A seam: a test skips it on purpose."""
+        if self.grad_reduce is not None:
+            self.grad_reduce(stage)
+
+    def _peer(self, stage: int) -> int:
+        return comm.global_rank(self.group, self.plan.rank_of(stage))
+
+    def _sleep(self, kind: Kind) -> None:
+        if self.emulate:
+            t_f, t_b, t_w = self.emulate
+            time.sleep({Kind.F: t_f, Kind.B: t_b, Kind.I: t_b - t_w, Kind.W: t_w}[kind])
+
+    def run(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[TimedAction]]:
+        """One pass of the schedule over the micro-batches of (x, y); gradients accumulate into ``.grad``.
+        Returns the unscaled micro-batch losses (on the rank of the last stage, else []) and the timeline."""
+        plan = self.plan
+        micro = micro_batches(x, y, plan.m)
+        self._shape = (x.shape[0] // plan.m, x.shape[1], *self.hidden_shape)  # every message: one [b, s, h] tensor
+        self._ctx: dict[tuple[int, int], dict[str, Any]] = {}
+        self._inbox: dict[tuple[Kind, int, int], tuple[torch.Tensor, Any]] = {}  # (F|B, j, stage) -> data, work
+        self._outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._losses: dict[int, float] = {}
+        actions, timed = self.actions, {}
+        for i, a in enumerate(actions):
+            if i in timed:
+                continue  # a receive already posted ahead of time
+            if not a.is_compute:
+                start = time.perf_counter()
+                self.reduce_grad(a.stage) if a.kind is Kind.REDUCE_GRAD else self._transfer(a)
+                timed[i] = TimedAction(a, start, time.perf_counter())
+                continue
+            if self.prefetch:  # post the next compute action's receives now: its data arrives while this one runs
+                k = i + 1
+                while k < len(actions) and not actions[k].is_compute:
+                    k += 1
+                for q in range(i + 1, k):
+                    if actions[q].kind in (Kind.RECV_F, Kind.RECV_B):
+                        start = time.perf_counter()
+                        self._transfer(actions[q])
+                        timed[q] = TimedAction(actions[q], start, time.perf_counter())
+            wait = self._wait_inputs(a)
+            start = time.perf_counter()
+            {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
+             Kind.W: self._backward_weight}[a.kind](a, micro)
+            self._sleep(a.kind)
+            timed[i] = TimedAction(a, start, time.perf_counter(), wait)
+        timeline = [timed[i] for i in range(len(actions))]
+        for work, _ in self._sends:
+            work.wait()
+        if self._inbox or self._outbox or self._ctx:
+            raise RuntimeError(f"rank {self.rank}: data left after the schedule (a schedule without every transfer?): "
+                               f"{sorted(self._inbox)} {sorted(self._outbox)} {sorted(self._ctx)}")
+        return [self._losses[j] for j in sorted(self._losses)], timeline
+
+    # -- transfers
+    def _transfer(self, a: Action) -> None:
+        j, s = a.microbatch, a.stage
+        if a.kind is Kind.RECV_F:
+            buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
+            self._inbox[Kind.F, j, s] = (buf, comm.irecv(buf, self._peer(s - 1), self.group))
+        elif a.kind is Kind.RECV_B:
+            buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
+            self._inbox[Kind.B, j, s] = (buf, comm.irecv(buf, self._peer(s + 1), self.group))
+        elif a.kind is Kind.SEND_F:
+            t = self._outbox.pop((Kind.F, j, s))
+            self._sends.append((comm.isend(t, self._peer(s + 1), self.group), t))
+        else:  # SEND_B
+            t = self._outbox.pop((Kind.B, j, s))
+            self._sends.append((comm.isend(t, self._peer(s - 1), self.group), t))
+
+    def _wait_inputs(self, a: Action) -> float:
+        """Wait for the receive the action needs (if any); return the seconds waited."""
+        key = (Kind.F, a.microbatch, a.stage) if a.kind is Kind.F else (Kind.B, a.microbatch, a.stage)
+        if a.kind is Kind.W or key not in self._inbox:
+            return 0.0
+        t0 = time.perf_counter()
+        data, work = self._inbox[key]
+        if work is not None:
+            work.wait()
+            self._inbox[key] = (data, None)
+        return time.perf_counter() - t0
+
+    def _deliver(self, kind: Kind, j: int, to_stage: int, tensor: torch.Tensor) -> None:
+        """Output of a compute action for stage ``to_stage``: same rank -> its inbox; else -> the SEND's outbox."""
+        if self.plan.rank_of(to_stage) == self.rank:
+            self._inbox[kind, j, to_stage] = (tensor, None)
+        else:
+            self._outbox[kind, j, to_stage - 1 if kind is Kind.F else to_stage + 1] = tensor  # key: the sender
+
+    # -- compute
+    def _forward(self, a: Action, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        j, s = a.microbatch, a.stage
+        stage, ctx = self.stages[s], {}
+        if stage.is_first:
+            ctx["h"] = stage.embed(micro[j][0])  # its backward is weight work only (no input gradient)
+            x = ctx["h"].detach().requires_grad_(True)
+        else:
+            x = self._inbox.pop((Kind.F, j, s))[0].requires_grad_(True)
+        out = stage.body(x)
+        if stage.is_last:
+            loss = self.loss_fn(out, micro[j][1])
+            self._losses[j] = loss.item()
+            out = self.scale_loss(loss)
+        else:
+            self._deliver(Kind.F, j, s + 1, out.detach())
+        ctx["x"], ctx["out"] = x, out
+        self._ctx[j, s] = ctx
+
+    def _grad_output(self, j: int, s: int) -> torch.Tensor | None:
+        return None if self.stages[s].is_last else self._inbox.pop((Kind.B, j, s))[0]
+
+    def _backward(self, a: Action, micro: Any) -> None:
+        j, s = a.microbatch, a.stage
+        ctx = self._ctx.pop((j, s))
+        torch.autograd.backward(ctx["out"], self._grad_output(j, s))
+        if self.stages[s].is_first:
+            if "h" in ctx and ctx["h"].requires_grad:
+                ctx["h"].backward(ctx["x"].grad)
+        else:
+            self._deliver(Kind.B, j, s - 1, ctx["x"].grad)
+
+    def _backward_input(self, a: Action, micro: Any) -> None:
+        j, s = a.microbatch, a.stage
+        ctx, stage = self._ctx[j, s], self.stages[s]
+        dx, ctx["groups"] = backward_input(ctx.pop("out"), self._grad_output(j, s), ctx["x"], stage.body_parameters())
+        if stage.is_first:
+            ctx["dh"] = dx
+        else:
+            self._deliver(Kind.B, j, s - 1, dx)
+        del ctx["x"]
+
+    def _backward_weight(self, a: Action, micro: Any) -> None:
+        ctx = self._ctx.pop((a.microbatch, a.stage))
+        backward_weight(ctx["groups"])
+        if "h" in ctx and ctx["h"].requires_grad:
+            ctx["h"].backward(ctx["dh"])

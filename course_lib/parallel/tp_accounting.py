@@ -1,0 +1,108 @@
+"""Tensor parallelism on paper: the collectives of one training step and the bytes and activations they imply,
+for the ``TensorParallel`` wrapper of ``course_lib.parallel.tp`` with ``gpt_plan`` (checked against what
+``comm.recording()`` logs and what ``MemoryTracker`` measures in tests/test_tp.py).
+
+Per transformer block and rank, with V = b*s*h activation elements (ring bytes, ``comm``)::
+
+    TP       forward  2 all-reduces of V (after attention, after MLP)    backward  2 all-reduces of V (the f's)
+    TP + SP  forward  2 all-gathers + 2 reduce-scatters of V            backward  the same, reversed
+
+An all-reduce is a reduce-scatter plus an all-gather, so both rows move 4 x 2(t-1)/t x V bytes a block and step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from course_lib.model import GPTConfig
+
+__all__ = ["PlannedCollective", "block_bytes_per_rank", "layer_activation_bytes_tp", "step_collectives"]
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    """One collective a TP step issues: ``op``, its ``tensor_bytes`` (``comm``'s V: the all-reduced tensor, the
+    gathered output, the reduce-scatter input), the ``phase`` and the layer that issues it."""
+
+    op: str
+    tensor_bytes: int
+    phase: Literal["forward", "backward", "sync"]
+    where: str
+
+
+def step_collectives(cfg: GPTConfig, batch: int, t: int, sequence_parallel: bool = False,
+                     element_bytes: int = 4) -> list[PlannedCollective]:
+    """Every collective of one training step of the GPT under ``TensorParallel`` with ``gpt_plan``, in call order.
+
+    With V = batch * seq_len * d_model * element_bytes:
+
+    * forward: the embedding's g (all-reduce V; SP: reduce-scatter V); per block attention and MLP each an
+      all-reduce of V (SP: all-gather V in, reduce-scatter V out); the LM head's f (nothing; SP: all-gather V);
+      the loss's 3 all-reduces of batch * seq_len fp32 scalars (max, target logit, sum of exponentials);
+    * backward, in reverse: LM head all-reduce V (SP: reduce-scatter), per block MLP then attention: an
+      all-reduce of V each (SP: all-gather then reduce-scatter), the embedding nothing (SP: all-gather V);
+    * sync: one all-reduce of every partial gradient (under SP the norms, learned positions and row biases;
+      replicated GQA K/V when t does not divide n_kv_head), when there is any.
+    """
+    n_tok = batch * cfg.seq_len
+    v = n_tok * cfg.d_model * element_bytes
+    sp = sequence_parallel
+    enter, leave = ("all_gather", "reduce_scatter") if sp else (None, "all_reduce")
+    enter_back, leave_back = ("reduce_scatter", "all_gather") if sp else ("all_reduce", None)
+    out: list[PlannedCollective] = []
+
+    def add(op: str | None, nbytes: int, phase: Literal["forward", "backward", "sync"], where: str) -> None:
+        if op is not None and t > 1:
+            out.append(PlannedCollective(op, nbytes, phase, where))
+
+    add(leave, v, "forward", "tok_emb")
+    for i in range(cfg.n_layer):
+        for part in ("attn", "mlp"):
+            add(enter, v, "forward", f"blocks.{i}.{part}")
+            add(leave, v, "forward", f"blocks.{i}.{part}")
+    add(enter, v, "forward", "lm_head")
+    for _ in range(3):
+        add("all_reduce", n_tok * 4, "forward", "loss")
+    add(enter_back, v, "backward", "lm_head")
+    for i in reversed(range(cfg.n_layer)):
+        for part in ("mlp", "attn"):
+            add(leave_back, v, "backward", f"blocks.{i}.{part}")
+            add(enter_back, v, "backward", f"blocks.{i}.{part}")
+    add(leave_back, v, "backward", "tok_emb")
+    h, hkv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    partial = 0
+    if sp:
+        norm = 2 * h if cfg.norm == "layernorm" else h
+        partial += (2 * cfg.n_layer + 1) * norm + (cfg.seq_len * h if cfg.pos == "learned" else 0)
+        partial += 2 * cfg.n_layer * h if cfg.bias else 0  # o_proj and fc2 biases
+    if cfg.kv_heads % t:
+        partial += cfg.n_layer * 2 * (h * hkv + (hkv if cfg.bias else 0))
+    if partial:
+        add("all_reduce", partial * element_bytes, "sync", "partial gradients")
+    return out
+
+
+def block_bytes_per_rank(batch: int, seq_len: int, d_model: int, t: int, element_bytes: int = 2) -> float:
+    """Bytes one rank sends per transformer block and training step, TP or TP+SP (the same): 4 collectives of
+    V = b*s*h*e -- 4 ring all-reduces 2(t-1)/t V, or 4 all-gathers + 4 reduce-scatters (t-1)/t V."""
+    return 4 * 2 * (t - 1) / t * batch * seq_len * d_model * element_bytes
+
+
+def layer_activation_bytes_tp(cfg: GPTConfig, micro_batch: int, t: int, sequence_parallel: bool = False,
+                              element_bytes: int = 4) -> float:
+    """Activation bytes one transformer block of *this* implementation saves for backward, per rank.
+
+    ``course_lib.memory.layer_activation_bytes(formula="adapted", tp=t, sp=...)`` (what the course's eager block
+    saves, Korthikanti et al.'s accounting with the /t parts split), plus, under SP, the all-gathered inputs of
+    the attention and MLP regions: the column-parallel linears save the gathered [b, s, h] input, not the shard,
+    2 e s b h (1 - 1/t) more. Megatron-LM saves the shard instead and all-gathers it again in backward (one more
+    all-gather per region) to reach the paper's (sbh/t)(34 + 5as/h). Checked against ``MemoryTracker``.
+    """
+    from course_lib.memory import layer_activation_bytes
+
+    base = layer_activation_bytes(cfg, micro_batch, cfg.seq_len, tp=t, sp=sequence_parallel, formula="adapted",
+                                  element_bytes=element_bytes)
+    if not sequence_parallel:
+        return base
+    return base + 2 * element_bytes * micro_batch * cfg.seq_len * cfg.d_model * (1 - 1 / t)

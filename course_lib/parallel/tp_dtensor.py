@@ -1,0 +1,104 @@
+"""PyTorch's own tensor parallelism, the second oracle of ``course_lib.parallel.tp``: the course's plan in DTensor's
+styles for ``parallelize_module`` (``dtensor_plan``) and a log of the collectives DTensor issues, in ``comm``'s
+records (``DTensorCommLog``), so that ``tp.train_dtensor_tp`` and ``tp.train_tp`` compare loss by loss,
+parameter by parameter and collective by collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from course_lib import comm
+from course_lib.model import GPTConfig
+
+__all__ = ["DTensorCommLog", "dtensor_plan"]
+
+
+def dtensor_plan(cfg: GPTConfig, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The same plan in DTensor's styles (torchtitan's Llama plan, adapted to the course's GPT).
+
+    ``PrepareModuleInput`` on the attention and MLP modules turns their input into one replicated DTensor that the
+    q/k/v (gate/up) projections share: one f (SP: one all-gather) per region, as ours. Without it each
+    ``ColwiseParallel`` linear converts its own plain input and backward all-reduces once per linear (3 + 1 per
+    GELU block instead of 2). Learned positions cannot be added to a sequence-sharded embedding output here (a
+    plain [T, h] table and a [B, T/t, h] shard), so SP needs ``pos="rope"``, as in torchtitan's models.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if sequence_parallel and cfg.pos == "learned":
+        raise ValueError("the DTensor plan with sequence parallelism needs pos='rope' (see dtensor_plan)")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn.q_proj": ColwiseParallel(),
+        "blocks.*.attn.k_proj": ColwiseParallel(),
+        "blocks.*.attn.v_proj": ColwiseParallel(),
+        "blocks.*.attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "blocks.*.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.mlp.fc1": ColwiseParallel(),
+        "blocks.*.mlp.fc2": RowwiseParallel(output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if cfg.mlp == "swiglu":
+        plan["blocks.*.mlp.gate"] = ColwiseParallel()
+    if sequence_parallel:
+        plan |= {"blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(),
+                 "norm_f": SequenceParallel()}
+    return plan
+
+
+_DTENSOR_OPS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                "_reduce_scatter_base_": "reduce_scatter"}
+
+
+class DTensorCommLog:
+    """Log the collectives DTensor issues, as ``comm.CommRecord``s (tensor_bytes by ``comm``'s convention: the
+    gathered output of an all-gather, the input of a reduce-scatter; ring bytes per rank; no timings).
+
+    A ``TorchDispatchMode`` sees each ``_c10d_functional`` / ``c10d`` op. Like DTensor's own ``CommDebugMode`` it
+    returns ``NotImplemented`` for ops on DTensors, so that DTensor first lowers them to local ops and
+    collectives, which the mode then sees (the vocab-parallel loss's all-reduces happen there).
+    """
+
+    def __init__(self, group_size: int, rank: int) -> None:
+        self.group_size, self.rank = group_size, rank
+        self.records: list[comm.CommRecord] = []
+
+    def __enter__(self) -> DTensorCommLog:
+        from torch.distributed.tensor import DTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        log = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented
+                out = func(*args, **(kwargs or {}))
+                name = func.__name__.split(".")[0]
+                if "c10d" in func.namespace and name in _DTENSOR_OPS:
+                    log._add(_DTENSOR_OPS[name], args[0][0] if isinstance(args[0], (list, tuple)) else args[0])
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def _add(self, op: str, t: torch.Tensor) -> None:
+        n = self.group_size
+        numel = t.numel() * (n if op == "all_gather" else 1)
+        sent, recv = comm.ring_bytes(op, numel, t.element_size(), n, self.rank)
+        self.records.append(comm.CommRecord(op, "dtensor", n, numel * t.element_size(), sent, recv, None))

@@ -1,0 +1,390 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3), each built from an existing
+single-process module by slicing its weights, so parity with that module holds by construction:
+
+* ``ColumnParallelLinear``: ``Y_i = X A_i``, the output features split (rows of ``nn.Linear``'s [out, in] weight);
+* ``RowParallelLinear``: ``Z = sum_i Y_i B_i``, the input features split, then g (all-reduce);
+* ``TensorParallelMLP``: column then row, one f in and one g out (GELU or SwiGLU);
+* ``TensorParallelAttention``: split by heads (GQA K/V split by heads when t divides n_kv_head, else replicated);
+* ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy``: the vocabulary split, the loss from the logit
+  shards with three all-reduces of b*s scalars instead of an all-gather of b*s*V logits;
+* ``SequenceParallelPositionEmbedding``: learned positions under sequence parallelism (Korthikanti et al. 2022).
+
+Every layer is a ``TensorParallelModule``: it declares which parameters are sharded (``sharded_dims``) and which
+replicated ones get partial gradients (``partial_grads``), what the ``TensorParallel`` wrapper of
+``course_lib.parallel.tp`` reads; ``enter``/``leave`` are the f/g (or SP all-gather/reduce-scatter) of
+``course_lib.parallel.tp_comm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import comm
+from course_lib.model import MLP, Attention, apply_rope, rope_cos_sin
+from course_lib.parallel.tp_comm import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+    split_along,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "SequenceParallelPositionEmbedding",
+    "TPError",
+    "TensorParallelAttention",
+    "TensorParallelMLP",
+    "TensorParallelModule",
+    "VocabParallelEmbedding",
+    "enter_tp_region",
+    "leave_tp_region",
+    "vocab_parallel_cross_entropy",
+]
+
+
+class TPError(ValueError):
+    """A shape that tensor parallelism of this degree cannot split (says what to change)."""
+
+
+def _size_rank(group: comm.Group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _divide(n: int, t: int, what: str) -> int:
+    if n % t:
+        raise TPError(f"{what}={n} is not divisible by the tensor-parallel degree t={t}: choose t among the "
+                      f"divisors of {n} ({', '.join(str(d) for d in range(1, n + 1) if n % d == 0)})")
+    return n // t
+
+
+def enter_tp_region(x: torch.Tensor, group: comm.Group, sequence_parallel: bool) -> torch.Tensor:
+    """Before column-parallel work: f (identity / all-reduce backward), or under SP the all-gather of the
+    sequence shards (reduce-scatter backward)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group)
+    return copy_to_tensor_parallel_region(x, group)
+
+
+def leave_tp_region(x: torch.Tensor, group: comm.Group, sequence_parallel: bool) -> torch.Tensor:
+    """After row-parallel work: g (all-reduce / identity backward), or under SP the reduce-scatter to sequence
+    shards (all-gather backward)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(x, group)
+    return reduce_from_tensor_parallel_region(x, group)
+
+
+class TensorParallelModule(nn.Module):
+    """What every layer here declares about its parameters.
+
+    ``sharded_dims``: local parameter name -> the dim along which it is split over the group (the rest are
+    replicated). ``partial_grads``: replicated parameters whose gradient on each rank is only a partial sum.
+    """
+
+    sharded_dims: dict[str, int]
+    partial_grads: set[str]
+
+    def __init__(self, group: comm.Group, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.tp_size, self.tp_rank = _size_rank(group)
+        self.sharded_dims, self.partial_grads = {}, set()
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Into the TP region: f, or the SP all-gather (``enter_tp_region``). A public seam."""
+        return enter_tp_region(x, self.group, self.sequence_parallel)
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """Out of the TP region: g, or the SP reduce-scatter (``leave_tp_region``). A public seam."""
+        return leave_tp_region(y, self.group, self.sequence_parallel)
+
+
+def _slice_rows(weight: torch.Tensor, start: int, stop: int, dim: int = 0) -> nn.Parameter:
+    return nn.Parameter(weight.detach().narrow(dim, start, stop - start).clone())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Linear layers
+
+
+class ColumnParallelLinear(TensorParallelModule):
+    """``Y_i = X A_i``: this rank's ``out_features / t`` output features (rows of the [out, in] weight).
+
+    ``enter_region``: apply f (or the SP all-gather) to the input; False when the caller already did (the
+    q/k/v or gate/up projections share one). ``gather_output``: all-gather the output features (the full Y on
+    every rank; off by default, a row-parallel layer or the vocab-parallel loss consumes the shards).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: comm.Group = None, *,
+                 gather_output: bool = False, sequence_parallel: bool = False, enter_region: bool = True) -> None:
+        super().__init__(group, sequence_parallel)
+        self.out_features_full, self.in_features = weight.shape[0] * self.tp_size, weight.shape[1]
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.gather_output, self.enter_region = gather_output, enter_region
+        self.sharded_dims = {"weight": 0} | ({"bias": 0} if bias is not None else {})
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: comm.Group = None, **kwargs: Any) -> ColumnParallelLinear:
+        """Keep this rank's rows of ``linear``'s full weight (and bias): parity with ``linear`` by construction."""
+        t, r = _size_rank(group)
+        n = _divide(linear.out_features, t, "out_features")
+        rows = (r * n, (r + 1) * n)
+        bias = _slice_rows(linear.bias, *rows).data if linear.bias is not None else None
+        return cls(_slice_rows(linear.weight, *rows).data, bias, group, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter_region:
+            x = self.enter(x)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features_full}/{self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(TensorParallelModule):
+    """``Z = sum_i Y_i B_i``: this rank's ``in_features / t`` input features (columns of the [out, in] weight),
+    then g (or the SP reduce-scatter). The bias is replicated and added once, after the reduction.
+
+    ``input_is_parallel``: the input already holds this rank's features (the output of a column-parallel layer);
+    False splits a replicated input first.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: comm.Group = None, *,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        self.out_features, self.in_features_full = weight.shape[0], weight.shape[1] * self.tp_size
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.input_is_parallel = input_is_parallel
+        self.sharded_dims = {"weight": 1}
+        if bias is not None and sequence_parallel:
+            self.partial_grads = {"bias"}  # added to this rank's sequence shard only
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: comm.Group = None, **kwargs: Any) -> RowParallelLinear:
+        """Keep this rank's columns of ``linear``'s full weight; the bias stays whole."""
+        t, r = _size_rank(group)
+        n = _divide(linear.in_features, t, "in_features")
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls(_slice_rows(linear.weight, r * n, (r + 1) * n, dim=1).data, bias, group, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y = self.leave(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features_full}/{self.tp_size}, out={self.out_features}, " \
+               f"sequence_parallel={self.sequence_parallel}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The MLP and attention
+
+
+class TensorParallelMLP(TensorParallelModule):
+    """The MLP column -> row: one f (or all-gather) in, one g (or reduce-scatter) out.
+
+    GELU: ``fc2(gelu(fc1(x)))``; SwiGLU: ``fc2(silu(gate(x)) * fc1(x))``, gate and up split alike so the product
+    stays local. Each rank holds d_ff/t hidden features.
+    """
+
+    def __init__(self, mlp: MLP, group: comm.Group = None, sequence_parallel: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        _divide(mlp.fc1.out_features, self.tp_size, "d_ff")
+        col = {"enter_region": False, "sequence_parallel": sequence_parallel}
+        self.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, **col)
+        self.gate = ColumnParallelLinear.from_linear(mlp.gate, group, **col) if mlp.gate is not None else None
+        self.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)
+        if self.gate is not None:
+            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TensorParallelAttention(TensorParallelModule):
+    """Causal attention split by heads: n_head/t query heads per rank, each with the K/V head it reads.
+
+    Query head j (global) reads K/V head ``kv_head_of(j) = j // (n_head / n_kv_head)`` (GQA, Ainslie et al. 2023;
+    MHA when n_kv_head = n_head). When t divides n_kv_head the K/V projections are split by heads too (rank r
+    holds K/V heads [r n_kv/t, (r+1) n_kv/t), exactly those its query heads read); otherwise they are replicated
+    in full (vLLM does the same for serving) and each rank picks the heads it needs: their weight gradients are
+    then partial sums, all-reduced over the group by ``TensorParallel.finish_gradient_sync``.
+    """
+
+    context: Any = None
+    """A ``cp.CPContext`` when context parallelism is composed on top (``parallel.compose``): each rank then holds
+    s/cp tokens, rotates them at their global positions and attends over the cp group, as Megatron's attention
+    core takes a ``cp_group``. None: the whole sequence is local."""
+
+    def __init__(self, attn: Attention, group: comm.Group = None, sequence_parallel: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        t, r = self.tp_size, self.tp_rank
+        self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
+        self.local_heads = _divide(attn.n_head, t, "n_head")
+        self.head_offset = r * self.local_heads
+        self.kv_sharded = attn.n_kv_head % t == 0
+        self.rope = attn.rope
+        col = {"enter_region": False, "sequence_parallel": sequence_parallel}
+        self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, **col)
+        if self.kv_sharded:
+            self.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, **col)
+            self.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, **col)
+            self.kv_offset = r * (attn.n_kv_head // t)
+        else:
+            self.k_proj, self.v_proj = _copy_linear(attn.k_proj), _copy_linear(attn.v_proj)
+            self.kv_offset = 0
+            self.partial_grads = {f"{p}.{n}" for p in ("k_proj", "v_proj") for n, _ in attn.k_proj.named_parameters()}
+        self.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sequence_parallel=sequence_parallel)
+        self.sharded_dims = {f"{m}.{n}": d for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+                             for n, d in getattr(getattr(self, m), "sharded_dims", {}).items()}
+
+    def kv_head_of(self, q_head: torch.Tensor) -> torch.Tensor:
+        """The (global) K/V head each (global) query head reads: q // (n_head / n_kv_head). A public seam."""
+        return q_head // (self.n_head // self.n_kv_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_head/t, T, d]
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, local K/V heads, T, d]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.rope:
+            q, k = self.rotary(q, k)
+        q_heads = torch.arange(self.head_offset, self.head_offset + self.local_heads, device=x.device)
+        kv_local = self.kv_head_of(q_heads) - self.kv_offset
+        if not bool(((kv_local >= 0) & (kv_local < k.shape[1])).all()):
+            raise RuntimeError(f"query heads {q_heads.tolist()} read K/V heads {(kv_local + self.kv_offset).tolist()},"
+                               f" but this rank holds K/V heads {self.kv_offset}..{self.kv_offset + k.shape[1] - 1}")
+        held = k.shape[1]
+        rep = self.local_heads // held if self.local_heads % held == 0 else 0
+        if rep and torch.equal(kv_local, torch.arange(held, device=x.device).repeat_interleave(rep)):
+            if rep > 1:  # the single-process model's contiguous GQA map (MHA: nothing to do)
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        else:  # replicated K/V (or another map): pick each query head's K/V head
+            k, v = k.index_select(1, kv_local), v.index_select(1, kv_local)
+        y = self.attend(q, k, v)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE at positions 0..T-1, or at the tokens' global positions when ``context`` is set. A seam."""
+        positions = None if self.context is None else self.context.local_positions()
+        cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, positions=positions)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's heads [B, heads/t, T, d]: over the local sequence, or, when
+        ``context`` is set, over the whole sequence held by the context-parallel group (its ring). A seam."""
+        if self.context is not None:
+            return self.context.attend(q.contiguous(), k.contiguous(), v.contiguous())
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _copy_linear(linear: nn.Linear) -> nn.Linear:
+    out = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+    out.load_state_dict(linear.state_dict())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Embedding and loss
+
+
+class VocabParallelEmbedding(TensorParallelModule):
+    """Rows ``[r V/t, (r+1) V/t)`` of the embedding table; ids outside the shard look up zeros, then g adds the
+    shards (each id lives in exactly one) -- or, under SP, a reduce-scatter leaves each rank its s/t tokens."""
+
+    def __init__(self, emb: nn.Embedding, group: comm.Group = None, sequence_parallel: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        n = _divide(emb.num_embeddings, self.tp_size, "vocab_size")
+        self.vocab_start, self.vocab_end = self.tp_rank * n, (self.tp_rank + 1) * n
+        self.num_embeddings = emb.num_embeddings
+        self.weight = _slice_rows(emb.weight, self.vocab_start, self.vocab_end)
+        self.sharded_dims = {"weight": 0}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.leave(out)
+
+
+class SequenceParallelPositionEmbedding(TensorParallelModule):
+    """Learned positions under SP: the full (replicated) table, but each rank adds the rows of its own s/t
+    positions, so the weight's gradient is a partial sum (all-reduced by the wrapper)."""
+
+    def __init__(self, emb: nn.Embedding, group: comm.Group = None) -> None:
+        super().__init__(group)
+        self.weight = nn.Parameter(emb.weight.detach().clone())
+        self.partial_grads = {"weight"}
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(split_along(positions, 0, self.group), self.weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token ``log sum_v exp(z_v) - z_target`` from vocab shards ``z`` [N, V/t]; three all-reduces of N fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                group: comm.Group) -> torch.Tensor:
+        z = logits.float()
+        zmax = z.max(dim=-1).values
+        comm.all_reduce(zmax, op=comm.ReduceOp.MAX, group=group)  # 1: global max, for stability
+        z = z - zmax.unsqueeze(-1)
+        local = target - vocab_start
+        mine = (local >= 0) & (local < z.shape[-1])
+        local = local.masked_fill(~mine, 0)
+        target_logit = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        comm.all_reduce(target_logit, group=group)  # 2: the target's logit, from the rank that holds it
+        exp = z.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, group=group)  # 3: the softmax denominator
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
+        ctx.in_dtype = logits.dtype
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))  # softmax - one_hot(target)
+        return (g * grad.unsqueeze(-1)).to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: comm.Group = None,
+                                 reduction: Literal["mean", "none"] = "mean") -> torch.Tensor:
+    """Cross-entropy from this rank's vocabulary shard of the logits [..., V/t], never gathering them.
+
+    With z the logits, m = max_v z_v (all-reduce MAX), the loss of a token is
+    ``log sum_v exp(z_v - m) - (z_target - m)``: the target logit comes from the one rank whose shard holds it
+    (all-reduce SUM of zeros elsewhere) and the sum of exponentials is summed over the shards (all-reduce SUM):
+    3 all-reduces of b*s fp32 scalars instead of an all-gather of b*s*V logits. The gradient of each shard is
+    ``softmax(z) - one_hot(target)`` restricted to the shard: no communication in backward.
+    (Megatron-LM's ``vocab_parallel_cross_entropy``; DTensor's ``loss_parallel``.)
+    """
+    r = dist.get_rank(group)
+    v_local = logits.shape[-1]
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match logits {tuple(logits.shape)} "
+                         f"(expected {tuple(logits.shape[:-1])})")
+    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, v_local), targets.reshape(-1), r * v_local,
+                                                 group)
+    if reduction == "none":
+        return per_token.view(targets.shape)
+    return per_token.mean()
