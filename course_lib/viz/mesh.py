@@ -11,7 +11,7 @@ from matplotlib.patches import Rectangle
 from course_lib import planner as P
 from course_lib.mesh import MeshShape
 from course_lib.model import PRESETS
-from course_lib.viz.panel import ControlPanel, figure_png
+from course_lib.viz.panel import ControlPanel, show_figures
 
 _COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
             "#CCB974", "#64B5CD"]
@@ -115,9 +115,7 @@ class PlannerWidget(ControlPanel):
         plot = draw_plan(self.result) if self.result and self.result.ranked else None
         best = self.result.ranked[0].candidate if plot else None
         mesh = draw_mesh(best.shape, ("tp",), cl.gpus_per_node) if best and best.shape.world_size <= 64 else None
-        for image, fig in ((self._img, plot), (self._mesh, mesh)):  # no empty image: no broken-image icon
-            image.value = figure_png(fig) if fig else b""
-            image.layout.display = None if fig else "none"
+        show_figures((self._img, plot), (self._mesh, mesh))
 
     @property
     def text(self) -> str:

@@ -29,6 +29,14 @@ def figure_png(fig: Figure, dpi: int = 80) -> bytes:
     return buf.getvalue()
 
 
+def show_figures(*pairs: tuple[W.Image, Figure | None]) -> None:
+    """Put each figure into its ``Image``; hide an image whose figure is None (no empty image: no broken-image
+    icon)."""
+    for image, fig in pairs:
+        image.value = figure_png(fig) if fig else b""
+        image.layout.display = None if fig else "none"
+
+
 KEYBOARD_HINT = ("Lists: click one (or press Alt+ArrowDown) to open it, then choose with the arrow keys and Enter."
                  " On a closed list JupyterLab keeps the arrow keys for moving between cells.")
 

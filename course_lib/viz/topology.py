@@ -13,7 +13,7 @@ from course_lib import topology
 from course_lib.mesh import MeshError, MeshShape
 from course_lib.model import PRESETS
 from course_lib.viz.mesh import _COLOURS, draw_mesh
-from course_lib.viz.panel import ControlPanel, figure_png
+from course_lib.viz.panel import ControlPanel, show_figures
 
 GROUP_COLOURS = {"tp": _COLOURS[0], "dp": _COLOURS[1], "pp": _COLOURS[2]}
 
@@ -101,9 +101,7 @@ class TopologyWidget(ControlPanel):
         self._out.value = f"<pre>{self.message}</pre>"
         plot = plot_cross_node(self.crossing, unit=1e9, unit_name="GB") if self.crossing else None
         mesh = draw_mesh(shape, ("tp",), v["gpus_per_node"]) if plot and shape.world_size <= 32 else None
-        for image, fig in ((self._img, plot), (self._mesh, mesh)):  # no empty image: no broken-image icon
-            image.value = figure_png(fig) if fig else b""
-            image.layout.display = None if fig else "none"
+        show_figures((self._img, plot), (self._mesh, mesh))
 
     @property
     def text(self) -> str:
