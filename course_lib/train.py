@@ -19,9 +19,10 @@ of Numerical Algorithms*, 2nd ed., section 4.2), so a correct candidate's error 
 n is the whole run's maximum, not each tensor's: after one step every gradient depends on every parameter, so the
 error is the run's, and where it shows is chance -- under AdamW a parameter whose gradient is ~0 turns its rounding
 into a step of ~lr x rounding / eps (the conditioning note below), and which of those elements the candidate's
-order hits hardest differs from the reference's (measured: one tensor 10x further from the reference than that
-tensor's own fp32 error, still 16x inside the run's). The floor, FLOOR_ULPS ulps of the value, covers a value whose
-rounding exceeds n by chance (a loss of ~5 has ulps of 5e-7). A plausible bug moves parameters by a fraction of an
+order hits hardest differs from the reference's (measured, expert parallelism with 2 micro-batches on AVX-512: an
+attention weight 5.4e-7 from the reference, 15x that tensor's own fp32 error of 3.7e-8, 1/16 of the run's n of
+8.7e-6). The floor, FLOOR_ULPS ulps of the value, covers a value whose rounding exceeds n by chance (a loss of ~5
+has ulps of 5e-7). A plausible bug moves parameters by a fraction of an
 update (lr x gradient, >= 1e-5 here), hundreds of tolerances: ``ParityReport.worst_ratio`` says how many.
 Comparisons that are not with a baseline (ours against PyTorch's, two layouts) pass the baseline's ``noise``; an
 explicit ``rtol``/``atol`` replaces the rule where a test states its own (0, 0: exact).
@@ -29,9 +30,9 @@ explicit ``rtol``/``atol`` replaces the rule where a test states its own (0, 0: 
 Conditioning, measured: Adam divides each gradient by its own running RMS, so a parameter whose true gradient is
 ~0 turns rounding noise into steps of size ~lr. The key bias of attention is such a parameter (softmax ignores a
 shift shared by all scores, so d loss / d k_bias = 0 exactly): with ``bias=True`` and AdamW at lr 1e-2 a *correct*
-data-parallel run differs from the baseline by 7.6e-5. The float64 run measures that too (n grows on such a
-tensor), but a tolerance that large would hide bugs there: parity runs use ``PARITY_MODEL`` (no biases) and AdamW at
-lr 1e-3 (the ``TrainConfig`` default), or SGD -- which also catches a missing 1/N that Adam would hide.
+data-parallel run differs from the baseline by 7.6e-5. The float64 run measures that too (n grows with it), but a
+tolerance that large would hide bugs: parity runs use ``PARITY_MODEL`` (no biases) and AdamW at lr 1e-3 (the
+``TrainConfig`` default), or SGD -- which also catches a missing 1/N that Adam would hide.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def test_checkpoint_resumed_on_another_mesh_equals_the_uninterrupted_run(name: s
     report = compare(ref.from_step(2), resumed)
     assert report.ok, f"{name}: {report}"
     uninterrupted = C.merge_composed(_results(4)["uninterrupted_dp4"])
-    assert compare(uninterrupted.from_step(2), resumed, noise=ref.from_step(2).noise).ok
+    assert compare(uninterrupted.from_step(2), resumed, noise=ref.noise).ok
 
 
 @pytest.mark.parity
