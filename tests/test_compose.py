@@ -199,6 +199,7 @@ def _outcome(results: list) -> str:
     return "PASS" if report.ok else str(report)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(PARITY_4))
 def test_composed_mesh_matches_one_process_at_4_ranks(name: str) -> None:
     acc = PARITY_4[name].get("accumulation", 1)
@@ -206,11 +207,13 @@ def test_composed_mesh_matches_one_process_at_4_ranks(name: str) -> None:
     assert report.ok, f"{name}: {report}"
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", ["tp2", "cp2"])
 def test_composed_mesh_matches_one_process_at_2_ranks(name: str) -> None:
     assert _outcome(_results(2)[name]) == "PASS"
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", OTHER_ORDER])
 def test_dp_tp_pp_2x2x2_on_8_ranks(order: str) -> None:
@@ -225,6 +228,7 @@ def test_dp_tp_pp_2x2x2_on_8_ranks(order: str) -> None:
     assert {"tp", "pp", "dp"} <= groups, groups  # every axis communicated, each over its own named group
 
 
+@pytest.mark.parity
 def test_expert_parallel_composes_with_data_parallel() -> None:
     ours = C.merge_composed(_results(4)["moe_dp4_ep2"])
     report = compare(_reference(SGD, MOE), ours)
@@ -234,11 +238,13 @@ def test_expert_parallel_composes_with_data_parallel() -> None:
     assert all(torch.equal(ours.params[n], library.params[n]) for n in library.params)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(MUTATIONS_4))
 def test_mutation_fails(name: str) -> None:
     assert _outcome(_results(4)[name]) != "PASS", f"the broken variant {name} still matches one process"
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_checkpoint_resumed_on_another_mesh_equals_the_uninterrupted_run(name: str) -> None:
     n_second = CHECKPOINTS[name][3]
@@ -248,12 +254,13 @@ def test_checkpoint_resumed_on_another_mesh_equals_the_uninterrupted_run(name: s
     else:
         resumed = C.merge_composed(_results(4)[f"resumed_{name}"])
     ref = _reference(TC4)
-    report = compare(TrainResult(ref.losses[2:], ref.params), resumed)
+    report = compare(ref.from_step(2), resumed)
     assert report.ok, f"{name}: {report}"
     uninterrupted = C.merge_composed(_results(4)["uninterrupted_dp4"])
-    assert compare(TrainResult(uninterrupted.losses[2:], uninterrupted.params), resumed).ok
+    assert compare(uninterrupted.from_step(2), resumed, noise=ref.noise).ok
 
 
+@pytest.mark.parity
 def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
     """Mutation: the same checkpoint without the optimizer state (AdamW starts afresh at step 2): the resumed run
     is another run, and the parity check says so."""
@@ -268,7 +275,7 @@ def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
         torch.save(part, broken / f.name)
     resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4, resume_from=str(broken)))
     ref = _reference(TC4)
-    assert not compare(TrainResult(ref.losses[2:], ref.params), resumed).ok
+    assert not compare(ref.from_step(2), resumed).ok
 
 
 @pytest.mark.parametrize("name", sorted(LIFECYCLE))
@@ -336,6 +343,7 @@ def test_zero_stage_2_is_refused_with_the_reason() -> None:
         launch(C.train_parallel, 1, CFG, TC, zero_stage=2)
 
 
+@pytest.mark.parity
 def test_parallelize_on_one_rank_is_the_model() -> None:
     """With every axis trivial, parallelize changes nothing: one process, the baseline's numbers."""
     report = compare(_reference(TC), C.merge_composed(launch(C.train_parallel, 1, CFG, TC)))

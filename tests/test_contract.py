@@ -153,6 +153,7 @@ def assert_parity(got: TrainResult, what: str, model: str = "gpt") -> None:
 WORLD_SIZES = [2, 4]
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", DATA_FORMS)
@@ -176,6 +177,7 @@ def test_no_sync_reduces_gradients_once_per_step(world_size):
         assert [r.op for r in two if r.op in reductions] == [r.op for r in one if r.op in reductions], name
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("model", ["gpt", "seq"])
@@ -210,6 +212,7 @@ def test_clear_errors(world_size):
                 assert got[name] and f"global rank {rank} is not a member" in got[name], (name, got[name])
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_wrappers_on_mesh_sub_groups():
     ranks = suite(4)

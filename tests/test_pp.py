@@ -38,7 +38,15 @@ from course_lib.data import global_batch, micro_batches
 from course_lib.launch import RankError, launch
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel import pp
-from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
+from course_lib.train import (
+    UNIT_ROUNDOFF,
+    TrainConfig,
+    TrainResult,
+    compare,
+    full_params,
+    make_optimizer,
+    train_baseline,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -158,11 +166,12 @@ def accumulated(cfg: GPTConfig, tc: TrainConfig, m: int) -> TrainResult:
 
 
 def exact(reference: TrainResult, candidate: TrainResult) -> None:
-    """Bit-for-bit equal parameters; losses up to the float32 rounding of their mean (torch averages in fp32)."""
+    """Bit-for-bit equal parameters; losses up to the float32 rounding of their mean (torch averages in fp32, the
+    reference adds Python floats): a few ulps of the loss, 4 u |loss| (u = 2^-24)."""
     report = compare(reference, candidate, rtol=0.0, atol=0.0)
     assert report.max_param_diff == 0.0 and not [p for p in report.problems if not p.startswith("losses")], \
         str(report)
-    assert report.max_loss_diff <= 1e-6, str(report)
+    assert report.max_loss_diff <= 4 * UNIT_ROUNDOFF * max(map(abs, reference.losses)), str(report)
 
 
 PARITY = [(p, name) for p in (2, 4) for name in SCHEDULES]
@@ -172,20 +181,22 @@ PARITY = [(p, name) for p in (2, 4) for name in SCHEDULES]
 # Parity
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(("p", "name"), PARITY)
 def test_every_schedule_matches_the_baseline(p, name):
     cfg = _config(p, SCHEDULES[name])
     report = compare(baseline(cfg, ADAMW), pp.merge_results(result(p, ("ours", name))))
     assert report.ok, str(report)
-    assert report.max_loss_diff < 1e-5 and len(report.problems) == 0
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(("p", "name"), PARITY)
 def test_every_schedule_equals_one_process_accumulating_the_same_micro_batches_bit_for_bit(p, name):
     cfg = _config(p, SCHEDULES[name])
     exact(accumulated(cfg, ADAMW, M), pp.merge_results(result(p, ("ours", name))))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(("p", "name"), PARITY)
 def test_torch_pipelining_on_the_same_stages_gives_the_same_bits(p, name):
     ours = pp.merge_results(result(p, ("ours", name)))
@@ -194,6 +205,7 @@ def test_torch_pipelining_on_the_same_stages_gives_the_same_bits(p, name):
     assert compare(baseline(_config(p, SCHEDULES[name]), ADAMW), theirs).ok
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_an_uneven_split_matches_the_baseline_and_torch(name):
     ours = result(2, ("ours", name, "uneven"))
@@ -218,6 +230,7 @@ def test_the_loss_is_reported_on_every_rank_and_params_keep_global_names():
     assert "tok_emb.weight" in two[0].params and "lm_head.weight" in two[1].params
 
 
+@pytest.mark.parity
 def test_without_dividing_the_loss_by_m_parity_fails():
     for opt, tc in (("sgd", SGD), ("adamw", ADAMW)):
         assert compare(baseline(CFG, tc), pp.merge_results(result(2, ("good", opt)))).ok
@@ -228,6 +241,7 @@ def test_without_dividing_the_loss_by_m_parity_fails():
     assert adamw.max_loss_diff < 1e-5 and adamw.max_param_diff > 1e-5 and not adamw.ok, str(adamw)
 
 
+@pytest.mark.parity
 def test_one_rank_runs_every_stage_in_process():
     """p = 1 (the launcher runs it in this process): stages hand over locally, no message at all."""
     for name, v in (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1)):
@@ -237,6 +251,7 @@ def test_one_rank_runs_every_stage_in_process():
         assert not [c for step in res.steps for c in step.comm]
 
 
+@pytest.mark.parity
 def test_two_pipelines_on_sub_groups_talk_to_global_ranks():
     ranks = result(4, ("pairs",))
     for pair in ((0, 2), (1, 3)):

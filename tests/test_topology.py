@@ -152,11 +152,12 @@ def test_prediction_alone_megatron_order_keeps_tp_inside():
 # ------------------------------------------------------------------------------------------------ DP x TP
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("order", [TP_FIRST, DP_FIRST])
 def test_cross_node_bytes_from_log_equal_prediction(runs, order):
     results = runs[order]
-    assert compare(train_baseline(CFG, TC), merge_composed(results)).ok  # a correct run (fp32, rtol 1e-5)
+    assert compare(train_baseline(CFG, TC), merge_composed(results)).ok  # a correct run (fp32, within the noise)
     check_dp_tp(results, order)
 
 
