@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'out of date' if args.check else 'wrote'}: {_shown(path)}")
     for path in kept:
         print(f"kept: {_shown(path)} has code edited since it was generated. To keep your work, copy it first"
-              " (make my-copy, then work in my_work/); to overwrite it, run make exercises FORCE=1.")
+              " (make my-copy, then work in my_work/exercises/); to overwrite it, run make exercises FORCE=1.")
     return 1 if (args.check and changed) or kept else 0
 
 
