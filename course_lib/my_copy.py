@@ -64,8 +64,17 @@ def _cells(path: Path) -> str | None:
     """The fingerprint of a notebook's cells, or None when it is not a readable notebook."""
     try:
         return fingerprint(nbformat.read(path, as_version=4))
-    except (OSError, ValueError, KeyError, AttributeError, nbformat.reader.NotJSONError):
+    except (OSError, ValueError, KeyError, AttributeError):  # NotJSONError is a ValueError
         return None
+
+
+def _read_record(path: Path) -> dict[str, str]:
+    """The fingerprints the copies were made with; an unreadable record counts as none (edits are still kept)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _move_flat_layout(dest: Path, repo: Path, report: Report) -> None:
@@ -84,7 +93,7 @@ def sync(dest: Path, repo: Path = REPO) -> Report:
     dest.mkdir(parents=True, exist_ok=True)
     _move_flat_layout(dest, repo, report)
     record_path = dest / RECORD
-    record: dict[str, str] = json.loads(record_path.read_text()) if record_path.exists() else {}
+    record = _read_record(record_path)
     for folder in FOLDERS:
         for source in sorted((repo / folder).glob("*.ipynb")):
             rel = f"{folder}/{source.name}"

@@ -103,6 +103,18 @@ def test_an_edited_exercise_is_kept_quietly_while_the_course_has_nothing_new(tmp
     assert "my_answer" in (work / "exercises" / "00_budgets.ipynb").read_text()
 
 
+def test_a_broken_record_or_notebook_never_costs_the_learners_file(tmp_path):
+    repo = _course(tmp_path)
+    work = repo / "my_work"
+    my_copy.sync(work, repo)
+    (work / my_copy.RECORD).write_text("not json")
+    (work / "exercises" / "00_budgets.ipynb").write_text("half-written")
+    _edit_first_code_cell(repo / "exercises" / "00_budgets.ipynb", "world_size = 8  # the course's new version")
+    report = my_copy.sync(work, repo)
+    assert (work / "exercises" / "00_budgets.ipynb").read_text() == "half-written"
+    assert report.updated == [] and report.copied == []
+
+
 def test_the_earlier_flat_copy_of_an_exercise_moves_where_its_links_work(tmp_path):
     repo = _course(tmp_path)
     work = repo / "my_work"
