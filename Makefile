@@ -62,23 +62,21 @@ $(STAMP): pyproject.toml
 torch-plan:
 	@$(TORCH_PLAN)
 
-## Open the course: JupyterLab on 127.0.0.1 with token authentication, serving the repository (notebooks/,
-## exercises/, your my_work/), at the start page: open the URL it prints.
-lab: $(STAMP)
-	@echo "==> JupyterLab on 127.0.0.1 only, token-protected; open the URL printed below: it opens notebooks/START_HERE.ipynb"
+## Open the course: JupyterLab on 127.0.0.1 with token authentication at the start page (open the URL it prints).
+## It serves your own copy, $(MY_WORK)/ (made or brought up to date first: see my-copy), never the tracked
+## notebooks: JupyterLab's autosave then cannot change a file `git pull` updates. The project's JupyterLab
+## settings (jupyter/lab/settings/overrides.json: no news or update toasts) are defaults; yours still win.
+lab: my-copy
+	@echo "==> JupyterLab on 127.0.0.1 only, token-protected, serving $(MY_WORK)/; open the URL printed below: it opens notebooks/START_HERE.ipynb there"
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) --ServerApp.open_browser=True \
-		--ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/notebooks/START_HERE.ipynb \
-		$(ALLOW_ROOT) $(LAB_ARGS)
+		--ServerApp.root_dir="$(abspath $(MY_WORK))" --LabApp.default_url=/lab/tree/notebooks/START_HERE.ipynb \
+		--LabApp.app_settings_dir="$(CURDIR)/jupyter/lab/settings" $(ALLOW_ROOT) $(LAB_ARGS)
 
-## Your own copy of the exercises in $(MY_WORK)/ (git ignores it): `git pull` and `make exercises` never touch it.
-## Run it again after a pull to get new chapters; a notebook you already have is kept as it is.
-my-copy:
-	@mkdir -p "$(MY_WORK)"
-	@for nb in exercises/*.ipynb; do \
-		name=$${nb#exercises/}; \
-		if [ -e "$(MY_WORK)/$$name" ]; then echo "kept (yours): $(MY_WORK)/$$name"; \
-		else cp "$$nb" "$(MY_WORK)/$$name" && echo "copied: $(MY_WORK)/$$name"; fi; \
-	done
+## Your own copy of the course in $(MY_WORK)/ (git ignores it): notebooks/ (the chapters) and exercises/ (your
+## answers). Run again (make lab does) after a `git pull`: new notebooks are copied, a notebook you only ran gets
+## the new version, one you edited is kept as it is (course_lib/my_copy.py).
+my-copy: $(STAMP)
+	$(PY) -m course_lib.my_copy --dest "$(MY_WORK)"
 
 ## Every test: lint, the library (pytest), the parity tests on generic kernels, the widgets in a real browser, every
 ## notebook (nbval). This is what CI runs.

@@ -4,8 +4,11 @@
 (b) no relative link in a notebook or the README points at a file that does not exist, and every chapter links to
     the chapter before it (START_HERE before 00), the one after it and its exercise notebook;
 (c) no word of the course's internal working notes reaches a learner;
-(d) every notebook names the kernel ``make setup`` installs, so it opens unmodified;
-(e) the nbval marker is the last line of its cell, after the code a learner reads.
+(d) every notebook names the kernel ``make setup`` installs and stores the ``language_info`` that kernel reports
+    (the exercises too: they are generated from the solutions), so it opens unmodified;
+(e) the nbval marker is the last line of its cell, after the code a learner reads;
+(f) no stored output is a stderr stream: a warning a learner would read on opening the notebook (and on the
+    course site) is fixed where it comes from, not committed.
 
 The rule of (a), precisely. Each compared cell has a tolerance: ``DEFAULT_TOLERANCE`` (the course's parity
 tolerance, 1e-5), or the value of the cell's metadata key ``"tolerance"``. With tolerance ``10**-k`` a printed
@@ -85,12 +88,23 @@ def _output_text(cell: dict) -> str:
     return "\n".join(parts)
 
 
+def stderr_outputs(nb: dict) -> list[str]:
+    """``cell N: <first line>`` for every stored stderr stream output of a notebook (as a dict)."""
+    found = []
+    for i, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                text = "".join(out.get("text") or []).strip()
+                found.append(f"cell {i}: {text.splitlines()[0][:120] if text else '(empty)'}")
+    return found
+
+
 def _compared_cells(nb: dict) -> list[tuple[int, dict]]:
     return [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and MARKER in _source(c)]
 
 
 def _rel(path: Path) -> str:
-    return str(path.relative_to(REPO))
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,6 +134,24 @@ def test_unstable_numbers_follows_the_tolerance():
     assert unstable_numbers("5.546", tolerance=1e-3) == []
     with pytest.raises(ValueError, match="tolerance"):
         unstable_numbers("1.0", tolerance=0)
+
+
+def test_stderr_rule_rejects_an_injected_stderr_output(tmp_path):
+    """A notebook written with a stderr output (as a kernel stores a warning) is rejected; stdout is not."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print('ok')", outputs=[nbformat.v4.new_output("stream", text="ok\n")]),
+                nbformat.v4.new_code_cell("import warnings", outputs=[nbformat.v4.new_output(
+                    "stream", name="stderr", text="findfont: Font family ['STIXGeneral'] not found.\n")])]
+    path = tmp_path / "injected.ipynb"
+    nbformat.write(nb, path)
+    assert stderr_outputs(_load(path)) == ["cell 1: findfont: Font family ['STIXGeneral'] not found."]
+    with pytest.raises(AssertionError, match="stderr"):
+        test_no_stderr_output(path)
+    nb.cells.pop()
+    nbformat.write(nb, path)
+    test_no_stderr_output(path)
 
 
 def test_links_rule(tmp_path):
@@ -167,6 +199,26 @@ def test_marker_is_the_last_line(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
 def test_kernelspec(path):
     assert _load(path)["metadata"].get("kernelspec") == KERNELSPEC
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_language_info_is_the_kernels(path):
+    """The keys and values ipykernel sends when JupyterLab connects; only the Python patch version may differ
+    (3.11.x: the course pins 3.11, not a patch release)."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    kernel = dict(IPythonKernel.language_info)
+    stored = dict(_load(path)["metadata"].get("language_info", {}))
+    assert stored.pop("version", "").split(".")[:2] == kernel.pop("version").split(".")[:2], \
+        f"{_rel(path)}: language_info has no Python 3.11 version"
+    assert stored == kernel, f"{_rel(path)}: language_info {stored} is not the kernel's {kernel}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_no_stderr_output(path):
+    found = stderr_outputs(_load(path))
+    assert not found, f"{_rel(path)}: stderr stored in the outputs (fix the warning at its source, then " \
+                      f"re-execute): {found}"
 
 
 @pytest.mark.parametrize("path", [*NOTEBOOKS, REPO / "README.md"], ids=_rel)

@@ -50,7 +50,8 @@ def strip_source(source: str) -> str:
 
 
 def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The exercise version of a solution notebook (a new object; the input is not modified)."""
+    """The exercise version of a solution notebook (a new object; the input is not modified): solution blocks
+    replaced, outputs and cell metadata (except tags) cleared, the notebook's kernelspec and language_info kept."""
     nb = nbformat.from_dict(solution)
     for cell in nb.cells:
         cell.metadata = {k: v for k, v in cell.metadata.items() if k == "tags"}  # drop execution timestamps
@@ -58,7 +59,10 @@ def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.source = strip_source(cell.source)
             cell.outputs = []
             cell.execution_count = None
-    nb.metadata = {"kernelspec": solution.metadata.get("kernelspec", {}), "language_info": {"name": "python"},
+    # language_info as the solution's kernel wrote it: with less, JupyterLab fills it in on opening and the
+    # exercise opens modified ("Save changes?" on closing an untouched notebook).
+    nb.metadata = {"kernelspec": solution.metadata.get("kernelspec", {}),
+                   "language_info": solution.metadata.get("language_info", {"name": "python"}),
                    "course": {**solution.metadata.get("course", {}), "kind": "exercise",
                               "generated": fingerprint(nb)}}
     return nb
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'out of date' if args.check else 'wrote'}: {_shown(path)}")
     for path in kept:
         print(f"kept: {_shown(path)} has code edited since it was generated. To keep your work, copy it first"
-              " (make my-copy, then work in my_work/); to overwrite it, run make exercises FORCE=1.")
+              " (make my-copy, then work in my_work/exercises/); to overwrite it, run make exercises FORCE=1.")
     return 1 if (args.check and changed) or kept else 0
 
 

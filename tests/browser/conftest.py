@@ -145,7 +145,7 @@ class JupyterLabServer:
     proc: subprocess.Popen
     url: str  # http://127.0.0.1:PORT/
     token: str
-    root: Path  # the server's root dir: a copy of notebooks/
+    root: Path  # the server's root dir: a copy of notebooks/ (or the folder given to _start_server)
     runtime: Path
     log: Path
     kernel_pids: set[int] = field(default_factory=set)
@@ -171,9 +171,11 @@ class JupyterLabServer:
         why = f"exited with code {code}" if code is not None else f"did not answer in {timeout_s:.0f} s"
         raise RuntimeError(f"JupyterLab {why}; the end of its log:\n" + self.log.read_text(errors="replace")[-4000:])
 
-    def api(self, method: str, path: str) -> Any:
-        req = urllib.request.Request(self.url + path.lstrip("/"), method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path.lstrip("/"), method=method, data=data,
+                                     headers={"Authorization": f"token {self.token}",
+                                              "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
             body = r.read()
         return json.loads(body) if body else None
@@ -203,14 +205,23 @@ def _write_lab_settings(settings: Path) -> None:
         (settings / rel).write_text(json.dumps(value))
 
 
-def _start_server(base: Path) -> JupyterLabServer:
-    """Start JupyterLab in ``base`` (a temp dir) and return at once (see :meth:`JupyterLabServer.wait_ready`)."""
+def _start_server(base: Path, root: Path | None = None, app_settings_dir: Path | None = None) -> JupyterLabServer:
+    """Start JupyterLab in ``base`` (a temp dir) and return at once (see :meth:`JupyterLabServer.wait_ready`).
+
+    By default it serves a copy of ``notebooks/`` with the test's own user settings (no news, no update checks).
+    ``root``: serve that folder instead; ``app_settings_dir``: JupyterLab's app settings dir (``make lab`` passes
+    the project's ``jupyter/lab/settings``), and then no user settings are written, so what the page shows is
+    what those settings give a learner."""
     dirs = {k: base / k for k in ("root", "runtime", "config", "data", "settings", "workspaces", "ipython")}
-    shutil.copytree(REPO / "notebooks", dirs["root"], ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    if root is None:
+        shutil.copytree(REPO / "notebooks", dirs["root"], ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    else:
+        dirs["root"] = root
     for k, d in dirs.items():
         if k != "root":
-            d.mkdir()
-    _write_lab_settings(dirs["settings"])
+            d.mkdir(parents=True)
+    if app_settings_dir is None:
+        _write_lab_settings(dirs["settings"])
     token = secrets.token_hex(24)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # the kernel runs as a learner's
     env.update(JUPYTER_TOKEN=token, JUPYTER_RUNTIME_DIR=str(dirs["runtime"]),
@@ -222,6 +233,8 @@ def _start_server(base: Path) -> JupyterLabServer:
            "--ServerApp.port_retries=0", f"--ServerApp.root_dir={dirs['root']}",
            f"--LabApp.user_settings_dir={dirs['settings']}", f"--LabApp.workspaces_dir={dirs['workspaces']}",
            "--LabApp.extension_manager=readonly"]  # no PyPI queries
+    if app_settings_dir is not None:
+        cmd.append(f"--LabApp.app_settings_dir={app_settings_dir}")
     if os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")
     with open(log, "wb") as out:
