@@ -22,7 +22,7 @@ CONFIGS = {
     "mha-learned": GPTConfig(seq_len=64),
     "gqa-rope-swiglu": GPTConfig(seq_len=64, n_kv_head=2, pos="rope", mlp="swiglu", norm="rmsnorm", bias=False),
 }
-COST = StepCost.for_model("llama3-8b", "H100_SXM", overhead_s=1e-3)
+COST = StepCost.for_model("llama3-8b", "H100 80GB", overhead_s=1e-3)
 
 
 @pytest.fixture(autouse=True)
