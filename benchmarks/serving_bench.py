@@ -40,7 +40,7 @@ def batching(n_requests: int, rate: float, seed: int) -> None:
     trace = poisson_trace(n_requests, rate, short_prompt=(4, 16), long_prompt=(32, 64), output=(2, 60), seed=seed)
     print(f"batching: {n_requests} requests, Poisson {rate:g}/s, max_batch 8, paged cache (blocks of 16)")
     print(f"{'clock':>11} {'policy':>11} {'tokens/s':>9} {'TTFT p99':>10} {'ITL p99':>9}")
-    for label, make_clock in (("simulated", lambda: SimClock(StepCost.for_model("llama3-8b", "H100_SXM",
+    for label, make_clock in (("simulated", lambda: SimClock(StepCost.for_model("llama3-8b", "H100 80GB",
                                                                                     overhead_s=1e-3))),
                               ("wall-clock", WallClock)):
         summaries = {}

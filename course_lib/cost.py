@@ -136,24 +136,6 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
     return mean_t - slope * mean_s, 1 / slope
 
 
-# Link bandwidths, bytes/s in ONE direction (what the alpha-beta beta means). Vendors often quote the sum of
-# both directions ("bidirectional"): halve it.
-LINK_BANDWIDTH: dict[str, float] = {
-    # NVIDIA H100 datasheet: NVLink 4 "900 GB/s" = 18 links x 50 GB/s, both directions together.
-    "nvlink4_h100": 900e9 / 2,
-    # NVIDIA A100 datasheet: NVLink 3 "600 GB/s" = 12 links x 50 GB/s, both directions together.
-    "nvlink3_a100": 600e9 / 2,
-    # PCI-SIG: PCIe 4.0 runs 16 GT/s per lane with 128b/130b encoding; x16 = 31.5 GB/s per direction.
-    "pcie4_x16": 16e9 * 16 * 128 / 130 / 8,
-    # PCI-SIG: PCIe 5.0 runs 32 GT/s per lane; x16 = 63 GB/s per direction.
-    "pcie5_x16": 32e9 * 16 * 128 / 130 / 8,
-    # NVIDIA ConnectX-7 / Quantum-2: InfiniBand NDR 400 Gb/s per port and direction (bits: divide by 8).
-    "infiniband_ndr": 400e9 / 8,
-    # NVIDIA ConnectX-6 / Quantum: InfiniBand HDR 200 Gb/s per port and direction.
-    "infiniband_hdr": 200e9 / 8,
-}
-
-
 # ----------------------------------------------------------------------------------------- FLOPs, MFU
 
 
@@ -184,17 +166,10 @@ def mfu(
 ) -> float:
     """Model FLOPs utilisation: model FLOPs per second achieved over the peak of the ``n_gpus`` devices.
 
-    ``tokens_per_s`` is the whole job's throughput; ``peak_flops`` one device's dense peak (``PEAK_FLOPS``).
-    Recomputation does not count (PaLM's definition), so MFU is comparable across recompute settings.
+    ``tokens_per_s`` is the whole job's throughput; ``peak_flops`` one device's dense peak
+    (``hardware.gpu(key).peak_flops``). Recomputation does not count (PaLM's definition), so MFU is comparable
+    across recompute settings.
     """
     if peak_flops <= 0 or n_gpus < 1:
         raise ValueError(f"need peak_flops > 0 and n_gpus >= 1, got {peak_flops}, {n_gpus}")
     return tokens_per_s * training_flops_per_token(n_params, n_layer, d_model, seq_len) / (n_gpus * peak_flops)
-
-
-# Dense bf16 tensor-core peaks, FLOP/s (NVIDIA datasheets quote twice these "with sparsity").
-PEAK_FLOPS: dict[str, float] = {
-    "A100": 312e12,  # A100 SXM/PCIe datasheet: BF16 312 TFLOPS (624 with sparsity)
-    "H100_SXM": 989e12,  # H100 SXM datasheet: BF16 1,979 TFLOPS with sparsity
-    "H200": 989e12,  # H200 SXM datasheet: BF16 1,979 TFLOPS with sparsity (same compute as H100 SXM)
-}

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from course_lib.model import PRESETS, GPTConfig, norm_params
-from course_lib.parallel.pp_layers import layer_split
+from course_lib.pp_layers import layer_split
 from course_lib.schedules import SCHEDULE_ALIASES, canonical_schedule
 
 __all__ = [

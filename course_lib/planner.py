@@ -25,30 +25,21 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from course_lib import cost
+from course_lib import cost, hardware
+from course_lib.hardware import GPU, Link
 from course_lib.memory import GiB, MemoryBudget, ParallelLayout, Recompute, params_per_rank, training_memory
 from course_lib.mesh import MeshError, MeshShape, divisors
 from course_lib.model import PRESETS, GPTConfig, block_params
 
 # ------------------------------------------------------------------------------------------------ hardware
 
-
-@dataclass(frozen=True)
-class Link:
-    """One direction of a link: ``alpha`` seconds of latency per message, ``beta`` bytes/s of bandwidth."""
-
-    alpha: float
-    beta: float
-
-    def time(self, op: cost.Collective, nbytes: float, n: int) -> float:
-        return cost.collective_time(op, nbytes, n, self.alpha, self.beta)
+H100 = hardware.gpu("H100 80GB")
+A100 = hardware.gpu("A100 80GB")
 
 
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    memory_bytes: float
-    peak_flops: float  # dense bf16
+def _time(link: Link, op: cost.Collective, nbytes: float, n: int) -> float:
+    """A collective of ``nbytes`` over ``n`` ranks on ``link``: the alpha-beta ring time of ``cost.collective_time``."""
+    return cost.collective_time(op, nbytes, n, link.alpha, link.beta)
 
 
 @dataclass(frozen=True)
@@ -71,19 +62,14 @@ class Cluster:
         return Cluster(self.name, nodes, self.gpus_per_node, self.gpu, self.intra, self.inter)
 
 
-H100 = GPU("H100 SXM 80GB", 80 * GiB, cost.PEAK_FLOPS["H100_SXM"])
-A100 = GPU("A100 SXM 80GB", 80 * GiB, cost.PEAK_FLOPS["A100"])
-
-NVLINK_H100 = Link(alpha=5e-6, beta=cost.LINK_BANDWIDTH["nvlink4_h100"])
-PCIE5 = Link(alpha=10e-6, beta=cost.LINK_BANDWIDTH["pcie5_x16"])
-IB_NDR = Link(alpha=15e-6, beta=cost.LINK_BANDWIDTH["infiniband_ndr"])
-ETHERNET_100G = Link(alpha=30e-6, beta=100e9 / 8 / 8)  # one 100 Gb/s NIC per node, shared by 8 GPUs
-
 CLUSTERS: dict[str, Cluster] = {
     # DGX H100: 8 GPUs on NVLink 4 (450 GB/s a direction), one InfiniBand NDR NIC (50 GB/s) per GPU.
-    "dgx-h100": Cluster("dgx-h100", 1, 8, H100, NVLINK_H100, IB_NDR),
-    # The same GPUs in PCIe servers on a commodity network: same GPU count, very different links.
-    "pcie-h100-ethernet": Cluster("pcie-h100-ethernet", 1, 8, H100, PCIE5, ETHERNET_100G),
+    "dgx-h100": Cluster("dgx-h100", 1, 8, H100, hardware.link("NVLink 4 (H100)"),
+                        hardware.link("InfiniBand NDR 400G")),
+    # The same GPUs in PCIe servers on a commodity network (one 100 Gb/s NIC per node, shared by its 8 GPUs):
+    # same GPU count, very different links.
+    "pcie-h100-ethernet": Cluster("pcie-h100-ethernet", 1, 8, H100, hardware.link("PCIe 5.0 x16"),
+                                  hardware.link("Ethernet 100G").shared_by(8)),
 }
 
 
@@ -214,7 +200,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     lay = cand.layout(global_batch)
     mem = training_memory(cfg, micro_batch=cand.micro_batch, seq_len=seq_len, recompute=cand.recompute,
                           layout=lay, headroom=assume.headroom)
-    fits = mem.total <= assume.usable_memory * cl.gpu.memory_bytes
+    fits = mem.total <= assume.usable_memory * cl.gpu.bytes
     shape, gpn, world = cand.shape, cl.gpus_per_node, cl.world_size
     link = {a: cl.inter if _spans_nodes(shape, a, gpn) else cl.intra for a in ("tp", "cp", "dp", "pp")}
     m = cand.microbatches(global_batch)
@@ -238,7 +224,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     tp_s = 0.0
     if cand.tp > 1:
         per_mb = (4 + (2 if cand.recompute == "full" else 0)) * layers_stage
-        tp_s = m * per_mb * link["tp"].time("all_reduce", b * s_local * h * 2, cand.tp)
+        tp_s = m * per_mb * _time(link["tp"], "all_reduce", b * s_local * h * 2, cand.tp)
 
     # CP: cp-1 ring steps of one K,V block (2 * b * s/cp * h_kv bf16) per layer, forward and twice backward,
     # hidden behind the attention of the block in flight
@@ -254,7 +240,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     if cand.ep > 1:
         routed = b * s_local * cfg.top_k * h * 2 / cand.tp
         ep_link = cl.inter if len({r // gpn for r in shape.group_ranks(0, "ep")}) > 1 else cl.intra
-        ep_s = m * 4 * layers_stage * ep_link.time("all_to_all", routed, cand.ep)
+        ep_s = m * 4 * layers_stage * _time(ep_link, "all_to_all", routed, cand.ep)
 
     # PP: the bubble (p-1)/m of the ideal time (1F1B), and one activation send per micro-batch and direction
     pp_s = bubble = 0.0
@@ -271,8 +257,8 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
         p_rank = sum(params_per_rank(cfg, lay).values())
         dense_link = cl.inter if len({r // gpn for r in shape.group_ranks(0, "dp", "cp")}) > 1 else cl.intra
         grad_bytes = p_rank * 2
-        reduce = dense_link.time("reduce_scatter", grad_bytes, n_dp)
-        gather = dense_link.time("all_gather", grad_bytes, n_dp)
+        reduce = _time(dense_link, "reduce_scatter", grad_bytes, n_dp)
+        gather = _time(dense_link, "all_gather", grad_bytes, n_dp)
         hide_b, hide_f = assume.grad_overlap * t_bwd_mb, assume.grad_overlap * t_fwd_mb
         if cand.zero == 3:  # gathers before every forward and backward of every micro-batch: 3 Psi in all
             dp_s = max(0.0, reduce - hide_b) + m * (max(0.0, gather - t_fwd_mb) + max(0.0, gather - t_bwd_mb))
@@ -291,7 +277,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
 
 def _reasons(p: Prediction, cl: Cluster, link: dict[str, Link]) -> list[str]:
     c, sec, step = p.candidate, p.seconds, p.step_s
-    out = [f"{p.memory.total / GiB:.1f} GiB of {cl.gpu.memory_bytes / GiB:.0f} GiB per GPU"
+    out = [f"{p.memory.total / GiB:.1f} GiB of {cl.gpu.bytes / GiB:.0f} GiB per GPU"
            + ("" if p.fits else " (does not fit)")]
     shares = sorted(((v / step, k) for k, v in sec.items() if k != "compute" and v > 0), reverse=True)
     if shares:

@@ -51,8 +51,8 @@ from course_lib.memory import ParallelLayout, params_per_rank
 from course_lib.mesh import MeshShape
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp import DataParallel
-from course_lib.parallel.pp_layers import layer_split
 from course_lib.parallel.tp import PlannedCollective, step_collectives
+from course_lib.pp_layers import layer_split
 
 NodeOf = Callable[[int], int]
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")

@@ -7,8 +7,6 @@ import pytest
 
 from course_lib import schedules
 from course_lib.cost import (
-    LINK_BANDWIDTH,
-    PEAK_FLOPS,
     bubble_fraction,
     bubble_ratio,
     collective_bytes_per_rank,
@@ -18,6 +16,7 @@ from course_lib.cost import (
     mfu,
     training_flops_per_token,
 )
+from course_lib.hardware import gpu
 
 # ------------------------------------------------------------------------------------------ pipelines
 
@@ -151,16 +150,6 @@ def test_fit_rejects_what_it_cannot_fit() -> None:
         fit_alpha_beta([1e3, 1e6], [1.0])
 
 
-def test_link_presets_are_per_direction() -> None:
-    GB = 1e9
-    assert LINK_BANDWIDTH["nvlink4_h100"] == 450 * GB
-    assert LINK_BANDWIDTH["nvlink3_a100"] == 300 * GB
-    assert LINK_BANDWIDTH["pcie4_x16"] == pytest.approx(31.5 * GB, rel=1e-3)
-    assert LINK_BANDWIDTH["pcie5_x16"] == pytest.approx(63.0 * GB, rel=1e-3)
-    assert LINK_BANDWIDTH["infiniband_ndr"] == 50 * GB
-    assert LINK_BANDWIDTH["infiniband_hdr"] == 25 * GB
-
-
 # ----------------------------------------------------------------------------------------- FLOPs, MFU
 
 
@@ -200,13 +189,9 @@ def test_training_flops_match_torch_flop_counter() -> None:
 
 def test_mfu_by_hand() -> None:
     # 1B parameters at 10k tokens/s on one A100: 6e13 FLOP/s of 312e12
-    assert mfu(1e4, 1e9, PEAK_FLOPS["A100"]) == pytest.approx(6e13 / 312e12)
-    assert mfu(8e4, 1e9, PEAK_FLOPS["H100_SXM"], n_gpus=8) == pytest.approx(6e13 / 989e12)
+    assert mfu(1e4, 1e9, gpu("A100 80GB").peak_flops) == pytest.approx(6e13 / 312e12)
+    assert mfu(8e4, 1e9, gpu("H100 80GB").peak_flops, n_gpus=8) == pytest.approx(6e13 / 989e12)
     with_attention = mfu(1e4, 1e9, 1e15, n_layer=24, d_model=2048, seq_len=2048)
     assert with_attention == pytest.approx(1e4 * (6e9 + 12 * 24 * 2048 * 2048) / 1e15)
     with pytest.raises(ValueError, match="peak_flops > 0"):
         mfu(1e4, 1e9, 0)
-
-
-def test_peak_presets() -> None:
-    assert PEAK_FLOPS == {"A100": 312e12, "H100_SXM": 989e12, "H200": 989e12}

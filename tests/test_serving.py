@@ -22,7 +22,7 @@ CONFIGS = {
     "mha-learned": GPTConfig(seq_len=64),
     "gqa-rope-swiglu": GPTConfig(seq_len=64, n_kv_head=2, pos="rope", mlp="swiglu", norm="rmsnorm", bias=False),
 }
-COST = StepCost.for_model("llama3-8b", "H100_SXM", overhead_s=1e-3)
+COST = StepCost.for_model("llama3-8b", "H100 80GB", overhead_s=1e-3)
 
 
 @pytest.fixture(autouse=True)
@@ -289,5 +289,5 @@ def test_serving_capacity_is_what_the_budget_leaves_for_the_kv_cache():
     assert p.max_sequences == int((p.capacity_bytes / 1.10 - fixed) // per_seq) > 0
     assert predict("llama3-70b", batch=1, context=4096, tp=1).max_sequences == 0  # 141 GB of weights
     assert p.memory_s == pytest.approx((b["weights"] + b["kv_cache"]) / 3.35e12)
-    with pytest.raises(ValueError, match="unknown serving GPU"):
-        predict("llama3-8b", "RTX 4090 24GB")
+    with pytest.raises(ValueError, match="unknown GPU 'H100_SXM'; the catalogue has"):
+        predict("llama3-8b", "H100_SXM")

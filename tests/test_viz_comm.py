@@ -16,12 +16,12 @@ from matplotlib.patches import Rectangle
 from matplotlib.text import Annotation
 
 from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
-from course_lib.cost import LINK_BANDWIDTH, collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.cost import collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.hardware import LINKS
 from course_lib.memory import format_bytes
 from course_lib.viz.comm import (
     CONTROL_DESCRIPTIONS,
     FITTED,
-    LINKS,
     CollectiveCostWidget,
     Measurement,
     bus_bandwidth_factor,
@@ -136,15 +136,6 @@ def test_cost_figure_with_custom_links_and_linear_axes() -> None:
     assert line.get_ydata()[0] == pytest.approx(1e-4)  # V = 0: one step of pure latency
     assert line.get_ydata()[-1] == pytest.approx(1e-4 + 0.5e6 / 1e9)
     assert ax.get_xscale() == "linear"
-
-
-def test_link_presets_come_from_cost_and_nccl() -> None:
-    assert LINKS["NVLink 4 (H100)"].beta == LINK_BANDWIDTH["nvlink4_h100"] == 450e9
-    assert LINKS["InfiniBand NDR 400G"].beta == LINK_BANDWIDTH["infiniband_ndr"] == 50e9
-    assert LINKS["PCIe 5.0 x16"].beta == pytest.approx(63.0e9, rel=2e-3)
-    assert [LINKS[k].alpha for k in ("NVLink 4 (H100)", "PCIe 4.0 x16", "InfiniBand HDR 200G")] == [3.4e-6, 5.7e-6,
-                                                                                                     14e-6]
-    assert all(link.source for link in LINKS.values())
 
 
 def test_bus_bandwidth_factors_and_formatting() -> None:

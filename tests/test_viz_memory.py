@@ -12,6 +12,7 @@ import ipywidgets as W
 import pytest
 from matplotlib.figure import Figure
 
+from course_lib.hardware import GPUS
 from course_lib.memory import (
     GB,
     ParallelLayout,
@@ -24,7 +25,6 @@ from course_lib.memory import (
 from course_lib.model import PRESETS, mlp_params, param_count
 from course_lib.viz.memory import (
     CONTROL_DESCRIPTIONS,
-    GPUS,
     MemoryBudgetWidget,
     memory_budget_widget,
     plot_budget,

@@ -10,14 +10,14 @@ matplotlib.use("Agg")
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib.cost import PEAK_FLOPS, collective_time
+from course_lib.cost import collective_time
+from course_lib.hardware import LINKS, Link, gpu
 from course_lib.model import PRESETS, block_params
 from course_lib.parallel.tp import block_bytes_per_rank
 from course_lib.viz import tp as vt
-from course_lib.viz.comm import LINKS
 
 NVLINK, PCIE, IB = LINKS["NVLink 4 (H100)"], LINKS["PCIe 4.0 x16"], LINKS["InfiniBand NDR 400G"]
-H100 = PEAK_FLOPS["H100_SXM"]
+H100 = gpu("H100 80GB").peak_flops
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -45,7 +45,7 @@ def test_t1_has_no_communication_and_bad_inputs_are_refused():
 
 def test_ratio_does_not_depend_on_tokens_when_bandwidth_dominates():
     """Compute and comm both grow with tokens: with latency removed, their ratio is the same at 1k and 64k."""
-    link = vt.Link("no latency", 0.0, NVLINK.beta)
+    link = Link("no latency", 0.0, NVLINK.beta, "a test link")
     cfg = PRESETS["llama3-70b"]
     ratios = [(c.compute_s / c.comm_s) for c in (vt.tp_layer_cost(cfg, n, 8, link, H100) for n in (1024, 65536))]
     assert ratios[0] == pytest.approx(ratios[1])

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from course_lib import memory
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_equal, expect_number, run_check
-from course_lib.viz.memory import GPUS
+from course_lib.hardware import GPUS
 
 GRADER_PARAMETERS = {"seed": 1}
 

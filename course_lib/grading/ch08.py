@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from course_lib import planner
+from course_lib import hardware, planner
 from course_lib import schedules as S
 from course_lib.data import global_batch, shard
 from course_lib.grading import core
@@ -165,7 +165,7 @@ TIME_RTOL = 0.10
 FLOPs (12 L h s per token) and counts the embedding, which costs none; the planner times the slowest (last)
 stage, head included; on the check's meshes the two differ by at most 7 %."""
 
-IDEAL_LINK = planner.Link(alpha=0.0, beta=float("inf"))
+IDEAL_LINK = hardware.Link("free", 0.0, float("inf"), "no latency, no bandwidth limit: an idealisation")
 """A link whose messages cost nothing: on it the planner's step time is its compute and its pipeline bubble."""
 
 

@@ -8,8 +8,9 @@
 * ``fsdp2``     FSDP2-style per-parameter (dim-0) sharding on the same engine
 * ``sharded_optimizer`` ZeRO-1 at the optimizer level (``ShardedOptimizer``, ``ZeroRedundancyOptimizer``'s shape)
 * ``pp``        pipeline parallelism (the ``PipelineParallel`` wrapper, schedules run on real ranks, ``train_pp``),
-  ``pp_stages`` the plan and the stages, ``pp_executor`` the executor of one rank's actions, ``pp_layers`` the one
-  layer-split rule, ``pp_split`` the I/W backward split, ``pp_balance`` stage balancing from measured costs
+  ``pp_stages`` the plan and the stages, ``pp_executor`` the executor of one rank's actions, ``pp_split`` the
+  I/W backward split, ``pp_balance`` stage balancing from measured costs (the layer-split rule they share with
+  ``memory`` is ``course_lib.pp_layers``)
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
 * ``tp``        tensor parallelism: the plan, the ``TensorParallel`` wrapper, ``train_tp``; ``tp_layers`` its
   layers (Megatron column/row parallel, attention by heads, MLP, vocab-parallel embedding and loss);

@@ -60,7 +60,6 @@ from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_f
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.parallel.pp_balance import LayerCosts, balance_stages, measure_layer_costs, stage_costs
 from course_lib.parallel.pp_executor import LossFn, PipelineExecutor, StepRecord, TimedAction
-from course_lib.parallel.pp_layers import layer_split, stage_layers
 from course_lib.parallel.pp_split import backward_input, backward_weight
 from course_lib.parallel.pp_stages import (
     SCHEDULES,
@@ -73,6 +72,7 @@ from course_lib.parallel.pp_stages import (
     plan_pipeline,
     shares_weights,
 )
+from course_lib.pp_layers import layer_split, stage_layers
 from course_lib.schedules import Schedule
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 

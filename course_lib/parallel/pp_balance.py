@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from course_lib.data import global_batch
 from course_lib.model import GPT, GPTConfig, lm_loss
-from course_lib.parallel.pp_layers import stage_layers
+from course_lib.pp_layers import stage_layers
 
 
 def stage_costs(costs: Sequence[float], split: Sequence[int], first_extra: float = 0.0,

@@ -13,7 +13,7 @@ from torch import nn
 
 from course_lib import schedules as S
 from course_lib.model import GPT, GPTConfig
-from course_lib.parallel.pp_layers import layer_split, stage_layers
+from course_lib.pp_layers import layer_split, stage_layers
 from course_lib.schedules import Schedule
 
 SCHEDULES: dict[str, str] = S.SCHEDULE_ALIASES

@@ -19,15 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from course_lib.cost import PEAK_FLOPS, collective_time
+from course_lib import hardware
+from course_lib.cost import collective_time
 from course_lib.memory import MemoryBudget, ParallelLayout, inference_memory, kv_cache_bytes, params_per_rank
 from course_lib.model import PRESETS, GPTConfig
-from course_lib.serving.roofline import MEM_BANDWIDTH
-from course_lib.viz.comm import LINKS
-from course_lib.viz.memory import GPUS
-
-SERVING_GPUS: dict[str, str] = {"A100 80GB": "A100", "H100 80GB": "H100_SXM", "H200 141GB": "H200"}
-"""Capacity (``viz.memory.GPUS``) -> peak FLOPs and bandwidth keys (``cost.PEAK_FLOPS``, ``MEM_BANDWIDTH``)."""
 
 QUANTISATION: dict[str, float] = {"bf16": 2, "int8": 1, "int4": 0.5}
 """Bytes per weight. The KV cache stays bf16 here (2 bytes) whatever the weights."""
@@ -62,28 +57,29 @@ class ServingPrediction:
 
 
 def predict(config: GPTConfig | str, gpu: str = "H100 80GB", *, batch: int = 1, context: int = 4096,
-            quant: str = "bf16", tp: int = 1, link: str = "NVLink 4 (H100)",
+            quant: str = "bf16", tp: int = 1, link: str | None = None,
             headroom: float = 0.10) -> ServingPrediction:
-    """Memory per GPU, max concurrent sequences and decode step time of ``config`` served with TP ``tp``."""
+    """Memory per GPU, max concurrent sequences and decode step time of ``config`` served with TP ``tp``.
+
+    ``gpu`` and ``link`` are keys of the hardware catalogue (``course_lib.hardware``); ``link=None`` is the
+    GPU's own link inside a server (``GPU.intra_link``: NVLink 4 for an H100)."""
     c = PRESETS[config] if isinstance(config, str) else config
-    if gpu not in SERVING_GPUS:
-        raise ValueError(f"unknown serving GPU {gpu!r}; choose one of {list(SERVING_GPUS)}")
+    card = hardware.gpu(gpu)
+    lk = hardware.link(card.intra_link if link is None else link)
     if quant not in QUANTISATION:
         raise ValueError(f"unknown quantisation {quant!r}; choose one of {list(QUANTISATION)}")
     wb = QUANTISATION[quant]
     budget = inference_memory(c, batch=batch, context_len=context, weight_bytes_per_param=wb, tp=tp,
                               headroom=headroom)
-    capacity = GPUS[gpu].bytes
+    capacity = card.bytes
     kv_seq = kv_cache_bytes(c, context, 1, 2, tp)
     fixed = budget["weights"] + budget["workspace"] + budget["communication"]
     max_seqs = max(0, math.floor((capacity / (1 + headroom) - fixed) / kv_seq))
-    key = SERVING_GPUS[gpu]
-    peak, bw = PEAK_FLOPS[key], MEM_BANDWIDTH[key]
+    peak, bw = card.peak_flops, card.mem_bandwidth
     n_rank = sum(params_per_rank(c, ParallelLayout(tp=tp)).values())
     flops = 2 * n_rank * batch + 4 * c.n_layer * c.d_model * context * batch / tp
     compute_s = flops / peak
     memory_s = (budget["weights"] + budget["kv_cache"]) / bw
-    lk = LINKS[link]
     comm_s = 2 * c.n_layer * collective_time("all_reduce", batch * c.d_model * 2, tp, lk.alpha, lk.beta) \
         if tp > 1 else 0.0
     step = max(compute_s, memory_s) + comm_s

@@ -27,12 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.cost import PEAK_FLOPS
+from course_lib import hardware
 from course_lib.memory import kv_cache_bytes
 from course_lib.model import PRESETS, GPTConfig, param_count
-
-# HBM bandwidth, bytes/s (NVIDIA datasheets): A100 80GB SXM 2,039 GB/s; H100 SXM 3.35 TB/s; H200 4.8 TB/s.
-MEM_BANDWIDTH: dict[str, float] = {"A100": 2.039e12, "H100_SXM": 3.35e12, "H200": 4.8e12}
 
 
 def ridge_point(peak_flops: float, mem_bandwidth: float) -> float:
@@ -74,13 +71,14 @@ class StepCost:
     label: str = ""
 
     @classmethod
-    def for_model(cls, config: GPTConfig | str, gpu: str = "H100_SXM", bytes_per_param: float = 2,
+    def for_model(cls, config: GPTConfig | str, gpu: str = "H100 80GB", bytes_per_param: float = 2,
                   overhead_s: float = 0.0) -> StepCost:
-        """The cost of ``config`` (a preset name or a config) on ``gpu`` (a key of ``MEM_BANDWIDTH``)."""
+        """The cost of ``config`` (a preset name or a config) on ``gpu`` (a key of ``hardware.GPUS``)."""
         c = PRESETS[config] if isinstance(config, str) else config
+        card = hardware.gpu(gpu)
         n = param_count(c)
         return cls(n, n * bytes_per_param, kv_cache_bytes(c, 1, kv_bytes=bytes_per_param), c.n_layer, c.d_model,
-                   PEAK_FLOPS[gpu], MEM_BANDWIDTH[gpu], overhead_s, f"{c.name} on {gpu}")
+                   card.peak_flops, card.mem_bandwidth, overhead_s, f"{c.name} on {card.name}")
 
     def flops(self, w: StepWork) -> float:
         return 2 * self.n_params * w.new_tokens + 4 * self.n_layer * self.d_model * w.attended

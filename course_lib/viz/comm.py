@@ -16,10 +16,9 @@ Two layers, as every module of ``course_lib.viz``:
   the widget shows; every control has a stable ``description`` (``CONTROL_DESCRIPTIONS``) for browser tests.
 
 The model (``course_lib.cost``): a collective runs ``steps`` messages one after the other, each costing
-``alpha + bytes_per_step / beta``. ``beta`` of the links is ``cost.LINK_BANDWIDTH`` (vendors' numbers, one
-direction). ``alpha`` is the per-step latency NCCL's own tuning model assumes for its ring with the Simple
-protocol (NVIDIA/nccl ``src/graph/tuning.cc``, table ``hwLat``: 3.4 us over NVLink, 5.7 us over PCIe, 14 us over
-the network); NCCL adds a fixed ~8 us per call (``baseLat``) that this model leaves out.
+``alpha + bytes_per_step / beta``. The links, their ``alpha`` (NCCL's per-step latency of a ring step) and
+``beta`` (vendors' bandwidth, one direction), come from the hardware catalogue ``course_lib.hardware.LINKS``,
+each with its source; NCCL adds a fixed ~8 us per call (``baseLat``) that this model leaves out.
 """
 
 from __future__ import annotations
@@ -35,17 +34,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
-from course_lib.cost import LINK_BANDWIDTH, collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.cost import collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.hardware import LINKS, Link
 from course_lib.memory import format_bytes
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
     "CONTROL_DESCRIPTIONS",
     "FITTED",
-    "LINKS",
     "OPS",
     "CollectiveCostWidget",
-    "Link",
     "Measurement",
     "RingSchedule",
     "Transfer",
@@ -76,33 +74,6 @@ def format_seconds(t: float) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # Links
 
-
-@dataclass(frozen=True)
-class Link:
-    """A link of the alpha-beta model: ``alpha`` seconds per step, ``beta`` bytes/s in one direction."""
-
-    name: str
-    alpha: float
-    beta: float
-    source: str = ""
-
-
-_NCCL_LAT = "per-step latency: NCCL src/graph/tuning.cc hwLat (ring, Simple protocol)"
-LINKS: dict[str, Link] = {link.name: link for link in (
-    Link("NVLink 4 (H100)", 3.4e-6, LINK_BANDWIDTH["nvlink4_h100"],
-         f"H100 datasheet: 900 GB/s both directions = 450 GB/s each way; {_NCCL_LAT}, NVLink 3.4 us"),
-    Link("NVLink 3 (A100)", 3.4e-6, LINK_BANDWIDTH["nvlink3_a100"],
-         f"A100 datasheet: 600 GB/s both directions = 300 GB/s each way; {_NCCL_LAT}, NVLink 3.4 us"),
-    Link("PCIe 5.0 x16", 5.7e-6, LINK_BANDWIDTH["pcie5_x16"],
-         f"PCI-SIG: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s each way; {_NCCL_LAT}, PCI 5.7 us"),
-    Link("PCIe 4.0 x16", 5.7e-6, LINK_BANDWIDTH["pcie4_x16"],
-         f"PCI-SIG: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s each way; {_NCCL_LAT}, PCI 5.7 us"),
-    Link("InfiniBand NDR 400G", 14e-6, LINK_BANDWIDTH["infiniband_ndr"],
-         f"ConnectX-7: 400 Gb/s per port and direction = 50 GB/s; {_NCCL_LAT}, network 14 us"),
-    Link("InfiniBand HDR 200G", 14e-6, LINK_BANDWIDTH["infiniband_hdr"],
-         f"ConnectX-6: 200 Gb/s per port and direction = 25 GB/s; {_NCCL_LAT}, network 14 us"),
-)}
-"""Link presets by name: vendors' bandwidths (``cost.LINK_BANDWIDTH``) and NCCL's per-step latencies."""
 
 FITTED = "this machine (fitted)"
 """Name of the link whose alpha and beta were fitted to this machine's measurements (gloo on CPU)."""
@@ -313,7 +284,7 @@ class Measurement:
 
 
 def _as_link(name: str, link: Link | tuple[float, float]) -> Link:
-    return link if isinstance(link, Link) else Link(name, float(link[0]), float(link[1]))
+    return link if isinstance(link, Link) else Link(name, float(link[0]), float(link[1]), "given as (alpha, beta)")
 
 
 def plot_collective_cost(op: str = "all_reduce", n: int = 8, links: Mapping[str, Link | tuple[float, float]] | None
@@ -322,7 +293,7 @@ def plot_collective_cost(op: str = "all_reduce", n: int = 8, links: Mapping[str,
                          points: int = 121, figsize: tuple[float, float] = (7.5, 4.2)) -> Figure:
     """Predicted time of ``op`` on ``n`` ranks against the tensor size V, one line per link, measured points on top.
 
-    ``links``: {name: Link or (alpha s, beta bytes/s)} (default: every preset of ``LINKS``); each becomes one
+    ``links``: {name: Link or (alpha s, beta bytes/s)} (default: every link of ``hardware.LINKS``); each becomes one
     ``Line2D`` of ``ax.lines`` (``gid = "link:<name>"``) whose y values are ``cost.collective_time``.
     ``measured``: one scatter of ``ax.collections`` (``gid = "measured:<label>"``) per :class:`Measurement` --
     pass only those of this op and n. ``highlight``: (link name, V) marks the prediction of one point (a

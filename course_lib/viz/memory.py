@@ -13,22 +13,24 @@ Two layers, as every module of ``course_lib.viz``:
   (or a notebook cell whose output nbval checks) can drive it without a browser. Every control has a stable
   ``description`` (listed in ``CONTROL_DESCRIPTIONS``) for browser tests.
 
-GPU capacities: vendors' "80GB" of HBM is 80 GiB (nvidia-smi shows an A100 80GB as 81920 MiB), so the lines sit
-at the nominal size x 2^30 bytes, printed in decimal GB like every other number of the course (80 GiB =
-85.9 GB). What a program can really allocate is a little less (the CUDA context, NCCL's own buffers, and what
-the driver keeps); the budgets' "headroom" category stands for that and for the allocator's fragmentation.
+GPU capacities come from the hardware catalogue (``course_lib.hardware.GPUS``): vendors' "80GB" of HBM is
+80 GiB, so the lines sit at the nominal size x 2^30 bytes, printed in decimal GB like every other number of the
+course (80 GiB = 85.9 GB). What a program can really allocate is a little less (the CUDA context, NCCL's own
+buffers, and what the driver keeps); the budgets' "headroom" category stands for that and for the allocator's
+fragmentation.
 """
 
 from __future__ import annotations
 
 import html
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as W
 from matplotlib.figure import Figure
 
+from course_lib import hardware
+from course_lib.hardware import GPU, GPUS
 from course_lib.memory import GB, GiB, MemoryBudget, ParallelLayout, inference_memory, training_memory
 from course_lib.model import PRESETS, GPTConfig
 from course_lib.viz.panel import ControlPanel, figure_png
@@ -36,8 +38,6 @@ from course_lib.viz.panel import ControlPanel, figure_png
 __all__ = [
     "CATEGORY_COLORS",
     "CONTROL_DESCRIPTIONS",
-    "GPU",
-    "GPUS",
     "MemoryBudgetWidget",
     "budget_for",
     "memory_budget_widget",
@@ -50,48 +50,13 @@ __all__ = [
 # GPUs and the verdict
 
 
-@dataclass(frozen=True)
-class GPU:
-    """A GPU model and its memory: ``nominal_gib`` as the vendor writes it ("80GB" HBM = 80 GiB)."""
-
-    name: str
-    nominal_gib: float
-
-    @property
-    def bytes(self) -> float:
-        return self.nominal_gib * GiB
-
-    @property
-    def gb(self) -> float:
-        """Capacity in decimal GB (80 GiB -> 85.9 GB)."""
-        return self.bytes / GB
-
-
-GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU("RTX 4090 24GB", 24),
-    GPU("A100 40GB", 40),
-    GPU("A100 80GB", 80),
-    GPU("H100 80GB", 80),
-    GPU("H200 141GB", 141),
-)}
-"""Common GPUs, smallest first: a consumer card and the data-centre ones the course discusses."""
-
-
-def _gpu(gpu: str | GPU) -> GPU:
-    if isinstance(gpu, GPU):
-        return gpu
-    if gpu not in GPUS:
-        raise ValueError(f"unknown GPU {gpu!r}; choose one of {list(GPUS)}")
-    return GPUS[gpu]
-
-
 def verdict(budget: Mapping[str, float], gpu: str | GPU = "H100 80GB") -> tuple[bool, str]:
     """(fits, text): does ``budget`` (bytes per GPU, headroom included) fit in ``gpu``, and by how much.
 
     "fits on H100 80GB: 61.68 GB of 85.90 GB, 24.22 GB to spare" or
     "does not fit on H100 80GB: needs 1810.5 GB, 21.1x its 85.90 GB".
     """
-    g = _gpu(gpu)
+    g = hardware.gpu(gpu)
     total = float(sum(budget.values()))
     if total <= g.bytes:
         return True, f"fits on {g.name}: {total / GB:.2f} GB of {g.gb:.2f} GB, {(g.bytes - total) / GB:.2f} GB to spare"
@@ -135,7 +100,7 @@ def plot_budget(budgets: Mapping[str, float] | Mapping[str, Mapping[str, float]]
     ``budgets``: one budget (a :class:`~course_lib.memory.MemoryBudget` or any {category: bytes}) or several
     ({bar label: budget}, e.g. {"estimate": est, "measured": dict(mt.category_peaks)}). Every bar gets one
     segment per category of the union of all budgets, in order; ``ax.containers[i]`` holds category ``i``'s
-    segments and its label is the category name. ``gpus``: capacity lines (default: every GPU of ``GPUS``;
+    segments and its label is the category name. ``gpus``: capacity lines (default: every GPU of ``hardware.GPUS``;
     ``()`` for none, e.g. for the tiny model). ``target``: the GPU of the verdict written above each bar
     (``None`` for none). ``unit``: "GB", "MB", ... (default: GB when GPUs are drawn, else picked from the
     largest bar). Uses ``matplotlib.figure.Figure`` directly: no pyplot state, nothing shown by itself.
@@ -146,8 +111,8 @@ def plot_budget(budgets: Mapping[str, float] | Mapping[str, Mapping[str, float]]
         bars: dict[str, Mapping[str, float]] = dict(budgets)  # type: ignore[arg-type]
     else:
         bars = {"per GPU": budgets}  # type: ignore[dict-item]
-    gpu_list = [_gpu(g) for g in (GPUS.values() if gpus is None else gpus)]
-    tgt = _gpu(target) if (target is not None and gpu_list) else None
+    gpu_list = [hardware.gpu(g) for g in (GPUS.values() if gpus is None else gpus)]
+    tgt = hardware.gpu(target) if (target is not None and gpu_list) else None
     cats: list[str] = []
     for b in bars.values():
         cats += [k for k in b if k not in cats]

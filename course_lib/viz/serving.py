@@ -19,9 +19,10 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from course_lib.hardware import GPUS
 from course_lib.memory import GB
 from course_lib.model import GPT, PRESETS, GPTConfig
-from course_lib.serving.budget import QUANTISATION, SERVING_GPUS, predict
+from course_lib.serving.budget import QUANTISATION, predict
 from course_lib.serving.engine import Engine
 from course_lib.serving.loadgen import poisson_trace
 from course_lib.serving.paged import PagedKVCache
@@ -93,7 +94,7 @@ class ServingBudgetPanel(ControlPanel):
         self.controls = {
             "model": W.Dropdown(options=[k for k in PRESETS if k != "tiny"], value=model, description="model",
                                 style=style),
-            "gpu": W.Dropdown(options=list(SERVING_GPUS), value=gpu, description="GPU", style=style),
+            "gpu": W.Dropdown(options=list(GPUS), value=gpu, description="GPU", style=style),
             "batch": W.BoundedIntText(value=32, min=1, max=4096, description="batch (sequences)", style=style,
                                       layout=W.Layout(width="200px")),
             "context": W.BoundedIntText(value=4096, min=1, max=131072, description="context (tokens)",
@@ -193,7 +194,7 @@ class TracePanel(ControlPanel):
         policy, budget = self.POLICIES[v["policy"]]
         requests = poisson_trace(self.n_requests, float(v["rate"]), short_prompt=(4, 16), long_prompt=(48, 64),
                                  output=(2, 48), seed=self.seed)
-        clock = SimClock(StepCost.for_model("llama3-8b", "H100_SXM", overhead_s=1e-3)) \
+        clock = SimClock(StepCost.for_model("llama3-8b", "H100 80GB", overhead_s=1e-3)) \
             if v["clock"] == "simulated" else WallClock()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

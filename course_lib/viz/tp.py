@@ -26,10 +26,12 @@ from typing import Any
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from course_lib.cost import PEAK_FLOPS, collective_bytes_per_rank, collective_time, training_flops_per_token
+from course_lib import hardware
+from course_lib.cost import collective_bytes_per_rank, collective_time, training_flops_per_token
+from course_lib.hardware import Link
 from course_lib.memory import format_bytes
 from course_lib.model import PRESETS, GPTConfig, block_params
-from course_lib.viz.comm import LINKS, Link, format_seconds
+from course_lib.viz.comm import format_seconds
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = ["CONTROL_DESCRIPTIONS", "DEGREES", "TPCostWidget", "TPLayerCost", "largest_compute_bound_t",
@@ -142,15 +144,15 @@ class TPCostWidget(ControlPanel):
     ``w.largest_t`` the largest t that is not communication-bound.
     """
 
-    def __init__(self, model: str = "llama3-70b", link: str = "NVLink 4 (H100)", gpu: str = "H100_SXM",
+    def __init__(self, model: str = "llama3-70b", link: str = "NVLink 4 (H100)", gpu: str = "H100 80GB",
                  tokens: int = 4096, mfu: float = 0.5, sequence_parallel: bool = False, draw: bool = True) -> None:
         super().__init__()
         self._draw = draw
         d, style = CONTROL_DESCRIPTIONS, {"description_width": "initial"}
         self.controls: dict[str, Any] = {
             "model": W.Dropdown(options=list(MODELS), value=model, description=d["model"], style=style),
-            "link": W.Dropdown(options=list(LINKS), value=link, description=d["link"], style=style),
-            "gpu": W.Dropdown(options=list(PEAK_FLOPS), value=gpu, description=d["gpu"], style=style),
+            "link": W.Dropdown(options=list(hardware.LINKS), value=link, description=d["link"], style=style),
+            "gpu": W.Dropdown(options=list(hardware.GPUS), value=gpu, description=d["gpu"], style=style),
             "tokens": W.Dropdown(options=[2 ** k for k in range(17)], value=tokens, description=d["tokens"],
                                  style=style),
             "mfu": W.FloatSlider(value=mfu, min=0.1, max=0.8, step=0.05, description=d["mfu"], style=style,
@@ -173,8 +175,8 @@ class TPCostWidget(ControlPanel):
 
     def update(self) -> None:
         v = self.values()
-        cfg, link = PRESETS[v["model"]], LINKS[v["link"]]
-        peak = PEAK_FLOPS[v["gpu"]]
+        cfg, link = PRESETS[v["model"]], hardware.link(v["link"])
+        peak = hardware.gpu(v["gpu"]).peak_flops
         self.costs = [tp_layer_cost(cfg, int(v["tokens"]), t, link, peak, float(v["mfu"]),
                                     sequence_parallel=bool(v["sequence_parallel"])) for t in DEGREES]
         self.largest_t = largest_compute_bound_t(self.costs)
@@ -189,9 +191,10 @@ class TPCostWidget(ControlPanel):
     @property
     def text(self) -> str:
         v = self.values()
-        cfg, link = PRESETS[v["model"]], LINKS[v["link"]]
+        cfg, link = PRESETS[v["model"]], hardware.link(v["link"])
         rule, why = rule_of_thumb(link)
-        hb = 6 * block_params(cfg) * link.beta / (8 * cfg.d_model * 2 * PEAK_FLOPS[v["gpu"]] * float(v["mfu"]))
+        peak = hardware.gpu(v["gpu"]).peak_flops
+        hb = 6 * block_params(cfg) * link.beta / (8 * cfg.d_model * 2 * peak * float(v["mfu"]))
         head = [f"{cfg.name} over {link.name}: modelled compute-bound up to t={self.largest_t} "
                 f"(bandwidth terms alone: comm = compute at t-1 = {hb:.3g})",
                 f"rule of thumb: t <= {rule} ({why}); at {v['tokens']} tokens per device the model "

@@ -38,9 +38,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
+from course_lib import hardware
 from course_lib.memory import GB, bytes_per_param, training_memory, zero_memory_per_device
 from course_lib.model import PRESETS, GPTConfig, param_count
-from course_lib.viz.memory import CATEGORY_COLORS, GPUS, PRECISION_OPTIONS, _gpu
+from course_lib.viz.memory import CATEGORY_COLORS, PRECISION_OPTIONS
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
@@ -145,7 +146,7 @@ def plot_zero_memory(psi: float, n_d: int, *, K: float = 12, param_bytes: float 
     ax, ax2 = fig.subplots(1, 2, width_ratios=[1.0, 1.25])
     parts = [zero_breakdown(psi, n_d, s, K, param_bytes, grad_bytes) for s in range(4)]
     totals = [sum(p.values()) for p in parts]
-    cap = _gpu(gpu).bytes if gpu else 0.0
+    cap = hardware.gpu(gpu).bytes if gpu else 0.0
     scale, unit = (GB, "GB") if max([*totals, cap]) >= 1e8 else (1e6, "MB")
     x = list(range(4))
     bottom = [0.0] * 4
@@ -162,7 +163,7 @@ def plot_zero_memory(psi: float, n_d: int, *, K: float = 12, param_bytes: float 
     if stage is not None:
         ax.get_xticklabels()[stage].set_fontweight("bold")
     if gpu:
-        g = _gpu(gpu)
+        g = hardware.gpu(gpu)
         ax.axhline(g.bytes / scale, color="black", lw=1.2)
         ax.annotate(f"{g.name}: {g.gb:.1f} GB", xy=(0.99, g.bytes / scale), xycoords=("axes fraction", "data"),
                     xytext=(0, 1.5), textcoords="offset points", ha="right", va="bottom", fontsize=7)
@@ -243,7 +244,7 @@ class ZeroMemoryWidget(ControlPanel):
                                      layout=W.Layout(width="330px")),
             "stage": W.ToggleButtons(options=[0, 1, 2, 3], value=3, description=d["stage"],
                                      style={"description_width": "initial", "button_width": "40px"}),
-            "gpu": W.Dropdown(options=list(GPUS), value="H100 80GB", description=d["gpu"], style=style,
+            "gpu": W.Dropdown(options=list(hardware.GPUS), value="H100 80GB", description=d["gpu"], style=style,
                               layout=W.Layout(width="220px")),
         }
         ctl = self.controls
@@ -282,7 +283,7 @@ class ZeroMemoryWidget(ControlPanel):
             self.table.value = ""
             return
         psi, n, stage = param_count(cfg), v["n_d"], v["stage"]
-        g = _gpu(v["gpu"])
+        g = hardware.gpu(v["gpu"])
         self.rows = []
         for s in range(4):
             parts = zero_breakdown(psi, n, s, pb.K, pb.params, pb.grads)

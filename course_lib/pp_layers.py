@@ -1,9 +1,10 @@
 """Which blocks each pipeline stage holds: the one rule the runtime (``course_lib.parallel.pp``) and the memory
-estimator (``course_lib.memory``) share.
+estimator (``course_lib.memory``) share. It stands outside ``parallel/`` so that the estimator, like the
+topology predictions, reads it without importing the runtime.
 
 n = p x v (virtual) stages of a model with L blocks: equal counts L / n by default -- ``course_lib.mesh``'s
 constraint "pp x v divides n_layer" -- or an explicit ``split`` (any counts >= 1 summing to L, e.g. from
-``pp_balance.balance_stages``). Stage s holds the contiguous blocks ``stage_layers(split)[s]``.
+``parallel.pp_balance.balance_stages``). Stage s holds the contiguous blocks ``stage_layers(split)[s]``.
 """
 
 from __future__ import annotations

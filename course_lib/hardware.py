@@ -1,0 +1,149 @@
+"""The hardware catalogue: every GPU and every link the course prices, one key each, each number with its source.
+
+Every module that needs a GPU's memory, peak or bandwidth, or a link's latency and bandwidth, reads it here: the
+memory budgets' verdicts (``viz.memory``, ``viz.zero``), the collective-cost and TP widgets (``viz.comm``,
+``viz.tp``), the planner (``planner``), the serving budget and roofline (``serving.budget``,
+``serving.roofline``). A key is the name the widgets show ("H100 80GB", "NVLink 4 (H100)"); :func:`gpu` and
+:func:`link` look one up and name every valid key when it is not there.
+
+What the numbers mean (the conventions every entry follows):
+
+* ``peak_flops``: the **dense** bf16 tensor-core peak, FP32 accumulate, FLOP/s. NVIDIA's tables print twice
+  these "with sparsity" (2:4 structured sparsity, which training does not use): the dense value is half.
+  ``fp8_flops``: the same for fp8 (None where the GPU has no fp8 tensor cores).
+* ``nominal_gib``: the memory as the vendor writes it, "80GB" of HBM being 80 GiB (nvidia-smi shows an
+  A100 80GB as 81920 MiB); ``bytes`` is that x 2^30, ``gb`` the same in decimal GB (80 GiB = 85.9 GB). A program
+  can allocate a little less (the CUDA context, NCCL's buffers): the budgets' headroom stands for it.
+* ``mem_bandwidth``: HBM (or GDDR) bandwidth, bytes/s, the vendor's peak.
+* A link's ``beta``: bytes/s in **one** direction. Vendors quote NVLink as the sum of both directions
+  ("900 GB/s bidirectional"): halved here. Network ports are quoted in bits per direction: divided by 8.
+* A link's ``alpha``: the latency of **one ring step**, in seconds, as NCCL's own cost model prices it
+  (NVIDIA/nccl ``src/graph/tuning.cc``, table ``hwLat``, ring algorithm, Simple protocol -- the one NCCL picks
+  for the large messages that gradients and activations are): 3.4 us over NVLink (NCCL uses one value for every
+  NVLink generation), 5.7 us over PCIe, 14 us over the network (InfiniBand and Ethernet/RoCE alike). A
+  collective of ``steps`` ring steps then costs ``steps * alpha + bytes_per_step * steps / beta``
+  (``cost.collective_time``). This alpha is neither the bare wire latency of one NVLink hop (well under 1 us)
+  nor the measured latency of a small all-reduce: NCCL adds a fixed ~8.4 us per call (``baseLat``, ring,
+  Simple), which this model leaves out, and switches small messages to its LL protocol (0.6 us a step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["GPU", "GPUS", "LINKS", "Link", "gpu", "link"]
+
+_GIB = 2**30
+_GB = 10**9
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU model: memory, dense peaks and memory bandwidth, where those numbers come from, and
+    ``intra_link``: the key of the link between two such GPUs of one server (its NVLink in a DGX/HGX board)."""
+
+    name: str
+    nominal_gib: int
+    peak_flops: float
+    fp8_flops: float | None
+    mem_bandwidth: float
+    intra_link: str
+    source: str
+
+    @property
+    def bytes(self) -> float:
+        """Memory in bytes: the nominal GiB x 2^30."""
+        return self.nominal_gib * _GIB
+
+    @property
+    def gb(self) -> float:
+        """Memory in decimal GB (80 GiB -> 85.9 GB)."""
+        return self.bytes / _GB
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link of the alpha-beta model: ``alpha`` seconds per ring step, ``beta`` bytes/s in one direction."""
+
+    name: str
+    alpha: float
+    beta: float
+    source: str
+
+    def shared_by(self, n: int) -> Link:
+        """The same link when ``n`` GPUs share it (one NIC per node of ``n`` GPUs): each gets beta / n."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"a link is shared by a whole number >= 1 of GPUs, got {n!r}")
+        return replace(self, name=f"{self.name}, shared by {n} GPUs", beta=self.beta / n)
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("RTX 4090 24GB", 24, 165.2e12, 330.3e12, 1008e9, "PCIe 4.0 x16",
+        "NVIDIA Ada Lovelace architecture whitepaper (v2.1), appendix table for the GeForce RTX 4090: BF16 tensor "
+        "165.2 TFLOPS with FP32 accumulate (330.4 sparse), FP8 330.3 with FP32 accumulate; 24 GB GDDR6X, "
+        "1,008 GB/s"),
+    GPU("A100 40GB", 40, 312e12, None, 1555e9, "NVLink 3 (A100)",
+        "NVIDIA A100 Tensor Core GPU datasheet, column A100 40GB SXM: BF16 312 TFLOPS (624 sparse), HBM2 "
+        "1,555 GB/s; no FP8 tensor cores (Ampere)"),
+    GPU("A100 80GB", 80, 312e12, None, 2039e9, "NVLink 3 (A100)",
+        "NVIDIA A100 Tensor Core GPU datasheet, column A100 80GB SXM: BF16 312 TFLOPS (624 sparse), HBM2e "
+        "2,039 GB/s; no FP8 tensor cores (Ampere)"),
+    GPU("H100 80GB", 80, 989e12, 1979e12, 3.35e12, "NVLink 4 (H100)",
+        "NVIDIA H100 Tensor Core GPU datasheet, column H100 SXM (the DGX/HGX H100 part; the PCIe card is slower): "
+        "BF16 1,979 TFLOPS and FP8 3,958 TFLOPS with sparsity, HBM3 3.35 TB/s"),
+    GPU("H200 141GB", 141, 989e12, 1979e12, 4.8e12, "NVLink 4 (H100)",
+        "NVIDIA H200 Tensor Core GPU datasheet, column H200 SXM: the H100's compute (BF16 1,979, FP8 3,958 TFLOPS "
+        "with sparsity), 141 GB HBM3e at 4.8 TB/s"),
+    GPU("B200 180GB", 180, 2.25e15, 4.5e15, 8e12, "NVLink 5 (B200)",
+        "NVIDIA HGX B200 and DGX B200 specifications (8 GPUs at 1,000 W): FP16/BF16 36 PFLOPS and FP8 72 PFLOPS "
+        "with sparsity, 1,440 GB HBM3e and 64 TB/s for the 8 GPUs -- per GPU 2.25 / 4.5 PFLOPS dense, 180 GB, 8 TB/s"),
+)}
+"""Every GPU of the course by its one key, smallest memory first: a consumer card and the data-centre parts."""
+
+
+_NCCL = "alpha: NCCL src/graph/tuning.cc hwLat, ring, Simple protocol"
+LINKS: dict[str, Link] = {lk.name: lk for lk in (
+    Link("NVLink 5 (B200)", 3.4e-6, 1800e9 / 2,
+         f"NVIDIA HGX B200 specifications: NVLink 5 1.8 TB/s per GPU, both directions = 900 GB/s each way; "
+         f"{_NCCL}, NVLink 3.4 us"),
+    Link("NVLink 4 (H100)", 3.4e-6, 900e9 / 2,
+         f"NVIDIA H100 datasheet: NVLink 4 900 GB/s (18 links x 50 GB/s), both directions = 450 GB/s each way; "
+         f"{_NCCL}, NVLink 3.4 us"),
+    Link("NVLink 3 (A100)", 3.4e-6, 600e9 / 2,
+         f"NVIDIA A100 datasheet: NVLink 3 600 GB/s (12 links x 50 GB/s), both directions = 300 GB/s each way; "
+         f"{_NCCL}, NVLink 3.4 us"),
+    Link("PCIe 5.0 x16", 5.7e-6, 32e9 * 16 * 128 / 130 / 8,
+         f"PCI-SIG PCIe 5.0 base specification: 32 GT/s x 16 lanes, 128b/130b encoding = 63 GB/s each way; "
+         f"{_NCCL}, PCI 5.7 us"),
+    Link("PCIe 4.0 x16", 5.7e-6, 16e9 * 16 * 128 / 130 / 8,
+         f"PCI-SIG PCIe 4.0 base specification: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s each way; "
+         f"{_NCCL}, PCI 5.7 us"),
+    Link("InfiniBand NDR 400G", 14e-6, 400e9 / 8,
+         f"NVIDIA ConnectX-7 / Quantum-2: InfiniBand NDR 400 Gb/s per port and direction = 50 GB/s; "
+         f"{_NCCL}, network 14 us"),
+    Link("InfiniBand HDR 200G", 14e-6, 200e9 / 8,
+         f"NVIDIA ConnectX-6 / Quantum: InfiniBand HDR 200 Gb/s per port and direction = 25 GB/s; "
+         f"{_NCCL}, network 14 us"),
+    Link("Ethernet 100G", 14e-6, 100e9 / 8,
+         f"IEEE 802.3 100GBASE (RoCE or TCP): 100 Gb/s per port and direction = 12.5 GB/s; "
+         f"{_NCCL}, network 14 us (NCCL prices every network alike; TCP sockets are slower still)"),
+)}
+"""Every link of the course by its one key: NVLink generations inside a node, PCIe, and networks between nodes."""
+
+
+def gpu(key: str | GPU) -> GPU:
+    """The catalogue's GPU ``key`` (a :class:`GPU` is returned as it is)."""
+    if isinstance(key, GPU):
+        return key
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {key!r}; the catalogue has {list(GPUS)}")
+    return GPUS[key]
+
+
+def link(key: str | Link) -> Link:
+    """The catalogue's link ``key`` (a :class:`Link` is returned as it is)."""
+    if isinstance(key, Link):
+        return key
+    if key not in LINKS:
+        raise ValueError(f"unknown link {key!r}; the catalogue has {list(LINKS)}")
+    return LINKS[key]
