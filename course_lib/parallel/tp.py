@@ -70,7 +70,7 @@ from course_lib.parallel.tp_comm import (
     scatter_to_tensor_parallel_region,
     split_along,
 )
-from course_lib.parallel.tp_dtensor import DTensorCommLog, dtensor_plan
+from course_lib.parallel.tp_dtensor import DTensorCommLog, dtensor_fsdp_tp_placements, dtensor_plan
 from course_lib.parallel.tp_layers import (
     TP_AXIS,
     ColumnParallelLinear,
@@ -107,6 +107,7 @@ __all__ = [
     "all_gather_along",
     "block_bytes_per_rank",
     "copy_to_tensor_parallel_region",
+    "dtensor_fsdp_tp_placements",
     "dtensor_plan",
     "enter_tp_region",
     "gather_from_sequence_parallel_region",
