@@ -12,7 +12,8 @@ norm, partial-gradient reduction and checkpoint cut driven by those records, on 
   TP, SP, CP, PP and EP; the gradient norm equals the former TP/EP formula (squares of the shards all-reduced,
   the replicated ones counted once); cutting a whole tensor again (the mesh checkpoint) gives this rank's
   piece exactly. The reduced gradients, gathered, equal one process's within 1e-5 relative (fp32 sums in
-  another order), and the ZeRO shard norm equals ``torch.nn.utils.clip_grad_norm_``'s within the same.
+  another order), and the global norm -- of ZeRO's flat shards, of DP, CP, DP x TP, and of pipeline stages
+  (summed over pp) -- equals ``torch.nn.utils.clip_grad_norm_``'s on one process within the same.
 * Mutations: a row-parallel weight recorded ``Shard(0)`` (the wrong dim), a norm's ``Partial()`` forgotten under
   SP, an expert list recorded nowhere: each makes a check fail.
 
@@ -220,16 +221,21 @@ def _zero_checks(ws: int, stage: int) -> dict:
 
 
 def _composed_checks(ws: int, **axes: int) -> dict:
-    init, _, _ = _reference(CFG)
+    init, _, ref_norm = _reference(CFG)
     mesh = Mesh(**axes)
     composed = Parallelized(GPT(CFG, 0), mesh, global_batch=BATCH, **({"microbatches": 2} if axes.get("pp") else {}))
     full = composed.full_parameters()
+    x, y = (shard(t, mesh.coord("dp"), mesh.size("dp")) for t in global_batch(0, BATCH, CFG.seq_len, 0))
+    composed.forward_backward(x, y)
+    composed.finish_gradient_sync()
+    norm = float(P.grad_norm(composed.module, mesh, disjoint=("pp",) if mesh.size("pp") > 1 else ()))
     held = {n for n, p in composed.module.named_parameters() if any(p is q for q in composed.parameters())}
     out = {"gather": all(torch.equal(t, init[n]) for n, t in full.items()), "names": sorted(full),
            "held": sorted(held) == sorted(full),
            "cut": all(torch.equal(_cut(composed, p, _gather(composed, p, p)), p.detach())
                       for p in composed.parameters()),
-           "cp_replicated": all(P.placement(p, "cp") == P.Replicate() for p in composed.module.parameters())}
+           "cp_replicated": all(P.placement(p, "cp") == P.Replicate() for p in composed.module.parameters()),
+           "norm_vs_torch": abs(norm - ref_norm) <= REL * ref_norm}
     return out
 
 
@@ -339,7 +345,7 @@ def test_dp_cp_pp_whole_parameters_and_cut(kind):
     names = sorted(dict(GPT(CFG, 0).named_parameters()))
     for rank in ranks:
         r = rank[kind]
-        assert r["gather"] and r["held"] and r["cut"] and r["cp_replicated"], r
+        assert r["gather"] and r["held"] and r["cut"] and r["cp_replicated"] and r["norm_vs_torch"], r
     if kind == "pp":  # two stages: every parameter on exactly one
         first, second = (set(rank["pp"]["names"]) for rank in ranks)
         assert not first & second and sorted(first | second) == names
@@ -352,7 +358,7 @@ def test_composed_on_four_ranks(kind):
     ranks = four()
     for rank in ranks:
         r = rank[kind]
-        assert r["gather"] and r["held"] and r["cut"], r
+        assert r["gather"] and r["held"] and r["cut"] and r["norm_vs_torch"], r
     names = set().union(*(rank[kind]["names"] for rank in ranks))
     assert sorted(names) == sorted(dict(GPT(CFG, 0).named_parameters()))
 
