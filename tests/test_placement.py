@@ -163,8 +163,9 @@ def _tp_checks(ws: int, sp: bool, tp_class: type[tp.TensorParallel] = tp.TensorP
     out["cut"] = all(torch.equal(P.shard_like(P.full_tensor(p, groups, p.grad), p, groups), p.grad)
                      for p in params.values())
     before = {n: p.grad.clone() for n, p in params.items()}
-    clipped = P.clip_grad_norm_(model.module, 0.5 * float(norm), groups)
-    coef = torch.clamp(0.5 * norm / (norm + 1e-6), max=1.0)
+    max_norm = 0.5 * float(norm)
+    clipped = P.clip_grad_norm_(model.module, max_norm, groups)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s coefficient
     out["clip"] = torch.equal(clipped, norm) and all(torch.equal(p.grad, before[n] * coef) for n, p in params.items())
     return out
 
