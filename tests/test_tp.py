@@ -32,6 +32,7 @@ from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, MLP, Attention, Block, GPTConfig, lm_loss
 from course_lib.parallel import tp
+from course_lib.parallel.placement import Partial, Shard, clip_grad_norm_, placement
 from course_lib.parallel.tp_comm import split_along
 from course_lib.train import (
     TrainConfig,
@@ -99,10 +100,11 @@ class WrongGQA(tp.TensorParallel):
 
 
 class CountsReplicatedPerRank(tp.TensorParallel):
-    """Treats every parameter as a shard: replicated gradients are counted t times in the norm."""
+    """Sums every gradient's squares over tp, as if each rank held different parameters (a pipeline's rule):
+    replicated gradients are counted t times in the norm."""
 
-    def is_sharded(self, p: nn.Parameter) -> bool:
-        return True
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+        return clip_grad_norm_(self.module, max_norm, self.groups, eps, disjoint=("tp",))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,25 +147,15 @@ def _check_layer(ref: nn.Module, par: nn.Module, x: torch.Tensor, t: int, r: int
            "fwd": _ops(fwd.records), "bwd": _ops(bwd.records), "grads": {}}
     ref_params = dict(ref.named_parameters())
     for name, p in par.named_parameters():
-        owner, local = _owner_of(par, name)
-        dim = owner.sharded_dims.get(local)
+        where = placement(p, "tp")  # what the layer recorded: a wrong record makes the comparison fail
         expected = ref_params[name].grad
         got = p.grad.clone()
-        if local in owner.partial_grads:
+        if isinstance(where, Partial):
             comm.all_reduce(got)
-        if dim is not None:
-            expected = expected.chunk(t, dim=dim)[r]
+        if isinstance(where, Shard):
+            expected = expected.chunk(t, dim=where.dim)[r]
         res["grads"][name] = _rel(got, expected)
     return res
-
-
-def _owner_of(root: nn.Module, name: str) -> tuple[nn.Module, str]:
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, -1, -1):
-        owner = root.get_submodule(".".join(parts[:cut]))
-        if isinstance(owner, tp.TensorParallelModule):
-            return owner, ".".join(parts[cut:])
-    raise AssertionError(f"{name} has no tensor-parallel owner")
 
 
 def _layer_suite(rank: int, world_size: int) -> dict:

@@ -12,6 +12,9 @@
   I/W backward split, ``pp_balance`` stage balancing from measured costs (the layer-split rule they share with
   ``memory`` is ``course_lib.pp_layers``)
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
+* ``placement`` where each parameter lives on every mesh axis (``Replicate``, ``Shard(dim)``, ``Partial``, recorded
+  by each transform) and the generic functions that read it: whole parameters, gradient-norm clipping with each
+  shard counted once, partial-gradient reduction, the cut of a whole tensor (checkpoints)
 * ``tp``        tensor parallelism: the plan, the ``TensorParallel`` wrapper, ``train_tp``; ``tp_layers`` its
   layers (Megatron column/row parallel, attention by heads, MLP, vocab-parallel embedding and loss);
   ``tp_comm`` the f/g operators and their sequence-parallel pair; ``tp_accounting`` a step's collectives and

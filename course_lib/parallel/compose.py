@@ -48,6 +48,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.mesh import DEFAULT_ORDER, Mesh, MeshShape
 from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
+from course_lib.parallel import placement as P
 from course_lib.parallel.contract import LossFn, ParallelWrapper
 from course_lib.parallel.cp import Algorithm, CPAttention, CPContext, SequenceShardedGPT
 from course_lib.parallel.cp_attention import BlockAttention, Layout, shard_sequence
@@ -116,6 +117,8 @@ class Parallelized(ParallelWrapper):
         body: nn.Module = model
         if mesh.size("cp") > 1:
             self.cp = CPContext(mesh.group("cp"), cp_layout, cp_algorithm, True, BlockAttention())
+            for p in model.parameters():  # the sequence is split, not the weights (placement's docstring)
+                P.set_placement(p, "cp", P.Replicate())
             for block in model.blocks:
                 if isinstance(block.attn, TensorParallelAttention):
                     block.attn.context = self.cp
@@ -208,18 +211,11 @@ class Parallelized(ParallelWrapper):
         return self.pipe.reduce_losses(local) if self.pipe is not None else super().reduce_losses(local)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The parameters this rank trains, whole (TP shards all-gathered, experts gathered), by the
-        single-process model's names, fp32 on the CPU. A collective over tp (or ep): every rank calls it."""
-        if self.tp is not None:
-            full = self.tp.full_parameters()
-        elif isinstance(self.dp, ExpertParallel):
-            full = self.dp.full_params()
-        else:
-            full = {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
-        if self.pipe is not None:
-            mine = set(self.pipe.local_params())
-            full = {n: t for n, t in full.items() if n in mine}
-        return {n: t.cpu() for n, t in full.items()}
+        """The parameters this rank holds (its stages' under a pipeline), whole, by the single-process model's
+        names, fp32 on the CPU: ``placement.full_parameters`` on the mesh (TP shards all-gathered, experts
+        gathered). A collective over the axes that shard them: every rank calls it."""
+        held = None if self.pipe is None else [q for st in self.pipe.stages.values() for q in st.parameters()]
+        return {n: t.cpu() for n, t in P.full_parameters(self.module, self.mesh, held).items()}
 
 
 def parallelize(model: GPT, mesh: Mesh, **options: Any) -> Parallelized:
@@ -302,16 +298,8 @@ def merge_composed(results: Sequence[ComposedResult]) -> TrainResult:
     is a bug, named here with its ranks."""
     if not results:
         raise ValueError("no results to merge")
-    params: dict[str, torch.Tensor] = {}
-    holder: dict[str, int] = {}
     for r in results:
         if r.losses != results[0].losses:
             raise ValueError(f"rank {r.rank} reports losses {r.losses}, rank {results[0].rank} {results[0].losses}")
-        for name, t in r.params.items():
-            if name not in params:
-                params[name], holder[name] = t, r.rank
-            elif not torch.equal(params[name], t):
-                diff = (params[name] - t).abs().max().item()
-                raise ValueError(f"{name} differs between rank {holder[name]} and rank {r.rank} (max |diff| "
-                                 f"{diff:.3g}): replicas drifted apart")
+    params = P.merge_parameters([r.params for r in results], [r.rank for r in results])
     return TrainResult(list(results[0].losses), params)

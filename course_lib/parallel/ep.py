@@ -69,10 +69,13 @@ from course_lib.model import (
     param_count,
     routing_entropy,
 )
+from course_lib.parallel import placement as P
 from course_lib.parallel.dp import build_model
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 ModelFn = Callable[[GPTConfig, int], nn.Module]
+EP_AXIS = "ep"
+"""The mesh axis the experts of every MoE layer are split over."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -158,6 +161,8 @@ class ExpertParallelMoE(MoE):
         self.expert_ids = list(range(self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local))
         self.router = moe.router
         self.experts = nn.ModuleList(moe.experts[e] for e in self.expert_ids)
+        # the list of experts is split over ep: rank r holds entries [r E/ep, (r+1) E/ep) (placement docstring)
+        P.set_placement(self.experts, EP_AXIS, P.Shard(0, size=self.n_expert))
         if self.router_kind == "sigmoid":
             self.register_buffer("expert_bias", moe.expert_bias)
         batch = group_ranks(batch_group)
@@ -363,19 +368,8 @@ class ExpertParallel(nn.Module):
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unsharded model by its single-process name: the experts all-gathered over the
-        ep group (a collective: every rank calls it)."""
-        expert_ids = {id(p) for p in self.expert_params}
-        out = {n: p.detach().float().clone() for n, p in self.module.named_parameters() if id(p) not in expert_ids}
-        for name, layer in self.module.named_modules():
-            if not isinstance(layer, ExpertParallelMoE):
-                continue
-            for pname, _ in layer.experts[0].named_parameters():
-                local = torch.stack([ex.get_parameter(pname).detach().float() for ex in layer.experts])
-                full = local.new_empty((layer.n_expert, *local.shape[1:]))
-                comm.all_gather(full, local, group=layer.ep_group)
-                for e in range(layer.n_expert):
-                    out[f"{name}.experts.{e}.{pname}"] = full[e].clone()
-        return out
+        ep group (``placement.full_parameters``; a collective: every rank calls it)."""
+        return P.full_parameters(self.module, {EP_AXIS: self.ep_group})
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,13 +7,13 @@ PyTorch's Distributed Checkpoint (``torch.distributed.checkpoint``) and Megatron
 store each shard with its place in the global tensor so that any mesh can read it back; here, on tiny models, the
 shards are simply gathered first.
 
-* ``save_checkpoint`` (every rank calls it: it gathers over tp): each rank gathers the TP slices of what it
-  trains (``TensorParallel.shard_dim``: equal contiguous slices); one rank per pipeline stage (dp = cp = tp = 0)
-  writes them to ``stage<k>.pt``; rank 0 writes the step.
+* ``save_checkpoint`` (every rank calls it: it gathers over the axes that shard what it trains): each rank
+  gathers every parameter and state tensor as the parameter's placements say (``placement.full_tensor``); one
+  rank per pipeline stage (dp = cp = tp = 0) writes them to ``stage<k>.pt``; rank 0 writes the step.
 * ``load_checkpoint`` reads every stage file into one name -> tensor map.
 * Resuming: load the whole parameters into the single-process model *before* ``parallelize`` (tensor
   parallelism slices the weights it finds, so the new mesh cuts them itself), then ``restore_optimizer`` cuts each
-  state tensor the way its parameter was cut on the new mesh.
+  state tensor the way its parameter is placed on the new mesh (``placement.shard_like``).
 
 The optimizer must be one replicated over the data-parallel group (``train_parallel(zero_stage=0)``); a ZeRO
 run's sharded state has its own resharding checkpoint (``zero_checkpoint``).
@@ -30,16 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.tp_comm import all_gather_along
+from course_lib.parallel.placement import full_tensor, shard_like
 
 
 class Parallelized(Protocol):
     """What a checkpoint needs of ``compose.Parallelized`` (a protocol, so this module does not import compose):
-    the model, its mesh, its TP part (or None) and the parameters this rank trains."""
+    the model, its mesh and the parameters this rank trains (placed on the mesh's axes)."""
 
     module: nn.Module
     mesh: Any
-    tp: Any
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
@@ -52,18 +51,11 @@ def _names(composed: Parallelized) -> dict[int, str]:
 
 
 def _gather(composed: Parallelized, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
-    dim = composed.tp.shard_dim(p) if composed.tp is not None else None
-    t = t.detach().float()
-    return (all_gather_along(t, dim, composed.tp.group) if dim is not None else t).cpu().clone()
+    return full_tensor(p, composed.mesh, t).cpu()
 
 
 def _cut(composed: Parallelized, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    dim = composed.tp.shard_dim(p) if composed.tp is not None else None
-    if dim is not None:
-        full = full.chunk(composed.tp.tp_size, dim)[composed.tp.tp_rank]
-    if full.shape != p.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter {tuple(p.shape)}")
-    return full.to(device=p.device, dtype=p.dtype).clone()
+    return shard_like(full, p, composed.mesh)
 
 
 def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, step: int, path: str | Path) -> None:

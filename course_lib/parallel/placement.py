@@ -17,13 +17,41 @@ Each transform of ``course_lib.parallel`` (TP, CP, PP, EP, data parallel / ZeRO)
 records here what it did to every parameter; the generic functions that need to know where a parameter lives
 (gather the whole tensor, clip by the global norm counting each element once, reduce partial gradients, cut and
 merge checkpoints) read only these records. An axis a parameter has no record for is ``Replicate()``.
+
+Several records on one parameter nest in the order they were made: ZeRO-3 of a tensor-parallel weight shards the
+TP shard again (``{"tp": Shard(0), "dp": Shard(0)}``: this rank's rows of its TP rows); ``full_tensor`` undoes
+them last first, ``shard_like`` applies them first first. An axis key names one process group: a mesh axis
+(``"tp"``) or several joined by ``+`` (``"dp+cp"``, the group ``mesh.group("dp", "cp")``).
+
+Two ways of holding only part of a model are not a tensor's placement, and are said so:
+
+* a **list of modules split over an axis** (expert parallelism: rank r of ep holds experts
+  [r E/ep, (r+1) E/ep) of each MoE layer, as separate modules): the ``nn.ModuleList`` itself carries
+  ``Shard(0, size=E)`` on the axis (its index is dim 0 of the stacked experts, as torchtitan's grouped experts
+  hold one [E, ...] tensor sharded ``Shard(0)`` on ep); ``full_parameters`` gathers the stack and names each
+  expert by its global index, the gradient norm sums their squares over the axis;
+* a **pipeline stage** holds a subset of the parameters: the others are simply not among those this rank trains
+  (``held=``), the gradient norm sums over the pipeline axis (``disjoint=("pp",)``), and merging the ranks'
+  results (``merge_parameters``) joins the stages by name.
+
+Context parallelism changes no parameter (``Replicate()`` on cp): each cp rank's gradient is the mean over its
+own tokens, and the data-parallel average over ``dp+cp`` (one group) makes it the mean over all of them. It is
+not recorded as ``Partial`` because that reduction is a mean the data-parallel axis already performs; a
+``Partial`` is a sum that nothing else would do.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import comm
 
 _ATTR = "_course_placements"
 
@@ -39,7 +67,8 @@ class Replicate:
 @dataclass(frozen=True)
 class Shard:
     """The ranks of the axis hold consecutive slices of ``dim`` (padded to ``ceil(size / n)`` when n does not
-    divide ``size``; ``size`` is the logical length, kept to strip the padding when gathering)."""
+    divide ``size``; ``size`` is the logical length, kept to strip the padding when gathering; None: n divides
+    it and no rank holds padding)."""
 
     dim: int
     size: int | None = None
@@ -63,18 +92,32 @@ class Partial:
 
 Placement = Replicate | Shard | Partial
 
+Placed = torch.Tensor | nn.Module
+"""What carries placements: a parameter, or a module list split over an axis (see the module docstring)."""
 
-def placements_of(p: torch.Tensor) -> dict[str, Placement]:
-    """The placements recorded on ``p``, axis -> placement (a copy; an axis not listed is ``Replicate()``)."""
+
+class HasGroups(Protocol):
+    """A ``course_lib.mesh.Mesh``: one process group for one or more named axes."""
+
+    def group(self, *axes: str) -> dist.ProcessGroup: ...
+
+
+Groups = HasGroups | Mapping[str, comm.Group]
+"""Where the axes' groups come from: a mesh, or a map axis key -> group (a wrapper built on ``group=``)."""
+
+
+def placements_of(p: Placed) -> dict[str, Placement]:
+    """The placements recorded on ``p``, axis -> placement in the order recorded (a copy; an axis not listed is
+    ``Replicate()``)."""
     return dict(getattr(p, _ATTR, {}))
 
 
-def placement(p: torch.Tensor, axis: str) -> Placement:
+def placement(p: Placed, axis: str) -> Placement:
     """``p``'s placement on ``axis`` (``Replicate()`` when nothing was recorded)."""
     return getattr(p, _ATTR, {}).get(axis, Replicate())
 
 
-def set_placement(p: torch.Tensor, axis: str, where: Placement) -> None:
+def set_placement(p: Placed, axis: str, where: Placement) -> None:
     """Record that ``p`` is placed ``where`` on ``axis`` (the transforms call this for every parameter they
     change). A tensor sharded twice on one axis is refused: it would be one slice of a slice."""
     table = getattr(p, _ATTR, None)
@@ -87,12 +130,209 @@ def set_placement(p: torch.Tensor, axis: str, where: Placement) -> None:
     table[axis] = where
 
 
-def copy_placements(src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_placements(src: Placed, dst: Placed) -> None:
     """Give ``dst`` (a replacement parameter, e.g. a shard built from ``src``) ``src``'s placements."""
     for axis, where in placements_of(src).items():
         set_placement(dst, axis, where)
 
 
-def describe(p: torch.Tensor, axes: tuple[str, ...]) -> str:
+def describe(p: Placed, axes: Sequence[str]) -> str:
     """``p``'s placements on ``axes`` as DTensor prints them, e.g. ``"(S(0), R)"`` for ``("tp", "dp")``."""
     return "(" + ", ".join(str(placement(p, a)) for a in axes) + ")"
+
+
+def axis_group(mesh: Groups, axis: str) -> comm.Group:
+    """The process group of axis key ``axis`` (``"tp"``, ``"dp+cp"``) in ``mesh``."""
+    if isinstance(mesh, Mapping):
+        if axis not in mesh:
+            raise KeyError(f"no group for axis {axis!r}: the groups given are for {sorted(mesh)}")
+        return mesh[axis]
+    return mesh.group(*axis.split("+"))
+
+
+def _size_rank(mesh: Groups, axis: str) -> tuple[comm.Group, int, int]:
+    g = axis_group(mesh, axis)
+    return g, dist.get_world_size(g), dist.get_rank(g)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One tensor: gather it whole, cut a whole one
+
+
+def full_tensor(p: torch.Tensor, mesh: Groups, value: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole logical tensor of ``p`` (or of ``value``, a tensor shaped and placed like ``p``: its gradient or
+    optimizer state), every ``Shard`` undone by an all-gather along its dim over its axis, the last recorded
+    first, padding stripped (a collective over those axes: every rank calls it). fp32 on ``p``'s device."""
+    t = (p if value is None else value).detach().float()
+    gathered = False
+    for axis, where in reversed(list(placements_of(p).items())):
+        if not isinstance(where, Shard):
+            continue
+        g, n, _ = _size_rank(mesh, axis)
+        if n == 1:
+            continue
+        front = t.movedim(where.dim, 0).contiguous()
+        out = front.new_empty((n * front.shape[0], *front.shape[1:]))
+        comm.all_gather(out, front, group=g)
+        if where.size is not None:
+            out = out[:where.size]
+        t, gathered = out.movedim(0, where.dim), True
+    return t.contiguous() if gathered else t.clone()
+
+
+def shard_like(full: torch.Tensor, p: torch.Tensor, mesh: Groups) -> torch.Tensor:
+    """This rank's piece of the whole tensor ``full`` as ``p`` is placed: every ``Shard`` applied in the order
+    recorded (slices of ``ceil(size / n)``, the last zero-padded). No communication; the inverse of
+    ``full_tensor``. Raises when the result does not fit ``p``'s shape."""
+    t = full
+    for axis, where in placements_of(p).items():
+        if not isinstance(where, Shard):
+            continue
+        _, n, r = _size_rank(mesh, axis)
+        size = t.shape[where.dim]
+        c = math.ceil(size / n)
+        if c * n != size:
+            pad = list(t.shape)
+            pad[where.dim] = c * n - size
+            t = torch.cat([t, t.new_zeros(pad)], dim=where.dim)
+        t = t.narrow(where.dim, r * c, c)
+    if t.shape != p.shape:
+        raise ValueError(f"a whole tensor of shape {tuple(full.shape)} cut as {placements_of(p)} gives "
+                         f"{tuple(t.shape)}, not the parameter's {tuple(p.shape)}")
+    return t.to(device=p.device, dtype=p.dtype).clone()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A model: every parameter whole; the ranks' results joined
+
+
+def sharded_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList, str, Shard]]:
+    """(name, module list, axis, Shard) of every module list of ``model`` split over an axis (experts)."""
+    return [(name, m, axis, where) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
+            for axis, where in placements_of(m).items() if isinstance(where, Shard)]
+
+
+def full_parameters(model: nn.Module, mesh: Groups, held: Iterable[torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` whole, fp32, by the single-process model's names (a collective over the axes
+    its placements name: every rank calls it). Module lists split over an axis are gathered entry by entry
+    and named by their global index. ``held``: only these parameters (a pipeline stage's); the others are
+    left out, for ``merge_parameters`` to join with the other stages'."""
+    keep = None if held is None else {id(p) for p in held}
+    in_list = {id(p) for _, m, _, _ in sharded_lists(model) for p in m.parameters()}
+    out = {name: full_tensor(p, mesh) for name, p in model.named_parameters()
+           if id(p) not in in_list and (keep is None or id(p) in keep)}
+    for name, experts, axis, where in sharded_lists(model):
+        if keep is not None and not any(id(p) in keep for p in experts.parameters()):
+            continue
+        g, n, _ = _size_rank(mesh, axis)
+        for pname, _ in experts[0].named_parameters():
+            local = torch.stack([full_tensor(e.get_parameter(pname), mesh) for e in experts])
+            stacked = local.new_empty((n * local.shape[0], *local.shape[1:]))
+            comm.all_gather(stacked, local, group=g)
+            for e in range(where.size if where.size is not None else stacked.shape[0]):
+                out[f"{name}.{e}.{pname}"] = stacked[e].clone()
+    return out
+
+
+def merge_parameters(per_rank: Sequence[Mapping[str, torch.Tensor]], ranks: Sequence[int] | None = None, *,
+                     exclusive: bool = False) -> dict[str, torch.Tensor]:
+    """Join the ranks' whole parameters (each rank's ``full_parameters``) into one map, every name once. Every
+    copy of a parameter (data-parallel replicas, TP ranks after the gather) must be bit-for-bit equal: a
+    replica that drifted is a bug, named with its ranks. ``exclusive``: no name may come from two ranks (pure
+    pipeline parallelism: every parameter on exactly one stage)."""
+    ranks = list(range(len(per_rank))) if ranks is None else list(ranks)
+    params: dict[str, torch.Tensor] = {}
+    holder: dict[str, int] = {}
+    for rank, part in zip(ranks, per_rank, strict=True):
+        twice = sorted(set(params) & set(part))
+        if exclusive and twice:
+            raise ValueError(f"parameters held by two ranks: {twice}")
+        for name, t in part.items():
+            if name not in params:
+                params[name], holder[name] = t, rank
+            elif not torch.equal(params[name], t):
+                diff = (params[name] - t).abs().max().item()
+                raise ValueError(f"{name} differs between rank {holder[name]} and rank {rank} (max |diff| "
+                                 f"{diff:.3g}): replicas drifted apart")
+    return params
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gradients: partial sums reduced, the global norm with every element counted once
+
+
+def reduce_partial_grads(params: Iterable[torch.Tensor], mesh: Groups) -> None:
+    """Sum over each axis the gradients that are ``Partial`` there (one flat all-reduce per axis, a missing
+    gradient counting as zeros), in place of each ``.grad``. Call after the last backward, before the step."""
+    params = list(params)
+    axes = list(dict.fromkeys(a for p in params for a, w in placements_of(p).items() if isinstance(w, Partial)))
+    for axis in axes:
+        mine = [p for p in params if isinstance(placement(p, axis), Partial) and p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group=axis_group(mesh, axis))
+        for p, chunk in zip(mine, flat.split([g.numel() for g in grads]), strict=True):
+            p.grad = chunk.view_as(p).clone()
+
+
+def _sum_axes(model_or_params: nn.Module | Iterable[torch.Tensor], disjoint: Sequence[str]
+              ) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+    """Each parameter with a gradient and the axes its squares are summed over: those that shard it, those of
+    a module list it belongs to, and ``disjoint`` (axes whose ranks hold different parameters)."""
+    if isinstance(model_or_params, nn.Module):
+        lists = {id(p): axis for _, m, axis, _ in sharded_lists(model_or_params) for p in m.parameters()}
+        params = list(model_or_params.parameters())
+    else:
+        lists, params = {}, list(model_or_params)
+    out = []
+    for p in params:
+        if p.grad is None:
+            continue
+        axes = [a for a, w in placements_of(p).items() if isinstance(w, Shard)]
+        if id(p) in lists:
+            axes.append(lists[id(p)])
+        out.append((p, tuple(dict.fromkeys([*axes, *disjoint]))))
+    return out
+
+
+def grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], mesh: Groups, disjoint: Sequence[str] = ()
+              ) -> torch.Tensor:
+    """The global L2 norm of the gradients, every element of the logical model counted once: the squares of
+    each parameter summed locally (fp32), then over every axis that holds different pieces of it (its shards,
+    its module list's ranks, ``disjoint``); replicated and ``Partial``-then-reduced gradients are equal on
+    every rank of their axis and count once. Every rank of those axes calls it, with parameters placed alike."""
+    pairs = _sum_axes(model_or_params, disjoint)
+    if not pairs:
+        return torch.zeros(())
+    acc: dict[tuple[str, ...], torch.Tensor] = {}
+    for p, axes in pairs:
+        sq = p.grad.detach().float().pow(2).sum()
+        acc[axes] = acc[axes] + sq if axes in acc else torch.zeros((), dtype=torch.float32, device=sq.device) + sq
+    total = acc.pop((), torch.zeros((), dtype=torch.float32, device=pairs[0][0].grad.device))
+    for axes, sq in acc.items():
+        for axis in axes:
+            comm.all_reduce(sq, group=axis_group(mesh, axis))
+        total = sq + total
+    return total.sqrt()
+
+
+def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm: float, mesh: Groups,
+                    eps: float = 1e-6, disjoint: Sequence[str] = ()) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model placed on a mesh: scale every gradient by
+    min(1, max_norm / (norm + eps)), norm = ``grad_norm``. Returns the norm before clipping."""
+    if not isinstance(model_or_params, nn.Module):
+        model_or_params = list(model_or_params)
+    norm = grad_norm(model_or_params, mesh, disjoint)
+    pairs = _sum_axes(model_or_params, disjoint)
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for p, _ in pairs:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+def placement_table(model: nn.Module, axes: Sequence[str], prefix: str = "") -> list[dict[str, Any]]:
+    """One row per parameter whose name starts with ``prefix``: its name, local shape and placement per axis
+    (``describe``'s letters), for printing what the transforms recorded."""
+    return [{"parameter": name, "local shape": tuple(p.shape), **{a: str(placement(p, a)) for a in axes}}
+            for name, p in model.named_parameters() if name.startswith(prefix)]

@@ -58,6 +58,7 @@ from course_lib.data import global_batch
 from course_lib.model import GPTConfig, lm_loss
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first, require_member
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.placement import merge_parameters
 from course_lib.parallel.pp_balance import LayerCosts, balance_stages, measure_layer_costs, stage_costs
 from course_lib.parallel.pp_executor import LossFn, PipelineExecutor, StepRecord, TimedAction
 from course_lib.parallel.pp_split import backward_input, backward_weight
@@ -254,18 +255,14 @@ def train_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
 
 def merge_results(results: Sequence[TrainResult]) -> TrainResult:
     """Join the ranks' ``PPResult`` s (as ``launch`` returns them) into one ``TrainResult`` with every parameter,
-    comparable with ``train_baseline`` by ``course_lib.train.compare``."""
+    comparable with ``train_baseline`` by ``course_lib.train.compare`` (``placement.merge_parameters``: each
+    parameter on exactly one stage)."""
     if not results:
         raise ValueError("no results to merge")
-    params: dict[str, torch.Tensor] = {}
     for r in results:
         if r.losses != results[0].losses:
             raise ValueError(f"ranks report different losses: {r.losses} vs {results[0].losses}")
-        twice = sorted(set(params) & set(r.params))
-        if twice:
-            raise ValueError(f"parameters held by two ranks: {twice}")
-        params.update(r.params)
-    return TrainResult(list(results[0].losses), params)
+    return TrainResult(list(results[0].losses), merge_parameters([r.params for r in results], exclusive=True))
 
 
 def measured_timeline(results: Sequence[PPResult], step: int = -1) -> S.Timeline:

@@ -53,6 +53,7 @@ from course_lib import comm
 from course_lib.data import global_batch
 from course_lib.launch import device
 from course_lib.model import GPT, MLP, Attention, GPTConfig, lm_loss
+from course_lib.parallel import placement as P
 from course_lib.parallel.tp_accounting import (
     PlannedCollective,
     block_bytes_per_rank,
@@ -69,8 +70,9 @@ from course_lib.parallel.tp_comm import (
     scatter_to_tensor_parallel_region,
     split_along,
 )
-from course_lib.parallel.tp_dtensor import DTensorCommLog, dtensor_plan
+from course_lib.parallel.tp_dtensor import DTensorCommLog, dtensor_fsdp_tp_placements, dtensor_plan
 from course_lib.parallel.tp_layers import (
+    TP_AXIS,
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceParallelPositionEmbedding,
@@ -82,6 +84,7 @@ from course_lib.parallel.tp_layers import (
     _size_rank,
     enter_tp_region,
     leave_tp_region,
+    place,
     vocab_parallel_cross_entropy,
 )
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
@@ -104,6 +107,7 @@ __all__ = [
     "all_gather_along",
     "block_bytes_per_rank",
     "copy_to_tensor_parallel_region",
+    "dtensor_fsdp_tp_placements",
     "dtensor_plan",
     "enter_tp_region",
     "gather_from_sequence_parallel_region",
@@ -163,11 +167,15 @@ class TensorParallel(nn.Module):
     parameters of one single-process model) and then sliced: every rank keeps only its shards. ``forward`` runs
     the module; a GPT then returns logits sharded over the vocabulary: use ``loss`` (vocab-parallel cross-entropy).
 
+    Every parameter carries its placement on ``"tp"`` (``course_lib.parallel.placement``: ``Shard(dim)``,
+    ``Partial()`` or ``Replicate()``, recorded by the layers); the gradient sync, the norm, the gather and the
+    checkpoints read nothing else.
+
     Training step: ``loss.backward()``, ``finish_gradient_sync()`` (all-reduce of the partial gradients), optional
     ``clip_grad_norm_``, ``optimizer.step()``, ``after_step()``.
 
     Seams: the layer classes each style builds (``column_class`` ... ``mlp_class``), ``parallelize_submodule``,
-    ``finish_gradient_sync``, ``loss`` and ``is_sharded``; a subclass overrides one to make a variant.
+    ``finish_gradient_sync`` and ``loss``; a subclass overrides one to make a variant.
     """
 
     column_class: type[ColumnParallelLinear] = ColumnParallelLinear
@@ -195,14 +203,11 @@ class TensorParallel(nn.Module):
                     comm.broadcast(p.detach(), src, group=self.group)
         self._apply_plan(module)
         self.module = module
-        self._sharded: dict[int, int] = {}  # id(param) -> shard dim
-        self._partial: list[nn.Parameter] = []
-        for name, p in module.named_parameters():
-            owner, local = self._owner(name)
-            if local in getattr(owner, "sharded_dims", {}):
-                self._sharded[id(p)] = owner.sharded_dims[local]
-            if local in getattr(owner, "partial_grads", ()) and p.requires_grad:
-                self._partial.append(p)
+        for p in module.parameters():  # what no layer changed is replicated over the group
+            if TP_AXIS not in P.placements_of(p):
+                P.set_placement(p, TP_AXIS, P.Replicate())
+        self.groups = {TP_AXIS: self.group}
+        """The axis -> group map the generic functions of ``placement`` read (a mesh has more axes)."""
 
     # -- building -------------------------------------------------------------------------------------------------
 
@@ -254,18 +259,8 @@ class TensorParallel(nn.Module):
             return None
         if isinstance(m, nn.Embedding):
             return SequenceParallelPositionEmbedding(m, g)
-        m.sharded_dims, m.partial_grads = {}, {n for n, _ in m.named_parameters()}
+        place(m, P.Partial())  # a norm on s/t tokens: each rank's gradient is its tokens' share
         return None
-
-    def _owner(self, name: str) -> tuple[nn.Module, str]:
-        """The nearest enclosing module that declares its parameters (``sharded_dims``), and the parameter's
-        name inside it; the direct parent when none does (a plain replicated parameter)."""
-        parts = name.split(".")
-        for cut in range(len(parts) - 1, -1, -1):
-            owner = self.module.get_submodule(".".join(parts[:cut]))
-            if hasattr(owner, "sharded_dims"):
-                return owner, ".".join(parts[cut:])
-        return self.module.get_submodule(".".join(parts[:-1])), parts[-1]
 
     # -- the wrapper contract -------------------------------------------------------------------------------------
 
@@ -285,14 +280,9 @@ class TensorParallel(nn.Module):
 
     def finish_gradient_sync(self) -> None:
         """All-reduce (sum) the gradients that are partial sums on each rank -- replicated parameters used on a
-        sequence shard under SP, replicated GQA K/V -- in one flat buffer. Call after the last backward."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._partial]
-        if not grads:
-            return
-        flat = torch.cat([g_.reshape(-1) for g_ in grads])
-        comm.all_reduce(flat, group=self.group)
-        for p, chunk in zip(self._partial, flat.split([g_.numel() for g_ in grads]), strict=True):
-            p.grad = chunk.view_as(p).clone()
+        sequence shard under SP, replicated GQA K/V: those placed ``Partial()`` on tp -- in one flat buffer
+        (``placement.reduce_partial_grads``). Call after the last backward."""
+        P.reduce_partial_grads(self.module.parameters(), self.groups)
 
     def after_step(self) -> None:
         """Nothing to do after ``optimizer.step()``: every rank updated exactly its own shards."""
@@ -302,52 +292,30 @@ class TensorParallel(nn.Module):
 
     @property
     def partial_grad_parameters(self) -> list[nn.Parameter]:
-        return list(self._partial)
-
-    def is_sharded(self, p: nn.Parameter) -> bool:
-        """True when each rank holds a different slice of ``p`` (a public seam of the gradient norm)."""
-        return id(p) in self._sharded
+        """The trainable parameters whose gradients ``finish_gradient_sync`` sums (``Partial()`` on tp)."""
+        return [p for p in self.module.parameters()
+                if p.requires_grad and isinstance(P.placement(p, TP_AXIS), P.Partial)]
 
     def shard_dim(self, p: nn.Parameter) -> int | None:
         """The dimension along which ``p`` is cut into tp equal contiguous slices (rank r holds slice r), or
-        None for a replicated parameter: how to gather it, or its optimizer state, and cut it again."""
-        return self._sharded.get(id(p))
+        None for a replicated parameter: its ``Shard`` placement on tp, read."""
+        where = P.placement(p, TP_AXIS)
+        return where.dim if isinstance(where, P.Shard) else None
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients: sum of squares of every *shard* (all-reduced, one fp32 scalar) plus
-        the replicated parameters' squares counted once (they are equal on every rank after the sync)."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        if not params:
-            return torch.zeros(())
-        sq_sharded = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        sq_replicated = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        for p in params:
-            sq = p.grad.detach().float().pow(2).sum()
-            if self.is_sharded(p):
-                sq_sharded += sq
-            else:
-                sq_replicated += sq
-        comm.all_reduce(sq_sharded, group=self.group)
-        return (sq_sharded + sq_replicated).sqrt()
+        """Global L2 norm of the gradients, each shard counted once (``placement.grad_norm``: the squares of
+        the shards all-reduced, one fp32 scalar, plus the replicated ones once)."""
+        return P.grad_norm(self.module, self.groups)
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` for the sharded model: scale every gradient by
-        min(1, max_norm / (norm + eps)). Returns the norm before clipping."""
-        norm = self.grad_norm()
-        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
-        return norm
+        """``torch.nn.utils.clip_grad_norm_`` for the sharded model (``placement.clip_grad_norm_``). Returns
+        the norm before clipping."""
+        return P.clip_grad_norm_(self.module, max_norm, self.groups, eps)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, by the single-process model's names (one all-gather per sharded parameter)."""
-        out = {}
-        for name, p in self.module.named_parameters():
-            t = p.detach().float()
-            dim = self._sharded.get(id(p))
-            out[name] = (all_gather_along(t, dim, self.group) if dim is not None else t).clone()
-        return out
+        """Every parameter whole, by the single-process model's names (``placement.full_parameters``: one
+        all-gather per sharded parameter)."""
+        return P.full_parameters(self.module, self.groups)
 
 
 # ----------------------------------------------------------------------------------------------------------------

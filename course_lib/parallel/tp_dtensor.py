@@ -13,7 +13,7 @@ import torch
 from course_lib import comm
 from course_lib.model import GPTConfig
 
-__all__ = ["DTensorCommLog", "dtensor_plan"]
+__all__ = ["DTensorCommLog", "dtensor_fsdp_tp_placements", "dtensor_plan"]
 
 
 def dtensor_plan(cfg: GPTConfig, sequence_parallel: bool = False) -> dict[str, Any]:
@@ -54,6 +54,26 @@ def dtensor_plan(cfg: GPTConfig, sequence_parallel: bool = False) -> dict[str, A
         plan |= {"blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(),
                  "norm_f": SequenceParallel()}
     return plan
+
+
+def dtensor_fsdp_tp_placements(cfg: GPTConfig, dp: int, tp: int, block: int = 0
+                               ) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """PyTorch's own FSDP + TP ("2D", torchtitan's default) of one block, as placements: ``parallelize_module``
+    with ``dtensor_plan`` over the tp axis of a (dp, tp) ``init_device_mesh``, then ``fully_shard`` of block
+    ``block`` over dp. Parameter name (inside the block) -> (its DTensor placements, its local shape). Every
+    rank of the dp x tp ranks calls it (gloo on CPU runs it); nothing is trained."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from course_lib.model import GPT
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = GPT(cfg, seed=0)
+    parallelize_module(model, mesh["tp"], dtensor_plan(cfg))
+    fully_shard(model.blocks[block], mesh=mesh["dp"])
+    return {name: (tuple(str(x) for x in p.placements), tuple(p.to_local().shape))
+            for name, p in model.blocks[block].named_parameters()}
 
 
 _DTENSOR_OPS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",

@@ -9,9 +9,13 @@ single-process module by slicing its weights, so parity with that module holds b
   shards with three all-reduces of b*s scalars instead of an all-gather of b*s*V logits;
 * ``SequenceParallelPositionEmbedding``: learned positions under sequence parallelism (Korthikanti et al. 2022).
 
-Every layer is a ``TensorParallelModule``: it declares which parameters are sharded (``sharded_dims``) and which
-replicated ones get partial gradients (``partial_grads``), what the ``TensorParallel`` wrapper of
-``course_lib.parallel.tp`` reads; ``enter``/``leave`` are the f/g (or SP all-gather/reduce-scatter) of
+Every layer is a ``TensorParallelModule``: it records on each parameter its placement on the ``"tp"`` axis
+(``course_lib.parallel.placement``): ``Shard(0)`` for a column-parallel weight and bias and the vocabulary rows,
+``Shard(1)`` for a row-parallel weight, ``Partial()`` for a replicated parameter whose gradient is only this
+rank's share (a row-parallel bias or a norm under SP, replicated GQA K/V), ``Replicate()`` otherwise -- what
+DTensor's ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` give the same weights. The
+``TensorParallel`` wrapper of ``course_lib.parallel.tp`` and the generic gather / clip / checkpoint functions
+read only these records; ``enter``/``leave`` are the f/g (or SP all-gather/reduce-scatter) of
 ``course_lib.parallel.tp_comm``.
 """
 
@@ -26,6 +30,7 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.model import MLP, Attention, apply_rope, rope_cos_sin
+from course_lib.parallel.placement import Partial, Placement, Replicate, Shard, set_placement
 from course_lib.parallel.tp_comm import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -37,6 +42,7 @@ from course_lib.parallel.tp_comm import (
 )
 
 __all__ = [
+    "TP_AXIS",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "SequenceParallelPositionEmbedding",
@@ -49,6 +55,16 @@ __all__ = [
     "leave_tp_region",
     "vocab_parallel_cross_entropy",
 ]
+
+
+TP_AXIS = "tp"
+"""The mesh axis every tensor-parallel layer records its placements on."""
+
+
+def place(module: nn.Module, where: Placement) -> None:
+    """Record ``where`` on ``"tp"`` for every parameter of ``module`` (a replicated or partial sub-layer)."""
+    for p in module.parameters():
+        set_placement(p, TP_AXIS, where)
 
 
 class TPError(ValueError):
@@ -83,20 +99,13 @@ def leave_tp_region(x: torch.Tensor, group: comm.Group, sequence_parallel: bool)
 
 
 class TensorParallelModule(nn.Module):
-    """What every layer here declares about its parameters.
-
-    ``sharded_dims``: local parameter name -> the dim along which it is split over the group (the rest are
-    replicated). ``partial_grads``: replicated parameters whose gradient on each rank is only a partial sum.
-    """
-
-    sharded_dims: dict[str, int]
-    partial_grads: set[str]
+    """The base of every layer here: its group, its degree and rank, f and g. Each layer records the ``"tp"``
+    placement of every parameter it holds (see the module docstring)."""
 
     def __init__(self, group: comm.Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.tp_size, self.tp_rank = _size_rank(group)
-        self.sharded_dims, self.partial_grads = {}, set()
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into the TP region: f, or the SP all-gather (``enter_tp_region``). A public seam."""
@@ -130,7 +139,7 @@ class ColumnParallelLinear(TensorParallelModule):
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.gather_output, self.enter_region = gather_output, enter_region
-        self.sharded_dims = {"weight": 0} | ({"bias": 0} if bias is not None else {})
+        place(self, Shard(0))  # this rank's output features: rows of the weight, entries of the bias
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: comm.Group = None, **kwargs: Any) -> ColumnParallelLinear:
@@ -167,9 +176,9 @@ class RowParallelLinear(TensorParallelModule):
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.input_is_parallel = input_is_parallel
-        self.sharded_dims = {"weight": 1}
-        if bias is not None and sequence_parallel:
-            self.partial_grads = {"bias"}  # added to this rank's sequence shard only
+        set_placement(self.weight, TP_AXIS, Shard(1))  # this rank's input features: columns of the weight
+        if self.bias is not None:  # added after g to the full output, or under SP to this rank's tokens only
+            set_placement(self.bias, TP_AXIS, Partial() if sequence_parallel else Replicate())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: comm.Group = None, **kwargs: Any) -> RowParallelLinear:
@@ -248,10 +257,9 @@ class TensorParallelAttention(TensorParallelModule):
         else:
             self.k_proj, self.v_proj = _copy_linear(attn.k_proj), _copy_linear(attn.v_proj)
             self.kv_offset = 0
-            self.partial_grads = {f"{p}.{n}" for p in ("k_proj", "v_proj") for n, _ in attn.k_proj.named_parameters()}
+            place(self.k_proj, Partial())  # each rank reads only the K/V heads its query heads use
+            place(self.v_proj, Partial())
         self.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sequence_parallel=sequence_parallel)
-        self.sharded_dims = {f"{m}.{n}": d for m in ("q_proj", "k_proj", "v_proj", "o_proj")
-                             for n, d in getattr(getattr(self, m), "sharded_dims", {}).items()}
 
     def kv_head_of(self, q_head: torch.Tensor) -> torch.Tensor:
         """The (global) K/V head each (global) query head reads: q // (n_head / n_kv_head). A public seam."""
@@ -315,7 +323,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.vocab_start, self.vocab_end = self.tp_rank * n, (self.tp_rank + 1) * n
         self.num_embeddings = emb.num_embeddings
         self.weight = _slice_rows(emb.weight, self.vocab_start, self.vocab_end)
-        self.sharded_dims = {"weight": 0}
+        set_placement(self.weight, TP_AXIS, Shard(0))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
@@ -331,7 +339,7 @@ class SequenceParallelPositionEmbedding(TensorParallelModule):
     def __init__(self, emb: nn.Embedding, group: comm.Group = None) -> None:
         super().__init__(group)
         self.weight = nn.Parameter(emb.weight.detach().clone())
-        self.partial_grads = {"weight"}
+        set_placement(self.weight, TP_AXIS, Partial())
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return F.embedding(split_along(positions, 0, self.group), self.weight)

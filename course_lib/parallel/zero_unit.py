@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
+from course_lib.parallel import placement as P
 
 # ----------------------------------------------------------------------------------------------------------------
 # Flat layout: which element of which parameter lives where, and which rank owns it
@@ -179,6 +180,17 @@ class FlatParamUnit:
     flat = True
     """The parameters live in one flat buffer (what the sharded checkpoints read and write)."""
 
+    axis = "dp"
+    """The axis key of the unit's group (``record_placements``)."""
+
+    def record_placements(self, axis: str) -> None:
+        """Record where the flat shard lives: ``Shard(0, size=Ψ_u)`` on ``axis`` (a 1-D tensor of Ψ_u elements
+        padded to a multiple of N, rank r holding the r-th slice), or ``Replicate()`` in stage 0, where every
+        rank holds the whole buffer. The module's own parameters stay full (views of ``full``)."""
+        self.axis = axis
+        sharded = self.layout.world_size > 1
+        P.set_placement(self.shard, axis, P.Shard(0, size=self.layout.numel) if sharded else P.Replicate())
+
     def optimizer_params(self) -> list[nn.Parameter]:
         """What the optimizer steps for this unit: its flat shard."""
         return [self.shard]
@@ -188,12 +200,9 @@ class FlatParamUnit:
         return [self.full, *self.params]
 
     def gather_full(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the unit, full, fp32, on the CPU, by name (a collective over the group)."""
-        flat = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-        if self.layout.world_size == 1:
-            flat.copy_(self.shard.detach())
-        else:
-            comm.all_gather(flat, self.shard.detach(), group=self.group)
+        """Every parameter of the unit, full, fp32, on the CPU, by name (a collective over the group): the flat
+        shard gathered as its placement says (``placement.full_tensor``), cut into the parameters."""
+        flat = P.full_tensor(self.shard, {self.axis: self.group})
         return {name: view.cpu().clone() for name, view in zip(self.layout.names, self.layout.views(flat), strict=True)}
 
     # ---- the seams a variant overrides
