@@ -195,6 +195,7 @@ class ZeroDataParallel(ParallelWrapper):
             named = [(prefix + n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned]
             owned.update(id(p) for _, p in named)
             self.units.append(self.unit_class(paths[m], m, named, stage, group, param_dtype, self.events))
+            owned.update(id(s) for s in self.units[-1].optimizer_params())  # shards the unit registered in m
         self.root = self.units[-1]
         for unit in self.units:
             unit.reshard_after_forward = (unit is not self.root) if reshard_after_forward is None \
@@ -215,8 +216,8 @@ class ZeroDataParallel(ParallelWrapper):
     # ---- what the optimizer and the loop see
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The shards (one flat fp32 parameter per unit; one per parameter with ``PerParameterUnit``): what each
-        rank's optimizer updates."""
+        """The shards (one flat fp32 parameter per unit; one per parameter with ``PerParameterUnit``, the very
+        tensors the module registers then): what each rank's optimizer updates."""
         return iter([s for u in self.units for s in u.optimizer_params()])
 
     def after_step(self) -> None:
