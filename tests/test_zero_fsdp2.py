@@ -10,7 +10,9 @@ dividing by N = 2 or 4 is exact). Two plausible bugs make that comparison fail: 
 mean, a wrong shard offset (rank r's rows from r floor(d0 / N) instead of r ceil(d0 / N)). Parity with
 ``train_baseline`` (``compare``'s default tolerance) with SGD, AdamW, gradient accumulation, prefetch and each
 ``reshard_after_forward`` (None, True, False); ``False`` keeps the gathered weights from forward to backward (4 Ψ
-bytes more parameters between them, no all-gather in backward: counted in the comm log). Besides: the optimizer
+bytes more parameters between them, no all-gather in backward: counted in the comm log). FSDP + TP on dp 2 x tp 2
+(TP's local tensors sharded again; the ``Partial`` K/V gradients of GQA summed over tp) matches one process, and
+fails without that sum. Besides: the optimizer
 state partitioned by ``ShardedOptimizer``, and the memory measured by ``MemoryTracker`` against the estimator
 (the ZeRO-3 formula) with a variant that keeps the full gradients.
 
@@ -31,14 +33,17 @@ from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.memory import ParallelLayout, training_memory, zero_memory_per_device
 from course_lib.memtrack import MemoryTracker
+from course_lib.mesh import Mesh
 from course_lib.model import GPT, GPTConfig, lm_loss, num_params
 from course_lib.parallel import zero
 from course_lib.parallel.contract import ParallelWrapper
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
 from course_lib.parallel.fsdp_torch import TorchFullyShard
 from course_lib.parallel.loop import train_loop
-from course_lib.parallel.placement import Shard, placement
+from course_lib.parallel.placement import Partial, Shard, placement, set_placement
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer, partition
+from course_lib.parallel.tp import TensorParallel
+from course_lib.parallel.tp_comm import all_gather_along
 from course_lib.parallel.zero_accounting import model_state_bytes
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
 
@@ -49,6 +54,7 @@ SGD = TrainConfig(optimizer="sgd", lr=1e-2)
 ADAMW = TrainConfig(optimizer="adamw", lr=1e-3)
 PSI = num_params(GPT(CFG))
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
+CFG_2D = GPTConfig(bias=False, d_model=36, n_head=4, n_kv_head=1, n_layer=2, seq_len=15)  # K/V: 9 rows, replicated
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -74,6 +80,13 @@ class FloorOffsetUnit(PerParameterUnit):
         d0 = self.shapes[i][0]
         lo = self.shard_rank * (d0 // self.world_size)
         return lo, min(lo + self.rows[i], d0)
+
+
+class ForgetsPartial(FSDP2DataParallel):
+    """Mutation: never sums the gradients recorded ``Partial`` over their axis."""
+
+    def finish_gradient_sync(self) -> None:
+        pass
 
 
 def _variant(unit_class: type[PerParameterUnit]) -> type[FSDP2DataParallel]:
@@ -128,6 +141,23 @@ def _reshard_probe(rank, world_size, reshard_after_forward):
             "module_is_sharded": {id(p) for p in model.parameters()} == shards}
 
 
+def _fsdp_tp(rank, world_size, wrapper_class):
+    """FSDP + TP on dp 2 x tp 2: ``TensorParallel`` (its K/V replicated under GQA, gradients ``Partial`` on tp),
+    then FSDP over dp on the TP-local tensors; SGD; the whole parameters gathered over both axes."""
+    mesh = Mesh(dp=2, tp=2)
+    model = GPT(CFG_2D, seed=SGD.seed)
+    tp = TensorParallel(model, mesh=mesh)
+    for p in tp.partial_grad_parameters:
+        set_placement(p, "tp", Partial())
+    dims = {n: tp.shard_dim(p) for n, p in model.named_parameters()}
+    w = wrapper_class(model, mesh=mesh)
+    opt = make_optimizer(list(model.parameters()), SGD)
+    out = train_loop(w, opt, CFG_2D, SGD, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"), loss_fn=tp.loss)
+    full = {n: t if dims[n] is None else all_gather_along(t, dims[n], mesh.group("tp"))
+            for n, t in w.full_state_dict().items()}
+    return TrainResult(out.losses, full), sorted(len(s) for s in w.partial.values())
+
+
 def _sharded_optimizer(rank, world_size, tc):
     model = GPT(CFG, seed=tc.seed)
     opt_cls, kw = (torch.optim.SGD, {"momentum": tc.momentum}) if tc.optimizer == "sgd" else (torch.optim.AdamW, {})
@@ -173,6 +203,9 @@ def _suite(rank, world_size):
             runs["shards", kind, dtype] = _module_shards(rank, world_size, kind, DTYPES[dtype])
     for kind in ("no_mean", "floor_offset"):
         runs["shards", kind, "fp32"] = _module_shards(rank, world_size, kind, torch.float32, steps=1)
+    if world_size == 4:
+        runs["2d"] = _fsdp_tp(rank, world_size, FSDP2DataParallel)
+        runs["2d", "forgets_partial"] = _fsdp_tp(rank, world_size, ForgetsPartial)
     runs["memory"] = _tracked_step(rank, world_size, FSDP2DataParallel)
     runs["memory", "keeps_full_grad"] = _tracked_step(rank, world_size, KeepFullGrad)
     return runs
@@ -264,6 +297,19 @@ def test_reshard_after_forward_false_keeps_the_gathered_weights_until_backward(w
         gathers = {raf: [sum(op == "all_gather" for op, _ in step) for step in runs["fsdp2", f"reshard={raf}"].events]
                    for raf in (True, False)}
         assert gathers == {True: [2 * units] * ADAMW.steps, False: [units] * ADAMW.steps}, rank
+
+
+@pytest.mark.slow
+def test_fsdp_on_a_tensor_parallel_model_matches_the_baseline_and_needs_its_partial_sums():
+    """dp 2 x tp 2: FSDP shards TP's local tensors again on dim 0 and sums the K/V gradients (replicated over
+    tp under GQA, recorded ``Partial``) over tp: parity with one process; without that sum it fails."""
+    base = train_baseline(CFG_2D, SGD)
+    for rank, runs in enumerate(suite(4)):
+        result, partial = runs["2d"]
+        assert partial == [2 * CFG_2D.n_layer], f"rank {rank}: partial shards {partial} (k and v of each block)"
+        report = compare(base, result)
+        assert report.ok, f"rank {rank}: {report}"
+    assert not any(compare(base, runs["2d", "forgets_partial"][0]).ok for runs in suite(4))
 
 
 @pytest.mark.slow

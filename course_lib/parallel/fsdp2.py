@@ -59,7 +59,7 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.parallel.contract import ParallelWrapper
-from course_lib.parallel.placement import Shard, copy_placements, set_placement
+from course_lib.parallel.placement import Partial, Shard, copy_placements, placements_of, set_placement
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.parallel.zero_unit import FlatLayout, FlatParamUnit, UnitState
 
@@ -309,7 +309,13 @@ class FSDP2DataParallel(ZeroDataParallel):
     """ZeRO-3 / FSDP with per-parameter dim-0 shards (``PerParameterUnit``), FSDP2's contract: the module's
     parameters are the shards, the optimizer is built on ``model.parameters()``. ``param_dtype`` /
     ``reduce_dtype``: the mixed-precision policy (module docstring). Everything else is ``ZeroDataParallel``'s
-    (hooks, prefetch order, ``reshard_after_forward``, ``no_sync``, ``full_state_dict``)."""
+    (hooks, prefetch order, ``reshard_after_forward``, ``no_sync``, ``full_state_dict``).
+
+    On a model another axis has already transformed (FSDP + TP, "2D": ``TensorParallel`` first, then this over
+    ``mesh``'s dp group) every local tensor is sharded again on dim 0, and a parameter recorded ``Partial()`` on
+    an axis (a replicated weight whose gradient is each TP rank's share: GQA's K/V, a norm under sequence
+    parallelism) has its gradient shard summed over that axis's group in ``finish_gradient_sync`` -- after the
+    dp reduce-scatter, on 1/N of the bytes (both are sums, so the order does not matter)."""
 
     unit_class = PerParameterUnit
 
@@ -323,6 +329,26 @@ class FSDP2DataParallel(ZeroDataParallel):
         self.reduce_dtype = reduce_dtype
         for unit in self.units:
             unit.reduce_dtype = reduce_dtype
+        mesh = kwargs.get("mesh")
+        self.partial: dict[str, list[nn.Parameter]] = {}  # axis -> the shards whose gradient is partial over it
+        for unit in self.units:
+            for name, s in zip(unit.layout.names, unit.shards, strict=True):
+                for axis in (a for a, where in placements_of(s).items() if isinstance(where, Partial)):
+                    if mesh is None:
+                        raise ValueError(f"rank {dist.get_rank()}: {name!r} has a partial gradient over axis {axis!r}; "
+                                         "pass mesh= so that FSDP2DataParallel can sum it over that axis's group")
+                    self.partial.setdefault(axis, []).append(s)
+        self._mesh = mesh
+
+    def finish_gradient_sync(self) -> None:
+        """Sum the partial gradient shards over their axis (one all-reduce per axis, in one flat buffer; a shard
+        without a gradient counts as zeros, so that every rank sends the same bytes)."""
+        for axis, shards in self.partial.items():
+            grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in shards]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, group=self._mesh.group(axis))
+            for s, g in zip(shards, flat.split([g.numel() for g in grads]), strict=True):
+                s.grad = g.view_as(s)
 
     def remove_hooks(self) -> None:
         """Remove every hook and give the module full fp32 parameters again (a collective: the master shards
