@@ -3,12 +3,12 @@
 The flat-parameter form (``zero``; FSDP1, DeepSpeed) concatenates a unit's parameters into one buffer and gives
 rank r a contiguous slice of it: a slice that may start in the middle of one weight and end in the middle of
 another, so the optimizer sees one flat vector per unit and no parameter keeps its shape. PyTorch's FSDP2
-(``fully_shard``; Zhao et al. 2023 describe FSDP, the FSDP2 design is PyTorch's RFC #114299 "per-parameter
-sharding") shards *each parameter* on dim 0 instead and **replaces the module's parameter by its shard** (a
-``DTensor`` with ``Shard(0)``). A [d0, ...] weight is cut into chunks of c = ceil(d0 / N) rows (``torch.chunk``'s
-rule): rank r holds rows [r c, min((r+1) c, d0)) -- the last ranks fewer, possibly none -- stored in a buffer
-padded to c rows so that every rank's chunk has the same size for the collectives. This module does the same
-with plain tensors:
+(``fully_shard``; its design is in PyTorch issue #114299, "Per-Parameter-Sharding FSDP") shards *each parameter*
+on dim 0 instead and **replaces the module's parameter by its shard** (a ``DTensor`` with ``Shard(0)``). A
+[d0, ...] weight is cut into chunks of c = ceil(d0 / N) rows (``torch.chunk``'s rule): rank r holds rows
+[r c, min((r+1) c, d0)) -- the last ranks fewer, possibly none -- stored in a buffer padded to c rows so that
+every rank's chunk has the same size for the collectives. This module does the same with plain tensors (and
+``tests/test_zero_fsdp2.py`` finds its parameters and gradient shards bit for bit equal to ``fully_shard``'s):
 
 * after wrapping, ``model.named_parameters()`` are the shards: ``nn.Parameter`` s of the chunk's shape (a view
   of the padded buffer), fp32, registered under the model's own names, each recorded ``Shard(0)`` on ``"dp"``
@@ -138,7 +138,6 @@ class PerParameterUnit(FlatParamUnit):
                                  sum(math.prod(s) for s in self.shapes), self.world_size * self.segment,
                                  self.world_size)
         self.reshard_after_forward = True
-        self.flat_grad = None
         self.grads_ready, self.backward_started, self.reduced = 0, False, False
         self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.state = UnitState.UNSHARDED
