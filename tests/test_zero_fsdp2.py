@@ -1,12 +1,14 @@
 """FSDP2-style per-parameter sharding (``course_lib.parallel.fsdp2``) and the optimizer-level ZeRO-1
 (``ShardedOptimizer``).
 
-FSDP2's contract, checked against PyTorch's ``fully_shard`` (gloo, a 1-D ``DeviceMesh``) at 2 and 4 ranks, in fp32
-and bf16 compute: after wrapping, the module's own ``named_parameters()`` are the shards (names, shapes, fp32,
-``Shard(0)`` recorded on ``dp``) and the optimizer is built on ``model.parameters()``; after each backward every
-one carries a gradient of its shard's shape in fp32; gradients and parameters over two AdamW steps are *bitwise*
-those of ``fully_shard`` (both run the same kernels on the same rows, both reduce with gloo's ring sum, and
-dividing by N = 2 or 4 is exact). Two plausible bugs make that comparison fail: a missing 1/N in the gradient
+FSDP2's contract, checked against PyTorch's ``fully_shard`` (gloo, a 1-D ``DeviceMesh``) at 2 and 4 ranks, in
+fp32, bf16 and fp16 compute (``param_dtype``; gradients reduced in it, ``MixedPrecisionPolicy``'s default): after
+wrapping, the module's own ``named_parameters()`` are the shards (names, shapes, fp32, ``Shard(0)`` recorded on
+``dp``) and the optimizer is built on ``model.parameters()``; after each backward every one carries a gradient
+of its shard's shape in fp32; gradients and parameters over two AdamW steps are *bitwise* those of
+``fully_shard`` (both run the same kernels on the same rows, both reduce with gloo's ring sum, and dividing by
+N = 2 or 4 -- in fp16 by 2 before the sum and N/2 after -- is exact; green under ``ATEN_CPU_CAPABILITY=default``
+too). Two plausible bugs make that comparison fail: a missing 1/N in the gradient
 mean, a wrong shard offset (rank r's rows from r floor(d0 / N) instead of r ceil(d0 / N)). Parity with
 ``train_baseline`` (``compare``'s default tolerance) with SGD, AdamW, gradient accumulation, prefetch and each
 ``reshard_after_forward`` (None, True, False); ``False`` keeps the gathered weights from forward to backward (4 Ψ
@@ -55,7 +57,7 @@ ADAMW = TrainConfig(optimizer="adamw", lr=1e-3)
 PSI = num_params(GPT(CFG))
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 CFG_2D = GPTConfig(bias=False, d_model=36, n_head=4, n_kv_head=1, n_layer=2, seq_len=15)  # K/V: 9 rows, replicated
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp16: split 1/N (pre, post)
 
 
 class KeepFullGradUnit(PerParameterUnit):
