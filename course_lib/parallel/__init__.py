@@ -5,7 +5,8 @@
 * ``zero_unit`` one flat-parameter unit; ``zero_checkpoint`` sharded checkpoints of ``zero``: save at N
   ranks, load at any N or in one process; ``zero_accounting`` model-state bytes measured and comm bytes exact
 * ``fsdp_torch`` PyTorch's FSDP2 (``fully_shard``) behind the wrapper contract, the oracle for ``zero``/``fsdp2``
-* ``fsdp2``     FSDP2-style per-parameter (dim-0) sharding on the same engine
+* ``fsdp2``     FSDP2's contract on the same engine: the module's parameters are their dim-0 shards, mixed
+  precision (16-bit compute, fp32 master shards, a reduce dtype), FSDP + TP on the TP-local tensors
 * ``sharded_optimizer`` ZeRO-1 at the optimizer level (``ShardedOptimizer``, ``ZeroRedundancyOptimizer``'s shape)
 * ``pp``        pipeline parallelism (the ``PipelineParallel`` wrapper, schedules run on real ranks, ``train_pp``),
   ``pp_stages`` the plan and the stages, ``pp_executor`` the executor of one rank's actions, ``pp_split`` the
@@ -38,10 +39,10 @@ they compose on one ``course_lib.mesh.Mesh`` of ranks and one training loop driv
   ``"pp"``); ``group=`` is a process group (None = every rank); not both. A rank outside the group gets a
   clear ``ValueError`` at construction. ``forward`` runs the module (the pipeline, whose forward and backward
   interleave over micro-batches, runs one pass of its schedule in ``forward_backward(x, y)`` instead).
-* ``parameters()`` are what this rank's optimizer steps: the replica's (DP), the flat shards (ZeRO; per-parameter
-  shards for FSDP2), this rank's stages' (pipeline). Where the form replicates weights, the constructor
-  broadcasts them from the group's first rank, so replicas start identical however each rank initialised its
-  model.
+* ``parameters()`` are what this rank's optimizer steps: the replica's (DP), the flat shards (ZeRO; for FSDP2 the
+  per-parameter shards, which are then also the module's own ``parameters()``), this rank's stages' (pipeline).
+  Where the form replicates weights, the constructor broadcasts them from the group's first rank, so replicas
+  start identical however each rank initialised its model.
 * ``no_sync()``: the forward/backward passes inside it only accumulate gradients locally; the next one outside
   it reduces the sum (DP: no all-reduce; ZeRO: no reduce-scatter -- stage 3 still gathers its parameters; the
   pipeline: nothing to hold back, it accumulates its own micro-batches).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -24,21 +25,25 @@ __all__ = ["TorchFullyShard", "train_fsdp2"]
 class TorchFullyShard(ParallelWrapper):
     """PyTorch's FSDP2 behind the wrapper contract: ``fully_shard`` on every block, then on the root, over a
     1-D device mesh of the group's ranks on the rank's device type. Parameters become DTensors sharded on dim 0
-    (per parameter, not flat); gradients are reduce-scattered and divided by N, like ours."""
+    (per parameter, not flat); gradients are reduce-scattered and divided by N, like ours. ``param_dtype`` /
+    ``reduce_dtype``: its ``MixedPrecisionPolicy`` (fp32 = no policy; ``reduce_dtype`` None = ``param_dtype``)."""
 
     axes = ("dp", "cp")
 
     def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
-                 reshard_after_forward: bool | None = None) -> None:
+                 reshard_after_forward: bool | None = None, param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         super().__init__(module, mesh=mesh, group=group)
         device_type = next(module.parameters()).device.type
         dmesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
+        policy = MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
+                                      reduce_dtype=reduce_dtype)
         for block in default_units(module)[:-1]:
-            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -195,6 +195,7 @@ class ZeroDataParallel(ParallelWrapper):
             named = [(prefix + n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned]
             owned.update(id(p) for _, p in named)
             self.units.append(self.unit_class(paths[m], m, named, stage, group, param_dtype, self.events))
+            owned.update(id(s) for s in self.units[-1].optimizer_params())  # shards the unit registered in m
         self.root = self.units[-1]
         self.axis = "dp+cp" if mesh is not None and getattr(mesh, "size", lambda _: 1)("cp") > 1 else "dp"
         """The axis key of the group the shards live on (their ``placement`` records)."""
@@ -220,8 +221,8 @@ class ZeroDataParallel(ParallelWrapper):
     # ---- what the optimizer and the loop see
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The shards (one flat fp32 parameter per unit; one per parameter with ``PerParameterUnit``): what each
-        rank's optimizer updates."""
+        """The shards (one flat fp32 parameter per unit; one per parameter with ``PerParameterUnit``, the very
+        tensors the module registers then): what each rank's optimizer updates."""
         return iter([s for u in self.units for s in u.optimizer_params()])
 
     def after_step(self) -> None:
