@@ -22,16 +22,18 @@ What the numbers mean (the conventions every entry follows):
   for the large messages that gradients and activations are): 3.4 us over NVLink (NCCL uses one value for every
   NVLink generation), 5.7 us over PCIe, 14 us over the network (InfiniBand and Ethernet/RoCE alike). A
   collective of ``steps`` ring steps then costs ``steps * alpha + bytes_per_step * steps / beta``
-  (``cost.collective_time``). This alpha is neither the bare wire latency of one NVLink hop (well under 1 us)
-  nor the measured latency of a small all-reduce: NCCL adds a fixed ~8.4 us per call (``baseLat``, ring,
-  Simple), which this model leaves out, and switches small messages to its LL protocol (0.6 us a step).
+  (``cost.collective_time``). This alpha is not the bare latency of the link (smaller: NCCL's LL protocol,
+  which it picks for small messages, prices an NVLink step at 0.6 us), nor the measured latency of a small
+  all-reduce, which adds a fixed cost per call (``baseLat``: 8.4 us for the ring, Simple) that this model leaves
+  out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
-__all__ = ["GPU", "GPUS", "LINKS", "Link", "gpu", "link"]
+__all__ = ["GPU", "GPUS", "LINKS", "NETWORK_ALPHA", "NVLINK_ALPHA", "PCIE_ALPHA", "Link", "gpu", "link"]
 
 _GIB = 2**30
 _GB = 10**9
@@ -101,49 +103,62 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
 """Every GPU of the course by its one key, smallest memory first: a consumer card and the data-centre parts."""
 
 
-_NCCL = "alpha: NCCL src/graph/tuning.cc hwLat, ring, Simple protocol"
+NVLINK_ALPHA, PCIE_ALPHA, NETWORK_ALPHA = 3.4e-6, 5.7e-6, 14e-6
+"""Seconds per ring step: NCCL's ``hwLat`` (src/graph/tuning.cc), ring algorithm, Simple protocol."""
+_NCCL_LAT = "per-step latency: NCCL src/graph/tuning.cc hwLat (ring, Simple protocol)"
+
+
+def _nvlink(key: str, both_directions: float, document: str) -> Link:
+    """Vendors quote NVLink as the sum of both directions: beta is half of it."""
+    return Link(key, NVLINK_ALPHA, both_directions / 2,
+                f"{document}: {both_directions / 1e9:.0f} GB/s both directions = {both_directions / 2e9:.0f} GB/s "
+                f"each way; {_NCCL_LAT}, NVLink 3.4 us")
+
+
+def _pcie(key: str, gigatransfers: float) -> Link:
+    """PCIe x16: GT/s per lane x 16 lanes x 128b/130b encoding, in bytes per direction."""
+    beta = gigatransfers * 1e9 * 16 * 128 / 130 / 8
+    return Link(key, PCIE_ALPHA, beta, f"PCI-SIG: {gigatransfers:.0f} GT/s x 16 lanes, 128b/130b = {beta / 1e9:.3g} "
+                                       f"GB/s each way; {_NCCL_LAT}, PCI 5.7 us")
+
+
+def _network(key: str, gigabits: float, port: str) -> Link:
+    """A network port is quoted in bits per second and direction: beta is that / 8."""
+    return Link(key, NETWORK_ALPHA, gigabits * 1e9 / 8,
+                f"{port}: {gigabits:.0f} Gb/s per port and direction = {gigabits / 8:.3g} GB/s; {_NCCL_LAT}, "
+                f"network 14 us")
+
+
 LINKS: dict[str, Link] = {lk.name: lk for lk in (
-    Link("NVLink 5 (B200)", 3.4e-6, 1800e9 / 2,
-         f"NVIDIA HGX B200 specifications: NVLink 5 1.8 TB/s per GPU, both directions = 900 GB/s each way; "
-         f"{_NCCL}, NVLink 3.4 us"),
-    Link("NVLink 4 (H100)", 3.4e-6, 900e9 / 2,
-         f"NVIDIA H100 datasheet: NVLink 4 900 GB/s (18 links x 50 GB/s), both directions = 450 GB/s each way; "
-         f"{_NCCL}, NVLink 3.4 us"),
-    Link("NVLink 3 (A100)", 3.4e-6, 600e9 / 2,
-         f"NVIDIA A100 datasheet: NVLink 3 600 GB/s (12 links x 50 GB/s), both directions = 300 GB/s each way; "
-         f"{_NCCL}, NVLink 3.4 us"),
-    Link("PCIe 5.0 x16", 5.7e-6, 32e9 * 16 * 128 / 130 / 8,
-         f"PCI-SIG PCIe 5.0 base specification: 32 GT/s x 16 lanes, 128b/130b encoding = 63 GB/s each way; "
-         f"{_NCCL}, PCI 5.7 us"),
-    Link("PCIe 4.0 x16", 5.7e-6, 16e9 * 16 * 128 / 130 / 8,
-         f"PCI-SIG PCIe 4.0 base specification: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s each way; "
-         f"{_NCCL}, PCI 5.7 us"),
-    Link("InfiniBand NDR 400G", 14e-6, 400e9 / 8,
-         f"NVIDIA ConnectX-7 / Quantum-2: InfiniBand NDR 400 Gb/s per port and direction = 50 GB/s; "
-         f"{_NCCL}, network 14 us"),
-    Link("InfiniBand HDR 200G", 14e-6, 200e9 / 8,
-         f"NVIDIA ConnectX-6 / Quantum: InfiniBand HDR 200 Gb/s per port and direction = 25 GB/s; "
-         f"{_NCCL}, network 14 us"),
-    Link("Ethernet 100G", 14e-6, 100e9 / 8,
-         f"IEEE 802.3 100GBASE (RoCE or TCP): 100 Gb/s per port and direction = 12.5 GB/s; "
-         f"{_NCCL}, network 14 us (NCCL prices every network alike; TCP sockets are slower still)"),
+    _nvlink("NVLink 5 (B200)", 1800e9, "HGX B200 specifications (NVLink 5, 18 links x 100 GB/s)"),
+    _nvlink("NVLink 4 (H100)", 900e9, "H100 datasheet"),
+    _nvlink("NVLink 3 (A100)", 600e9, "A100 datasheet"),
+    _pcie("PCIe 5.0 x16", 32),
+    _pcie("PCIe 4.0 x16", 16),
+    _network("InfiniBand NDR 400G", 400, "ConnectX-7"),
+    _network("InfiniBand HDR 200G", 200, "ConnectX-6"),
+    _network("Ethernet 100G", 100, "IEEE 802.3 100GBASE Ethernet (RoCE or TCP; NCCL prices every network alike)"),
+    _network("Ethernet 10G", 10, "IEEE 802.3 10GBASE Ethernet"),
 )}
 """Every link of the course by its one key: NVLink generations inside a node, PCIe, and networks between nodes."""
 
 
+_Entry = TypeVar("_Entry", GPU, Link)
+
+
+def _lookup(table: dict[str, _Entry], key: str | _Entry, kind: type[_Entry], what: str) -> _Entry:
+    if isinstance(key, kind):
+        return key
+    if key not in table:
+        raise ValueError(f"unknown {what} {key!r}; the catalogue has {list(table)}")
+    return table[key]
+
+
 def gpu(key: str | GPU) -> GPU:
     """The catalogue's GPU ``key`` (a :class:`GPU` is returned as it is)."""
-    if isinstance(key, GPU):
-        return key
-    if key not in GPUS:
-        raise ValueError(f"unknown GPU {key!r}; the catalogue has {list(GPUS)}")
-    return GPUS[key]
+    return _lookup(GPUS, key, GPU, "GPU")
 
 
 def link(key: str | Link) -> Link:
     """The catalogue's link ``key`` (a :class:`Link` is returned as it is)."""
-    if isinstance(key, Link):
-        return key
-    if key not in LINKS:
-        raise ValueError(f"unknown link {key!r}; the catalogue has {list(LINKS)}")
-    return LINKS[key]
+    return _lookup(LINKS, key, Link, "link")

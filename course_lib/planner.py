@@ -15,8 +15,9 @@ multi-GPU and multi-node parallelism") give for choosing a layout, as code:
 Every candidate (dp, tp, pp, cp, ep, ZeRO stage, micro-batch, recompute) that ``MeshShape.validate`` accepts
 is priced with a simple, stated model (``predict``): compute at an assumed fraction of the GPU's peak,
 communication by the alpha-beta model of ``cost.py`` on the link each group really uses (a group whose ranks
-share a node uses the intra-node link, otherwise the inter-node one), minus the part each kind can overlap, plus
-the pipeline bubble. Its numbers are predictions: the ranking and the reasons matter more than the digits.
+share a node uses the intra-node link, otherwise the inter-node one; GPUs and links from ``hardware.py``),
+minus the part each kind can overlap, plus the pipeline bubble. Its numbers are predictions: the ranking and the
+reasons matter more than the digits.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def test_every_entry_has_a_source() -> None:
     for g in GPUS.values():
         assert "NVIDIA" in g.source and len(g.source) > 40, g.name
     for lk in LINKS.values():
-        assert any(v in lk.source for v in ("NVIDIA", "PCI-SIG", "IEEE")), lk.name
+        assert any(v in lk.source for v in ("datasheet", "specifications", "PCI-SIG", "IEEE", "ConnectX")), lk.name
         assert "NCCL src/graph/tuning.cc hwLat" in lk.source, lk.name  # where alpha comes from
 
 
@@ -77,14 +77,15 @@ def test_link_bandwidths_are_per_direction() -> None:
     assert link("PCIe 4.0 x16").beta == pytest.approx(31.5 * GB, rel=1e-3)
     assert link("InfiniBand NDR 400G").beta == 50 * GB
     assert link("InfiniBand HDR 200G").beta == 25 * GB
-    assert link("Ethernet 100G").beta == 12.5 * GB
+    assert link("Ethernet 100G").beta == 12.5 * GB and link("Ethernet 10G").beta == 1.25 * GB
 
 
 def test_one_nvlink_latency_nccls_ring_step() -> None:
     """alpha is NCCL's per-step latency of a ring (hwLat, Simple): one value for every NVLink generation."""
-    assert {lk.alpha for k, lk in LINKS.items() if k.startswith("NVLink")} == {3.4e-6}
-    assert {lk.alpha for k, lk in LINKS.items() if k.startswith("PCIe")} == {5.7e-6}
+    assert {lk.alpha for k, lk in LINKS.items() if k.startswith("NVLink")} == {hardware.NVLINK_ALPHA} == {3.4e-6}
+    assert {lk.alpha for k, lk in LINKS.items() if k.startswith("PCIe")} == {hardware.PCIE_ALPHA} == {5.7e-6}
     assert {lk.alpha for k, lk in LINKS.items() if k.startswith(("InfiniBand", "Ethernet"))} == {14e-6}
+    assert hardware.NETWORK_ALPHA == 14e-6
 
 
 def test_intra_links_are_catalogue_keys() -> None:
@@ -171,7 +172,7 @@ def test_no_module_keeps_its_own_gpu_or_link_table() -> None:
                 for lk in (v.intra, v.inter) if isinstance(v, planner.Cluster) else (v,):
                     if isinstance(lk, Link) and id(lk) not in catalogue:
                         base = lk.name.split(", shared by")[0]
-                        assert base in LINKS and lk.alpha == LINKS[base].alpha or lk.name == "free", \
+                        assert (base in LINKS and lk.alpha == LINKS[base].alpha) or lk.name == "free", \
                             f"{mod.__name__}.{name} holds a link that is not the catalogue's: {lk}"
 
 
