@@ -103,6 +103,7 @@ class Parallelized(ParallelWrapper):
                  executor_class: type[PipelineExecutor] = PipelineExecutor,
                  data_parallel_class: type[DataParallel] = DataParallel) -> None:
         super().__init__(model, mesh=mesh)
+        self.batch_wide_loss = model.config.n_expert > 0  # the router losses: micro-batches cut globally first
         check_composable(mesh.shape, model.config, sequence_parallel=sequence_parallel, global_batch=global_batch,
                          microbatches=microbatches, v=v)
         self.mesh = mesh

@@ -70,8 +70,8 @@ class DTensorCommLog:
     collectives, which the mode then sees (the vocab-parallel loss's all-reduces happen there).
     """
 
-    def __init__(self, group_size: int, rank: int) -> None:
-        self.group_size, self.rank = group_size, rank
+    def __init__(self, group_size: int, rank: int, into_comm: bool = False) -> None:
+        self.group_size, self.rank, self.into_comm = group_size, rank, into_comm
         self.records: list[comm.CommRecord] = []
 
     def __enter__(self) -> DTensorCommLog:
@@ -101,4 +101,7 @@ class DTensorCommLog:
         n = self.group_size
         numel = t.numel() * (n if op == "all_gather" else 1)
         sent, recv = comm.ring_bytes(op, numel, t.element_size(), n, self.rank)
-        self.records.append(comm.CommRecord(op, "dtensor", n, numel * t.element_size(), sent, recv, None))
+        record = comm.CommRecord(op, "dtensor", n, numel * t.element_size(), sent, recv, None)
+        self.records.append(record)
+        if self.into_comm:  # also into comm's log and open recordings (the training loop's per-step record)
+            comm.add_record(record)
