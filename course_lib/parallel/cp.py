@@ -52,7 +52,7 @@ from course_lib.parallel.cp_attention import (
     shard_sequence,
 )
 from course_lib.parallel.dp import DataParallel, Mode
-from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
 
@@ -289,6 +289,7 @@ class CPResult(TrainResult):
 
     step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
     pairs: list[int] = field(default_factory=list)
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
 def train_cp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *,
@@ -310,4 +311,5 @@ def train_cp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
     marks = [cp.stats.pairs]
     out = train_loop(cp, opt, cfg, tc, data_rank=dp_rank, data_size=dp_size, accumulation=accumulation,
                      on_step_end=lambda step: marks.append(cp.stats.pairs))
-    return CPResult(out.losses, cp.full_parameters(), out.step_comm, [b - a for a, b in itertools.pairwise(marks)])
+    return CPResult(out.losses, cp.full_parameters(), out.step_comm, [b - a for a, b in itertools.pairwise(marks)],
+                    out.timeline)

@@ -69,7 +69,7 @@ from course_lib.model import (
     routing_entropy,
 )
 from course_lib.parallel.contract import ParallelWrapper, require_member
-from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -398,6 +398,7 @@ class EPResult(TrainResult):
 
     step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
     routing: list[list[EPRoutingStats]] = field(default_factory=list, repr=False)
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
 def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, ep: int | None = None,
@@ -421,7 +422,7 @@ def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
     out = train_loop(model, opt, cfg, tc, data_rank=model.rank, data_size=model.world_size,
                      accumulation=accumulation,
                      on_step_end=lambda step: routing.append([layer.stats for layer in model.layers]))
-    return EPResult(out.losses, model.full_params(), out.step_comm, routing)
+    return EPResult(out.losses, model.full_params(), out.step_comm, routing, out.timeline)
 
 
 # ----------------------------------------------------------------------------------------------------------------
