@@ -49,9 +49,8 @@ import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.launch import device
-from course_lib.model import GPT, MLP, Attention, GPTConfig, lm_loss
-from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper, broadcast_from_first
+from course_lib.model import GPT, MLP, Attention, GPTConfig
+from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.tp_accounting import (
     PlannedCollective,
@@ -69,7 +68,7 @@ from course_lib.parallel.tp_comm import (
     scatter_to_tensor_parallel_region,
     split_along,
 )
-from course_lib.parallel.tp_dtensor import DTensorCommLog, dtensor_plan
+from course_lib.parallel.tp_dtensor import DTensorCommLog, DTensorTensorParallel, dtensor_plan
 from course_lib.parallel.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -90,6 +89,7 @@ __all__ = [
     "STYLES",
     "ColumnParallelLinear",
     "DTensorCommLog",
+    "DTensorTensorParallel",
     "PlannedCollective",
     "RowParallelLinear",
     "SequenceParallelPositionEmbedding",
@@ -379,56 +379,6 @@ def train_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
 
     out = train_loop(tp, opt, cfg, tc, data_rank=0, data_size=1, accumulation=accumulation, before_optimizer=clip)
     return TPResult(out.losses, tp.full_parameters(), out.step_comm, norms, out.timeline)
-
-
-class DTensorTensorParallel(ParallelWrapper):
-    """DTensor's ``parallelize_module`` with ``dtensor_plan`` behind the wrapper contract (PyTorch's production
-    API; runs on gloo CPU), so the oracle runs the same loop as ours. The loss is computed under
-    ``loss_parallel()`` on the vocab-sharded logits; DTensor reduces the replicated parameters' partial
-    gradients itself (in the optimizer step, parameter by parameter). Its collectives are logged by a
-    ``DTensorCommLog`` into ``comm``'s recordings while ``recording()`` is open."""
-
-    axes = ("tp",)
-
-    def __init__(self, module: GPT, *, mesh: HasGroups | None = None, group: comm.Group = None,
-                 sequence_parallel: bool = False) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        super().__init__(module, mesh=mesh, group=group)
-        cfg = module.config
-        if cfg.kv_heads % self.world_size:
-            raise ValueError(f"DTensor's ColwiseParallel splits k_proj's {cfg.kv_heads} K/V heads evenly: "
-                             f"t={self.world_size} must divide n_kv_head")
-        dev = device().type
-        self.device_mesh = DeviceMesh.from_group(self.group or torch.distributed.group.WORLD, dev)
-        parallelize_module(module, self.device_mesh, dtensor_plan(cfg, sequence_parallel))
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
-                         scale: float = 1.0) -> float:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
-            loss = (loss_fn or lm_loss)(self(x), y) * scale
-            loss.backward()
-        return loss.item()
-
-    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
-        """The same loss on every rank: nothing to reduce."""
-        return local.to(torch.float32)
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[DTensorCommLog]:
-        """Log DTensor's collectives into the active ``comm.recording()`` blocks while open."""
-        with DTensorCommLog(self.world_size, self.rank, into_comm=True) as log:
-            yield log
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole (``DTensor.full_tensor``: an all-gather per sharded parameter)."""
-        from torch.distributed.tensor import DTensor
-
-        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
-                for n, p in self.module.named_parameters()}
 
 
 def train_dtensor_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *,
