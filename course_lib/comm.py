@@ -161,6 +161,12 @@ def _add(record: CommRecord) -> CommRecord:
     return record
 
 
+def add_record(record: CommRecord) -> CommRecord:
+    """Log a record made outside this module (a backend's own collective seen by a dispatch mode) as ours are:
+    into ``log()`` and every open ``recording()``."""
+    return _add(record)
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -16,10 +16,13 @@ plots what these record).
   ``dp.train_dp`` with it (a ``launch`` target) and returns the spans with the run.
 * :class:`EmulatedDeviceGPT` gives each rank an **emulated device** (compute costs a sleep proportional to its
   FLOPs), for timelines on a machine with fewer free cores than ranks.
+* :func:`record_zero_step` runs ``zero.train_zero``'s loop with compute markers in ZeRO's per-unit event list
+  (``course_lib.viz.zero`` lays them out and draws them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import queue
 import threading
@@ -34,10 +37,12 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.model import GPT, GPTConfig
-from course_lib.parallel import dp
-from course_lib.train import TrainConfig
+from course_lib.parallel import dp, zero
+from course_lib.parallel.loop import build_model, train_loop
+from course_lib.train import TrainConfig, make_optimizer
 
-__all__ = ["KINDS", "EmulatedDeviceGPT", "RecordedRun", "RecordingDataParallel", "Span", "record_train_dp"]
+__all__ = ["KINDS", "EmulatedDeviceGPT", "RecordedRun", "RecordingDataParallel", "Span", "record_train_dp",
+           "record_zero_step"]
 
 KINDS = ("input", "forward", "backward", "wait", "optimizer", "comm")
 """``input``: waiting for the batch; ``forward`` / ``backward``: compute; ``wait``: exposed communication
@@ -280,3 +285,70 @@ def record_train_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig 
     return RecordedRun(res, sorted(spans, key=lambda s: (s.step, s.start)))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# ZeRO's unit schedule with compute markers
+
+
+def _mark(events: list[tuple[str, str]], kind: str, name: str, *_: Any) -> None:
+    events.append((kind, name))
+
+
+class MarkedZero(zero.ZeroDataParallel):
+    """``ZeroDataParallel`` with compute markers in its own event list, between its collectives. Hooks
+    registered *after* the engine's: a unit's "forward" marker lands after its all-gather (and any prefetch it
+    issues), "forward_end" after its forward (and its reshard), "backward" after its pre-backward all-gather;
+    its reduce-scatter marks the end of its backward. ``remove_hooks`` removes them with the engine's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        ev = self.events
+        for unit in self.units:
+            name = unit.name
+            self._hooks.append(unit.module.register_forward_pre_hook(functools.partial(_mark, ev, "forward", name)))
+            state = {"seen": False}
+
+            def post(module: Any, args: Any, output: Any, name: str = name, state: dict = state) -> None:
+                ev.append(("forward_end", name))
+                state["seen"] = False
+                outs = [output] if hasattr(output, "register_hook") else [
+                    t for t in (output if isinstance(output, tuple | list) else []) if hasattr(t, "register_hook")]
+                for t in outs:
+                    if t.requires_grad:
+                        def on_grad(grad: Any, name: str = name, state: dict = state) -> None:
+                            if not state["seen"]:
+                                state["seen"] = True
+                                ev.append(("backward", name))
+                        t.register_hook(on_grad)
+            self._hooks.append(unit.module.register_forward_hook(post))
+
+
+def _parent(name: str, names: Sequence[str]) -> str | None:
+    """The innermost other unit whose module path encloses ``name`` ("" is the root's path)."""
+    if name == "":
+        return None
+    enclosing = [n for n in names if n != name and (n == "" or name.startswith(n + "."))]
+    return max(enclosing, key=len) if enclosing else None
+
+
+def record_zero_step(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, stage: int = 3, *,
+                     prefetch: bool = False, reshard_after_forward: bool | None = None,
+                     steps: int = 2) -> dict[str, Any]:
+    """A ``launch`` target: ``steps`` steps of ``MarkedZero`` (stage 2 or 3) through ``loop.train_loop``, the
+    optimizer step marked by the loop's hooks; returns the last step's events (collectives and markers, in
+    issue order), the units (name, padded size, parent) and the rank. Only the last step is kept: forward
+    prefetch follows the previous step's order."""
+    if stage < 2:
+        raise ValueError("the unit timeline needs stage 2 or 3 (each unit's reduce-scatter ends its backward)")
+    tc = dataclasses.replace(tc or TrainConfig(), steps=steps)
+    zdp = MarkedZero(build_model(cfg, tc.seed), stage, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer(list(zdp.parameters()), tc)
+    marks = [len(zdp.events)]
+    train_loop(zdp, opt, cfg, tc, data_rank=zdp.rank, data_size=zdp.world_size,
+               before_optimizer=lambda step: zdp.events.append(("optimizer", "")),
+               after_optimizer=lambda step: zdp.events.append(("optimizer_end", "")),
+               on_step_end=lambda step: marks.append(len(zdp.events)))
+    names = [u.name for u in zdp.units]
+    units = [{"name": u.name, "padded_numel": u.layout.padded_numel, "parent": _parent(u.name, names)}
+             for u in zdp.units]
+    return {"rank": rank, "stage": stage, "prefetch": prefetch, "events": list(zdp.events[marks[-2]:]),
+            "units": units}

@@ -25,9 +25,10 @@ from typing import Any
 
 from course_lib.memory import OptimizerName, ParallelLayout, training_memory
 from course_lib.memtrack import MemoryTracker
-from course_lib.mesh import DEFAULT_ORDER, Mesh
+from course_lib.mesh import Mesh
 from course_lib.model import GPTConfig
-from course_lib.parallel.compose import ComposedResult, parallelize
+from course_lib.parallel.compose import ComposedResult, parallelize, seams_of
+from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.loop import build_model, train_loop
 from course_lib.train import TrainConfig, make_optimizer
 
@@ -94,19 +95,25 @@ class TrackedRun(ComposedResult):
     memory: dict[str, float] = field(default_factory=dict)
 
 
-def train_tracked(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, *, dp: int = 1, tp: int = 1,
-                  pp: int = 1, order: str = DEFAULT_ORDER, mesh_class: type[Mesh] = Mesh,
-                  **options: Any) -> TrackedRun:
-    """``compose.train_parallel``'s run (replicated optimizer, no checkpoints) with every step under a
-    ``MemoryTracker`` of what this rank trains: its pipeline stages (the rank holds the whole model, it trains
-    those) or its whole (TP-sharded) model. ``options`` go to ``parallelize``; ``mesh_class`` is a seam for tests
-    (a mesh that builds its groups wrong). A ``launch`` target."""
-    mesh = mesh_class(dp=dp, tp=tp, pp=pp, order=order)
+def train_tracked(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig,
+                  parallel: ParallelConfig | None = None, *, mesh_class: type[Mesh] = Mesh,
+                  **parts: Any) -> TrackedRun:
+    """``compose.train_parallel``'s run (replicated optimizer, no checkpoints) on the mesh of ``parallel`` with
+    every step under a ``MemoryTracker`` of what this rank trains: its pipeline stages (the rank holds the whole
+    model, it trains those) or its whole (TP-sharded) model. ``parts``: the part classes of ``parallelize``
+    (``compose.SEAMS``); ``mesh_class`` is a seam for tests (a mesh that builds its groups wrong). A ``launch``
+    target."""
+    parallel = parallel or ParallelConfig()
+    if parallel.zero_stage:
+        raise ValueError("train_tracked runs a replicated optimizer: zero_stage=0")
+    mesh = parallel.mesh(mesh_class)
     model = build_model(cfg, tc.seed)
-    composed = parallelize(model, mesh, global_batch=tc.global_batch, **options)
+    composed = parallelize(model, mesh, global_batch=tc.global_batch, **parallel.options(),
+                           **seams_of("train_tracked", parts))
     optimizer = make_optimizer(list(composed.parameters()), tc)
     trained = list(composed.pipe.stages.values()) if composed.pipe is not None else [model]
     with MemoryTracker(trained, optimizer) as tracker:
-        out = train_loop(composed, optimizer, cfg, tc, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"))
+        out = train_loop(composed, optimizer, cfg, tc, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"),
+                         accumulation=parallel.accumulation)
     return TrackedRun(out.losses, composed.full_parameters(), rank=rank, coords=mesh.shape.coords(rank),
                       step_comm=out.step_comm, timeline=out.timeline, memory=dict(tracker.category_peaks))

@@ -30,7 +30,7 @@ bytes per group when the run is what the arithmetic says it is.
 
 To have *measured* bytes for the gradient sync, ``RingDataParallel`` replaces ``DataParallel``'s backend
 all-reduce (its ``all_reduce`` seam) by the course's own ring (``collectives.ring_all_reduce``: isend/irecv, every
-message logged with its peer); ``compose.train_parallel(..., data_parallel_class=RingDataParallel)`` runs a
+message logged with its peer); ``compose.train_parallel(..., parallel, data_parallel_class=RingDataParallel)`` runs a
 composed mesh with it.
 """
 

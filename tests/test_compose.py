@@ -24,6 +24,7 @@ from course_lib.launch import launch
 from course_lib.mesh import Mesh, MeshError, MeshShape
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import compose as C
+from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.ep import train_ep
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
 from course_lib.schedules import Action, Kind
@@ -39,17 +40,17 @@ SGD = TrainConfig(steps=3, global_batch=8, optimizer="sgd", lr=0.05)
 LAUNCH_TIMEOUT = 300
 OTHER_ORDER = "dp-cp-ep-tp-pp"  # TP slowest but PP: TP groups span what the default order keeps together
 
-PARITY_4 = {  # name: train_parallel options, at 4 ranks
-    "dp2_tp2": dict(dp=2, tp=2),
-    "tp2_cp2": dict(tp=2, cp=2),
-    "dp2_cp2": dict(dp=2, cp=2),
-    "dp2_pp2_1f1b": dict(dp=2, pp=2),
-    "dp2_pp2_zb_h1": dict(dp=2, pp=2, schedule="zb_h1"),
-    "dp2_pp2_interleaved_zero1": dict(dp=2, pp=2, schedule="interleaved", v=2, zero_stage=1),
-    "tp2_pp2": dict(tp=2, pp=2),
-    "dp2_tp2_zero1_sp": dict(dp=2, tp=2, zero_stage=1, sequence_parallel=True),
-    "dp4_accumulation2": dict(dp=4, accumulation=2),
-    "dp2_tp2_other_order": dict(dp=2, tp=2, order=OTHER_ORDER),
+PARITY_4 = {  # name: the ParallelConfig of a 4-rank run
+    "dp2_tp2": ParallelConfig(dp=2, tp=2),
+    "tp2_cp2": ParallelConfig(tp=2, cp=2),
+    "dp2_cp2": ParallelConfig(dp=2, cp=2),
+    "dp2_pp2_1f1b": ParallelConfig(dp=2, pp=2),
+    "dp2_pp2_zb_h1": ParallelConfig(dp=2, pp=2, schedule="zb_h1"),
+    "dp2_pp2_interleaved_zero1": ParallelConfig(dp=2, pp=2, schedule="interleaved", v=2, zero_stage=1),
+    "tp2_pp2": ParallelConfig(tp=2, pp=2),
+    "dp2_tp2_zero1_sp": ParallelConfig(dp=2, tp=2, zero_stage=1, sequence_parallel=True),
+    "dp4_accumulation2": ParallelConfig(dp=4, accumulation=2),
+    "dp2_tp2_other_order": ParallelConfig(dp=2, tp=2, order=OTHER_ORDER),
 }
 
 
@@ -92,17 +93,18 @@ class ReduceBeforeLastW(PipelineParallel):
         return out
 
 
-MUTATIONS_4 = {
-    "coords_in_another_order": dict(dp=2, tp=2, mesh_class=CoordsInAnotherOrder),
-    "dp_average_without_cp": dict(dp=2, cp=2, mesh_class=DPWithoutCP),
-    "pipeline_grad_reduce_skipped": dict(dp=2, pp=2, executor_class=SkipGradReduce),
-    "pipeline_grad_reduce_before_last_w": dict(dp=2, pp=2, schedule="zb_h1", pipeline_class=ReduceBeforeLastW),
+MUTATIONS_4 = {  # name: (the run's ParallelConfig, the seam that breaks it)
+    "coords_in_another_order": (ParallelConfig(dp=2, tp=2), dict(mesh_class=CoordsInAnotherOrder)),
+    "dp_average_without_cp": (ParallelConfig(dp=2, cp=2), dict(mesh_class=DPWithoutCP)),
+    "pipeline_grad_reduce_skipped": (ParallelConfig(dp=2, pp=2), dict(executor_class=SkipGradReduce)),
+    "pipeline_grad_reduce_before_last_w": (ParallelConfig(dp=2, pp=2, schedule="zb_h1"),
+                                           dict(pipeline_class=ReduceBeforeLastW)),
 }
 
 CHECKPOINTS = {  # name: (mesh that saves after 2 steps, world size, mesh that resumes for 2 more, world size)
-    "dp4_to_dp2_tp2": (dict(dp=4), 4, dict(dp=2, tp=2), 4),
-    "pp2_to_pp1": (dict(pp=2), 2, dict(), 1),
-    "dp2_tp2_to_tp2_pp2": (dict(dp=2, tp=2), 4, dict(tp=2, pp=2), 4),
+    "dp4_to_dp2_tp2": (ParallelConfig(dp=4), 4, ParallelConfig(dp=2, tp=2), 4),
+    "pp2_to_pp1": (ParallelConfig(pp=2), 2, ParallelConfig(), 1),
+    "dp2_tp2_to_tp2_pp2": (ParallelConfig(dp=2, tp=2), 4, ParallelConfig(tp=2, pp=2), 4),
 }
 
 
@@ -136,32 +138,34 @@ def _lifecycle(rank: int) -> dict[str, dict]:
 
 def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
     out: dict[str, object] = {"lifecycle": _lifecycle(rank)}
-    for name, kw in {**PARITY_4, **MUTATIONS_4}.items():
-        out[name] = C.train_parallel(rank, world_size, CFG, TC, **kw)
-    out["uninterrupted_dp4"] = C.train_parallel(rank, world_size, CFG, TC4, dp=4)
-    out["moe_dp4_ep2"] = C.train_parallel(rank, world_size, MOE, SGD, dp=4, ep=2)
+    for name, parallel in PARITY_4.items():
+        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel)
+    for name, (parallel, seam) in MUTATIONS_4.items():
+        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel, **seam)
+    out["uninterrupted_dp4"] = C.train_parallel(rank, world_size, CFG, TC4, ParallelConfig(dp=4))
+    out["moe_dp4_ep2"] = C.train_parallel(rank, world_size, MOE, SGD, ParallelConfig(dp=4, ep=2))
     out["moe_train_ep"] = train_ep(rank, world_size, MOE, SGD, ep=2)
     for name, (first, n_first, _, _) in CHECKPOINTS.items():
         if n_first == world_size:
-            C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), save_to=f"{folder}/{name}",
-                             save_after=2, **first)
+            C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), first,
+                             checkpoint=C.Checkpointing(save_to=f"{folder}/{name}", save_after=2))
     for name, (_, _, second, n_second) in CHECKPOINTS.items():
         if n_second == world_size:
-            out[f"resumed_{name}"] = C.train_parallel(rank, world_size, CFG, TC4, resume_from=f"{folder}/{name}",
-                                                      **second)
+            out[f"resumed_{name}"] = C.train_parallel(rank, world_size, CFG, TC4, second,
+                                                      checkpoint=C.Checkpointing(resume_from=f"{folder}/{name}"))
     return out
 
 
 def _suite2(rank: int, world_size: int, folder: str) -> dict[str, object]:
-    out: dict[str, object] = {"tp2": C.train_parallel(rank, world_size, CFG, TC, tp=2),
-                              "cp2": C.train_parallel(rank, world_size, CFG, TC, cp=2)}
-    C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), save_to=f"{folder}/pp2_to_pp1",
-                     save_after=2, pp=2)
+    out: dict[str, object] = {"tp2": C.train_parallel(rank, world_size, CFG, TC, ParallelConfig(tp=2)),
+                              "cp2": C.train_parallel(rank, world_size, CFG, TC, ParallelConfig(cp=2))}
+    C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), ParallelConfig(pp=2),
+                     checkpoint=C.Checkpointing(save_to=f"{folder}/pp2_to_pp1", save_after=2))
     return out
 
 
 def _suite8(rank: int, world_size: int) -> dict[str, object]:
-    return {order: C.train_parallel(rank, world_size, CFG, TC, dp=2, tp=2, pp=2, order=order)
+    return {order: C.train_parallel(rank, world_size, CFG, TC, ParallelConfig(dp=2, tp=2, pp=2, order=order))
             for order in ("tp-cp-ep-dp-pp", OTHER_ORDER)}
 
 
@@ -202,7 +206,7 @@ def _outcome(results: list) -> str:
 @pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(PARITY_4))
 def test_composed_mesh_matches_one_process_at_4_ranks(name: str) -> None:
-    acc = PARITY_4[name].get("accumulation", 1)
+    acc = PARITY_4[name].accumulation
     report = compare(_reference(TC, accumulation=acc), C.merge_composed(_results(4)[name]))
     assert report.ok, f"{name}: {report}"
 
@@ -250,7 +254,8 @@ def test_checkpoint_resumed_on_another_mesh_equals_the_uninterrupted_run(name: s
     n_second = CHECKPOINTS[name][3]
     if n_second == 1:
         _results(2)
-        resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4, resume_from=f"{_folder()}/{name}"))
+        resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4,
+                                          checkpoint=C.Checkpointing(resume_from=f"{_folder()}/{name}")))
     else:
         resumed = C.merge_composed(_results(4)[f"resumed_{name}"])
     ref = _reference(TC4)
@@ -273,7 +278,8 @@ def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
         part = torch.load(f, weights_only=True)
         part["optimizer"] = {n: {} for n in part["optimizer"]}
         torch.save(part, broken / f.name)
-    resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4, resume_from=str(broken)))
+    resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4,
+                                      checkpoint=C.Checkpointing(resume_from=str(broken))))
     ref = _reference(TC4)
     assert not compare(ref.from_step(2), resumed).ok
 
@@ -340,7 +346,28 @@ def test_mesh_that_does_not_divide_the_model_names_the_constraint() -> None:
 
 def test_zero_stage_2_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="zero_stage 2"):
-        launch(C.train_parallel, 1, CFG, TC, zero_stage=2)
+        ParallelConfig(zero_stage=2)
+
+
+def test_parallel_config_keeps_the_mesh_messages() -> None:
+    """A bad degree is refused at construction with ``MeshShape``'s message; ``validate`` names every constraint
+    the mesh breaks for the model and batch, each with its fix, as ``MeshShape.validate`` does."""
+    with pytest.raises(MeshError, match=r"dp=0: every degree must be an int >= 1"):
+        ParallelConfig(dp=0)
+    with pytest.raises(MeshError) as caught:
+        ParallelConfig(tp=8, pp=8).validate(CFG, global_batch=8)
+    with pytest.raises(MeshError) as direct:
+        MeshShape(tp=8, pp=8).validate(CFG, global_batch=8, seq_len=CFG.seq_len)
+    assert caught.value.problems == direct.value.problems and len(direct.value.problems) >= 2
+    assert ParallelConfig(dp=2, tp=2, pp=2).shape == MeshShape(dp=2, tp=2, pp=2)
+    assert ParallelConfig(dp=2, tp=2, pp=2).world_size == 8
+
+
+def test_a_degree_passed_the_old_way_names_parallel_config() -> None:
+    with pytest.raises(TypeError, match=r"dp is a field of ParallelConfig: pass train_parallel\(\.\.\., Parallel"):
+        C.train_parallel(0, 1, CFG, TC, dp=2)
+    with pytest.raises(TypeError, match="part classes"):
+        C.train_parallel(0, 1, CFG, TC, pipeline=PipelineParallel)
 
 
 @pytest.mark.parity

@@ -16,6 +16,7 @@ from course_lib.device_audit import DeviceAudit
 from course_lib.launch import device, launch
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import compose, dp, pp, zero
+from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.train import TrainConfig
 
@@ -57,8 +58,9 @@ RUNS = {
     "zero-3-bf16": functools.partial(zero.train_zero, stage=3, param_dtype=torch.bfloat16),
     "fsdp2": functools.partial(zero.train_zero, stage=3, wrapper_class=FSDP2DataParallel),
     **{f"pp-{s}": functools.partial(pp.train_pp, schedule=s, microbatches=2) for s in ("1f1b", "zb_h1")},
-    **{f"composed-{axis}2": functools.partial(compose.train_parallel, **{axis: 2}) for axis in ("tp", "cp", "pp")},
-    "composed-tp2-sp": functools.partial(compose.train_parallel, tp=2, sequence_parallel=True),
+    **{f"composed-{axis}2": functools.partial(compose.train_parallel, parallel=ParallelConfig(**{axis: 2}))
+       for axis in ("tp", "cp", "pp")},
+    "composed-tp2-sp": functools.partial(compose.train_parallel, parallel=ParallelConfig(tp=2, sequence_parallel=True)),
     "broken-buckets": functools.partial(dp.train_dp, wrapper_class=DevicelessBuckets),
     "broken-float64": functools.partial(dp.train_dp, wrapper_class=Float64Losses),
     "broken-zero": functools.partial(zero.train_zero, stage=2, wrapper_class=DevicelessZero),

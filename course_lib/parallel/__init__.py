@@ -24,6 +24,7 @@
   all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
 * ``ep``        expert parallelism (count exchange, all-to-all dispatch and combine)
 * ``compose``   ``parallelize(model, mesh)``: TP -> CP -> PP -> DP / ZeRO on one mesh, ``train_parallel``;
+  ``config`` the ``ParallelConfig`` that describes a composed run (degrees, order, options) in one value;
   ``mesh_checkpoint`` saves a composed run at one mesh and resumes it at another
 
 Every module talks through ``course_lib.comm`` so that the bytes each rank moves are logged, and is checked
@@ -36,16 +37,21 @@ they compose on one ``course_lib.mesh.Mesh`` of ranks and one training loop driv
 
 * ``Wrapper(module, *, mesh=None, group=None, ...)`` is an ``nn.Module`` (a ``contract.ParallelWrapper``).
   ``mesh=`` resolves to ``mesh.group(*Wrapper.axes)`` (DP: ``"dp"``; ZeRO/FSDP: ``"dp", "cp"``; the pipeline:
-  ``"pp"``); ``group=`` is a process group (None = every rank); not both. A rank outside the group gets a
-  clear ``ValueError`` at construction. ``forward`` runs the module (the pipeline, whose forward and backward
-  interleave over micro-batches, runs one pass of its schedule in ``forward_backward(x, y)`` instead).
+  ``"pp"``; TP: ``"tp"``; CP: ``"cp"``, its gradients averaged over ``"dp", "cp"``; EP: ``"dp", "cp"``, its
+  all-to-alls over ``"ep"``); ``group=`` is a process group (None = every rank); not both. A rank outside the
+  group gets a clear ``ValueError`` at construction. ``forward`` runs the module (the pipeline, whose forward and
+  backward interleave over micro-batches, runs one pass of its schedule in ``forward_backward(x, y)`` instead;
+  CP's ``forward_backward`` takes full sequences and cuts this rank's tokens). ``loss(logits, targets)`` is the
+  loss of the form's outputs, what the loop uses by default (the LM loss; TP's vocab-parallel cross-entropy; EP
+  adds the router losses, which depend on the whole batch of a forward: ``batch_wide_loss``).
 * ``parameters()`` are what this rank's optimizer steps: the replica's (DP), the flat shards (ZeRO; for FSDP2 the
   per-parameter shards, which are then also the module's own ``parameters()``), this rank's stages' (pipeline).
   Where the form replicates weights, the constructor broadcasts them from the group's first rank, so replicas
   start identical however each rank initialised its model.
 * ``no_sync()``: the forward/backward passes inside it only accumulate gradients locally; the next one outside
   it reduces the sum (DP: no all-reduce; ZeRO: no reduce-scatter -- stage 3 still gathers its parameters; the
-  pipeline: nothing to hold back, it accumulates its own micro-batches).
+  pipeline: nothing to hold back, it accumulates its own micro-batches; TP, CP and EP: their layers still
+  communicate -- f and g, the ring, the all-to-alls are part of the math -- only the gradient reduction waits).
 * ``finish_gradient_sync()`` after the last backward, before ``optimizer.step()`` (DP waits for / runs its
   all-reduces); ``after_step()`` after ``optimizer.step()`` (ZeRO 1/2 all-gather the updated shards). Either
   is a no-op where a form has nothing to do then, but both exist, so one loop drives every form.
@@ -58,7 +64,11 @@ they compose on one ``course_lib.mesh.Mesh`` of ranks and one training loop driv
   dtype NCCL accepts (no float64), so the same code runs on GPUs (``tests/test_device.py`` watches for both).
 * Training helpers ``train_xx(rank, world_size, cfg, tc, <form's options>, *, mesh=None, group=None,
   model_fn=None, freeze=(), wrapper_class=<the wrapper>)`` are ``launch`` targets running
-  ``loop.train_loop``; their results are ``TrainResult`` subclasses with ``losses`` (the global-batch mean per
-  step), ``params`` (full parameters by name: ``course_lib.train.assert_parity(train_baseline(cfg, tc),
-  result)``) and ``step_comm`` (per step, the ``comm.CommRecord`` s this rank issued).
+  ``loop.train_loop`` -- the only training loop besides the single-process baseline; what a chapter adds to a
+  step goes through its hooks (``before_optimizer``: clipping; ``after_optimizer``: a memory sample;
+  ``on_step_end``: a checkpoint, routing statistics); their results are ``TrainResult`` subclasses with
+  ``losses`` (the global-batch mean per step), ``params`` (full parameters by name:
+  ``course_lib.train.assert_parity(train_baseline(cfg, tc), result)``) and ``step_comm`` (per step, the
+  ``comm.CommRecord`` s this rank issued). The composed run takes one ``config.ParallelConfig`` instead of a
+  keyword per degree and option.
 """

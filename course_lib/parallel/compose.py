@@ -16,8 +16,11 @@ torchtitan's ``parallelize`` applies and Megatron-LM builds its model in:
    ``dp_shard_cp``). It goes last because it must see exactly the parameters this rank trains, which exist only
    after steps 1-3. With a pipeline the averaging is the schedule's own ``REDUCE_GRAD`` action (each stage's
    all-reduce starts on its last backward); without one a bucketed ``DataParallel``. ZeRO-1 is a
-   ``ShardedOptimizer`` over the same group (``train_parallel(zero_stage=1)``). A mixture-of-experts model
+   ``ShardedOptimizer`` over the same group (``ParallelConfig(zero_stage=1)``). A mixture-of-experts model
    with ep > 1 gets ``ExpertParallel`` here instead: dense gradients averaged over dp x cp, experts over ``edp``.
+
+A run is described by one value, ``config.ParallelConfig`` (the degrees, their order and every option):
+``launch(train_parallel, 8, cfg, tc, ParallelConfig(dp=2, tp=2, pp=2))``.
 
 One step, per rank: this dp rank's rows (``train_loop``), then its cp share of their tokens
 (``forward_backward``), forward and backward through TP layers (and the pipeline's schedule), then
@@ -46,9 +49,10 @@ import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.mesh import DEFAULT_ORDER, Mesh, MeshShape
+from course_lib.mesh import Mesh
 from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
 from course_lib.parallel import placement as P
+from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.contract import LossFn, ParallelWrapper
 from course_lib.parallel.cp import Algorithm, CPAttention, CPContext, SequenceShardedGPT
 from course_lib.parallel.cp_attention import BlockAttention, Layout, shard_sequence
@@ -61,26 +65,6 @@ from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 from course_lib.parallel.tp import TensorParallel, TensorParallelAttention
 from course_lib.schedules import Schedule
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
-
-
-def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
-                     = None, microbatches: int = 1, v: int = 1) -> None:
-    """Raise ``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError``
-    for a combination this composition does not build (see the module docstring)."""
-    micro = global_batch // (shape.dp * microbatches) if global_batch and shape.pp > 1 else 1
-    shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
-                   sp=sequence_parallel)
-    unsupported = []
-    if shape.pp > 1 and shape.cp > 1:
-        unsupported.append("pp > 1 with cp > 1: the pipeline's first stage does not place tokens at their context-"
-                           "parallel positions; use pp = 1 or cp = 1")
-    if shape.pp > 1 and sequence_parallel:
-        unsupported.append("sequence_parallel with pp > 1: pipeline messages are whole sequences here")
-    if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
-        unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
-                           "use ep x dp")
-    if unsupported:
-        raise ValueError("cannot compose this mesh: " + "; ".join(unsupported))
 
 
 class Parallelized(ParallelWrapper):
@@ -104,6 +88,7 @@ class Parallelized(ParallelWrapper):
                  executor_class: type[PipelineExecutor] = PipelineExecutor,
                  data_parallel_class: type[DataParallel] = DataParallel) -> None:
         super().__init__(model, mesh=mesh)
+        self.batch_wide_loss = model.config.n_expert > 0  # the router losses: micro-batches cut globally first
         check_composable(mesh.shape, model.config, sequence_parallel=sequence_parallel, global_batch=global_batch,
                          microbatches=microbatches, v=v)
         self.mesh = mesh
@@ -241,36 +226,58 @@ class ComposedResult(TrainResult):
     timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
-def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, dp: int = 1,
-                   tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, order: str = DEFAULT_ORDER,
-                   zero_stage: int = 0, accumulation: int = 1, model_fn: ModelFn | None = None,
-                   freeze: Sequence[str] = (), composed_class: type[Parallelized] = Parallelized,
-                   mesh_class: type[Mesh] = Mesh, save_to: str | None = None, save_after: int | None = None,
-                   resume_from: str | None = None, **options: Any) -> ComposedResult:
-    """Train on the mesh ``Mesh(dp, cp, tp, pp, ep, order)`` through ``parallelize`` and the one training loop (a
-    ``launch`` target: ``launch(train_parallel, 8, cfg, tc, dp=2, tp=2, pp=2)``). ``zero_stage`` 0: the
-    optimizer is local (gradients averaged by the data-parallel step); 1: a ``ShardedOptimizer`` partitions the
-    optimizer state over dp x cp. ``options`` go to ``Parallelized`` (``schedule``, ``microbatches``,
-    ``sequence_parallel``, ``cp_layout``, ...). ``mesh_class``: a seam for tests (a mesh that builds its groups
-    wrong). Checkpoints (``mesh_checkpoint``): ``save_to`` a folder after ``save_after`` steps; ``resume_from`` a
-    folder written at any mesh: the run continues from its step on this mesh. Compare ``merge_composed`` of the
-    ranks' results with ``train_baseline(cfg, tc, accumulation=accumulation)``."""
-    tc = tc or TrainConfig()
-    if zero_stage not in (0, 1):
-        raise ValueError(f"zero_stage {zero_stage}: the composed run takes 0 (replicated optimizer) or 1 "
-                         "(ShardedOptimizer over dp x cp); ZeRO-2/3 compose with data and context parallelism "
-                         "only (train_cp(zero_stage=...), chapter 06)")
-    if zero_stage == 1 and (save_to or resume_from):
+SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class")
+"""The keywords of ``Parallelized`` that swap a part's class (variants, tests, the grader)."""
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Checkpoints of a composed run (``mesh_checkpoint``): ``save_to`` a folder after ``save_after`` steps;
+    ``resume_from`` a folder written at any mesh (the run continues from its step on this mesh)."""
+
+    save_to: str | None = None
+    save_after: int | None = None
+    resume_from: str | None = None
+
+
+def seams_of(caller: str, parts: dict[str, Any]) -> dict[str, Any]:
+    """``parts`` when every key is a ``SEAMS`` class keyword; a ``TypeError`` naming ``ParallelConfig`` for a
+    degree or option passed the old way (``dp=2``)."""
+    fields = set(ParallelConfig.__dataclass_fields__)
+    unknown = sorted(set(parts) - set(SEAMS))
+    if unknown:
+        moved = [k for k in unknown if k in fields]
+        hint = (f"{', '.join(moved)} {'is a field' if len(moved) == 1 else 'are fields'} of ParallelConfig: pass "
+                f"{caller}(..., ParallelConfig({', '.join(f'{k}=...' for k in moved)})); ") if moved else ""
+        raise TypeError(f"{caller}: unexpected keywords {unknown}: {hint}the keywords take only the part "
+                        f"classes {list(SEAMS)}")
+    return parts
+
+
+def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None,
+                   parallel: ParallelConfig | None = None, *, checkpoint: Checkpointing | None = None,
+                   model_fn: ModelFn | None = None, freeze: Sequence[str] = (),
+                   composed_class: type[Parallelized] = Parallelized, mesh_class: type[Mesh] = Mesh,
+                   **parts: Any) -> ComposedResult:
+    """Train on the mesh of ``parallel`` (a ``ParallelConfig``; default one rank) through ``parallelize`` and
+    the one training loop (a ``launch`` target: ``launch(train_parallel, 8, cfg, tc, ParallelConfig(dp=2, tp=2,
+    pp=2))``). ``parts``: the part classes of ``Parallelized`` (``SEAMS``: ``pipeline_class``, ...);
+    ``composed_class`` and ``mesh_class``: seams for tests (a mesh that builds its groups wrong).
+    ``checkpoint``: save and resume (``Checkpointing``). Compare ``merge_composed`` of the ranks' results with
+    ``train_baseline(cfg, tc, accumulation=parallel.accumulation)``."""
+    tc, parallel, checkpoint = tc or TrainConfig(), parallel or ParallelConfig(), checkpoint or Checkpointing()
+    seams_of("train_parallel", parts)
+    if parallel.zero_stage == 1 and (checkpoint.save_to or checkpoint.resume_from):
         raise ValueError("checkpoints of train_parallel need zero_stage=0 (a replicated optimizer state)")
-    mesh = mesh_class(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, order=order)
+    mesh = parallel.mesh(mesh_class)
     model = build_model(cfg, tc.seed, model_fn, freeze)
     start, states = 0, None
-    if resume_from is not None:  # whole tensors into the single-process model: parallelize cuts them for this mesh
-        start, whole, states = load_checkpoint(resume_from)
+    if checkpoint.resume_from is not None:  # whole tensors into the single-process model: parallelize cuts them
+        start, whole, states = load_checkpoint(checkpoint.resume_from)
         load_parameters(model, whole)
-    composed = composed_class(model, mesh, global_batch=tc.global_batch, **options)
+    composed = composed_class(model, mesh, global_batch=tc.global_batch, **parallel.options(), **parts)
     params = list(composed.parameters())
-    if zero_stage == 1 and mesh.size("dp", "cp") > 1:
+    if parallel.zero_stage == 1 and mesh.size("dp", "cp") > 1:
         opt_cls, kwargs = ((torch.optim.SGD, {"lr": tc.lr, "momentum": tc.momentum}) if tc.optimizer == "sgd"
                            else (torch.optim.AdamW, {"lr": tc.lr}))
         optimizer: torch.optim.Optimizer = ShardedOptimizer(params, opt_cls, group=mesh.group("dp", "cp"),
@@ -282,11 +289,11 @@ def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
         restore_optimizer(composed, optimizer, states)
 
     def maybe_save(step: int) -> None:
-        if save_to is not None and step + 1 == save_after:
-            save_checkpoint(composed, optimizer, step + 1, save_to)
+        if checkpoint.save_to is not None and step + 1 == checkpoint.save_after:
+            save_checkpoint(composed, optimizer, step + 1, checkpoint.save_to)
 
     out = train_loop(composed, optimizer, cfg, tc, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"),
-                     accumulation=accumulation, start_step=start, on_step_end=maybe_save)
+                     accumulation=parallel.accumulation, start_step=start, on_step_end=maybe_save)
     return ComposedResult(out.losses, composed.full_parameters(), rank=rank, coords=mesh.shape.coords(rank),
                           step_comm=out.step_comm, timeline=out.timeline)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
+from course_lib.model import lm_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -38,7 +39,7 @@ class HasGroups(Protocol):
 def resolve_group(mesh: HasGroups | None, group: comm.Group, axes: tuple[str, ...], who: str) -> comm.Group:
     """``mesh.group(*axes)`` when a mesh is given, else ``group`` (None = every rank); not both."""
     if mesh is not None and group is not None:
-        raise ValueError(f"{who}: give mesh= or group=, not both")
+        raise ValueError(f"{who}: pass either mesh= or group=, not both")
     return mesh.group(*axes) if mesh is not None else group
 
 
@@ -77,6 +78,11 @@ class ParallelWrapper(nn.Module):
     axes: tuple[str, ...] = ("dp",)
     """The mesh axes whose group the form works over (``mesh.group(*axes)``)."""
 
+    batch_wide_loss: bool = False
+    """True when the loss is not a mean over rows (an MoE's router losses depend on the whole batch of one
+    forward): the loop then cuts each step's batch into micro-batches *before* the ranks' slices, so that every
+    micro-batch holds the same rows as on one process (``train_baseline(..., accumulation=m)``)."""
+
     def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None) -> None:
         super().__init__()
         who = type(self).__name__
@@ -90,10 +96,17 @@ class ParallelWrapper(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, scale: float = 1.0) -> float:
-        """One micro-batch: ``loss_fn(self(x), y) * scale`` back-propagated; returns the scaled loss. (The
-        pipeline overrides it: there forward and backward interleave over micro-batches.)"""
-        loss = loss_fn(self(x).float(), y) * scale
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of this rank's outputs: the LM loss (a form whose outputs differ overrides it: TP's
+        vocab-parallel cross-entropy, EP's added router losses)."""
+        return lm_loss(logits, targets)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                         scale: float = 1.0) -> float:
+        """One micro-batch: ``loss_fn(self(x), y) * scale`` back-propagated (``loss_fn`` None: ``self.loss``);
+        returns the scaled loss. (The pipeline overrides it: there forward and backward interleave over
+        micro-batches.)"""
+        loss = (loss_fn or self.loss)(self(x).float(), y) * scale
         loss.backward()
         return loss.item()
 

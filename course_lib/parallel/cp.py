@@ -7,6 +7,8 @@ the ranks of the cp group, each rank holding ``seq_len / cp`` tokens of every ex
     cp.finish_gradient_sync()                                     # average gradients over dp x cp
     optimizer.step(); cp.after_step()
 
+(``loop.train_loop`` runs the same step through ``cp.forward_backward``, which cuts the tokens itself.)
+
 What follows the layout (``cp_attention.positions``): the inputs and the loss targets (``shard``), the learned
 position embeddings and the RoPE angles (the *global* positions of the rank's tokens), and the causal mask of
 every ring step. Everything else in the model is per token and runs unchanged on the local tokens.
@@ -26,17 +28,18 @@ convention) and reduce-scatters the gradient; it keeps the whole sequence's K,V 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.data import global_batch, shard
-from course_lib.model import GPT, Attention, GPTConfig, apply_rope, lm_loss, rope_cos_sin
+from course_lib.model import GPT, Attention, GPTConfig, apply_rope, rope_cos_sin
+from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper, require_member
 from course_lib.parallel.cp_attention import (
     AttentionStats,
     BlockAttention,
@@ -49,6 +52,8 @@ from course_lib.parallel.cp_attention import (
     shard_sequence,
 )
 from course_lib.parallel.dp import DataParallel, Mode
+from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
+from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
 
 Algorithm = Literal["ring", "allgather"]
@@ -160,13 +165,7 @@ class SequenceShardedGPT(nn.Module):
         return m.head(x)
 
 
-def _group_of(mesh: Any, group: comm.Group, *axes: str) -> comm.Group:
-    if mesh is not None and group is not None:
-        raise ValueError("pass mesh= or group=, not both")
-    return mesh.group(*axes) if mesh is not None else group
-
-
-class ContextParallel(nn.Module):
+class ContextParallel(ParallelWrapper):
     """Wrap a ``GPT`` so that it runs on this rank's ``seq_len / cp`` tokens with attention over the cp group.
 
     ``mesh`` (its "cp" axis; gradients averaged over "dp" x "cp") or ``group`` (the cp group, default the world;
@@ -175,31 +174,43 @@ class ContextParallel(nn.Module):
     ``kernel``: the per-block operations (a ``BlockAttention``); ``attention_class``: the module each block's
     attention becomes. Both are seams for variants and tests. Initial weights are broadcast over the gradient
     group. The model's attention modules are replaced in place (parameter names unchanged).
-    ``average_gradients=False`` leaves the gradient reduction to the caller (``sharded`` is then the module to
-    wrap, e.g. in ``zero.ZeroDataParallel`` over dp x cp: ``train_cp(..., zero_stage=2)``).
+
+    The gradient reduction over the gradient group is a data-parallel wrapper around ``sharded`` (the model on
+    this rank's tokens), ``grad_sync``: a bucketed ``DataParallel`` (``dp_mode``), or with ``zero_stage`` (0-3)
+    a ``zero.ZeroDataParallel`` that also shards the model states over dp x cp -- CP ranks hold different tokens
+    of the same sequences, so for ZeRO they are data-parallel ranks like any other (Megatron's distributed
+    optimizer, torchtitan's dp_shard_cp). ``average_gradients=False`` leaves the reduction to the caller.
+
+    ``forward(idx)`` takes this rank's tokens (``shard``); ``forward_backward(x, y)`` (what the training loop
+    calls) takes full sequences and cuts them itself.
     """
 
-    def __init__(self, module: GPT, *, mesh: Any = None, group: comm.Group = None,
+    axes = ("cp",)
+
+    def __init__(self, module: GPT, *, mesh: HasGroups | None = None, group: comm.Group = None,
                  grad_group: comm.Group = None, layout: Layout = "zigzag", algorithm: Algorithm = "ring",
                  causal: bool = True, kernel: BlockAttention | None = None,
                  attention_class: type[CPAttention] = CPAttention, dp_mode: Mode = "bucketed",
-                 average_gradients: bool = True) -> None:
-        super().__init__()
+                 average_gradients: bool = True, zero_stage: int | None = None) -> None:
         chunks_per_rank(layout)  # validates the name
-        cp_group = _group_of(mesh, group, "cp")
+        super().__init__(module, mesh=mesh, group=group)
         if mesh is not None:
             grad_group = mesh.group("dp", "cp")
         elif grad_group is None:
-            grad_group = cp_group
-        self.module = module
-        self.ctx = CPContext(cp_group, layout, algorithm, causal, kernel or BlockAttention())
+            grad_group = self.group
+        require_member(grad_group, type(self).__name__)
+        self.ctx = CPContext(self.group, layout, algorithm, causal, kernel or BlockAttention())
         for block in module.blocks:
             block.attn = attention_class(block.attn, self.ctx)
         self.grad_group = grad_group
+        self.zero_stage = zero_stage
         self.sharded = SequenceShardedGPT(module, self.ctx)
-        first = 0 if grad_group is None else dist.get_global_rank(grad_group, 0)
-        self.grad_sync = DataParallel(self.sharded, group=grad_group, mode=dp_mode, broadcast_from=first) \
-            if average_gradients else None
+        self.grad_sync: ParallelWrapper | None = None
+        if zero_stage is not None:
+            self.grad_sync = ZeroDataParallel(self.sharded, zero_stage, units=[*module.blocks, self.sharded],
+                                              group=grad_group)
+        elif average_gradients:
+            self.grad_sync = DataParallel(self.sharded, group=grad_group, mode=dp_mode)
 
     @property
     def cp_rank(self) -> int:
@@ -222,9 +233,20 @@ class ContextParallel(nn.Module):
         """idx [B, s/cp] (this rank's tokens, from ``shard``) -> logits [B, s/cp, vocab]."""
         return self.sharded(idx) if self.grad_sync is None else self.grad_sync(idx)
 
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                         scale: float = 1.0) -> float:
+        """One micro-batch of full sequences: this rank's tokens of ``x`` and ``y`` (``shard``), forward (the
+        ring runs), backward. Returns the scaled loss of this rank's tokens."""
+        return super().forward_backward(self.shard(x), self.shard(y), loss_fn, scale)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """What this rank's optimizer steps: the trainable parameters (replicated), or ZeRO's shards."""
+        params = self.grad_sync.parameters() if self.zero_stage is not None else self.module.parameters()
+        return iter([p for p in params if p.requires_grad])
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (the ring still runs: attention needs every rank in every forward)."""
-        return contextlib.nullcontext() if self.grad_sync is None else self.grad_sync.no_sync()
+        return super().no_sync() if self.grad_sync is None else self.grad_sync.no_sync()
 
     def finish_gradient_sync(self) -> None:
         """Average the gradients over the gradient group (cp, or dp x cp); before ``optimizer.step()``."""
@@ -232,12 +254,28 @@ class ContextParallel(nn.Module):
             self.grad_sync.finish_gradient_sync()
 
     def after_step(self) -> None:
-        """Nothing to do: every rank holds full, identical weights."""
+        """Replicated weights: nothing to do; ZeRO 1/2 all-gather the updated shards."""
+        if self.grad_sync is not None:
+            self.grad_sync.after_step()
 
     def remove_hooks(self) -> None:
         """Remove the gradient hooks of the data-parallel part (none in the default bucketed mode)."""
         if self.grad_sync is not None:
             self.grad_sync.remove_hooks()
+        super().remove_hooks()
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """The global-batch mean per step: the mean over the gradient group (dp x cp) of the ranks' token
+        means (every rank holds as many tokens)."""
+        losses = local.to(torch.float32)
+        comm.all_reduce(losses, group=self.grad_group)
+        return losses / dist.get_world_size(self.grad_group)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by the model's names (under ZeRO gathered from the shards: a collective)."""
+        if self.zero_stage is None:
+            return full_params(self.module)
+        return {k.removeprefix("model."): v for k, v in self.grad_sync.full_state_dict().items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -251,51 +289,27 @@ class CPResult(TrainResult):
 
     step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
     pairs: list[int] = field(default_factory=list)
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
-def train_cp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, mesh: Any = None,
-             group: comm.Group = None, layout: Layout = "zigzag", algorithm: Algorithm = "ring",
-             model_fn: Callable[[GPTConfig, int], GPT] | None = None, kernel: BlockAttention | None = None,
+def train_cp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *,
+             mesh: HasGroups | None = None, group: comm.Group = None, layout: Layout = "zigzag",
+             algorithm: Algorithm = "ring", model_fn: ModelFn | None = None, kernel: BlockAttention | None = None,
              attention_class: type[CPAttention] = CPAttention,
-             wrapper_class: type[ContextParallel] = ContextParallel, zero_stage: int | None = None) -> CPResult:
-    """Train with context parallelism (and data parallelism when ``mesh`` has a dp axis): each step, the dp
-    rank's rows of ``global_batch(step, ...)``, and of those this cp rank's tokens in the layout.
-
-    ``zero_stage`` (0-3): instead of the all-reduce, ``zero.ZeroDataParallel`` shards the model states over the
-    gradient group (dp x cp, or cp): CP ranks hold different tokens of the same sequences, so for ZeRO they
-    are data-parallel ranks like any other (Megatron's distributed optimizer and torchtitan's dp_shard_cp)."""
+             wrapper_class: type[ContextParallel] = ContextParallel, zero_stage: int | None = None,
+             accumulation: int = 1, freeze: Sequence[str] = ()) -> CPResult:
+    """Train with context parallelism (and data parallelism when ``mesh`` has a dp axis) through
+    ``loop.train_loop``: each step, the dp rank's rows of ``global_batch(step, ...)``, and of those this cp
+    rank's tokens in the layout. ``zero_stage`` (0-3): ``ContextParallel``'s gradient reduction is
+    ``zero.ZeroDataParallel`` over the gradient group (dp x cp, or cp) instead of the all-reduce."""
     tc = tc or TrainConfig()
     dp_rank, dp_size = (mesh.coord("dp"), mesh.size("dp")) if mesh is not None else (0, 1)
-    model = (model_fn or GPT)(cfg, tc.seed)
+    model = build_model(cfg, tc.seed, model_fn, freeze)
     cp = wrapper_class(model, mesh=mesh, group=group, layout=layout, algorithm=algorithm, kernel=kernel,
-                       attention_class=attention_class, average_gradients=zero_stage is None)
-    zdp = None
-    if zero_stage is not None:
-        from course_lib.parallel.zero import ZeroDataParallel
-
-        zdp = ZeroDataParallel(cp.sharded, zero_stage, units=[*model.blocks, cp.sharded], group=cp.grad_group)
-    opt = make_optimizer(zdp.parameters() if zdp else [p for p in model.parameters() if p.requires_grad], tc)
-    losses, step_comm, pairs = [], [], []
-    for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        x, y = cp.shard(shard(x, dp_rank, dp_size)), cp.shard(shard(y, dp_rank, dp_size))
-        before = cp.stats.pairs
-        opt.zero_grad(set_to_none=True)
-        with comm.recording() as log:
-            loss = lm_loss(zdp(x) if zdp else cp(x), y)
-            loss.backward()
-            cp.finish_gradient_sync()
-            opt.step()
-            cp.after_step()
-            if zdp:
-                zdp.after_step()
-        losses.append(loss.detach())
-        step_comm.append(list(log.records))
-        pairs.append(cp.stats.pairs - before)
-    mean = torch.stack(losses).float()
-    comm.all_reduce(mean, group=cp.grad_group)  # once after training: the global-batch mean per step
-    mean /= dist.get_world_size(cp.grad_group)
-    params = full_params(model) if zdp is None else \
-        {k.removeprefix("model."): v for k, v in zdp.full_state_dict().items()}
-    return CPResult(mean.tolist(), params, step_comm, pairs)
-
+                       attention_class=attention_class, zero_stage=zero_stage)
+    opt = make_optimizer(list(cp.parameters()), tc)
+    marks = [cp.stats.pairs]
+    out = train_loop(cp, opt, cfg, tc, data_rank=dp_rank, data_size=dp_size, accumulation=accumulation,
+                     on_step_end=lambda step: marks.append(cp.stats.pairs))
+    return CPResult(out.losses, cp.full_parameters(), out.step_comm, [b - a for a, b in itertools.pairwise(marks)],
+                    out.timeline)

@@ -229,19 +229,23 @@ class DataParallel(ParallelWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module. Outside ``no_sync()`` (and with autograd on) this also arms the coming
-        backward: the buckets are reset and, in overlapped mode, the hooks will launch their all-reduces."""
-        if self._require_sync and torch.is_grad_enabled():
-            if self._unsynced:
-                raise RuntimeError("forward() of a synchronising step while the previous step's gradients were never "
-                                   "averaged: call finish_gradient_sync() after the last backward, before "
-                                   "optimizer.step()")
-            self._sync_this_backward, self._unsynced = True, True
+        backward: the buckets are reset and, in overlapped mode, the hooks will launch their all-reduces.
+
+        The step's state changes only once the module has returned: a forward that raises (a batch the model
+        refuses) leaves the wrapper as it was, so the next valid forward runs normally."""
+        sync = self._require_sync and torch.is_grad_enabled()
+        if sync and self._unsynced:
+            raise RuntimeError("forward() of a synchronising step while the previous step's gradients were never "
+                               "averaged: call finish_gradient_sync() after the last backward, before "
+                               "optimizer.step()")
+        out = self.module(*args, **kwargs)
+        self._sync_this_backward = sync
+        if sync:
+            self._unsynced = True
             for b in self.buckets:
                 b.pending, b.work = len(b.params), None
             self._next_bucket = 0
-        else:
-            self._sync_this_backward = False
-        return self.module(*args, **kwargs)
+        return out
 
     def finish_gradient_sync(self) -> None:
         """Average the gradients over the group; call after the last backward and before ``optimizer.step()``.

@@ -48,7 +48,7 @@ Production versions of the same steps: Megatron-Core's ``MoEAlltoAllTokenDispatc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +57,6 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.data import global_batch, micro_batches, shard
 from course_lib.mesh import Mesh
 from course_lib.model import (
     GPTConfig,
@@ -70,13 +69,12 @@ from course_lib.model import (
     routing_entropy,
 )
 from course_lib.parallel import placement as P
-from course_lib.parallel.dp import build_model
+from course_lib.parallel.contract import ParallelWrapper, require_member
+from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
-ModelFn = Callable[[GPTConfig, int], nn.Module]
 EP_AXIS = "ep"
 """The mesh axis the experts of every MoE layer are split over."""
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The differentiable all-to-all and the capacity arithmetic
@@ -275,15 +273,18 @@ class TorchAllToAllMoE(ExpertParallelMoE):
 # The wrapper
 
 
-class ExpertParallel(nn.Module):
+class ExpertParallel(ParallelWrapper):
     """Wrap a model with MoE layers for expert parallelism (and data parallelism of everything else).
 
-    Every ``MoE`` of ``module`` is replaced by ``layer_class(moe, ep_group, dense_group)``, which keeps E/ep
+    Every ``MoE`` of ``module`` is replaced by ``layer_class(moe, ep_group, group)``, which keeps E/ep
     experts. Groups (``course_lib.mesh``): ``mesh.group("ep")`` the all-to-all, ``mesh.group("edp")`` the ranks
     holding the same experts (their gradients are summed), ``mesh.group("dp", "cp")`` the dense data-parallel
-    group, whose ranks share the batch in group order. Without a mesh pass the groups (None: the whole world;
-    ``expert_dp_group`` None: no expert replicas). At construction the dense parameters and buffers are broadcast
-    from the dense group's first rank and the experts over their expert-dp group, so every replica starts equal.
+    group (the wrapper's ``group``), whose ranks share the batch in group order. Without a mesh pass the groups:
+    ``group`` (older name ``dense_group``; None: the whole world), ``ep_group`` (None: ``group``),
+    ``expert_dp_group`` (None: no expert replicas). At construction the dense parameters and buffers are
+    broadcast from the dense group's first rank and the experts over their expert-dp group, so every replica
+    starts equal. The loss is the LM loss plus the router losses (``loss``); they depend on the whole batch of a
+    forward (``batch_wide_loss``), so the loop cuts micro-batches from the global batch first.
 
     Usage, one step::
 
@@ -292,16 +293,25 @@ class ExpertParallel(nn.Module):
         model.finish_gradient_sync(); opt.step(); model.after_step()
     """
 
-    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, ep_group: comm.Group = None,
-                 expert_dp_group: comm.Group = None, dense_group: comm.Group = None,
+    axes = ("dp", "cp")
+    batch_wide_loss = True
+
+    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, group: comm.Group = None,
+                 ep_group: comm.Group = None, expert_dp_group: comm.Group = None, dense_group: comm.Group = None,
                  layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True) -> None:
-        super().__init__()
+        if group is not None and dense_group is not None:
+            raise ValueError("ExpertParallel: group= and dense_group= are the same group: pass one")
+        super().__init__(module, mesh=mesh, group=group if group is not None else dense_group)
+        dense_group = self.group
         if mesh is not None:
-            ep_group, dense_group = mesh.group("ep"), mesh.group("dp", "cp")
+            ep_group = mesh.group("ep")
             expert_dp_group = mesh.group("edp") if mesh.size("edp") > 1 else None
-        self.module, self.ep_group, self.expert_dp_group, self.dense_group = (module, ep_group, expert_dp_group,
-                                                                              dense_group)
-        self.world_size = dist.get_world_size(dense_group)
+        elif ep_group is None:
+            ep_group = dense_group
+        for g in (ep_group, expert_dp_group):
+            if g is not None:
+                require_member(g, type(self).__name__)
+        self.ep_group, self.expert_dp_group, self.dense_group = ep_group, expert_dp_group, dense_group
         edp = dist.get_world_size(expert_dp_group) if expert_dp_group is not None else 1
         if dist.get_world_size(ep_group) * edp != self.world_size:
             raise ValueError(f"ep x edp = {dist.get_world_size(ep_group)} x {edp} must equal the dense "
@@ -326,8 +336,10 @@ class ExpertParallel(nn.Module):
                     for p in self.expert_params:
                         comm.broadcast(p.detach(), group_ranks(expert_dp_group)[0], group=expert_dp_group)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The LM loss of this rank's rows plus the router losses of the forward (``moe_aux_loss``), as
+        ``train_baseline`` computes it."""
+        return lm_loss(logits, targets) + moe_aux_loss(self.module)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -359,12 +371,10 @@ class ExpertParallel(nn.Module):
                             p.grad = None
 
     def after_step(self) -> None:
-        """After ``optimizer.step()``: start the next step's count of tokens per expert."""
+        """After ``optimizer.step()``: start the next step's count of tokens per expert. (This wrapper installs
+        no hooks -- it synchronises in ``finish_gradient_sync`` -- so ``remove_hooks`` has none to remove.)"""
         for layer in self.layers:
             layer.step_kept.zero_()
-
-    def remove_hooks(self) -> None:
-        """Nothing to remove: this wrapper installs no hooks (it synchronises in ``finish_gradient_sync``)."""
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unsharded model by its single-process name: the experts all-gathered over the
@@ -383,43 +393,31 @@ class EPResult(TrainResult):
 
     step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
     routing: list[list[EPRoutingStats]] = field(default_factory=list, repr=False)
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
 def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, ep: int | None = None,
              mesh: Mesh | None = None, accumulation: int = 1, model_fn: ModelFn | None = None,
-             layer_class: type[ExpertParallelMoE] = ExpertParallelMoE) -> EPResult:
+             freeze: Sequence[str] = (), layer_class: type[ExpertParallelMoE] = ExpertParallelMoE,
+             wrapper_class: type[ExpertParallel] = ExpertParallel) -> EPResult:
     """Train with expert parallelism of degree ``ep`` (default: every rank) over the data-parallel ranks: the
-    mesh ``Mesh(dp=world_size, ep=ep)`` unless one is given (a ``launch`` target; ``MeshError`` names what does
-    not fit). Each step the global batch is split into ``accumulation`` micro-batches and each micro-batch into
-    one shard per rank; the loss is LM + router losses. Returns the global-batch mean loss
-    per step (comparable with ``train_baseline(cfg, tc, accumulation=...)``) and the full parameters."""
+    mesh ``Mesh(dp=world_size, ep=ep)`` unless one is given (a ``launch`` target running ``loop.train_loop``;
+    ``MeshError`` names what does not fit). Each step the global batch is split into ``accumulation``
+    micro-batches and each micro-batch into one shard per rank; the loss is LM + router losses. Returns the
+    global-batch mean loss per step (comparable with ``train_baseline(cfg, tc, accumulation=...)``), the full
+    parameters and, per step, the routing statistics of the last micro-batch (the loop's ``on_step_end``)."""
     tc = tc or TrainConfig()
     mesh = mesh or Mesh(dp=world_size, ep=ep or world_size)
     if mesh.size("tp", "pp", "cp") != 1:
         raise ValueError("train_ep runs EP x DP only (tp = pp = cp = 1); composing more axes is chapter 08's")
     mesh.shape.validate(cfg)
-    model = ExpertParallel(build_model(cfg, tc.seed, model_fn), mesh=mesh, layer_class=layer_class)
-    opt = make_optimizer(list(model.parameters()), tc)
-    losses, step_comm, routing = [], [], []
-    for step in range(tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        with comm.recording() as log:
-            for xm, ym in micro_batches(x, y, accumulation):
-                xs, ys = shard(xm, rank, world_size), shard(ym, rank, world_size)
-                loss = (lm_loss(model(xs), ys) + moe_aux_loss(model)) / accumulation
-                loss.backward()
-                total += loss.item()
-            model.finish_gradient_sync()
-        opt.step()
-        model.after_step()
-        losses.append(total)
-        step_comm.append(list(log.records))
-        routing.append([layer.stats for layer in model.layers])
-    mean = torch.tensor(losses, dtype=torch.float32)
-    comm.all_reduce(mean)  # once, after training: the reported loss is the global-batch mean
-    return EPResult((mean / world_size).tolist(), model.full_params(), step_comm, routing)
+    model = wrapper_class(build_model(cfg, tc.seed, model_fn, freeze), mesh=mesh, layer_class=layer_class)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+    routing: list[list[EPRoutingStats]] = []
+    out = train_loop(model, opt, cfg, tc, data_rank=model.rank, data_size=model.world_size,
+                     accumulation=accumulation,
+                     on_step_end=lambda step: routing.append([layer.stats for layer in model.layers]))
+    return EPResult(out.losses, model.full_params(), out.step_comm, routing, out.timeline)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """The one training loop every ``train_xx`` helper runs, through the wrapper contract.
 
 Per optimizer step: this rank's slice of ``global_batch(step, tc.global_batch, ...)`` (``data_rank`` of
-``data_size`` equal slices), cut into ``accumulation`` micro-batches; all but the last run under ``no_sync()``,
-each back-propagates ``loss / accumulation`` (so the accumulated gradient is that of the mean); then
-``finish_gradient_sync()``, ``optimizer.step()``, ``after_step()``. Everything the wrapper communicates in the
-step is recorded (``comm.recording``) into ``step_comm``; the losses are reduced once, after training
+``data_size`` equal slices), cut into ``accumulation`` micro-batches (a wrapper with ``batch_wide_loss`` gets
+the global batch cut into micro-batches first, then each micro-batch's slice); all but the last run under
+``no_sync()``, each back-propagates ``loss / accumulation`` (so the accumulated gradient is that of the mean);
+then ``finish_gradient_sync()``, ``optimizer.step()``, ``after_step()``. Everything the wrapper communicates in
+the step is recorded (``comm.recording``) into ``step_comm``; the losses are reduced once, after training
 (``wrapper.reduce_losses``), into the global-batch mean per step -- comparable with ``train_baseline``.
+What a chapter adds to a step (clipping, a memory sample, a checkpoint, markers) goes through the hooks of
+``train_loop``, never through a loop of its own: this is the library's only training loop besides the
+single-process baseline (``course_lib.train.train_baseline``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.contract import LossFn, ParallelWrapper, module_device
 from course_lib.train import TrainConfig
 
@@ -72,13 +76,28 @@ class LoopOutput:
     timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
+def step_micro_batches(x: torch.Tensor, y: torch.Tensor, data_rank: int, data_size: int, accumulation: int,
+                       micro_first: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of one step's global batch (x, y): its slice cut into ``accumulation``
+    pieces, or (``micro_first``) the global batch cut into pieces and this rank's slice of each taken. Either
+    way the ranks together see every row of the step once; ``micro_first`` makes micro-batch j of all ranks
+    together the j-th piece of the global batch, as on one process."""
+    if micro_first:
+        return [(shard(xm, data_rank, data_size), shard(ym, data_rank, data_size))
+                for xm, ym in micro_batches(x, y, accumulation)]
+    return list(micro_batches(shard(x, data_rank, data_size), shard(y, data_rank, data_size), accumulation))
+
+
 def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: GPTConfig, tc: TrainConfig, *,
-               data_rank: int, data_size: int, accumulation: int = 1, loss_fn: LossFn = lm_loss,
-               start_step: int = 0, after_optimizer: Callable[[int], None] | None = None,
+               data_rank: int, data_size: int, accumulation: int = 1, loss_fn: LossFn | None = None,
+               start_step: int = 0, before_optimizer: Callable[[int], None] | None = None,
+               after_optimizer: Callable[[int], None] | None = None,
                on_step_end: Callable[[int], None] | None = None) -> LoopOutput:
-    """Train ``tc.steps - start_step`` steps (see the module docstring). ``after_optimizer(step)`` runs right
-    after ``optimizer.step()``, before ``after_step()`` (where a form's memory is sampled); ``on_step_end(step)``
-    after the step is complete."""
+    """Train ``tc.steps - start_step`` steps (see the module docstring). ``loss_fn`` None: the wrapper's own
+    ``loss``. Hooks, each called with the step: ``before_optimizer`` after ``finish_gradient_sync()``, before
+    ``optimizer.step()`` (gradient clipping); ``after_optimizer`` right after ``optimizer.step()``, before
+    ``after_step()`` (where a form's memory is sampled); ``on_step_end`` after the step is complete (outside
+    its communication record)."""
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     device = module_device(wrapper.module)
@@ -86,8 +105,8 @@ def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: 
     out = LoopOutput([])
     for step in range(start_step, tc.steps):
         x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        micro = micro_batches(shard(x, data_rank, data_size).to(device), shard(y, data_rank, data_size).to(device),
-                              accumulation)
+        micro = step_micro_batches(x.to(device), y.to(device), data_rank, data_size, accumulation,
+                                   wrapper.batch_wide_loss)
         optimizer.zero_grad(set_to_none=True)
         loss_sum, marks = 0.0, []
         with comm.recording() as log:
@@ -100,6 +119,8 @@ def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: 
             wrapper.finish_gradient_sync()
             t2 = time.perf_counter()
             marks[-1] = len(log.records)
+            if before_optimizer is not None:
+                before_optimizer(step)
             optimizer.step()
             if after_optimizer is not None:
                 after_optimizer(step)

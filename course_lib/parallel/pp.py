@@ -54,7 +54,6 @@ from torch import nn
 
 from course_lib import comm
 from course_lib import schedules as S
-from course_lib.data import global_batch
 from course_lib.model import GPTConfig, lm_loss
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first, require_member
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
@@ -79,9 +78,9 @@ from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 __all__ = [  # with what pp_stages / pp_layers / pp_balance / pp_split / pp_executor define, re-exported here
     "SCHEDULES", "LayerCosts", "PPResult", "PipelineExecutor", "PipelineParallel", "PipelineParts", "PipelinePlan",
-    "Stage", "StepRecord", "TimedAction", "backward_input", "backward_weight", "balance_stages", "build_stages",
-    "layer_split", "measure_layer_costs", "measured_bubble_fraction", "measured_timeline", "merge_results",
-    "pipeline_parts", "plan_pipeline", "stage_costs", "stage_layers", "train_pp", "train_torch_pp",
+    "Stage", "StepRecord", "TimedAction", "TorchPipeline", "backward_input", "backward_weight", "balance_stages",
+    "build_stages", "layer_split", "measure_layer_costs", "measured_bubble_fraction", "measured_timeline",
+    "merge_results", "pipeline_parts", "plan_pipeline", "stage_costs", "stage_layers", "train_pp", "train_torch_pp",
 ]
 
 
@@ -286,50 +285,77 @@ def measured_bubble_fraction(results: Sequence[PPResult], step: int = -1) -> flo
 # ---------------------------------------------------------------------------------------- torch's version
 
 
+class TorchPipeline(ParallelWrapper):
+    """``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` /
+    ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``) on the same stages as ``PipelineParallel``,
+    behind the wrapper contract, so that the production API, the second oracle, runs the same training loop.
+    Its loss_fn returns each micro-batch's mean loss and the schedule divides the accumulated gradients by m
+    (``scale_grads=True``, the default): the same 1/m. Its transfers are not logged."""
+
+    axes = ("pp",)
+
+    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
+                 schedule: str = "1f1b", microbatches: int = 4, v: int = 1, split: Sequence[int] | None = None,
+                 global_batch: int | None = None) -> None:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
+
+        super().__init__(module, mesh=mesh, group=group)
+        cfg = module.config
+        self.plan = plan_pipeline(cfg, self.world_size, schedule, microbatches, v, split, global_batch)
+        self.stages = build_stages(cfg, self.plan, self.rank, model=module)
+        device = next(module.parameters()).device
+        pipe_stages = [PipelineStage(st, s, self.plan.n_stages, device, group=self.group)
+                       for s, st in self.stages.items()]
+        single = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B}
+        multi = {"interleaved_one_f_one_b": ScheduleInterleaved1F1B, "zb_h1": ScheduleInterleavedZeroBubble}
+        if self.plan.schedule in single:
+            self.runner = single[self.plan.schedule](pipe_stages[0], self.plan.m, loss_fn=lm_loss)
+        elif self.plan.schedule in multi:
+            self.runner = multi[self.plan.schedule](pipe_stages, self.plan.m, loss_fn=lm_loss)
+        else:
+            raise ValueError(f"no torch schedule for {schedule!r}")
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """This rank's stages' trainable parameters."""
+        return iter([q for st in self.stages.values() for q in st.parameters() if q.requires_grad])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a pipeline runs forward_backward(x, y), one pass of its schedule")
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                         scale: float = 1.0) -> float:
+        """One ``schedule.step`` over the batch; the mean micro-batch loss on the last stage's rank, else 0."""
+        if scale != 1.0:
+            raise ValueError("the pipeline splits the batch into its own micro-batches: run it with accumulation=1")
+        has_first, has_last = 0 in self.stages, self.plan.n_stages - 1 in self.stages
+        losses: list[torch.Tensor] = []
+        self.runner.step(*((x,) if has_first else ()), target=y if has_last else None,
+                         losses=losses if has_last else None)
+        return float(torch.stack(losses).detach().mean()) if has_last else 0.0
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """Only the last stage computes the losses: broadcast them from its rank."""
+        losses = local.to(torch.float32)
+        comm.broadcast(losses, src=comm.global_rank(self.group, self.plan.rank_of(self.plan.n_stages - 1)),
+                       group=self.group)
+        return losses
+
+
 def train_torch_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None,
                    schedule: str = "1f1b", microbatches: int = 4, v: int = 1, split: Sequence[int] | None = None,
                    group: comm.Group = None) -> PPResult:
-    """The same training with ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
-    ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``) on the same stages: the
-    production API, as a second oracle. Its loss_fn returns each micro-batch's mean loss and the schedule divides
-    the accumulated gradients by m (``scale_grads=True``, the default): the same 1/m. Its transfers are not logged.
-    """
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
-
+    """The same training with ``torch.distributed.pipelining`` (``TorchPipeline``) through ``loop.train_loop``:
+    the production API, as a second oracle."""
     tc = tc or TrainConfig()
-    p, me = dist.get_world_size(group), dist.get_rank(group)
-    plan = plan_pipeline(cfg, p, schedule, microbatches, v, split, tc.global_batch)
-    model = build_model(cfg, tc.seed)
-    stages = build_stages(cfg, plan, me, model=model)
-    device = next(model.parameters()).device
-    pipe_stages = [PipelineStage(st, s, plan.n_stages, device, group=group) for s, st in stages.items()]
-    single = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B}
-    multi = {"interleaved_one_f_one_b": ScheduleInterleaved1F1B, "zb_h1": ScheduleInterleavedZeroBubble}
-    if plan.schedule in single:
-        runner = single[plan.schedule](pipe_stages[0], plan.m, loss_fn=lm_loss)
-    elif plan.schedule in multi:
-        runner = multi[plan.schedule](pipe_stages, plan.m, loss_fn=lm_loss)
-    else:
-        raise ValueError(f"no torch schedule for {schedule!r}")
-    params = [q for st in stages.values() for q in st.parameters() if q.requires_grad]
-    opt = make_optimizer(params, tc)
-    has_first, has_last = 0 in stages, plan.n_stages - 1 in stages
-    step_losses = []
-    for step in range(tc.steps):
-        x, y = (t.to(device) for t in global_batch(step, tc.global_batch, cfg.seq_len, tc.seed))
-        opt.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        args = (x,) if has_first else ()
-        runner.step(*args, target=y if has_last else None, losses=losses if has_last else None)
-        opt.step()
-        step_losses.append(float(torch.stack(losses).detach().mean()) if has_last else 0.0)
-    losses_t = torch.tensor(step_losses, dtype=torch.float32, device=device)
-    dist.broadcast(losses_t, src=comm.global_rank(group, plan.rank_of(plan.n_stages - 1)), group=group)
-    return PPResult(losses_t.tolist(), named_subset(model, list(stages.values())), rank=me, stages=sorted(stages),
-                    plan=plan)
+    pipe = TorchPipeline(build_model(cfg, tc.seed), group=group, schedule=schedule, microbatches=microbatches, v=v,
+                         split=split, global_batch=tc.global_batch)
+    opt = make_optimizer(list(pipe.parameters()), tc)
+    out = train_loop(pipe, opt, cfg, tc, data_rank=0, data_size=1)
+    return PPResult(out.losses, named_subset(pipe.module, list(pipe.stages.values())), rank=pipe.rank,
+                    stages=sorted(pipe.stages), plan=pipe.plan, step_comm=out.step_comm)

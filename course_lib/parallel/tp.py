@@ -41,19 +41,18 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.data import global_batch
-from course_lib.launch import device
-from course_lib.model import GPT, MLP, Attention, GPTConfig, lm_loss
+from course_lib.model import GPT, MLP, Attention, GPTConfig
 from course_lib.parallel import placement as P
+from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
+from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.tp_accounting import (
     PlannedCollective,
     block_bytes_per_rank,
@@ -70,7 +69,12 @@ from course_lib.parallel.tp_comm import (
     scatter_to_tensor_parallel_region,
     split_along,
 )
-from course_lib.parallel.tp_dtensor import DTensorCommLog, dtensor_fsdp_tp_placements, dtensor_plan
+from course_lib.parallel.tp_dtensor import (
+    DTensorCommLog,
+    DTensorTensorParallel,
+    dtensor_fsdp_tp_placements,
+    dtensor_plan,
+)
 from course_lib.parallel.tp_layers import (
     TP_AXIS,
     ColumnParallelLinear,
@@ -93,6 +97,7 @@ __all__ = [
     "STYLES",
     "ColumnParallelLinear",
     "DTensorCommLog",
+    "DTensorTensorParallel",
     "PlannedCollective",
     "RowParallelLinear",
     "SequenceParallelPositionEmbedding",
@@ -144,13 +149,7 @@ def gpt_plan(config: GPTConfig) -> dict[str, Style]:
     return plan
 
 
-def _resolve_group(mesh: Any, group: comm.Group, axis: str = "tp") -> comm.Group:
-    if mesh is not None and group is not None:
-        raise ValueError("pass either mesh= or group=, not both")
-    return mesh.group(axis) if mesh is not None else group
-
-
-class TensorParallel(nn.Module):
+class TensorParallel(ParallelWrapper):
     """Apply a tensor-parallel ``plan`` to ``module`` over the TP group (``mesh.group("tp")`` or ``group``).
 
     ``plan``: module name (``fnmatch`` pattern) -> style:
@@ -171,8 +170,11 @@ class TensorParallel(nn.Module):
     ``Partial()`` or ``Replicate()``, recorded by the layers); the gradient sync, the norm, the gather and the
     checkpoints read nothing else.
 
-    Training step: ``loss.backward()``, ``finish_gradient_sync()`` (all-reduce of the partial gradients), optional
-    ``clip_grad_norm_``, ``optimizer.step()``, ``after_step()``.
+    Training step (``loop.train_loop`` drives it like every wrapper): ``forward_backward`` (the loss is
+    ``self.loss`` unless the loop passes another), ``finish_gradient_sync()`` (all-reduce of the partial
+    gradients), optional ``clip_grad_norm_``, ``optimizer.step()``, ``after_step()`` (nothing to do: every rank
+    updated exactly its own shards). TP installs no hooks (its communication lives in autograd Functions), so
+    ``remove_hooks`` has nothing to remove.
 
     Seams: the layer classes each style builds (``column_class`` ... ``mlp_class``), ``parallelize_submodule``,
     ``finish_gradient_sync`` and ``loss``; a subclass overrides one to make a variant.
@@ -184,11 +186,12 @@ class TensorParallel(nn.Module):
     attention_class: type[TensorParallelAttention] = TensorParallelAttention
     mlp_class: type[TensorParallelMLP] = TensorParallelMLP
 
-    def __init__(self, module: nn.Module, *, mesh: Any = None, group: comm.Group = None,
+    axes = ("tp",)
+
+    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
                  plan: Mapping[str, Style] | None = None, sequence_parallel: bool = False,
                  broadcast: bool = True) -> None:
-        super().__init__()
-        self.group = _resolve_group(mesh, group)
+        super().__init__(module, mesh=mesh, group=group)
         self.tp_size, self.tp_rank = _size_rank(self.group)
         self.sequence_parallel = sequence_parallel
         if plan is None:
@@ -197,12 +200,8 @@ class TensorParallel(nn.Module):
             plan = gpt_plan(module.config)
         self.plan = dict(plan)
         if broadcast:
-            src = dist.get_process_group_ranks(self.group)[0] if self.group is not None else 0
-            with torch.no_grad():
-                for p in module.parameters():
-                    comm.broadcast(p.detach(), src, group=self.group)
+            broadcast_from_first(module, self.group)
         self._apply_plan(module)
-        self.module = module
         for p in module.parameters():  # what no layer changed is replicated over the group
             if TP_AXIS not in P.placements_of(p):
                 P.set_placement(p, TP_AXIS, P.Replicate())
@@ -264,12 +263,13 @@ class TensorParallel(nn.Module):
 
     # -- the wrapper contract -------------------------------------------------------------------------------------
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean vocab-parallel cross-entropy of the vocab-sharded logits (the same value on every rank)."""
         return vocab_parallel_cross_entropy(logits, targets, self.group)
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank of the TP group computed the loss of the same batch (the same value): nothing to reduce."""
+        return local.to(torch.float32)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -283,12 +283,6 @@ class TensorParallel(nn.Module):
         sequence shard under SP, replicated GQA K/V: those placed ``Partial()`` on tp -- in one flat buffer
         (``placement.reduce_partial_grads``). Call after the last backward."""
         P.reduce_partial_grads(self.module.parameters(), self.groups)
-
-    def after_step(self) -> None:
-        """Nothing to do after ``optimizer.step()``: every rank updated exactly its own shards."""
-
-    def remove_hooks(self) -> None:
-        """TP installs no hooks (its communication lives in autograd Functions): nothing to remove."""
 
     @property
     def partial_grad_parameters(self) -> list[nn.Parameter]:
@@ -324,74 +318,50 @@ class TensorParallel(nn.Module):
 
 @dataclass
 class TPResult(TrainResult):
-    """``TrainResult`` plus this rank's communication records of each step (forward, backward, sync)."""
+    """``TrainResult`` plus this rank's communication records of each step (forward, backward, sync), the
+    gradient norms before clipping (when clipping) and each step's timing."""
 
     step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
     grad_norms: list[float] = field(default_factory=list)
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
-def train_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, mesh: Any = None,
-             group: comm.Group = None, sequence_parallel: bool = False,
-             model_fn: Callable[[GPTConfig, int], nn.Module] | None = None, plan: Mapping[str, Style] | None = None,
-             clip_grad_norm: float | None = None, tp_class: type[TensorParallel] = TensorParallel) -> TPResult:
-    """Train the GPT with tensor (and optionally sequence) parallelism: a ``launch`` target.
+def train_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *,
+             mesh: HasGroups | None = None, group: comm.Group = None, sequence_parallel: bool = False,
+             model_fn: ModelFn | None = None, plan: Mapping[str, Style] | None = None,
+             clip_grad_norm: float | None = None, accumulation: int = 1, freeze: Sequence[str] = (),
+             wrapper_class: type[TensorParallel] = TensorParallel,
+             tp_class: type[TensorParallel] | None = None) -> TPResult:
+    """Train the GPT with tensor (and optionally sequence) parallelism: a ``launch`` target running
+    ``loop.train_loop``.
 
     Every rank of the TP group sees the whole global batch (TP splits the layers, not the data). The loss is the
-    vocab-parallel cross-entropy, the same on every rank. Returns per-step losses, the full parameters (gathered)
-    and the communication records of each step. ``tp_class`` lets a test or notebook swap in a variant.
-    """
+    vocab-parallel cross-entropy, the same on every rank. ``clip_grad_norm``: clip the gradients to that global
+    norm after the gradient sync, before the step (the loop's ``before_optimizer`` hook). Returns per-step
+    losses, the full parameters (gathered) and the communication records of each step. ``wrapper_class``
+    (older name ``tp_class``) lets a test or notebook swap in a variant."""
     tc = tc or TrainConfig()
-    dev = device()
-    model = (model_fn or GPT)(cfg, tc.seed).to(dev)
-    tp = tp_class(model, mesh=mesh, group=group, plan=plan, sequence_parallel=sequence_parallel)
+    model = build_model(cfg, tc.seed, model_fn, freeze)
+    tp = (tp_class or wrapper_class)(model, mesh=mesh, group=group, plan=plan, sequence_parallel=sequence_parallel)
     opt = make_optimizer([p for p in tp.parameters() if p.requires_grad], tc)
-    losses, step_comm, norms = [], [], []
-    for step in range(tc.steps):
-        x, y = (t.to(dev) for t in global_batch(step, tc.global_batch, cfg.seq_len, tc.seed))
-        opt.zero_grad(set_to_none=True)
-        with comm.recording() as log:
-            loss = tp.loss(tp(x), y)
-            loss.backward()
-            tp.finish_gradient_sync()
-            if clip_grad_norm is not None:
-                norms.append(float(tp.clip_grad_norm_(clip_grad_norm)))
-        opt.step()
-        tp.after_step()
-        losses.append(loss.item())
-        step_comm.append(list(log.records))
-    return TPResult(losses, tp.full_parameters(), step_comm, norms)
+    norms: list[float] = []
+
+    def clip(step: int) -> None:
+        if clip_grad_norm is not None:
+            norms.append(float(tp.clip_grad_norm_(clip_grad_norm)))
+
+    out = train_loop(tp, opt, cfg, tc, data_rank=0, data_size=1, accumulation=accumulation, before_optimizer=clip)
+    return TPResult(out.losses, tp.full_parameters(), out.step_comm, norms, out.timeline)
 
 
 def train_dtensor_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *,
                      sequence_parallel: bool = False, group: comm.Group = None) -> TPResult:
-    """The same training loop with DTensor's ``parallelize_module`` and ``loss_parallel`` (PyTorch's production
-    API; runs on gloo CPU). ``step_comm`` holds the collectives DTensor issued each step (``DTensorCommLog``),
-    the optimizer step included (DTensor all-reduces the norms' partial gradients there, parameter by parameter)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-
+    """The same training with DTensor (``DTensorTensorParallel``) through ``loop.train_loop``. ``step_comm``
+    holds the collectives DTensor issued each step (``DTensorCommLog``), the optimizer step included (DTensor
+    all-reduces the norms' partial gradients there, parameter by parameter)."""
     tc = tc or TrainConfig()
-    dev = device()
-    t, r = _size_rank(group)
-    if cfg.kv_heads % t:
-        raise ValueError(f"DTensor's ColwiseParallel splits k_proj's {cfg.kv_heads} K/V heads evenly: t={t} must "
-                         f"divide n_kv_head")
-    mesh = init_device_mesh(dev.type, (t,)) if group is None else DeviceMesh.from_group(group, dev.type)
-    model = GPT(cfg, tc.seed).to(dev)
-    parallelize_module(model, mesh, dtensor_plan(cfg, sequence_parallel))
-    opt = make_optimizer(list(model.parameters()), tc)
-    losses, step_comm = [], []
-    for step in range(tc.steps):
-        x, y = (a.to(dev) for a in global_batch(step, tc.global_batch, cfg.seq_len, tc.seed))
-        opt.zero_grad(set_to_none=True)
-        with DTensorCommLog(t, r) as log:
-            with loss_parallel():
-                loss = lm_loss(model(x), y)
-                loss.backward()
-            opt.step()
-        losses.append(loss.item())
-        step_comm.append(log.records)
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
-              for n, p in model.named_parameters()}
-    return TPResult(losses, params, step_comm)
+    dt = DTensorTensorParallel(build_model(cfg, tc.seed), group=group, sequence_parallel=sequence_parallel)
+    opt = make_optimizer(list(dt.parameters()), tc)
+    with dt.recording():
+        out = train_loop(dt, opt, cfg, tc, data_rank=0, data_size=1)
+    return TPResult(out.losses, dt.full_parameters(), out.step_comm, timeline=out.timeline)

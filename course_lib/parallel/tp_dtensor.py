@@ -1,19 +1,24 @@
 """PyTorch's own tensor parallelism, the second oracle of ``course_lib.parallel.tp``: the course's plan in DTensor's
 styles for ``parallelize_module`` (``dtensor_plan``) and a log of the collectives DTensor issues, in ``comm``'s
 records (``DTensorCommLog``), so that ``tp.train_dtensor_tp`` and ``tp.train_tp`` compare loss by loss,
-parameter by parameter and collective by collective.
+parameter by parameter and collective by collective; ``DTensorTensorParallel`` puts DTensor's version behind the
+wrapper contract, so both run the one training loop.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from course_lib import comm
-from course_lib.model import GPTConfig
+from course_lib.launch import device
+from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper
 
-__all__ = ["DTensorCommLog", "dtensor_fsdp_tp_placements", "dtensor_plan"]
+__all__ = ["DTensorCommLog", "DTensorTensorParallel", "dtensor_fsdp_tp_placements", "dtensor_plan"]
 
 
 def dtensor_plan(cfg: GPTConfig, sequence_parallel: bool = False) -> dict[str, Any]:
@@ -90,8 +95,8 @@ class DTensorCommLog:
     collectives, which the mode then sees (the vocab-parallel loss's all-reduces happen there).
     """
 
-    def __init__(self, group_size: int, rank: int) -> None:
-        self.group_size, self.rank = group_size, rank
+    def __init__(self, group_size: int, rank: int, into_comm: bool = False) -> None:
+        self.group_size, self.rank, self.into_comm = group_size, rank, into_comm
         self.records: list[comm.CommRecord] = []
 
     def __enter__(self) -> DTensorCommLog:
@@ -121,4 +126,57 @@ class DTensorCommLog:
         n = self.group_size
         numel = t.numel() * (n if op == "all_gather" else 1)
         sent, recv = comm.ring_bytes(op, numel, t.element_size(), n, self.rank)
-        self.records.append(comm.CommRecord(op, "dtensor", n, numel * t.element_size(), sent, recv, None))
+        record = comm.CommRecord(op, "dtensor", n, numel * t.element_size(), sent, recv, None)
+        self.records.append(record)
+        if self.into_comm:  # also into comm's log and open recordings (the training loop's per-step record)
+            comm.add_record(record)
+
+
+class DTensorTensorParallel(ParallelWrapper):
+    """DTensor's ``parallelize_module`` with ``dtensor_plan`` behind the wrapper contract (PyTorch's production
+    API; runs on gloo CPU), so the oracle runs the same loop as ours. The loss is computed under
+    ``loss_parallel()`` on the vocab-sharded logits; DTensor reduces the replicated parameters' partial
+    gradients itself (in the optimizer step, parameter by parameter). Its collectives are logged by a
+    ``DTensorCommLog`` into ``comm``'s recordings while ``recording()`` is open."""
+
+    axes = ("tp",)
+
+    def __init__(self, module: GPT, *, mesh: HasGroups | None = None, group: comm.Group = None,
+                 sequence_parallel: bool = False) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        super().__init__(module, mesh=mesh, group=group)
+        cfg = module.config
+        if cfg.kv_heads % self.world_size:
+            raise ValueError(f"DTensor's ColwiseParallel splits k_proj's {cfg.kv_heads} K/V heads evenly: "
+                             f"t={self.world_size} must divide n_kv_head")
+        dev = device().type
+        self.device_mesh = DeviceMesh.from_group(self.group or torch.distributed.group.WORLD, dev)
+        parallelize_module(module, self.device_mesh, dtensor_plan(cfg, sequence_parallel))
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                         scale: float = 1.0) -> float:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            loss = (loss_fn or lm_loss)(self(x), y) * scale
+            loss.backward()
+        return loss.item()
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """The same loss on every rank: nothing to reduce."""
+        return local.to(torch.float32)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[DTensorCommLog]:
+        """Log DTensor's collectives into the active ``comm.recording()`` blocks while open."""
+        with DTensorCommLog(self.world_size, self.rank, into_comm=True) as log:
+            yield log
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (``DTensor.full_tensor``: an all-gather per sharded parameter)."""
+        from torch.distributed.tensor import DTensor
+
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+                for n, p in self.module.named_parameters()}

@@ -101,7 +101,7 @@ from course_lib import comm
 from course_lib.model import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 from course_lib.parallel.fsdp_torch import TorchFullyShard, train_fsdp2
-from course_lib.parallel.loop import ModelFn, build_model, train_loop
+from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.zero_accounting import comm_bytes_per_step, model_state_bytes
 from course_lib.parallel.zero_checkpoint import (
     CHECKPOINT_FORMAT,
@@ -368,6 +368,7 @@ class ZeroTrainResult(TrainResult):
     peak: dict[str, int] = field(default_factory=dict)
     units: list[dict[str, Any]] = field(default_factory=list, repr=False)
     start_step: int = 0
+    timeline: list[StepTime] = field(default_factory=list, repr=False)
 
     @property
     def comm(self) -> list[comm.CommLog]:
@@ -409,7 +410,7 @@ def train_zero(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig = DEF
     result.events = [zdp.events[a:b] for a, b in itertools.pairwise(marks)]
     if save_to is not None:
         save_checkpoint(zdp, opt, save_to, step=tc.steps)
-    result.losses, result.step_comm = out.losses, out.step_comm
+    result.losses, result.step_comm, result.timeline = out.losses, out.step_comm, out.timeline
     # stages 0-2 in fp32: this rank's own replica, what it computes with; otherwise gathered from the shards
     result.params = full_params(model) if stage < 3 and param_dtype == torch.float32 else zdp.full_state_dict()
     result.peak = dict(zdp.peak_bytes)

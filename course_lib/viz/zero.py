@@ -13,14 +13,14 @@ Three layers, as every module of ``course_lib.viz``:
   category for stages 0-3 at one N_d next to the reduction factor against N_d; :class:`ZeroMemoryWidget`
   (:func:`zero_memory_widget`) wires a model preset, precision, optimizer, N_d, stage and GPU to it. Its
   :meth:`ZeroMemoryWidget.set` changes controls from code and returns the text it shows.
-* **The unit schedule**: :func:`record_zero_step` (a ``launch`` target) runs ``ZeroDataParallel`` with extra
-  hooks that write compute markers ("forward", "forward_end", "backward", "optimizer") into the engine's own
-  per-unit event list, between its collectives; :func:`simulate_timeline` (pure) lays one rank's events out
-  on two lanes, compute and communication, with *modelled* durations (a block's forward 1, its backward 2, a
-  collective proportional to the unit's bytes) and the dependencies of the real schedule: a unit computes
-  only once its all-gather is done; the collectives of one process group run one after the other; a
-  blocking collective stops the host; a prefetched all-gather does not. :func:`plot_unit_timeline` draws the
-  lanes of every rank, one panel per run, with a mandatory note saying how the times were produced.
+* **The unit schedule**: :func:`record_zero_step` (a ``launch`` target in ``course_lib.instrument``, re-exported
+  here) runs ``ZeroDataParallel`` with extra hooks that write compute markers ("forward", "forward_end", "backward",
+  "optimizer") into the engine's own per-unit event list, between its collectives; :func:`simulate_timeline` (pure)
+  lays one rank's events out on two lanes, compute and communication, with *modelled* durations (a block's forward
+  1, its backward 2, a collective proportional to the unit's bytes) and the dependencies of the real schedule: a
+  unit computes only once its all-gather is done; the collectives of one process group run one after the other; a
+  blocking collective stops the host; a prefetched all-gather does not. :func:`plot_unit_timeline` draws the lanes
+  of every rank, one panel per run, with a mandatory note saying how the times were produced.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import partial
 from typing import Any
 
 import ipywidgets as W
@@ -39,6 +38,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from course_lib import hardware
+from course_lib.instrument import record_zero_step
 from course_lib.memory import GB, bytes_per_param, training_memory, zero_memory_per_device
 from course_lib.model import PRESETS, GPTConfig, param_count
 from course_lib.viz.memory import CATEGORY_COLORS, PRECISION_OPTIONS
@@ -329,81 +329,7 @@ def zero_memory_widget(model: str = "llama2-7b", draw: bool = True, **values: An
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Recording the unit schedule (on the ranks)
-
-
-def _mark(events: list[tuple[str, str]], kind: str, name: str, *_: Any) -> None:
-    events.append((kind, name))
-
-
-def _install_markers(zdp: Any) -> None:
-    """Hooks registered *after* the engine's: a unit's "forward" marker lands after its all-gather (and any
-    prefetch it issues), "forward_end" after its forward (and its reshard), "backward" after its pre-backward
-    all-gather; its reduce-scatter marks the end of its backward. The markers go into ``zdp.events``."""
-    ev = zdp.events
-    for unit in zdp.units:
-        name = unit.name
-        unit.module.register_forward_pre_hook(partial(_mark, ev, "forward", name))
-        state = {"seen": False}
-
-        def post(module: Any, args: Any, output: Any, name: str = name, state: dict = state) -> None:
-            ev.append(("forward_end", name))
-            state["seen"] = False
-            outs = [output] if hasattr(output, "register_hook") else [
-                t for t in (output if isinstance(output, tuple | list) else []) if hasattr(t, "register_hook")]
-            for t in outs:
-                if t.requires_grad:
-                    def on_grad(grad: Any, name: str = name, state: dict = state) -> None:
-                        if not state["seen"]:
-                            state["seen"] = True
-                            ev.append(("backward", name))
-                    t.register_hook(on_grad)
-        unit.module.register_forward_hook(post)
-
-
-def record_zero_step(rank: int, world_size: int, cfg: GPTConfig, tc: Any = None, stage: int = 3, *,
-                     prefetch: bool = False, reshard_after_forward: bool | None = None,
-                     steps: int = 2) -> dict[str, Any]:
-    """A ``launch`` target: train ``steps`` steps with ``ZeroDataParallel`` (stage 2 or 3) with compute markers,
-    return the last step's events (collectives and markers, in issue order), the units (name, padded size,
-    parent) and the rank. The first step is left out: forward prefetch follows the previous step's order."""
-    from course_lib import comm
-    from course_lib.data import global_batch, shard
-    from course_lib.model import GPT, lm_loss
-    from course_lib.parallel.zero import ZeroDataParallel
-    from course_lib.train import TrainConfig, make_optimizer
-
-    if stage < 2:
-        raise ValueError("the unit timeline needs stage 2 or 3 (each unit's reduce-scatter ends its backward)")
-    tc = tc or TrainConfig()
-    zdp = ZeroDataParallel(GPT(cfg, seed=tc.seed), stage, prefetch=prefetch,
-                           reshard_after_forward=reshard_after_forward)
-    _install_markers(zdp)
-    opt = make_optimizer(zdp.parameters(), tc)
-    first = 0
-    for step in range(steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
-        first = len(zdp.events)
-        with comm.recording():
-            lm_loss(zdp(x).float(), y).backward()
-            zdp.events.append(("optimizer", ""))
-            opt.step()
-            zdp.events.append(("optimizer_end", ""))
-            zdp.after_step()
-            opt.zero_grad(set_to_none=True)
-    names = [u.name for u in zdp.units]
-    units = [{"name": u.name, "padded_numel": u.layout.padded_numel, "parent": _parent(u.name, names)}
-             for u in zdp.units]
-    return {"rank": rank, "stage": stage, "prefetch": prefetch, "events": list(zdp.events[first:]), "units": units}
-
-
-def _parent(name: str, names: Sequence[str]) -> str | None:
-    """The innermost other unit whose module path encloses ``name`` ("" is the root's path)."""
-    if name == "":
-        return None
-    enclosing = [n for n in names if n != name and (n == "" or name.startswith(n + "."))]
-    return max(enclosing, key=len) if enclosing else None
+# Recording the unit schedule: on the ranks, ``course_lib.instrument.record_zero_step`` (re-exported here)
 
 
 # ----------------------------------------------------------------------------------------------------------------

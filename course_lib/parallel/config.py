@@ -1,0 +1,108 @@
+"""One value for a composed run: the mesh's degrees and every option of ``parallelize`` (``ParallelConfig``).
+
+torchtitan describes a job's parallelism by one object of degrees (``ParallelDims``: dp_replicate, dp_shard, cp,
+tp, pp, ep) next to the options of its job config; here both are one frozen dataclass, so that a run is one value
+that can be printed, compared, stored with its results and handed to ``launch``::
+
+    launch(train_parallel, 8, cfg, tc, ParallelConfig(dp=2, tp=2, pp=2, schedule="zb_h1"))
+
+Its constructor refuses a bad degree or axis order with ``MeshShape``'s own messages (each constraint with its
+fix); ``validate(cfg, global_batch)`` then checks the model and the batch (``check_composable``): every
+divisibility the mesh breaks (``MeshShape.validate``), then every combination the composition does not build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from course_lib.mesh import DEFAULT_ORDER, Mesh, MeshShape
+from course_lib.model import GPTConfig
+from course_lib.parallel.cp import Algorithm
+from course_lib.parallel.cp_attention import Layout
+from course_lib.schedules import Schedule
+
+
+def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
+                     = None, microbatches: int = 1, v: int = 1) -> None:
+    """Raise ``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError``
+    for a combination this composition does not build (see ``course_lib.parallel.compose``)."""
+    micro = global_batch // (shape.dp * microbatches) if global_batch and shape.pp > 1 else 1
+    shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
+                   sp=sequence_parallel)
+    unsupported = []
+    if shape.pp > 1 and shape.cp > 1:
+        unsupported.append("pp > 1 with cp > 1: the pipeline's first stage does not place tokens at their context-"
+                           "parallel positions; use pp = 1 or cp = 1")
+    if shape.pp > 1 and sequence_parallel:
+        unsupported.append("sequence_parallel with pp > 1: pipeline messages are whole sequences here")
+    if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
+        unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
+                           "use ep x dp")
+    if unsupported:
+        raise ValueError("cannot compose this mesh: " + "; ".join(unsupported))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The mesh and its options for ``compose.train_parallel`` / ``parallelize``.
+
+    * degrees ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` and their ``order`` (fastest first, Megatron's
+      ``tp-cp-ep-dp-pp`` by default): ``shape`` is their ``MeshShape``, ``mesh()`` builds the ``Mesh``;
+    * ``zero_stage``: 0, the optimizer is replicated (gradients averaged by the data-parallel step); 1, a
+      ``ShardedOptimizer`` partitions its state over dp x cp;
+    * ``sequence_parallel`` (with tp), ``cp_layout`` / ``cp_algorithm`` (with cp), ``schedule``,
+      ``microbatches`` and ``v`` (with pp): ``options()``, the keywords ``parallelize`` takes;
+    * ``accumulation``: micro-batches per optimizer step of each data-parallel rank (without a pipeline).
+    """
+
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    order: str = DEFAULT_ORDER
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    cp_layout: Layout = "zigzag"
+    cp_algorithm: Algorithm = "ring"
+    schedule: str | Schedule = "1f1b"
+    microbatches: int = 2
+    v: int = 1
+    accumulation: int = 1
+
+    def __post_init__(self) -> None:
+        self.shape  # noqa: B018 -- MeshShape refuses a bad degree or order, with its messages
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage {self.zero_stage}: the composed run takes 0 (replicated optimizer) or 1 "
+                             "(ShardedOptimizer over dp x cp); ZeRO-2/3 compose with data and context parallelism "
+                             "only (train_cp(zero_stage=...), chapter 06)")
+        if self.accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {self.accumulation}")
+
+    @property
+    def shape(self) -> MeshShape:
+        """The degrees and their order as a ``MeshShape`` (rank <-> coordinates, groups, ``validate``)."""
+        return MeshShape(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, order=self.order)
+
+    @property
+    def world_size(self) -> int:
+        """tp x cp x dp x pp: the ranks the run needs."""
+        return self.shape.world_size
+
+    def mesh(self, mesh_class: type[Mesh] = Mesh) -> Mesh:
+        """The ``Mesh`` of these degrees on the running ranks (a collective: every rank builds it).
+        ``mesh_class`` is a seam for tests (a mesh that builds its groups wrong)."""
+        return mesh_class(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, order=self.order)
+
+    def options(self) -> dict[str, Any]:
+        """The keywords of ``parallelize`` / ``Parallelized`` this configuration sets."""
+        return {"sequence_parallel": self.sequence_parallel, "cp_layout": self.cp_layout,
+                "cp_algorithm": self.cp_algorithm, "schedule": self.schedule, "microbatches": self.microbatches,
+                "v": self.v}
+
+    def validate(self, cfg: GPTConfig, global_batch: int | None = None) -> None:
+        """``check_composable`` for this mesh, model and global batch: ``MeshError`` naming every broken
+        constraint and its fix, then ``ValueError`` for a combination the composition does not build."""
+        check_composable(self.shape, cfg, sequence_parallel=self.sequence_parallel, global_batch=global_batch,
+                         microbatches=self.microbatches, v=self.v)
