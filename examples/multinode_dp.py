@@ -11,8 +11,8 @@ One script, three ways to run it:
 Every rank trains the tiny GPT on its slice of each global batch (``course_lib.parallel.dp.train_dp``; the
 gradients are averaged over *all* ranks, across nodes too). Then every rank trains the same model on the whole
 batch in one process (``train_baseline``, a second or so) and compares: per-step losses and every final
-parameter must agree (fp32, |a-b| <= 1e-6 + 1e-5 |ref|). Rank 0 prints the verdict; every rank exits 1 on FAIL,
-so each node's torchrun, and the job scheduler above it, sees the failure. See examples/README.md for the
+parameter must agree (fp32, within 8 x the baseline's fp32 noise). Rank 0 prints the verdict; every rank exits 1
+on FAIL, so each node's torchrun, and the job scheduler above it, sees the failure. See examples/README.md for the
 commands on a real cluster and what changes with GPUs (NCCL).
 """
 

@@ -3,7 +3,7 @@
 Two torchrun agents, each started as it would be on its own node (``--nnodes=2 --node-rank=0`` and ``1``, two
 workers each), meet at one c10d rendezvous on a free local port and form a single 4-rank gloo job: data-parallel
 training whose gradients cross the "node" boundary, checked by the script against the single-process baseline
-(per-step losses and every parameter, fp32, the default tolerance of ``course_lib.train.compare``).
+(per-step losses and every parameter, fp32, within the noise-derived tolerance of ``course_lib.train.compare``).
 
 Process hygiene: the agents run in their own sessions; torchrun starts its workers in sessions of their own
 too, so killing an agent's process group would not reach them. The test therefore records every descendant of
