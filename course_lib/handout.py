@@ -109,9 +109,10 @@ def learner_environment(text: str, pyproject: str) -> str:
 
 
 def learner_readme(folder: Path) -> str:
-    """The handout's README: the template, with one line per chapter (its title) and a link to its exercises."""
+    """The handout's README: the template, with one line per chapter (its title, START_HERE first) and a link to its
+    exercises."""
     lines = []
-    for nb in sorted((folder / "notebooks").glob("*.ipynb")):
+    for nb in sorted((folder / "notebooks").glob("*.ipynb"), key=lambda nb: (nb.stem != "START_HERE", nb.name)):
         cells = nbformat.read(nb, as_version=4).cells
         title = next(c.source for c in cells if c.cell_type == "markdown").splitlines()[0].lstrip("# ")
         line = f"- [{title}](notebooks/{nb.name})"

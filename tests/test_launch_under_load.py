@@ -169,7 +169,8 @@ def test_nothing_outlives_a_caller_killed_under_load(tmp_path, how):
             if phase == "running":
                 assert folder_gone, "the launch folder (pickled payload, outputs) was left behind"
             times.append((phase, round(elapsed, 2)))
-        print(f"{how}: seconds until the caller's ranks, forkserver and resource tracker were gone: {times}")
+        print(f"{how} at load {already + len(spinners):.0f} on 2 CPUs: seconds until the caller's ranks, forkserver"
+              f" and resource tracker were gone: {times}")
     finally:
         for p in [*spinners, zygote]:
             p.kill()
