@@ -337,8 +337,8 @@ def _launch_processes(fn: Callable[..., Any], world_size: int, args: tuple, kwar
         pg_timeout = timeout + 30.0
         with _START_LOCK:
             store, prefix = _rendezvous()
-            _ensure_forkserver()
             with _no_main_reimport():
+                _ensure_forkserver()
                 for rank in range(world_size):
                     rank_args = (rank, world_size, store.port, prefix, tmpdir, pg_timeout)
                     p = ctx.Process(target=_worker.run_rank, args=rank_args, name=f"course-rank-{rank}", daemon=True)
