@@ -35,6 +35,9 @@ TORCH_PLAN = if [ "$(TORCH_CPU)" = yes ]; then echo cpu-index; \
 		*) echo cpu-index;; \
 	esac; fi
 RUN := $(if $(DRY_RUN),@echo "[dry run]",)
+# The test tools (pytest, nbval, ruff, playwright: ~60 MB) where the tests are: the teacher's copy, with solutions/.
+# A learner's handout (make handout) installs the course without them; `pip install -e ".[test]"` adds them.
+EXTRAS ?= $(if $(wildcard solutions),[test])
 
 .PHONY: setup lab test test-fast test-lib test-browser browser-deps test-notebooks lint execute-notebooks exercises \
 	grade benchmarks clean my-copy torch-plan site test-site handout
@@ -52,8 +55,8 @@ $(STAMP): pyproject.toml
 	else \
 		echo "==> 2/4 $(TORCH_PIN) as pip finds it (installed with the rest)"; \
 	fi
-	@echo "==> 3/4 the course library, JupyterLab and the test tools (a few minutes the first time)"
-	$(RUN)$(PY) -m pip install -e ".[test]"
+	@echo "==> 3/4 the course library, JupyterLab$(if $(EXTRAS), and the test tools) (a few minutes the first time)"
+	$(RUN)$(PY) -m pip install -e ".$(EXTRAS)"
 	@echo "==> 4/4 the notebook kernel"
 	$(RUN)$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (LLM scaling course)"
 	@$(if $(DRY_RUN),echo "[dry run]") touch $(STAMP)
@@ -138,7 +141,7 @@ grade: $(STAMP)
 	@if [ -d "$(NB)" ]; then $(PY) -m course_lib.grading.gradebook $(NB) --out $(or $(CSV),gradebook.csv) $(GRADE_ARGS); \
 	else $(PY) -m course_lib.grading $(NB) $(GRADE_ARGS); fi
 
-## The learners' copy without solutions/: make handout OUT=handout
+## The learners' copy without solutions/ (its own README, Makefile and install, no test tools): make handout OUT=dir
 OUT ?= handout
 handout: $(STAMP)
 	$(PY) -m course_lib.handout $(OUT)

@@ -1,23 +1,83 @@
-"""Imported only inside the launcher's forkserver (it is in ``course_lib.launch``'s preload list), never by the
-caller. The forkserver exits as soon as its caller has gone, however the caller died; on the way out it removes
-the caller's launch folders (pickled payload, captured output) and then leaves at once.
+"""The launcher's forkserver preload: imported only inside the forkserver (``course_lib.launch`` names this module as
+its only preload), never by the caller. It makes the forkserver leave as soon as its caller has gone, however the
+caller died (SIGKILL, SIGTERM, SIGHUP, a kernel restart), even on a machine whose CPUs are all busy, and then
+preloads torch for the ranks.
 
-The caller removes each folder itself after a launch; this covers a caller killed mid-launch (SIGKILL, SIGTERM,
-SIGHUP, an immediate kernel restart), when no code of the caller runs any more. Leaving at once: the forkserver
-holds nothing worth saving, and tearing down the torch it preloaded takes seconds on a busy machine.
+Linux tells a process when its parent dies (``prctl(PR_SET_PDEATHSIG)``): the kernel sends a chosen signal, with
+no help from the dying caller. Two phases:
+
+1. **While torch is being imported** (the first seconds of the first launch, ten times longer on a busy machine),
+   the signal is SIGKILL: the import holds the interpreter lock for up to a second at a time (loading
+   libtorch), so no Python code of ours could run in time; there is nothing to clean up yet but the caller's
+   launch folder, which the next launch removes (``_worker.remove_stale_launch_dirs``).
+2. **Once preloaded**, the signal is SIGTERM and its handler stops the ranks (this process's children), removes
+   the caller's launch folders (pickled payload, captured output) and leaves at once: the forkserver holds nothing
+   worth saving, and tearing down the torch it preloaded takes seconds on a busy machine. The same happens when
+   multiprocessing's own "alive" pipe closes (the forkserver's main loop then exits: see ``atexit`` below).
+
+The kernel sends the signal when the *thread* that started the forkserver ends, so the caller starts it from a
+thread that lives as long as the caller (``course_lib.launch._ensure_forkserver``). A caller that died before the
+signal was armed is found by its pid (``COURSE_LAUNCH_CALLER_PID``, set by the caller): we are no longer its
+child. Each rank arms its own parent-death signal against the forkserver (``course_lib._worker``). Elsewhere
+(macOS) the forkserver leaves when its preload is done and the pipe is closed.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
+import importlib
 import os
+import signal
+from pathlib import Path
+from types import FrameType
 
-from course_lib import _worker
+from course_lib._parent_death import CALLER_PID_ENV, arm_parent_death_signal
+
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course_lib._worker")
+"""What the ranks find already imported, imported once the signal is armed (nothing else is imported before).
+torch._dynamo: every torch.optim optimizer imports it lazily, ~3.7 s per fresh rank without the preload."""
 
 
-def _on_exit(caller_pid: int) -> None:
+def _children() -> list[int]:
+    """This process's children, the ranks. Linux lists them in one small file: no scan of every process, which
+    costs a busy machine's CPUs a second; psutil elsewhere."""
+    try:
+        return [int(pid) for pid in Path(f"/proc/self/task/{os.getpid()}/children").read_text().split()]
+    except OSError:
+        import psutil
+
+        return [p.pid for p in psutil.Process().children()]
+
+
+def _leave(caller_pid: int) -> None:
+    """Stop the ranks, remove the caller's launch folders, exit now (no interpreter teardown)."""
+    from course_lib import _worker  # preloaded by then
+
+    for pid in _children():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     _worker.remove_launch_dirs(caller_pid)
     os._exit(0)
 
 
-atexit.register(_on_exit, os.getppid())  # registered after torch's handlers, so it runs before them
+def _on_sigterm(caller_pid: int, signum: int, frame: FrameType | None) -> None:
+    _leave(caller_pid)
+
+
+def _prepare() -> None:
+    """Phase 1 (SIGKILL), the preload, phase 2 (SIGTERM and its handler): see the module's docstring."""
+    caller_pid = int(os.environ.get(CALLER_PID_ENV, os.getppid()))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    arm_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != caller_pid:  # the caller died before the signal was armed: we were handed to another parent
+        os._exit(0)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, caller_pid))
+    arm_parent_death_signal(signal.SIGTERM)  # replaces SIGKILL at once: one of them is armed all along
+    atexit.register(_leave, caller_pid)  # registered after torch's handlers, so it runs before them
+
+
+_prepare()

@@ -10,7 +10,6 @@ file the parent reads. It always leaves with ``os._exit`` so no atexit handler o
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import glob
 import linecache
@@ -30,6 +29,8 @@ from pathlib import Path
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from course_lib._parent_death import arm_parent_death_signal
 
 _STACK_FILE = None  # kept open for faulthandler for the life of the process
 DONE_KEY = "course_launch/done"
@@ -91,26 +92,29 @@ def _capture_output(tmpdir: str, rank: int) -> None:
 def _die_with_the_caller() -> None:
     """Leave within moments of the caller's death, however it dies (SIGKILL, SIGTERM, SIGHUP, a kernel restart).
 
-    The forkserver exits when every holder of its "alive" pipe has gone, but multiprocessing hands a copy of
-    that pipe to each child it forks: while a rank lives the forkserver would never notice that the caller died,
-    and the rank's parent-death signal (armed against the forkserver, its parent) would never fire. So the rank
-    drops its copy, and the chain becomes: caller dies -> forkserver exits (removing the caller's launch folders,
-    see ``course_lib._forkserver``) -> every rank gets SIGKILL from the kernel (Linux ``PR_SET_PDEATHSIG``).
+    The chain: caller dies -> the kernel signals the forkserver (its child), which stops its own children, the
+    ranks, and removes the caller's launch folders (see ``course_lib._forkserver``) -> and should it die first,
+    every rank gets SIGKILL from the kernel, armed here against the forkserver (Linux ``PR_SET_PDEATHSIG``).
+    A caller that died before that signal was armed is seen at once: the end of its pipe that multiprocessing
+    keeps open for exactly this (``mp.parent_process().sentinel``) is then readable; a thread keeps watching it
+    where there is no parent-death signal (macOS).
+
+    The rank also drops its copy of the forkserver's "alive" pipe, which multiprocessing hands to each child it
+    forks: the forkserver's main loop leaves only once every holder has gone.
     """
     from multiprocessing import forkserver
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    # Only now drop the pipe: the forkserver cannot exit while we hold it, so the signal is armed in time.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver's handler came with the fork: not ours
+    arm_parent_death_signal(signal.SIGKILL)
     server = forkserver._forkserver  # the module's singleton; _serve_one stored this child's copy in it
     if server._forkserver_alive_fd is not None:
         with contextlib.suppress(OSError):
             os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None  # a learner's own forkserver use inside a rank starts a fresh one
-    # Where there is no parent-death signal (macOS), or something else keeps the forkserver alive: a thread that
-    # waits on the caller's end of the pipe multiprocessing keeps open for exactly this (readable once it dies).
     caller = mp.parent_process()
     if caller is not None:
+        if mp.connection.wait([caller.sentinel], timeout=0):  # gone before the signal was armed
+            os._exit(1)
         threading.Thread(target=_exit_when_gone, args=(caller.sentinel,), name="course-caller-watch",
                          daemon=True).start()
 

@@ -31,13 +31,16 @@ How it works (each choice was measured on a 2-core laptop):
 * A rank that hangs: after ``timeout`` seconds the parent asks every unfinished rank for its Python stack
   (``faulthandler`` on SIGUSR1), kills them and raises ``RankTimeout`` naming them and showing where they wait.
   No process, port or temporary file survives a launch -- nor the caller: however it dies (SIGKILL, SIGTERM,
-  SIGHUP, a kernel restart), its ranks and forkserver are gone within a moment and its launch folder is removed.
+  SIGHUP, a kernel restart), its ranks, forkserver and multiprocessing's resource tracker are gone within 2 s on
+  Linux, even with every CPU busy (the kernel tells the forkserver, see ``course_lib._forkserver``), and its launch
+  folder is removed (by the next launch when the caller died while the forkserver was still importing torch).
 * Under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set) ``fn`` runs in this process on the already launched rank,
   with NCCL when CUDA is present (gloo otherwise); ``world_size=1`` also runs in-process, for debugging.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib.machinery
 import inspect
@@ -46,7 +49,9 @@ import itertools
 import linecache
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -64,14 +69,13 @@ import torch
 import torch.distributed as dist
 
 from course_lib import _worker
+from course_lib._parent_death import CALLER_PID_ENV
 
 DEFAULT_TIMEOUT = float(os.environ.get("COURSE_LAUNCH_TIMEOUT", 30))
 """Seconds a launch may take before its unfinished ranks are reported as hung (env COURSE_LAUNCH_TIMEOUT)."""
 
-# torch._dynamo: every torch.optim optimizer imports it lazily, ~3.7 s per fresh rank without the preload
-# course_lib._forkserver: imported by the forkserver only, so it removes our launch folders when it exits
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course_lib._worker",
-            "course_lib._forkserver"]
+# The forkserver imports this module only: it arms the forkserver's death with ours, then imports torch & co.
+_PRELOAD = ["course_lib._forkserver"]
 _POLL_S = 0.005  # how often the parent looks for finished ranks
 _EXIT_GRACE_S = 5.0  # how long a released rank may take to leave before it is killed
 _CAUSE_WAIT_S = 1.0  # how long to wait for the cause when only "a peer went away" errors are in
@@ -234,6 +238,38 @@ def _context() -> mp.context.ForkServerContext:
     return ctx
 
 
+_FORKSERVER_PARENT: tuple[int, queue.SimpleQueue] | None = None  # (our pid, requests) of the thread below
+
+
+def _ensure_forkserver() -> None:
+    """Start the forkserver if it is not running, from a thread of ours that lives as long as this process.
+
+    The forkserver dies with its parent *thread* (Linux's parent-death signal, see ``course_lib._forkserver``):
+    started from the thread that happens to launch first -- one that ends, in a script or a test -- it would die
+    with that thread and take the ranks of every later launch with it. Hold ``_START_LOCK``.
+    """
+    global _FORKSERVER_PARENT
+    if _FORKSERVER_PARENT is None or _FORKSERVER_PARENT[0] != os.getpid():  # none yet, or we are a forked copy
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_serve_forkserver_starts, args=(requests,), name="course-forkserver-parent",
+                         daemon=True).start()
+        _FORKSERVER_PARENT = (os.getpid(), requests)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    _FORKSERVER_PARENT[1].put(done)
+    done.result()
+
+
+def _serve_forkserver_starts(requests: queue.SimpleQueue) -> None:
+    while True:
+        done = requests.get()
+        try:
+            os.environ[CALLER_PID_ENV] = str(os.getpid())  # whose death the forkserver watches
+            multiprocessing.forkserver.ensure_running()
+            done.set_result(None)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+
 @contextlib.contextmanager
 def _no_main_reimport() -> Iterator[None]:
     """Ranks must not re-run the caller's script: multiprocessing imports ``__main__`` in every child unless its
@@ -302,6 +338,7 @@ def _launch_processes(fn: Callable[..., Any], world_size: int, args: tuple, kwar
         with _START_LOCK:
             store, prefix = _rendezvous()
             with _no_main_reimport():
+                _ensure_forkserver()
                 for rank in range(world_size):
                     rank_args = (rank, world_size, store.port, prefix, tmpdir, pg_timeout)
                     p = ctx.Process(target=_worker.run_rank, args=rank_args, name=f"course-rank-{rank}", daemon=True)

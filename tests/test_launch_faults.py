@@ -62,7 +62,7 @@ def _running(proc: psutil.Process) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGHUP", "SIGINT"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])  # SIGTERM, SIGHUP and a busy machine: test_launch_under_load
 def test_ranks_forkserver_and_launch_folder_go_with_the_caller(tmp_path, how):
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
