@@ -39,7 +39,7 @@ import nbformat
 from course_lib.grading import notebooks
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("notebooks", "exercises", "course_lib", "benchmarks")
+FOLDERS = ("notebooks", "exercises", "course_lib", "benchmarks", "jupyter")
 FILES = ("pyproject.toml", "LICENSE", ".gitignore")
 WRITTEN = ("README.md", "Makefile", "environment.yml")
 TEMPLATES = Path(__file__).with_name("handout_files")

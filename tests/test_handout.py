@@ -7,6 +7,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -118,11 +119,18 @@ def test_the_readme_commands_run_in_the_handout(out, tmp_path):
             proc = _make(folder, "-n", target, venv, "PIP_TORCH=2.13.0+cpu", *args)
             assert proc.returncode == 0, proc.stderr
             assert ("jupyter lab" if target == "lab" else "-m course_lib.grading my_work/") in proc.stdout
-        else:
-            proc = _make(folder, target, *args)
+        else:  # my-copy: the command make would run (its set-up prerequisite not executed), then that command
+            proc = _make(folder, "-n", target, venv, "PIP_TORCH=2.13.0+cpu", *args)
             assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (folder / "my_work").glob("*.ipynb")) == \
-        sorted(p.name for p in (folder / "exercises").glob("*.ipynb"))
+            run = [line for line in proc.stdout.splitlines() if "-m course_lib.my_copy" in line]
+            assert len(run) == 1, proc.stdout
+            module_args = shlex.split(run[0].split(" -m ", 1)[1])
+            copy = subprocess.run([sys.executable, "-m", *module_args], cwd=folder, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(folder)}, timeout=120)
+            assert copy.returncode == 0, copy.stderr
+    for part in ("notebooks", "exercises"):
+        assert sorted(p.name for p in (folder / "my_work" / part).glob("*.ipynb")) == \
+            sorted(p.name for p in (folder / part).glob("*.ipynb")), part
     graded = next(c for c in commands if c.startswith("make grade")).split("NB=")[1].split()[0]
     assert (folder / graded).is_file(), f"the README grades {graded}, which make my-copy did not create"
 
