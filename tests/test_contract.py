@@ -256,6 +256,7 @@ def test_data_parallel_forms_match_the_baseline_with_and_without_no_sync(world_s
         assert len(res.step_comm) == SGD.steps and all(res.step_comm)  # every step communicated, recorded
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", MODEL_FORMS)
