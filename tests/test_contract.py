@@ -89,10 +89,8 @@ def _full(w: nn.Module) -> dict[str, torch.Tensor]:
     """The whole parameters of a wrapper's model (a collective for the sharding forms)."""
     if isinstance(w, zero.ZeroDataParallel):
         return w.full_state_dict()
-    if isinstance(w, (tp.TensorParallel, cp.ContextParallel)):
+    if isinstance(w, (tp.TensorParallel, cp.ContextParallel, ep.ExpertParallel)):
         return w.full_parameters()
-    if isinstance(w, ep.ExpertParallel):
-        return w.full_params()
     return dict(w.module.named_parameters())
 
 

@@ -42,7 +42,7 @@ from course_lib.parallel.contract import ParallelWrapper
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
 from course_lib.parallel.fsdp_torch import TorchFullyShard
 from course_lib.parallel.loop import train_loop
-from course_lib.parallel.placement import Partial, Shard, placement, set_placement
+from course_lib.parallel.placement import Shard, placement
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer, partition
 from course_lib.parallel.tp import TensorParallel
 from course_lib.parallel.tp_comm import all_gather_along
@@ -149,8 +149,6 @@ def _fsdp_tp(rank, world_size, wrapper_class):
     mesh = Mesh(dp=2, tp=2)
     model = GPT(CFG_2D, seed=SGD.seed)
     tp = TensorParallel(model, mesh=mesh)
-    for p in tp.partial_grad_parameters:
-        set_placement(p, "tp", Partial())
     dims = {n: tp.shard_dim(p) for n, p in model.named_parameters()}
     w = wrapper_class(model, mesh=mesh)
     opt = make_optimizer(list(model.parameters()), SGD)

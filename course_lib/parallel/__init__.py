@@ -57,9 +57,9 @@ they compose on one ``course_lib.mesh.Mesh`` of ranks and one training loop driv
   is a no-op where a form has nothing to do then, but both exist, so one loop drives every form.
 * ``remove_hooks()`` removes every hook the wrapper installed (ZeRO-3 first gathers the parameters back).
 * Seams: what a variant changes is a public, documented method a subclass overrides -- DP's ``average``,
-  ``build_buckets``, ``all_reduce``; ZeRO's ``unit_class`` with ``FlatParamUnit.average`` / ``bounds``; the
-  pipeline executor's ``scale_loss`` -- so tests and the grader inject bugs through them, never by
-  monkeypatching private names.
+  ``build_buckets``, ``all_reduce``; ZeRO's ``unit_class`` with ``FlatParamUnit.average`` / ``bounds`` (FSDP2's
+  per-parameter unit: ``divide_factors``, ``chunk_rows``); the pipeline executor's ``scale_loss`` -- so tests
+  and the grader inject bugs through them, never by monkeypatching private names.
 * Device-true: every tensor a wrapper allocates is on the module's device and every collective payload has a
   dtype NCCL accepts (no float64), so the same code runs on GPUs (``tests/test_device.py`` watches for both).
 * Training helpers ``train_xx(rank, world_size, cfg, tc, <form's options>, *, mesh=None, group=None,

@@ -217,7 +217,7 @@ def parallelize(model: GPT, mesh: Mesh, **options: Any) -> Parallelized:
 @dataclass
 class ComposedResult(TrainResult):
     """One rank's run: losses (the global-batch mean per step, equal on every rank), the parameters it trains
-    (whole, by name: ``pp.merge_results`` joins the ranks'), its mesh coordinates, and per step its comm records
+    (whole, by name: ``merge_composed`` joins the ranks'), its mesh coordinates, and per step its comm records
     and timing."""
 
     rank: int = 0

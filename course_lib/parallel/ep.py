@@ -376,10 +376,13 @@ class ExpertParallel(ParallelWrapper):
         for layer in self.layers:
             layer.step_kept.zero_()
 
-    def full_params(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unsharded model by its single-process name: the experts all-gathered over the
         ep group (``placement.full_parameters``; a collective: every rank calls it)."""
         return P.full_parameters(self.module, {EP_AXIS: self.ep_group})
+
+    full_params = full_parameters
+    """The chapter's older name for ``full_parameters``."""
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ shards are simply gathered first.
   parallelism slices the weights it finds, so the new mesh cuts them itself), then ``restore_optimizer`` cuts each
   state tensor the way its parameter is placed on the new mesh (``placement.shard_like``).
 
-The optimizer must be one replicated over the data-parallel group (``train_parallel(zero_stage=0)``); a ZeRO
+The optimizer must be one replicated over the data-parallel group (``ParallelConfig(zero_stage=0)``); a ZeRO
 run's sharded state has its own resharding checkpoint (``zero_checkpoint``).
 """
 
@@ -62,7 +62,7 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
     """Write the whole parameters and optimizer state of the run after ``step`` steps to folder ``path`` (every
     rank calls it)."""
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD)):
-        raise ValueError(f"save_checkpoint takes the replicated AdamW or SGD of train_parallel(zero_stage=0), got "
+        raise ValueError(f"save_checkpoint takes the replicated AdamW or SGD of ParallelConfig(zero_stage=0), got "
                          f"{type(optimizer).__name__}: a ZeRO run's sharded state is zero_checkpoint's")
     path = Path(path)
     names = _names(composed)

@@ -45,13 +45,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
+from course_lib.parallel.contract import HasGroups
 
 _ATTR = "_course_placements"
 
@@ -94,12 +95,6 @@ Placement = Replicate | Shard | Partial
 
 Placed = torch.Tensor | nn.Module
 """What carries placements: a parameter, or a module list split over an axis (see the module docstring)."""
-
-
-class HasGroups(Protocol):
-    """A ``course_lib.mesh.Mesh``: one process group for one or more named axes."""
-
-    def group(self, *axes: str) -> dist.ProcessGroup: ...
 
 
 Groups = HasGroups | Mapping[str, comm.Group]
@@ -269,6 +264,8 @@ def reduce_partial_grads(params: Iterable[torch.Tensor], mesh: Groups) -> None:
     axes = list(dict.fromkeys(a for p in params for a, w in placements_of(p).items() if isinstance(w, Partial)))
     for axis in axes:
         mine = [p for p in params if isinstance(placement(p, axis), Partial) and p.requires_grad]
+        if not mine:  # every Partial parameter of this axis is frozen
+            continue
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, group=axis_group(mesh, axis))
@@ -278,8 +275,10 @@ def reduce_partial_grads(params: Iterable[torch.Tensor], mesh: Groups) -> None:
 
 def _sum_axes(model_or_params: nn.Module | Iterable[torch.Tensor], disjoint: Sequence[str]
               ) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
-    """Each parameter with a gradient and the axes its squares are summed over: those that shard it, those of
-    a module list it belongs to, and ``disjoint`` (axes whose ranks hold different parameters)."""
+    """Each trainable parameter and the axes its squares are summed over: those that shard it, those of a
+    module list it belongs to, and ``disjoint`` (axes whose ranks hold different parameters). A parameter whose
+    gradient is None (an expert no token reached) stays in: it counts as zeros, so that every rank issues the
+    same all-reduces whatever gradients it happens to hold."""
     if isinstance(model_or_params, nn.Module):
         lists = {id(p): axis for _, m, axis, _ in sharded_lists(model_or_params) for p in m.parameters()}
         params = list(model_or_params.parameters())
@@ -287,7 +286,7 @@ def _sum_axes(model_or_params: nn.Module | Iterable[torch.Tensor], disjoint: Seq
         lists, params = {}, list(model_or_params)
     out = []
     for p in params:
-        if p.grad is None:
+        if not p.requires_grad:
             continue
         axes = [a for a, w in placements_of(p).items() if isinstance(w, Shard)]
         if id(p) in lists:
@@ -306,10 +305,11 @@ def grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], mesh: Groups,
     if not pairs:
         return torch.zeros(())
     acc: dict[tuple[str, ...], torch.Tensor] = {}
+    device = pairs[0][0].device
     for p, axes in pairs:
-        sq = p.grad.detach().float().pow(2).sum()
-        acc[axes] = acc[axes] + sq if axes in acc else torch.zeros((), dtype=torch.float32, device=sq.device) + sq
-    total = acc.pop((), torch.zeros((), dtype=torch.float32, device=pairs[0][0].grad.device))
+        sq = p.grad.detach().float().pow(2).sum() if p.grad is not None else torch.zeros((), device=device)
+        acc[axes] = acc[axes] + sq if axes in acc else torch.zeros((), dtype=torch.float32, device=device) + sq
+    total = acc.pop((), torch.zeros((), dtype=torch.float32, device=device))
     for axes, sq in acc.items():
         for axis in axes:
             comm.all_reduce(sq, group=axis_group(mesh, axis))
@@ -327,7 +327,8 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor], max_nor
     pairs = _sum_axes(model_or_params, disjoint)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     for p, _ in pairs:
-        p.grad.mul_(coef.to(p.grad.dtype))
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
     return norm
 
 
