@@ -248,6 +248,11 @@ def _padding_checks(rank: int) -> dict:
     piece = P.shard_like(full, p, {"dp": None})
     padded = torch.cat([full, torch.zeros(1, 3)])[2 * rank:2 * rank + 2]
     out = {"piece": torch.equal(piece, padded), "whole": torch.equal(P.full_tensor(p, {"dp": None}, piece), full)}
+    chunk = torch.zeros(2 - rank, 3)  # torch.chunk's pieces, as FSDP2 keeps them: 2 rows and 1, no padding
+    P.set_placement(chunk, "dp", P.Shard(0, size=3))
+    chunk_piece = P.shard_like(full, chunk, {"dp": None})
+    out["chunk"] = (torch.equal(chunk_piece, full[2 * rank:2 * rank + 2])
+                    and torch.equal(P.full_tensor(chunk, {"dp": None}, chunk_piece), full))
     try:
         P.shard_like(full[:, :2], p, {"dp": None})
         out["misfit"] = False
@@ -261,8 +266,23 @@ def _padding_checks(rank: int) -> dict:
     return out
 
 
+def _fsdp2_checks(ws: int) -> dict:
+    """FSDP2's shards (the module's own parameters, torch.chunk's pieces) gathered and cut by the generic functions."""
+    from course_lib.parallel.fsdp2 import FSDP2DataParallel
+
+    cfg = CFG.with_(vocab_size=255)  # an odd vocabulary: the embedding's and head's last pieces are shorter
+    init = dict(GPT(cfg, 0).named_parameters())
+    model = GPT(cfg, 0)
+    FSDP2DataParallel(model, group=None)
+    groups = {"dp": None}
+    return {"gather": all(torch.equal(P.full_tensor(p, groups), init[n].detach()) for n, p in model.named_parameters()),
+            "cut": all(torch.equal(P.shard_like(init[n].detach(), p, groups), p.detach())
+                       for n, p in model.named_parameters()),
+            "uneven": any(p.shape[0] * ws != init[n].shape[0] for n, p in model.named_parameters())}
+
+
 def _two_ranks(rank: int, ws: int) -> dict:
-    out = {"padding": _padding_checks(rank)}
+    out = {"padding": _padding_checks(rank), "fsdp2": _fsdp2_checks(ws)}
     out |= {("dtensor", sp): _dtensor_rows(ws, sp, tp.TensorParallel) for sp in (False, True)}
     out["dtensor", "wrong_dim"] = _dtensor_rows(ws, False, WrongDim)
     out["dtensor", "forgets_partial"] = _dtensor_rows(ws, True, ForgetsNormPartial)
@@ -364,6 +384,12 @@ def test_composed_on_four_ranks(kind):
     assert sorted(names) == sorted(dict(GPT(CFG, 0).named_parameters()))
 
 
+def test_fsdp2_shards_are_gathered_and_cut_by_their_placements():
+    for rank in two():
+        assert rank["fsdp2"]["gather"] and rank["fsdp2"]["cut"], rank["fsdp2"]
+    assert any(rank["fsdp2"]["uneven"] for rank in two()), "no parameter with an uneven dim 0: nothing checked"
+
+
 def test_merge_parameters_joins_and_refuses_drift():
     a, b = {"x": torch.zeros(2)}, {"x": torch.zeros(2), "y": torch.ones(1)}
     assert P.merge_parameters([a, b]).keys() == {"x", "y"}
@@ -375,7 +401,7 @@ def test_merge_parameters_joins_and_refuses_drift():
 
 def test_a_padded_shard_round_trips_and_a_misfit_is_refused():
     for rank in two():
-        assert rank["padding"] == {"piece": True, "whole": True, "misfit": True, "twice": True}
+        assert rank["padding"] == {"piece": True, "whole": True, "chunk": True, "misfit": True, "twice": True}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -167,6 +167,9 @@ def full_tensor(p: torch.Tensor, mesh: Groups, value: torch.Tensor | None = None
         if n == 1:
             continue
         front = t.movedim(where.dim, 0).contiguous()
+        if where.size is not None and front.shape[0] < math.ceil(where.size / n):  # torch.chunk's short last
+            pad = math.ceil(where.size / n) - front.shape[0]                         # pieces (FSDP2): padded
+            front = torch.cat([front, front.new_zeros((pad, *front.shape[1:]))])
         out = front.new_empty((n * front.shape[0], *front.shape[1:]))
         comm.all_gather(out, front, group=g)
         if where.size is not None:
@@ -180,9 +183,8 @@ def shard_like(full: torch.Tensor, p: torch.Tensor, mesh: Groups) -> torch.Tenso
     recorded (slices of ``ceil(size / n)``, the last zero-padded). No communication; the inverse of
     ``full_tensor``. Raises when the result does not fit ``p``'s shape."""
     t = full
-    for axis, where in placements_of(p).items():
-        if not isinstance(where, Shard):
-            continue
+    shards = [(axis, where) for axis, where in placements_of(p).items() if isinstance(where, Shard)]
+    for i, (axis, where) in enumerate(shards):
         _, n, r = _size_rank(mesh, axis)
         size = t.shape[where.dim]
         c = math.ceil(size / n)
@@ -191,6 +193,9 @@ def shard_like(full: torch.Tensor, p: torch.Tensor, mesh: Groups) -> torch.Tenso
             pad[where.dim] = c * n - size
             t = torch.cat([t, t.new_zeros(pad)], dim=where.dim)
         t = t.narrow(where.dim, r * c, c)
+        if i == len(shards) - 1 and p.dim() == t.dim() and p.shape[where.dim] < c:  # the last cut kept unpadded
+            # (FSDP2's pieces are torch.chunk's: the last ones shorter)
+            t = t.narrow(where.dim, 0, p.shape[where.dim])
     if t.shape != p.shape:
         raise ValueError(f"a whole tensor of shape {tuple(full.shape)} cut as {placements_of(p)} gives "
                          f"{tuple(t.shape)}, not the parameter's {tuple(p.shape)}")
