@@ -35,6 +35,10 @@ TORCH_PLAN = if [ "$(TORCH_CPU)" = yes ]; then echo cpu-index; \
 		*) echo cpu-index;; \
 	esac; fi
 RUN := $(if $(DRY_RUN),@echo "[dry run]",)
+# A pytest run that must reach its end: tests/conftest.py writes $(VENV)/.pytest-done when the session finishes, so a
+# test that ends the process early (exit status 0, no summary) fails the target instead of passing it.
+PYTEST_TO_THE_END = rm -f $(VENV)/.pytest-done && COURSE_PYTEST_DONE=$(VENV)/.pytest-done $(1) && \
+	{ test -f $(VENV)/.pytest-done || { echo "pytest ended before its summary: a test ended the process"; exit 1; }; }
 # The test tools (pytest, nbval, ruff, playwright: ~60 MB) where the tests are: the teacher's copy, with solutions/.
 # A learner's handout (make handout) installs the course without them; `pip install -e ".[test]"` adds them.
 EXTRAS ?= $(if $(wildcard solutions),[test])
@@ -87,7 +91,7 @@ test: $(STAMP) lint test-lib test-parity-generic test-browser test-notebooks
 
 ## The library; the browser tests run once, in test-browser.
 test-lib: $(STAMP)
-	$(PY) -m pytest tests -m "not browser"
+	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests -m "not browser")
 
 ## The widgets in JupyterLab, driven by Debian's chromium through Playwright (screenshots in artifacts/browser/).
 ## Without chromium they are skipped with how to enable them; under CI=... they fail instead.
@@ -98,7 +102,7 @@ test-browser: $(STAMP) browser-deps
 ## ones: other roundings, so a tolerance tuned to one kernel path fails on every machine (course_lib/train.py).
 .PHONY: test-parity-generic
 test-parity-generic: $(STAMP)
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests -m "parity and not browser"
+	$(call PYTEST_TO_THE_END,ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests -m "parity and not browser")
 
 ## Debian's chromium for the browser tests (never `playwright install`): apt-get when root, else how to get it.
 browser-deps:

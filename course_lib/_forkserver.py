@@ -66,9 +66,17 @@ def _on_sigterm(caller_pid: int, signum: int, frame: FrameType | None) -> None:
     _leave(caller_pid)
 
 
+def in_forkserver() -> bool:
+    """Whether this process is a launcher's forkserver: its caller set ``COURSE_LAUNCH_CALLER_PID`` and it is not
+    that caller. Anywhere else (the caller itself after a launch, a tool that imports every module) importing this
+    module does nothing: its signal handlers and ``os._exit`` belong to the forkserver only."""
+    caller = os.environ.get(CALLER_PID_ENV)
+    return caller is not None and caller.isdigit() and int(caller) != os.getpid()
+
+
 def _prepare() -> None:
     """Phase 1 (SIGKILL), the preload, phase 2 (SIGTERM and its handler): see the module's docstring."""
-    caller_pid = int(os.environ.get(CALLER_PID_ENV, os.getppid()))
+    caller_pid = int(os.environ[CALLER_PID_ENV])
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     arm_parent_death_signal(signal.SIGKILL)
     if os.getppid() != caller_pid:  # the caller died before the signal was armed: we were handed to another parent
@@ -80,4 +88,5 @@ def _prepare() -> None:
     atexit.register(_leave, caller_pid)  # registered after torch's handlers, so it runs before them
 
 
-_prepare()
+if in_forkserver():
+    _prepare()

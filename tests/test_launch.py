@@ -280,3 +280,22 @@ def test_launch_source_has_no_hard_coded_port():
     text = (REPO / "course_lib" / "launch.py").read_text() + (REPO / "course_lib" / "_worker.py").read_text()
     assert "29500" not in text and "MASTER_PORT" not in text
     assert textwrap.dedent("").strip() == ""
+
+
+@pytest.mark.parametrize("env", ["unset", "own pid"])
+def test_importing_the_forkserver_preload_outside_a_forkserver_does_nothing(env):
+    """``course_lib._forkserver`` arms signals and may ``os._exit(0)``: in the forkserver only. Imported anywhere
+    else -- the caller after a launch (which sets COURSE_LAUNCH_CALLER_PID to its own pid), or a tool importing
+    every module -- it must leave the process alone (it once ended a whole pytest run early, exit status 0)."""
+    script = textwrap.dedent("""
+        import os, signal
+        os.environ.pop("COURSE_LAUNCH_CALLER_PID", None)
+        if MODE == "own pid":
+            os.environ["COURSE_LAUNCH_CALLER_PID"] = str(os.getpid())
+        import course_lib._forkserver as f
+        assert not f.in_forkserver()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        print("still here")
+    """).replace("MODE", repr(env))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr[-2000:]
