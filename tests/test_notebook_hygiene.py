@@ -250,3 +250,25 @@ def test_every_chapter_links_its_neighbours_and_its_exercises(path):
     targets = {t.split("#", 1)[0] for t in relative_links(text)}
     missing = [w for w in wanted if w not in targets]
     assert not missing, f"{_rel(path)}: link to {missing} (previous chapter, next chapter, exercises)"
+
+
+MACHINE_PATH = re.compile(r"/(?:work|root|home|Users|tmp)/[\w.-]+")
+"""An absolute path of the machine that executed the notebook (a checkout, a home, a kernel's temporary file)."""
+
+
+def machine_paths(nb: dict) -> list[str]:
+    """``cell N: <path>`` for every machine path in a stored output (text, not images)."""
+    return [f"cell {i}: {m.group(0)}" for i, cell in enumerate(nb["cells"])
+            for m in MACHINE_PATH.finditer(_output_text(cell))]
+
+
+def test_machine_path_rule():
+    nb = {"cells": [{"outputs": [{"output_type": "stream", "text": ['  File "/tmp/ipykernel_1/2.py", line 3\n']}]},
+                    {"outputs": [{"output_type": "stream", "text": ['  File ".../course_lib/_worker.py"\n']}]}]}
+    assert machine_paths(nb) == ["cell 0: /tmp/ipykernel_1"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_no_machine_path_in_outputs(path):
+    found = machine_paths(_load(path))
+    assert not found, f"{_rel(path)}: an output shows a path of the machine that ran it (sanitise it): {found}"
