@@ -4,34 +4,30 @@ caller died (SIGKILL, SIGTERM, SIGHUP, a kernel restart), even on a machine whos
 preloads torch for the ranks.
 
 Linux tells a process when its parent dies (``prctl(PR_SET_PDEATHSIG)``): the kernel sends a chosen signal, with
-no help from the dying caller. Two phases:
-
-1. **While torch is being imported** (the first seconds of the first launch, ten times longer on a busy machine),
-   the signal is SIGKILL: the import holds the interpreter lock for up to a second at a time (loading
-   libtorch), so no Python code of ours could run in time; there is nothing to clean up yet but the caller's
-   launch folder, which the next launch removes (``_worker.remove_stale_launch_dirs``).
-2. **Once preloaded**, the signal is SIGTERM and its handler stops the ranks (this process's children), removes
-   the caller's launch folders (pickled payload, captured output) and leaves at once: the forkserver holds nothing
-   worth saving, and tearing down the torch it preloaded takes seconds on a busy machine. The same happens when
-   multiprocessing's own "alive" pipe closes (the forkserver's main loop then exits: see ``atexit`` below).
+no help from the dying caller. The signal is **SIGKILL**, armed before anything is imported and kept for the
+forkserver's whole life. The kernel then does all the work, whatever the CPUs are doing: no Python code of ours
+has to be scheduled, which on a machine at load 12 took over 2 s once in 30 kills (a SIGTERM handler that
+stopped the ranks itself). The ranks follow at once: each arms its own SIGKILL against the forkserver
+(``course_lib._worker``). What the dead caller leaves is its launch folder (pickled payload, captured output):
+the next launch, from any process, removes the folders of callers that no longer exist
+(``_worker.remove_stale_launch_dirs``). When multiprocessing's own "alive" pipe closes instead (the caller
+exits normally), the forkserver's main loop ends and ``_leave`` (an ``atexit`` handler) stops the ranks and
+removes the folders before the interpreter's slow teardown.
 
 The kernel sends the signal when the *thread* that started the forkserver ends, so the caller starts it from a
 thread that lives as long as the caller (``course_lib.launch._ensure_forkserver``). A caller that died before the
 signal was armed is found by its pid (``COURSE_LAUNCH_CALLER_PID``, set by the caller): we are no longer its
-child. Each rank arms its own parent-death signal against the forkserver (``course_lib._worker``). Elsewhere
-(macOS) the forkserver leaves when its preload is done and the pipe is closed.
+child. Elsewhere (macOS) the forkserver leaves when its preload is done and the pipe is closed.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import importlib
 import os
 import signal
 from pathlib import Path
-from types import FrameType
 
 from course_lib._parent_death import CALLER_PID_ENV, arm_parent_death_signal
 
@@ -62,10 +58,6 @@ def _leave(caller_pid: int) -> None:
     os._exit(0)
 
 
-def _on_sigterm(caller_pid: int, signum: int, frame: FrameType | None) -> None:
-    _leave(caller_pid)
-
-
 def in_forkserver() -> bool:
     """Whether this process is a launcher's forkserver: its caller set ``COURSE_LAUNCH_CALLER_PID`` and it is not
     that caller. Anywhere else (the caller itself after a launch, a tool that imports every module) importing this
@@ -75,16 +67,14 @@ def in_forkserver() -> bool:
 
 
 def _prepare() -> None:
-    """Phase 1 (SIGKILL), the preload, phase 2 (SIGTERM and its handler): see the module's docstring."""
+    """Arm SIGKILL against the caller's death, check the caller is still our parent, preload (module docstring)."""
     caller_pid = int(os.environ[CALLER_PID_ENV])
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a SIGTERM sent to us still ends us
     arm_parent_death_signal(signal.SIGKILL)
     if os.getppid() != caller_pid:  # the caller died before the signal was armed: we were handed to another parent
         os._exit(0)
     for name in PRELOAD:
         importlib.import_module(name)
-    signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, caller_pid))
-    arm_parent_death_signal(signal.SIGTERM)  # replaces SIGKILL at once: one of them is armed all along
     atexit.register(_leave, caller_pid)  # registered after torch's handlers, so it runs before them
 
 

@@ -92,9 +92,9 @@ def _capture_output(tmpdir: str, rank: int) -> None:
 def _die_with_the_caller() -> None:
     """Leave within moments of the caller's death, however it dies (SIGKILL, SIGTERM, SIGHUP, a kernel restart).
 
-    The chain: caller dies -> the kernel signals the forkserver (its child), which stops its own children, the
-    ranks, and removes the caller's launch folders (see ``course_lib._forkserver``) -> and should it die first,
-    every rank gets SIGKILL from the kernel, armed here against the forkserver (Linux ``PR_SET_PDEATHSIG``).
+    The chain: caller dies -> the kernel kills the forkserver (its child, see ``course_lib._forkserver``) ->
+    every rank gets SIGKILL from the kernel, armed here against the forkserver (Linux ``PR_SET_PDEATHSIG``). The
+    caller's launch folder is left to the next launch (``remove_stale_launch_dirs``).
     A caller that died before that signal was armed is seen at once: the end of its pipe that multiprocessing
     keeps open for exactly this (``mp.parent_process().sentinel``) is then readable; a thread keeps watching it
     where there is no parent-death signal (macOS).

@@ -32,8 +32,8 @@ How it works (each choice was measured on a 2-core laptop):
   (``faulthandler`` on SIGUSR1), kills them and raises ``RankTimeout`` naming them and showing where they wait.
   No process, port or temporary file survives a launch -- nor the caller: however it dies (SIGKILL, SIGTERM,
   SIGHUP, a kernel restart), its ranks, forkserver and multiprocessing's resource tracker are gone within 2 s on
-  Linux, even with every CPU busy (the kernel tells the forkserver, see ``course_lib._forkserver``), and its launch
-  folder is removed (by the next launch when the caller died while the forkserver was still importing torch).
+  Linux, even with every CPU busy (the kernel kills the forkserver, see ``course_lib._forkserver``); its launch
+  folder is removed by the next launch, from any process.
 * Under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set) ``fn`` runs in this process on the already launched rank,
   with NCCL when CUDA is present (gloo otherwise); ``world_size=1`` also runs in-process, for debugging.
 """
@@ -394,13 +394,16 @@ def _first_failure(procs: list[mp.process.BaseProcess], world_size: int, tmpdir:
     """
     give_up = time.monotonic() + _CAUSE_WAIT_S
     while True:
+        # Who is gone is read *before* the reports: a rank writes its report before it exits, so a rank already
+        # gone at this instant has its report on disk if it wrote one. Read the other way round, a rank that
+        # wrote its report and exited between the two reads would look silent -- and be blamed.
+        gone = {r for r in range(world_size) if not procs[r].is_alive()}
+        done = {r for r in range(world_size) if _worker.rank_file(tmpdir, r, "result").exists()}
         reports = {r: cloudpickle.loads(path.read_bytes()) for r in range(world_size)
                    if (path := _worker.rank_file(tmpdir, r, "error")).exists()}
-        silent = [r for r in range(world_size) if r not in reports and not procs[r].is_alive()
-                  and not _worker.rank_file(tmpdir, r, "result").exists()]
+        silent = [r for r in sorted(gone) if r not in reports and r not in done]
         own = [r for r in reports if not reports[r].get("peer_failure")]
-        running = [r for r in range(world_size) if procs[r].is_alive()
-                   and not _worker.rank_file(tmpdir, r, "result").exists()]
+        running = [r for r in range(world_size) if r not in gone and r not in done and r not in reports]
         if own or silent or not running or time.monotonic() > give_up:
             break
         multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=_POLL_S)

@@ -18,12 +18,14 @@ import threading
 import time
 from pathlib import Path
 
+import cloudpickle
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
 import course_lib.launch as launch_module
+from course_lib import _worker
 from course_lib.launch import RankError, launch
 from tests.conftest import define_in_cell
 
@@ -38,7 +40,8 @@ def _noop(rank: int, world_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 1. The caller dies: no rank, forkserver or launch folder may outlive it (before: all of them stayed, the ranks
+# 1. The caller dies: no rank or forkserver may outlive it, and its launch folder is gone once it is cleaned up
+#    (a caller killed outright cannot clean up: the next launch does) (before: all of them stayed, the ranks
 #    burning CPU, because each rank held the forkserver's "alive" pipe).
 
 CALLER = """
@@ -83,11 +86,13 @@ def test_ranks_forkserver_and_launch_folder_go_with_the_caller(tmp_path, how):
         caller.wait(timeout=30)
         died = time.monotonic()
         while time.monotonic() - died < 2.0:
-            if not any(map(_running, family)) and not os.path.exists(folders[0]):
+            if not any(map(_running, family)):
                 break
             time.sleep(0.02)
         left = [(p.pid, p.name()) for p in family if _running(p)]
         assert not left, f"still running 2 s after the caller's {how}: {left}"
+        if how == "SIGKILL":  # nothing of the caller could run: the next launch, from any process, cleans up
+            assert launch(_noop, 2) == [0, 1]
         assert not os.path.exists(folders[0]), "the launch folder (pickled payload, outputs) was left behind"
     finally:  # a failure must not leave busy orphans behind
         if caller.poll() is None:
@@ -175,6 +180,32 @@ def test_the_rank_that_died_is_named_even_when_the_parent_looks_late(how, text):
         sys.setswitchinterval(interval)
     assert info.value.rank == 2
     assert info.value.exc_type == "ProcessDied"
+
+
+class _ExitsWhenLookedAt:
+    """A rank process that, at the very moment the parent first asks whether it is alive, writes its error
+    report (a peer failure, as a neighbour of a dead rank does) and exits: the worst timing for the parent."""
+
+    def __init__(self, rank: int, tmpdir: str, alive: bool, code: int | None) -> None:
+        self.rank, self.tmpdir, self.alive, self.exitcode, self.sentinel = rank, tmpdir, alive, code, None
+
+    def is_alive(self) -> bool:
+        if self.alive:
+            report = {"time": time.time(), "type": "RuntimeError", "message": "Connection closed by peer",
+                      "traceback": "", "peer_failure": True, "exc": None}
+            _worker.rank_file(self.tmpdir, self.rank, "error").write_bytes(cloudpickle.dumps(report))
+            self.alive, self.exitcode = False, 1
+        return False
+
+
+def test_a_rank_that_reports_and_exits_while_the_parent_looks_is_not_blamed(tmp_path):
+    """Rank 2 was killed; rank 0 reports its lost peer and exits just as the parent looks. The parent must read who
+    is gone before it reads the reports (a rank writes its report before it exits), or rank 0 looks silent and is
+    blamed for rank 2's death: the failure seen once in CI under load."""
+    procs = [_ExitsWhenLookedAt(0, str(tmp_path), True, None), _ExitsWhenLookedAt(1, str(tmp_path), True, None),
+             _ExitsWhenLookedAt(2, str(tmp_path), False, -signal.SIGKILL)]
+    error = launch_module._first_failure(procs, 3, str(tmp_path))
+    assert error.rank == 2 and "killed by signal SIGKILL" in str(error)
 
 
 def _raise_then_peer_dies(rank: int, world_size: int) -> None:
