@@ -58,6 +58,19 @@ try:
 except ImportError:  # reported by the chromium_executable fixture (fail in CI, skip elsewhere)
     Locator = Page = expect = sync_playwright = None  # type: ignore[assignment,misc]
 
+
+
+def require_playwright() -> Any:
+    """Playwright's ``expect`` for a browser test module, called at its top: a learner without the test extras
+    skips the module; CI has them (and fails here if not)."""
+    if expect is None:
+        if os.environ.get("CI"):
+            raise ImportError("Playwright for Python is missing: pip install -e '.[test]' (or make setup)")
+        pytest.skip("Playwright for Python is missing: pip install -e '.[test]' (or make setup)",
+                    allow_module_level=True)
+    return expect
+
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ARTIFACTS = REPO / "artifacts" / "browser"

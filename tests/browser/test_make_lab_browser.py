@@ -6,25 +6,17 @@ chapter run and saved that leaves the repository's `git status` clean."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
-try:
-    from playwright.sync_api import expect
-except ImportError:  # a learner without the test extras; CI has them (and fails here if not)
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("Playwright for Python is missing: pip install -e '.[test]' (or make setup)",
-                allow_module_level=True)
-
-from pathlib import Path
-
 from course_lib import my_copy
-from tests.browser.conftest import Lab, _start_server, _stop_server
+from tests.browser.conftest import Lab, _start_server, _stop_server, require_playwright
 from tests.test_my_copy import _course, _git_status, _lab_command
+
+expect = require_playwright()
 
 NEWS = "official Jupyter news"
 NOTIFICATION = "@jupyterlab/apputils-extension:notification"

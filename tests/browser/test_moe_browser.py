@@ -4,21 +4,11 @@ the text and the figure byte for byte."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
-try:
-    from playwright.sync_api import expect
-except ImportError:  # a learner without the test extras; CI has them (and fails here if not)
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("Playwright for Python is missing: pip install -e '.[test]' (or make setup)",
-                allow_module_level=True)
-
 from course_lib.viz.moe import CONTROL_DESCRIPTIONS as MOE
 from course_lib.viz.moe import moe_dispatch_widget
-from tests.browser.conftest import mirror_from_notebook
+from tests.browser.conftest import mirror_from_notebook, require_playwright
+
+expect = require_playwright()
 
 
 def test_moe_dispatch_widget(lab):

@@ -7,20 +7,11 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-
-import pytest
-
-try:
-    from playwright.sync_api import expect
-except ImportError:  # a learner without the test extras; CI has them (and fails here if not)
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("Playwright for Python is missing: pip install -e '.[test]' (or make setup)",
-                allow_module_level=True)
 
 from course_lib.viz.mesh import PlannerWidget
-from tests.browser.conftest import REPO, WidgetUI, mirror_from_notebook
+from tests.browser.conftest import REPO, WidgetUI, mirror_from_notebook, require_playwright
+
+expect = require_playwright()
 
 NOTEBOOK = "08_composing_4d.ipynb"
 

@@ -9,19 +9,8 @@ Skip them with ``make test-fast`` or ``pytest -m "not browser"``.
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
-
-import pytest
-
-try:
-    from playwright.sync_api import expect
-except ImportError:  # a learner without the test extras; CI has them (and fails here if not)
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("Playwright for Python is missing: pip install -e '.[test]' (or make setup)",
-                allow_module_level=True)
 
 from course_lib.cost import collective_time
 from course_lib.memory import format_bytes
@@ -31,7 +20,9 @@ from course_lib.viz.memory import CONTROL_DESCRIPTIONS as MEMORY
 from course_lib.viz.memory import MemoryBudgetWidget, memory_budget_widget
 from course_lib.viz.schedule import CONTROL_DESCRIPTIONS as BUBBLE
 from course_lib.viz.schedule import BubbleWidget, bubble_widget
-from tests.browser.conftest import EXPECT_MS, WidgetUI, mirror_from_notebook
+from tests.browser.conftest import EXPECT_MS, WidgetUI, mirror_from_notebook, require_playwright
+
+expect = require_playwright()
 
 
 def _expect_memory_budget(ui: WidgetUI, mirror: MemoryBudgetWidget, step: str) -> None:
