@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Protocol, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -311,6 +311,32 @@ def routing_entropy(probs: torch.Tensor) -> float:
     return float(-(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()) if probs.numel() else 0.0
 
 
+class TokenShards(Protocol):
+    """The ranks that each hold a share of the same micro-batch (data- and context-parallel ranks: set by
+    ``course_lib.parallel.ep.share_routing``). ``size``: how many; ``gather(chosen)``: every rank's routing of
+    the micro-batch, ``chosen`` [B_r, T_r, k] on this rank -> ([N, k] for the N tokens of the micro-batch in
+    the single-process order, row after row; this rank's token t is row ``index[t]`` of it)."""
+
+    size: int
+
+    def gather(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class _RouterLossInBackward(torch.autograd.Function):
+    """Identity on ``out`` whose backward also back-propagates ``loss`` with weight ``scale``: a layer's router
+    loss reaches its router wherever the layer's output is differentiated, also on a pipeline stage that
+    computes no loss (Megatron-Core's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.loss_shape, ctx.scale = loss.shape, scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, grad.new_full(ctx.loss_shape, ctx.scale), None
+
+
 class MoE(nn.Module):
     """Top-k mixture of experts (Shazeer et al. 2017; Mixtral): a router picks ``top_k`` experts per token and
     mixes their outputs; the single-process reference (the expert-parallel version is
@@ -328,9 +354,15 @@ class MoE(nn.Module):
       capacity; P_i: mean router probability of i; exactly alpha for uniform routing, Fedus et al. 2021, eq. 4)
       and the router z-loss beta * mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5).
     * ``stats``: the ``RoutingStats`` of the last forward.
+    * On many ranks (``shards``, a ``TokenShards``, set by ``parallel.ep.share_routing``): capacity, queue
+      positions and f_i are those of the whole micro-batch, every rank's routing gathered in token order; each
+      rank's P_i and z-loss sum its own tokens scaled so that the mean over the ranks is the micro-batch's loss.
+      ``backward_scale`` (set for a pipeline): the router loss is not left for ``moe_aux_loss`` but
+      back-propagated through the layer's output with that weight (``router_loss_in_backward``) and its value
+      kept in ``reported`` for the step's loss.
 
     Public seams a variant overrides: ``router_logits``, ``route``, ``capacity``, ``expert_fractions``,
-    ``load_balancing_loss``.
+    ``load_balancing_loss``, ``batch_routing``, ``router_loss_in_backward``.
     """
 
     def __init__(self, c: GPTConfig) -> None:
@@ -343,6 +375,9 @@ class MoE(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(c.n_expert))
         self.aux_loss: torch.Tensor | None = None
         self.stats: RoutingStats | None = None
+        self.shards: TokenShards | None = None
+        self.backward_scale: float | None = None
+        self.reported: list[float] = []
 
     # -- seams ------------------------------------------------------------------------------------------------
 
@@ -398,23 +433,50 @@ class MoE(nn.Module):
         load = counts.float().to(self.expert_bias.device)
         self.expert_bias.add_(rate * torch.sign(load.mean() - load))
 
+    def batch_routing(self, chosen: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor, int, int]:
+        """For this rank's choices ``chosen`` [T_r, k] (tokens shaped ``lead`` = (B_r, T_r')): the micro-batch's
+        routed and kept counts per expert [E], this rank's keep mask [T_r, k], the micro-batch's token count and
+        the number of ranks sharing it. One process: all local. Sharded (``shards``): when capacity or f_i need
+        them, every rank's choices are gathered (``TokenShards.gather``) and the queues run in token order;
+        otherwise (dropless, no load-balancing loss) the counts are this rank's alone."""
+        E, size = self.n_expert, 1 if self.shards is None else self.shards.size
+        if size > 1 and (self.capacity_factor is not None or self.aux_loss_coef):
+            every, index = self.shards.gather(chosen.view(*lead, self.top_k))
+        else:
+            every, index = chosen, None
+        cap = self.capacity(chosen.shape[0] * size)
+        keep_all = (torch.ones_like(every, dtype=torch.bool) if cap is None
+                    else expert_positions(every, E) < cap)
+        keep = keep_all if index is None else keep_all[index]
+        routed = torch.bincount(every.reshape(-1), minlength=E)
+        kept = torch.bincount(every[keep_all], minlength=E)
+        return routed, kept, keep, chosen.shape[0] * size, size
+
+    def router_loss_in_backward(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """``out`` unchanged, its backward also back-propagating ``loss`` x ``backward_scale``; the value is kept
+        in ``reported`` (the pipeline's stages report their layers' router losses from there)."""
+        self.reported.append(float(loss.detach()) * self.backward_scale)
+        return _RouterLossInBackward.apply(out, loss, self.backward_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         r = self.route(flat)
-        counts = torch.bincount(r.chosen.reshape(-1), minlength=self.n_expert)
-        cap = self.capacity(flat.shape[0])
-        keep = (torch.ones_like(r.chosen, dtype=torch.bool) if cap is None
-                else expert_positions(r.chosen, self.n_expert) < cap)
-        self.aux_loss = self.router_loss(r, counts, flat.shape[0])
+        counts, kept, keep, n_tokens, size = self.batch_routing(r.chosen, tuple(x.shape[:-1]))
+        loss = self.router_loss(r, counts, n_tokens, replicas=size)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = ((r.chosen == e) & keep).nonzero(as_tuple=True)
             if token.numel():
                 out.index_add_(0, token, r.weights[token, slot, None] * expert(flat[token]))
-        kept = torch.bincount(r.chosen[keep], minlength=self.n_expert)
         self.stats = RoutingStats(counts.tolist(), kept.tolist(), int(counts.sum() - kept.sum()),
                                   routing_entropy(r.probs.detach()))
-        return out.view_as(x)
+        out = out.view_as(x)
+        if self.backward_scale is None or not (self.aux_loss_coef or self.z_loss_coef):
+            self.aux_loss = loss
+            return out
+        self.aux_loss = None
+        return self.router_loss_in_backward(out, loss)
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:

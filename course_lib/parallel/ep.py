@@ -169,6 +169,7 @@ class ExpertParallelMoE(MoE):
         self.step_kept = torch.zeros(self.n_expert, dtype=torch.long)  # kept per expert, whole batch, this step
         self.aux_loss: torch.Tensor | None = None
         self.stats: EPRoutingStats | None = None
+        self.shards, self.backward_scale, self.reported = None, None, []  # its own exchange; not pipelined
 
     # -- seams ------------------------------------------------------------------------------------------------
 
