@@ -15,7 +15,8 @@ Formulas (h = d_model, f = d_ff, L = n_layer, v = vocab, h_kv = n_kv_head * d_he
 * attention: q and o are h x h, k and v are h x h_kv  -> 2h^2 + 2*h*h_kv weights (+ 2h + 2h_kv biases)
 * MLP: GELU uses two h x f matrices (+ f + h biases); SwiGLU uses three (gate, up, down)
 * GPT-2 style block (MHA, f = 4h, biases, LayerNorm): 12h^2 + 13h
-* MoE: E experts each with its own MLP, plus a router h x E
+* MoE: E experts each with its own MLP (hidden size f_e = ``expert_d_ff``, default f), a router h x E, and
+  n_s shared experts as one MLP of hidden size n_s * f_e (DeepSeekMoE)
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class GPTConfig:
     (Mixtral) or "sigmoid" (sigmoid scores + a selection bias, DeepSeek-V3); ``capacity_factor`` None is
     dropless, else each expert takes at most ceil(cf * T * k / E) of the T*k assignments; ``aux_loss_coef``
     (alpha of the Switch load-balancing loss) and ``z_loss_coef`` (the router z-loss) 0 turn those losses off.
+    DeepSeekMoE (Dai et al. 2024): ``expert_d_ff`` the hidden size of each expert (None: ``d_ff``) -- m times
+    more experts of f/m with m times the top_k is *fine-grained* segmentation, the same parameters and FLOPs
+    with many more expert combinations; ``n_shared_expert`` experts every token passes through, unrouted.
     """
 
     vocab_size: int = 256
@@ -59,6 +63,8 @@ class GPTConfig:
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    expert_d_ff: int | None = None
+    n_shared_expert: int = 0
     name: str = "tiny"
 
     def __post_init__(self) -> None:
@@ -67,12 +73,18 @@ class GPTConfig:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         sizes = {"vocab_size": self.vocab_size, "seq_len": self.seq_len, "n_layer": self.n_layer,
                  "n_head": self.n_head, "d_model": self.d_model}
-        sizes |= {k: v for k, v in (("n_kv_head", self.n_kv_head), ("d_ff", self.d_ff)) if v is not None}
+        sizes |= {k: v for k, v in (("n_kv_head", self.n_kv_head), ("d_ff", self.d_ff),
+                                    ("expert_d_ff", self.expert_d_ff)) if v is not None}
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.n_expert, bool) or not isinstance(self.n_expert, int) or self.n_expert < 0:
             raise ValueError(f"n_expert must be an int >= 0 (0: a dense MLP), got {self.n_expert!r}")
+        if isinstance(self.n_shared_expert, bool) or not isinstance(self.n_shared_expert, int) \
+                or self.n_shared_expert < 0:
+            raise ValueError(f"n_shared_expert must be an int >= 0, got {self.n_shared_expert!r}")
+        if not self.n_expert and (self.n_shared_expert or self.expert_d_ff is not None):
+            raise ValueError("n_shared_expert and expert_d_ff describe MoE experts: set n_expert > 0 as well")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
@@ -99,6 +111,11 @@ class GPTConfig:
     def ffn_dim(self) -> int:
         return self.d_ff or 4 * self.d_model
 
+    @property
+    def expert_ffn_dim(self) -> int:
+        """f_e, the hidden size of one (routed or shared) expert."""
+        return self.expert_d_ff or self.ffn_dim
+
     def with_(self, **changes: object) -> GPTConfig:
         """A copy with some fields changed (``cfg.with_(n_layer=4)``)."""
         return replace(self, **changes)
@@ -121,9 +138,9 @@ def attention_params(c: GPTConfig) -> int:
     return 2 * h * h + 2 * h * hkv + (2 * h + 2 * hkv if c.bias else 0)
 
 
-def mlp_params(c: GPTConfig) -> int:
-    """One dense MLP: GELU 2hf (+ f + h), SwiGLU 3hf (+ 2f + h)."""
-    h, f = c.d_model, c.ffn_dim
+def mlp_params(c: GPTConfig, d_ff: int | None = None) -> int:
+    """One MLP of hidden size f (``d_ff``, default ``c.ffn_dim``): GELU 2hf (+ f + h), SwiGLU 3hf (+ 2f + h)."""
+    h, f = c.d_model, d_ff or c.ffn_dim
     if c.mlp == "gelu":
         return 2 * h * f + (f + h if c.bias else 0)
     return 3 * h * f + (2 * f + h if c.bias else 0)
@@ -133,11 +150,18 @@ def norm_params(c: GPTConfig) -> int:
     return 2 * c.d_model if c.norm == "layernorm" else c.d_model
 
 
+def shared_expert_params(c: GPTConfig) -> int:
+    """The n_s shared experts of one MoE layer, one MLP of hidden size n_s * f_e (DeepSeek's implementation;
+    with biases that is one output bias, not n_s): 0 without them."""
+    return mlp_params(c, c.n_shared_expert * c.expert_ffn_dim) if c.n_shared_expert else 0
+
+
 def block_params(c: GPTConfig, active_only: bool = False) -> int:
-    """One transformer block. With MoE, ``active_only`` counts the top_k experts a token uses."""
+    """One transformer block. With MoE: E routed experts of hidden size f_e, the router h x E and the shared
+    experts; ``active_only`` counts the top_k routed experts a token uses (the router and shared ones always)."""
     if c.n_expert:
         experts = c.top_k if active_only else c.n_expert
-        ffn = experts * mlp_params(c) + c.d_model * c.n_expert  # experts + router
+        ffn = experts * mlp_params(c, c.expert_ffn_dim) + c.d_model * c.n_expert + shared_expert_params(c)
     else:
         ffn = mlp_params(c)
     return attention_params(c) + ffn + 2 * norm_params(c)
@@ -250,12 +274,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP h -> f -> h, or SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: GPTConfig, d_ff: int | None = None) -> None:
         super().__init__()
-        self.swiglu = c.mlp == "swiglu"
-        self.fc1 = nn.Linear(c.d_model, c.ffn_dim, bias=c.bias)  # "up"
-        self.gate = nn.Linear(c.d_model, c.ffn_dim, bias=c.bias) if self.swiglu else None
-        self.fc2 = nn.Linear(c.ffn_dim, c.d_model, bias=c.bias)  # "down"
+        self.swiglu, f = c.mlp == "swiglu", d_ff or c.ffn_dim
+        self.fc1 = nn.Linear(c.d_model, f, bias=c.bias)  # "up"
+        self.gate = nn.Linear(c.d_model, f, bias=c.bias) if self.swiglu else None
+        self.fc2 = nn.Linear(f, c.d_model, bias=c.bias)  # "down"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
@@ -353,6 +377,9 @@ class MoE(nn.Module):
       load-balancing loss alpha * E * sum_i f_i P_i (f_i: fraction of the T*k assignments routed to i, before
       capacity; P_i: mean router probability of i; exactly alpha for uniform routing, Fedus et al. 2021, eq. 4)
       and the router z-loss beta * mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5).
+    * Shared experts (``n_shared_expert``, DeepSeekMoE, Dai et al. 2024): ``shared``, one MLP every token goes
+      through, added unweighted to the routed experts' weighted sum (``add_shared``); its parameters are dense
+      (replicated under expert parallelism), not experts.
     * ``stats``: the ``RoutingStats`` of the last forward.
     * On many ranks (``shards``, a ``TokenShards``, set by ``parallel.ep.share_routing``): capacity, queue
       positions and f_i are those of the whole micro-batch, every rank's routing gathered in token order; each
@@ -362,7 +389,7 @@ class MoE(nn.Module):
       kept in ``reported`` for the step's loss.
 
     Public seams a variant overrides: ``router_logits``, ``route``, ``capacity``, ``expert_fractions``,
-    ``load_balancing_loss``, ``batch_routing``, ``router_loss_in_backward``.
+    ``load_balancing_loss``, ``batch_routing``, ``add_shared``, ``router_loss_in_backward``.
     """
 
     def __init__(self, c: GPTConfig) -> None:
@@ -370,7 +397,8 @@ class MoE(nn.Module):
         self.n_expert, self.top_k, self.router_kind = c.n_expert, c.top_k, c.router
         self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = c.capacity_factor, c.aux_loss_coef, c.z_loss_coef
         self.router = nn.Linear(c.d_model, c.n_expert, bias=False)
-        self.experts = nn.ModuleList(MLP(c) for _ in range(c.n_expert))
+        self.experts = nn.ModuleList(MLP(c, c.expert_ffn_dim) for _ in range(c.n_expert))
+        self.shared = MLP(c, c.n_shared_expert * c.expert_ffn_dim) if c.n_shared_expert else None
         if c.router == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(c.n_expert))
         self.aux_loss: torch.Tensor | None = None
@@ -453,6 +481,11 @@ class MoE(nn.Module):
         kept = torch.bincount(every[keep_all], minlength=E)
         return routed, kept, keep, chosen.shape[0] * size, size
 
+    def add_shared(self, routed: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """y_t = shared(x_t) + sum_j w_tj E_j(x_t): the shared experts' output, once per token and unweighted, plus
+        the routed sum ``routed`` [T, h] (DeepSeekMoE, eq. 9). Without shared experts: ``routed``."""
+        return routed if self.shared is None else routed + self.shared(flat)
+
     def router_loss_in_backward(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """``out`` unchanged, its backward also back-propagating ``loss`` x ``backward_scale``; the value is kept
         in ``reported`` (the pipeline's stages report their layers' router losses from there)."""
@@ -471,7 +504,7 @@ class MoE(nn.Module):
                 out.index_add_(0, token, r.weights[token, slot, None] * expert(flat[token]))
         self.stats = RoutingStats(counts.tolist(), kept.tolist(), int(counts.sum() - kept.sum()),
                                   routing_entropy(r.probs.detach()))
-        out = out.view_as(x)
+        out = self.add_shared(out, flat).view_as(x)
         if self.backward_scale is None or not (self.aux_loss_coef or self.z_loss_coef):
             self.aux_loss = loss
             return out

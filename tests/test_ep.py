@@ -102,6 +102,13 @@ class LocalCapacity(E.ExpertParallelMoE):
         return expert_positions(chosen, self.n_expert) < local
 
 
+class SharedTwice(E.ExpertParallelMoE):
+    """Bug: the shared expert's output added twice (once by the layer, once more as if it were routed)."""
+
+    def add_shared(self, routed, flat):
+        return super().add_shared(super().add_shared(routed, flat), flat)
+
+
 class WrongRank(E.ExpertParallelMoE):
     """Bug: expert e's tokens go to the next rank's experts."""
 
@@ -113,6 +120,8 @@ class WrongRank(E.ExpertParallelMoE):
 # The batched launches
 
 DROPS = BASE.with_(capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=1e-3)
+DEEPSEEK = DROPS.with_(n_expert=8, top_k=4, expert_d_ff=64, n_shared_expert=1)
+"""DeepSeekMoE's layer at toy size: each expert of f/2 (fine-grained, 2 x the experts and top_k), one shared."""
 CASES = {
     "top2": (BASE, {}),
     "top2_drops_aux_z": (DROPS, {}),
@@ -120,9 +129,11 @@ CASES = {
     "sigmoid_drops_aux": (BASE.with_(router="sigmoid", capacity_factor=0.75, aux_loss_coef=0.01), {}),
     "empty_ranks": (BASE, {"model_fn": first_two_model, "layer_class": FirstTwoEP}),
     "accumulation": (DROPS, {"accumulation": 2}),
+    "deepseek_fine_shared_drops": (DEEPSEEK, {}),
     "torch_all_to_all": (DROPS, {"layer_class": E.TorchAllToAllMoE}),
     "no_combine_weights": (BASE, {"layer_class": NoCombineWeights}),
     "f_not_divided_by_k": (BASE.with_(aux_loss_coef=0.1), {"layer_class": FractionNotDividedByK}),
+    "shared_twice": (DEEPSEEK, {"layer_class": SharedTwice}),
 }
 EPXDP = {"epxdp_top2_drops": (DROPS, {"ep": 2}), "epxdp_top1_drops": (CASES["top1_drops_aux"][0], {"ep": 2})}
 """(Plain top-1 under EP x DP differs by 2e-6 in one expert weight under AdamW, 4e-9 under SGD: Mixtral's top-1
@@ -310,7 +321,7 @@ def test_config_errors():
 @pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", list(CASES)[:6])
+@pytest.mark.parametrize("name", list(CASES)[:7])
 def test_parity_with_the_single_process_moe(world, name):
     got = results(world)
     report = compare(reference(name), got[0][name])
@@ -393,7 +404,7 @@ def test_comm_log_equals_the_formula(world):
 
 @pytest.mark.parity
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["no_combine_weights", "f_not_divided_by_k"])
+@pytest.mark.parametrize("name", ["no_combine_weights", "f_not_divided_by_k", "shared_twice"])
 def test_mutations_break_parity(name):
     cfg, _ = CASES[name]
     report = compare(train_baseline(cfg, TC), results(2)[0][name])

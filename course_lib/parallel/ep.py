@@ -157,7 +157,7 @@ class ExpertParallelMoE(MoE):
                              f"{[d for d in range(1, self.n_expert + 1) if self.n_expert % d == 0]}")
         self.n_local = self.n_expert // self.ep_size
         self.expert_ids = list(range(self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local))
-        self.router = moe.router
+        self.router, self.shared = moe.router, moe.shared  # dense: replicated like attention
         self.experts = nn.ModuleList(moe.experts[e] for e in self.expert_ids)
         # the list of experts is split over ep: rank r holds entries [r E/ep, (r+1) E/ep) (placement docstring)
         P.set_placement(self.experts, EP_AXIS, P.Shard(0, size=self.n_expert))
@@ -248,7 +248,8 @@ class ExpertParallelMoE(MoE):
         with comm.recording() as lg:
             recv = self.all_to_all(flat[token], out_splits, in_splits)
             back = self.all_to_all(self.run_experts(recv, recv_counts), in_splits, out_splits)
-        out = torch.zeros_like(flat).index_add(0, token, self.combine(back, r.weights[token, slot]))
+        out = self.add_shared(torch.zeros_like(flat).index_add(0, token, self.combine(back, r.weights[token, slot])),
+                              flat)
 
         total_kept = kept.sum(0).cpu()
         self.step_kept += total_kept
