@@ -167,6 +167,7 @@ class ExpertParallelMoE(MoE):
         self.batch_size, self.batch_rank = len(batch), batch.index(dist.get_rank())
         self.peer_pos = [batch.index(g) for g in group_ranks(ep_group)]  # ep peers' places in the batch
         self.step_kept = torch.zeros(self.n_expert, dtype=torch.long)  # kept per expert, whole batch, this step
+        self.step_routed = torch.zeros(self.n_expert, dtype=torch.long)  # routed (before capacity), the same
         self.aux_loss: torch.Tensor | None = None
         self.stats: EPRoutingStats | None = None
         self.shards, self.backward_scale, self.reported = None, None, []  # its own exchange; not pipelined
@@ -253,6 +254,7 @@ class ExpertParallelMoE(MoE):
 
         total_kept = kept.sum(0).cpu()
         self.step_kept += total_kept
+        self.step_routed += counts.sum(0).cpu()
         self.stats = EPRoutingStats(counts.sum(0).tolist(), total_kept.tolist(), int(counts.sum() - kept.sum()),
                                     routing_entropy(r.probs.detach()), lg.sent_bytes("all_to_all"),
                                     lg.seconds("all_to_all"))
@@ -287,6 +289,9 @@ class ExpertParallel(ParallelWrapper):
     broadcast from the dense group's first rank and the experts over their expert-dp group, so every replica
     starts equal. The loss is the LM loss plus the router losses (``loss``); they depend on the whole batch of a
     forward (``batch_wide_loss``), so the loop cuts micro-batches from the global batch first.
+    ``bias_update_rate`` gamma > 0 (sigmoid router): after each optimizer step every layer's selection bias moves
+    by gamma * sign(mean load - load_i), the loads counted over the step's whole batch (``MoE.balance_bias_``,
+    DeepSeek-V3's auxiliary-loss-free balancing): the same counts on every rank, so the bias stays replicated.
 
     Usage, one step::
 
@@ -300,7 +305,8 @@ class ExpertParallel(ParallelWrapper):
 
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, group: comm.Group = None,
                  ep_group: comm.Group = None, expert_dp_group: comm.Group = None, dense_group: comm.Group = None,
-                 layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True) -> None:
+                 layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True,
+                 bias_update_rate: float = 0.0) -> None:
         if group is not None and dense_group is not None:
             raise ValueError("ExpertParallel: group= and dense_group= are the same group: pass one")
         super().__init__(module, mesh=mesh, group=group if group is not None else dense_group)
@@ -327,6 +333,10 @@ class ExpertParallel(ParallelWrapper):
                 self.layers.append(layer)
         if not self.layers:
             raise ValueError("the module has no MoE layer: expert parallelism needs GPTConfig(n_expert > 0)")
+        if bias_update_rate and any(layer.router_kind != "sigmoid" for layer in self.layers):
+            raise ValueError(f"bias_update_rate={bias_update_rate} needs GPTConfig(router='sigmoid'): the softmax "
+                             f"router has no selection bias to move")
+        self.bias_update_rate = bias_update_rate
         expert_ids = {id(p) for layer in self.layers for p in layer.experts.parameters()}
         self.expert_params = [p for p in module.parameters() if id(p) in expert_ids]
         self.dense_params = [p for p in module.parameters() if id(p) not in expert_ids]
@@ -373,10 +383,14 @@ class ExpertParallel(ParallelWrapper):
                             p.grad = None
 
     def after_step(self) -> None:
-        """After ``optimizer.step()``: start the next step's count of tokens per expert. (This wrapper installs
-        no hooks -- it synchronises in ``finish_gradient_sync`` -- so ``remove_hooks`` has none to remove.)"""
+        """After ``optimizer.step()``: the bias update from this step's routed counts (``bias_update_rate``), then
+        start the next step's counts. (This wrapper installs no hooks -- it synchronises in
+        ``finish_gradient_sync`` -- so ``remove_hooks`` has none to remove.)"""
         for layer in self.layers:
+            if self.bias_update_rate:
+                layer.balance_bias_(layer.step_routed, self.bias_update_rate)
             layer.step_kept.zero_()
+            layer.step_routed.zero_()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unsharded model by its single-process name: the experts all-gathered over the
@@ -404,19 +418,21 @@ class EPResult(TrainResult):
 def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, ep: int | None = None,
              mesh: Mesh | None = None, accumulation: int = 1, model_fn: ModelFn | None = None,
              freeze: Sequence[str] = (), layer_class: type[ExpertParallelMoE] = ExpertParallelMoE,
-             wrapper_class: type[ExpertParallel] = ExpertParallel) -> EPResult:
+             wrapper_class: type[ExpertParallel] = ExpertParallel, bias_update_rate: float = 0.0) -> EPResult:
     """Train with expert parallelism of degree ``ep`` (default: every rank) over the data-parallel ranks: the
     mesh ``Mesh(dp=world_size, ep=ep)`` unless one is given (a ``launch`` target running ``loop.train_loop``;
     ``MeshError`` names what does not fit). Each step the global batch is split into ``accumulation``
     micro-batches and each micro-batch into one shard per rank; the loss is LM + router losses. Returns the
     global-batch mean loss per step (comparable with ``train_baseline(cfg, tc, accumulation=...)``), the full
-    parameters and, per step, the routing statistics of the last micro-batch (the loop's ``on_step_end``)."""
+    parameters and, per step, the routing statistics of the last micro-batch (the loop's ``on_step_end``).
+    ``bias_update_rate``: the auxiliary-loss-free bias step (``ExpertParallel``)."""
     tc = tc or TrainConfig()
     mesh = mesh or Mesh(dp=world_size, ep=ep or world_size)
     if mesh.size("tp", "pp", "cp") != 1:
         raise ValueError("train_ep runs EP x DP only (tp = pp = cp = 1); composing more axes is chapter 08's")
     mesh.shape.validate(cfg)
-    model = wrapper_class(build_model(cfg, tc.seed, model_fn, freeze), mesh=mesh, layer_class=layer_class)
+    model = wrapper_class(build_model(cfg, tc.seed, model_fn, freeze), mesh=mesh, layer_class=layer_class,
+                          bias_update_rate=bias_update_rate)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
     routing: list[list[EPRoutingStats]] = []
     out = train_loop(model, opt, cfg, tc, data_rank=model.rank, data_size=model.world_size,
