@@ -43,6 +43,8 @@ class GPTConfig:
     DeepSeekMoE (Dai et al. 2024): ``expert_d_ff`` the hidden size of each expert (None: ``d_ff``) -- m times
     more experts of f/m with m times the top_k is *fine-grained* segmentation, the same parameters and FLOPs
     with many more expert combinations; ``n_shared_expert`` experts every token passes through, unrouted.
+    Node-limited routing (DeepSeek-V3): the experts form ``n_group`` contiguous groups (under expert parallelism
+    the experts of one node's ranks) and each token picks its experts from at most ``topk_group`` = M of them.
     """
 
     vocab_size: int = 256
@@ -65,6 +67,8 @@ class GPTConfig:
     z_loss_coef: float = 0.0
     expert_d_ff: int | None = None
     n_shared_expert: int = 0
+    n_group: int = 1
+    topk_group: int | None = None
     name: str = "tiny"
 
     def __post_init__(self) -> None:
@@ -85,6 +89,14 @@ class GPTConfig:
             raise ValueError(f"n_shared_expert must be an int >= 0, got {self.n_shared_expert!r}")
         if not self.n_expert and (self.n_shared_expert or self.expert_d_ff is not None):
             raise ValueError("n_shared_expert and expert_d_ff describe MoE experts: set n_expert > 0 as well")
+        if self.topk_group is not None:
+            if not self.n_expert or self.n_expert % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"node-limited routing needs n_expert divisible by n_group={self.n_group} and "
+                                 f"1 <= topk_group <= n_group, got n_expert={self.n_expert}, topk_group="
+                                 f"{self.topk_group}")
+            if self.top_k > self.topk_group * (self.n_expert // self.n_group):
+                raise ValueError(f"top_k={self.top_k} experts do not fit in topk_group={self.topk_group} groups of "
+                                 f"{self.n_expert // self.n_group}: raise topk_group")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
@@ -377,6 +389,10 @@ class MoE(nn.Module):
       load-balancing loss alpha * E * sum_i f_i P_i (f_i: fraction of the T*k assignments routed to i, before
       capacity; P_i: mean router probability of i; exactly alpha for uniform routing, Fedus et al. 2021, eq. 4)
       and the router z-loss beta * mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5).
+    * Node-limited routing (``n_group``, ``topk_group`` = M; DeepSeek-V3, section 2.1.2): the E experts form
+      G contiguous groups; each group scores the sum of its top max(1, k // M) selection scores, and a token's
+      top-k is taken among the experts of its M best groups only (``select_experts``): under expert
+      parallelism with a group per node, each token's rows cross to at most M nodes.
     * Shared experts (``n_shared_expert``, DeepSeekMoE, Dai et al. 2024): ``shared``, one MLP every token goes
       through, added unweighted to the routed experts' weighted sum (``add_shared``); its parameters are dense
       (replicated under expert parallelism), not experts.
@@ -389,13 +405,14 @@ class MoE(nn.Module):
       kept in ``reported`` for the step's loss.
 
     Public seams a variant overrides: ``router_logits``, ``route``, ``capacity``, ``expert_fractions``,
-    ``load_balancing_loss``, ``batch_routing``, ``add_shared``, ``router_loss_in_backward``.
+    ``select_experts``, ``load_balancing_loss``, ``batch_routing``, ``add_shared``, ``router_loss_in_backward``.
     """
 
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.n_expert, self.top_k, self.router_kind = c.n_expert, c.top_k, c.router
         self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = c.capacity_factor, c.aux_loss_coef, c.z_loss_coef
+        self.n_group, self.topk_group = c.n_group, c.topk_group
         self.router = nn.Linear(c.d_model, c.n_expert, bias=False)
         self.experts = nn.ModuleList(MLP(c, c.expert_ffn_dim) for _ in range(c.n_expert))
         self.shared = MLP(c, c.n_shared_expert * c.expert_ffn_dim) if c.n_shared_expert else None
@@ -413,14 +430,26 @@ class MoE(nn.Module):
         """[T, E] scores of every expert for tokens ``flat`` [T, h]: a linear map h -> E."""
         return self.router(flat)
 
+    def select_experts(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, ids) [T, k] of the top-k of the selection ``scores`` [T, E]; node-limited (``topk_group``): among
+        the experts of each token's M best groups, a group's score the sum of its top max(1, k // M)."""
+        if self.topk_group is None or self.topk_group == self.n_group:
+            return scores.topk(self.top_k, dim=-1)
+        T, E, G, M = scores.shape[0], self.n_expert, self.n_group, self.topk_group
+        grouped = scores.view(T, G, E // G)
+        group_score = grouped.topk(min(max(1, self.top_k // M), E // G), dim=-1).values.sum(-1)  # [T, G]
+        allowed = torch.zeros(T, G, dtype=torch.bool, device=scores.device)
+        allowed.scatter_(1, group_score.topk(M, dim=-1).indices, True)
+        return scores.masked_fill(~allowed.repeat_interleave(E // G, dim=1), float("-inf")).topk(self.top_k, dim=-1)
+
     def route(self, flat: torch.Tensor) -> Routing:
         """Router logits, probabilities, top-k choices and combine weights for tokens ``flat`` [T, h]."""
         logits = self.router_logits(flat)
         if self.router_kind == "softmax":
-            top, chosen = logits.topk(self.top_k, dim=-1)
+            top, chosen = self.select_experts(logits)
             return Routing(logits, logits.softmax(-1), chosen, top.softmax(-1))
         scores = logits.sigmoid()
-        chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+        chosen = self.select_experts(scores + self.expert_bias)[1]
         picked = scores.gather(1, chosen)
         return Routing(logits, scores / scores.sum(-1, keepdim=True), chosen, picked / picked.sum(-1, keepdim=True))
 

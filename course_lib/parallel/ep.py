@@ -130,10 +130,18 @@ def group_ranks(group: comm.Group) -> list[int]:
 @dataclass
 class EPRoutingStats(RoutingStats):
     """``RoutingStats`` over the whole batch (counts from the exchange; entropy over this rank's tokens) plus this
-    rank's forward dispatch + combine all-to-alls: bytes it sent and seconds they took."""
+    rank's forward dispatch + combine all-to-alls: bytes it sent and seconds they took. With expert groups
+    (``n_group`` G > 1, a group = the experts of ep/G ranks, "a node"), for this rank's kept assignments:
+    ``cross_group_rows``, the rows its dispatch sends to another group (one per assignment, what our all-to-all
+    moves); ``cross_group_pairs``, the distinct (token, other group) pairs -- the rows a node-level dispatcher
+    that sends a token once per node and fans it out inside (DeepEP's internode kernels) would send; and
+    ``groups_per_token``, the mean number of groups a token's kept experts span (tokens that kept any)."""
 
     a2a_sent_bytes: int = 0
     a2a_seconds: float = 0.0
+    cross_group_rows: int = 0
+    cross_group_pairs: int = 0
+    groups_per_token: float = 1.0
 
 
 class ExpertParallelMoE(MoE):
@@ -148,6 +156,7 @@ class ExpertParallelMoE(MoE):
     def __init__(self, moe: MoE, ep_group: comm.Group = None, batch_group: comm.Group = None) -> None:
         nn.Module.__init__(self)  # not MoE.__init__: the router and experts come from ``moe``
         self.n_expert, self.top_k, self.router_kind = moe.n_expert, moe.top_k, moe.router_kind
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = (moe.capacity_factor, moe.aux_loss_coef,
                                                                         moe.z_loss_coef)
         self.ep_group, self.batch_group = ep_group, batch_group
@@ -156,6 +165,10 @@ class ExpertParallelMoE(MoE):
             raise ValueError(f"n_expert={self.n_expert} is not divisible by ep={self.ep_size}: choose ep among "
                              f"{[d for d in range(1, self.n_expert + 1) if self.n_expert % d == 0]}")
         self.n_local = self.n_expert // self.ep_size
+        if self.ep_size % self.n_group:
+            raise ValueError(f"rank {dist.get_rank()}: n_group={self.n_group} groups of experts over ep={self.ep_size} "
+                             f"ranks: a group must be the experts of whole ranks (a node); choose n_group dividing "
+                             f"ep, e.g. {[d for d in range(1, self.ep_size + 1) if self.ep_size % d == 0]}")
         self.expert_ids = list(range(self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local))
         self.router, self.shared = moe.router, moe.shared  # dense: replicated like attention
         self.experts = nn.ModuleList(moe.experts[e] for e in self.expert_ids)
@@ -213,6 +226,19 @@ class ExpertParallelMoE(MoE):
         """Weight each returned expert output row by its router weight."""
         return back * weights[:, None]
 
+    def group_traffic(self, token: torch.Tensor, expert: torch.Tensor, n_tokens: int) -> tuple[int, int, float]:
+        """(rows to other groups, distinct (token, other group) pairs, mean groups per token that kept any) of this
+        rank's kept assignments (``token``, ``expert``), a group being E / G contiguous experts (``EPRoutingStats``)."""
+        if self.n_group == 1 or not n_tokens:
+            return 0, 0, 1.0
+        size = self.n_expert // self.n_group
+        group, mine = expert // size, self.expert_ids[0] // size
+        touched = torch.zeros(n_tokens, self.n_group, dtype=torch.bool, device=expert.device)
+        touched[token, group] = True
+        spans = touched.sum(1)
+        return (int((group != mine).sum()), int(touched.sum() - touched[:, mine].sum()),
+                float(spans[spans > 0].float().mean()) if bool((spans > 0).any()) else 0.0)
+
     # -- the layer --------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +283,7 @@ class ExpertParallelMoE(MoE):
         self.step_routed += counts.sum(0).cpu()
         self.stats = EPRoutingStats(counts.sum(0).tolist(), total_kept.tolist(), int(counts.sum() - kept.sum()),
                                     routing_entropy(r.probs.detach()), lg.sent_bytes("all_to_all"),
-                                    lg.seconds("all_to_all"))
+                                    lg.seconds("all_to_all"), *self.group_traffic(token, expert, flat.shape[0]))
         return out.view_as(x)
 
 
