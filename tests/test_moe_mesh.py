@@ -50,6 +50,17 @@ class DroppedStageLossMoE(MoE):
         return out
 
 
+class UnreportedStageLosses(C.Parallelized):
+    """A third bug: the stages back-propagate their router losses but the reported loss leaves them out."""
+
+    def reduce_losses(self, local):
+        routing, self.routing = self.routing, None
+        try:
+            return super().reduce_losses(local)
+        finally:
+            self.routing = routing
+
+
 def _with_layer(cls: type[MoE]):
     def build(cfg: GPTConfig, seed: int) -> GPT:
         model = GPT(cfg, seed)
@@ -74,6 +85,7 @@ MUTATIONS_2 = {
     "dp2_shard_local": (MOE, ParallelConfig(dp=2), {"model_fn": shard_local_model}, 1),
     "cp2_shard_local": (MOE, ParallelConfig(cp=2), {"model_fn": shard_local_model}, 1),
     "pp2_stage_loss_dropped": (MOE, ParallelConfig(pp=2), {"model_fn": dropped_stage_loss_model}, 2),
+    "pp2_stage_loss_unreported": (MOE, ParallelConfig(pp=2), {"composed_class": UnreportedStageLosses}, 2),
 }
 CASES_4 = {
     "dp4_ep2": (MOE, ParallelConfig(dp=4, ep=2), {}, 1),
@@ -140,8 +152,10 @@ def test_the_runs_drop_assignments_and_learn_the_router() -> None:
 def test_mutations_fail(name: str) -> None:
     report = _report(name)
     assert not report.ok, f"the broken variant {name} still matches one process: {report}"
-    if name.startswith("pp2"):  # the first stage's router is the one that goes wrong
+    if name == "pp2_stage_loss_dropped":  # the first stage's router is the one that goes wrong
         assert any("blocks.0.mlp.router" in p for p in report.problems), report.problems
+    if name == "pp2_stage_loss_unreported":  # the same training, only the reported loss short
+        assert report.problems and all(p.startswith("losses differ") for p in report.problems), report.problems
 
 
 def test_data_parallel_pipeline_with_batch_wide_router_terms_is_refused() -> None:
