@@ -11,6 +11,10 @@ skewed router, with and without the load-balancing loss.
 * **Balance**: a router initialised to prefer expert 0, top-1, trained ``--steps`` steps with alpha = 0 and
   alpha = ``--alpha``: the busiest ep rank's rows over the mean (``slowest_rank_load``), first step and mean of
   the last 5. An all-to-all step waits for that rank.
+* **Node-limited routing** (DeepSeek-V3): 8 fine-grained experts top-4 in 2 groups ("nodes" of ranks), free
+  routing against each token limited to 1 group: the rows our dispatch sends to the other group (one per
+  assignment: counted from our own splits; gloo moves them, so the bytes are *modelled*) and the distinct (token,
+  other group) pairs, the rows a dispatcher that sends a token once per node would move across nodes (modelled).
 
 Run: ``python benchmarks/ep_bench.py [--world-size 2 --steps 20 --alpha 0.05]``.
 """
@@ -54,6 +58,26 @@ def _balance(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, alphas
     return {a: ep.train_ep(rank, world_size, cfg.with_(aux_loss_coef=a), tc, model_fn=skewed_router) for a in alphas}
 
 
+def _groups(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig) -> dict:
+    torch.set_num_threads(1)
+    return {m: ep.train_ep(rank, world_size, cfg.with_(topk_group=m), tc) for m in (None, 1)}
+
+
+def node_limited(world_size: int, steps: int = 3) -> None:
+    """Free vs node-limited routing over 2 groups of experts: bytes to the other group per step (modelled)."""
+    cfg = GPTConfig(bias=False, n_layer=2, d_model=64, n_head=4, seq_len=32, n_expert=8, top_k=4, expert_d_ff=128,
+                    n_group=2)
+    ranks = launch(_groups, world_size, cfg, TrainConfig(steps=steps, global_batch=8), timeout=300)
+    row_bytes = 4 * cfg.d_model * 4  # dispatch + combine, forward + backward, fp32
+    for m in (None, 1):
+        rows = sum(s.cross_group_rows for r in ranks for step in r[m].routing for s in step) / steps
+        pairs = sum(s.cross_group_pairs for r in ranks for step in r[m].routing for s in step) / steps
+        span = statistics.fmean(s.groups_per_token for r in ranks for step in r[m].routing for s in step)
+        print(f"{'free routing' if m is None else f'at most {m} group':>16}: {span:.2f} groups per token; to the other "
+              f"group per step: {rows * row_bytes:,.0f} B as our per-assignment rows, {pairs * row_bytes:,.0f} B "
+              f"sent once per (token, node) (both modelled)")
+
+
 def main(world_size: int = 2, steps: int = 20, alpha: float = 0.05, repeats: int = 5) -> None:
     torch.set_num_threads(1)
     cfg = GPTConfig(bias=False, n_layer=2, d_model=64, n_head=4, seq_len=32, n_expert=4, top_k=2)
@@ -89,6 +113,7 @@ def main(world_size: int = 2, steps: int = 20, alpha: float = 0.05, repeats: int
             ratios.append(slow / mean)
         print(f"alpha = {a:g}: slowest ep rank / mean, layer 0: first step {ratios[0]:.2f}x, last 5 steps "
               f"{statistics.fmean(ratios[-5:]):.2f}x")
+    node_limited(world_size)
 
 
 if __name__ == "__main__":

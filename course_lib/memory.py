@@ -422,11 +422,15 @@ def _block_params_rank(c: GPTConfig, tp: int) -> tuple[float, float]:
     kv_r = math.ceil(c.kv_heads / tp) * d
     attn = 2 * h * h / tp + 2 * h * kv_r + ((h / tp + 2 * kv_r + h) if c.bias else 0)
     n_in = 2 if c.mlp == "swiglu" else 1
-    mlp = (n_in + 1) * h * f / tp + ((n_in * f / tp + h) if c.bias else 0)
+
+    def mlp(f: int) -> float:
+        return (n_in + 1) * h * f / tp + ((n_in * f / tp + h) if c.bias else 0)
+
     norms = 2 * norm_params(c)
-    if c.n_expert:
-        return attn + norms + h * c.n_expert, c.n_expert * mlp
-    return attn + mlp + norms, 0.0
+    if c.n_expert:  # the shared experts (one MLP of n_s * f_e) are dense, the routed ones experts
+        shared = mlp(c.n_shared_expert * c.expert_ffn_dim) if c.n_shared_expert else 0
+        return attn + norms + h * c.n_expert + shared, c.n_expert * mlp(c.expert_ffn_dim)
+    return attn + mlp(f) + norms, 0.0
 
 
 def params_per_rank(config: GPTConfig | str, layout: ParallelLayout | None = None,

@@ -15,7 +15,8 @@ Formulas (h = d_model, f = d_ff, L = n_layer, v = vocab, h_kv = n_kv_head * d_he
 * attention: q and o are h x h, k and v are h x h_kv  -> 2h^2 + 2*h*h_kv weights (+ 2h + 2h_kv biases)
 * MLP: GELU uses two h x f matrices (+ f + h biases); SwiGLU uses three (gate, up, down)
 * GPT-2 style block (MHA, f = 4h, biases, LayerNorm): 12h^2 + 13h
-* MoE: E experts each with its own MLP, plus a router h x E
+* MoE: E experts each with its own MLP (hidden size f_e = ``expert_d_ff``, default f), a router h x E, and
+  n_s shared experts as one MLP of hidden size n_s * f_e (DeepSeekMoE)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Protocol, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,11 @@ class GPTConfig:
     (Mixtral) or "sigmoid" (sigmoid scores + a selection bias, DeepSeek-V3); ``capacity_factor`` None is
     dropless, else each expert takes at most ceil(cf * T * k / E) of the T*k assignments; ``aux_loss_coef``
     (alpha of the Switch load-balancing loss) and ``z_loss_coef`` (the router z-loss) 0 turn those losses off.
+    DeepSeekMoE (Dai et al. 2024): ``expert_d_ff`` the hidden size of each expert (None: ``d_ff``) -- m times
+    more experts of f/m with m times the top_k is *fine-grained* segmentation, the same parameters and FLOPs
+    with many more expert combinations; ``n_shared_expert`` experts every token passes through, unrouted.
+    Node-limited routing (DeepSeek-V3): the experts form ``n_group`` contiguous groups (under expert parallelism
+    the experts of one node's ranks) and each token picks its experts from at most ``topk_group`` = M of them.
     """
 
     vocab_size: int = 256
@@ -59,6 +65,10 @@ class GPTConfig:
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    expert_d_ff: int | None = None
+    n_shared_expert: int = 0
+    n_group: int = 1
+    topk_group: int | None = None
     name: str = "tiny"
 
     def __post_init__(self) -> None:
@@ -67,12 +77,26 @@ class GPTConfig:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         sizes = {"vocab_size": self.vocab_size, "seq_len": self.seq_len, "n_layer": self.n_layer,
                  "n_head": self.n_head, "d_model": self.d_model}
-        sizes |= {k: v for k, v in (("n_kv_head", self.n_kv_head), ("d_ff", self.d_ff)) if v is not None}
+        sizes |= {k: v for k, v in (("n_kv_head", self.n_kv_head), ("d_ff", self.d_ff),
+                                    ("expert_d_ff", self.expert_d_ff)) if v is not None}
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.n_expert, bool) or not isinstance(self.n_expert, int) or self.n_expert < 0:
             raise ValueError(f"n_expert must be an int >= 0 (0: a dense MLP), got {self.n_expert!r}")
+        if isinstance(self.n_shared_expert, bool) or not isinstance(self.n_shared_expert, int) \
+                or self.n_shared_expert < 0:
+            raise ValueError(f"n_shared_expert must be an int >= 0, got {self.n_shared_expert!r}")
+        if not self.n_expert and (self.n_shared_expert or self.expert_d_ff is not None):
+            raise ValueError("n_shared_expert and expert_d_ff describe MoE experts: set n_expert > 0 as well")
+        if self.topk_group is not None:
+            if not self.n_expert or self.n_expert % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"node-limited routing needs n_expert divisible by n_group={self.n_group} and "
+                                 f"1 <= topk_group <= n_group, got n_expert={self.n_expert}, topk_group="
+                                 f"{self.topk_group}")
+            if self.top_k > self.topk_group * (self.n_expert // self.n_group):
+                raise ValueError(f"top_k={self.top_k} experts do not fit in topk_group={self.topk_group} groups of "
+                                 f"{self.n_expert // self.n_group}: raise topk_group")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
@@ -99,6 +123,11 @@ class GPTConfig:
     def ffn_dim(self) -> int:
         return self.d_ff or 4 * self.d_model
 
+    @property
+    def expert_ffn_dim(self) -> int:
+        """f_e, the hidden size of one (routed or shared) expert."""
+        return self.expert_d_ff or self.ffn_dim
+
     def with_(self, **changes: object) -> GPTConfig:
         """A copy with some fields changed (``cfg.with_(n_layer=4)``)."""
         return replace(self, **changes)
@@ -121,9 +150,9 @@ def attention_params(c: GPTConfig) -> int:
     return 2 * h * h + 2 * h * hkv + (2 * h + 2 * hkv if c.bias else 0)
 
 
-def mlp_params(c: GPTConfig) -> int:
-    """One dense MLP: GELU 2hf (+ f + h), SwiGLU 3hf (+ 2f + h)."""
-    h, f = c.d_model, c.ffn_dim
+def mlp_params(c: GPTConfig, d_ff: int | None = None) -> int:
+    """One MLP of hidden size f (``d_ff``, default ``c.ffn_dim``): GELU 2hf (+ f + h), SwiGLU 3hf (+ 2f + h)."""
+    h, f = c.d_model, d_ff or c.ffn_dim
     if c.mlp == "gelu":
         return 2 * h * f + (f + h if c.bias else 0)
     return 3 * h * f + (2 * f + h if c.bias else 0)
@@ -133,11 +162,18 @@ def norm_params(c: GPTConfig) -> int:
     return 2 * c.d_model if c.norm == "layernorm" else c.d_model
 
 
+def shared_expert_params(c: GPTConfig) -> int:
+    """The n_s shared experts of one MoE layer, one MLP of hidden size n_s * f_e (DeepSeek's implementation;
+    with biases that is one output bias, not n_s): 0 without them."""
+    return mlp_params(c, c.n_shared_expert * c.expert_ffn_dim) if c.n_shared_expert else 0
+
+
 def block_params(c: GPTConfig, active_only: bool = False) -> int:
-    """One transformer block. With MoE, ``active_only`` counts the top_k experts a token uses."""
+    """One transformer block. With MoE: E routed experts of hidden size f_e, the router h x E and the shared
+    experts; ``active_only`` counts the top_k routed experts a token uses (the router and shared ones always)."""
     if c.n_expert:
         experts = c.top_k if active_only else c.n_expert
-        ffn = experts * mlp_params(c) + c.d_model * c.n_expert  # experts + router
+        ffn = experts * mlp_params(c, c.expert_ffn_dim) + c.d_model * c.n_expert + shared_expert_params(c)
     else:
         ffn = mlp_params(c)
     return attention_params(c) + ffn + 2 * norm_params(c)
@@ -250,12 +286,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP h -> f -> h, or SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: GPTConfig, d_ff: int | None = None) -> None:
         super().__init__()
-        self.swiglu = c.mlp == "swiglu"
-        self.fc1 = nn.Linear(c.d_model, c.ffn_dim, bias=c.bias)  # "up"
-        self.gate = nn.Linear(c.d_model, c.ffn_dim, bias=c.bias) if self.swiglu else None
-        self.fc2 = nn.Linear(c.ffn_dim, c.d_model, bias=c.bias)  # "down"
+        self.swiglu, f = c.mlp == "swiglu", d_ff or c.ffn_dim
+        self.fc1 = nn.Linear(c.d_model, f, bias=c.bias)  # "up"
+        self.gate = nn.Linear(c.d_model, f, bias=c.bias) if self.swiglu else None
+        self.fc2 = nn.Linear(f, c.d_model, bias=c.bias)  # "down"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
@@ -311,6 +347,32 @@ def routing_entropy(probs: torch.Tensor) -> float:
     return float(-(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()) if probs.numel() else 0.0
 
 
+class TokenShards(Protocol):
+    """The ranks that each hold a share of the same micro-batch (data- and context-parallel ranks: set by
+    ``course_lib.parallel.ep.share_routing``). ``size``: how many; ``gather(chosen)``: every rank's routing of
+    the micro-batch, ``chosen`` [B_r, T_r, k] on this rank -> ([N, k] for the N tokens of the micro-batch in
+    the single-process order, row after row; this rank's token t is row ``index[t]`` of it)."""
+
+    size: int
+
+    def gather(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class _RouterLossInBackward(torch.autograd.Function):
+    """Identity on ``out`` whose backward also back-propagates ``loss`` with weight ``scale``: a layer's router
+    loss reaches its router wherever the layer's output is differentiated, also on a pipeline stage that
+    computes no loss (Megatron-Core's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.loss_shape, ctx.scale = loss.shape, scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, grad.new_full(ctx.loss_shape, ctx.scale), None
+
+
 class MoE(nn.Module):
     """Top-k mixture of experts (Shazeer et al. 2017; Mixtral): a router picks ``top_k`` experts per token and
     mixes their outputs; the single-process reference (the expert-parallel version is
@@ -327,22 +389,40 @@ class MoE(nn.Module):
       load-balancing loss alpha * E * sum_i f_i P_i (f_i: fraction of the T*k assignments routed to i, before
       capacity; P_i: mean router probability of i; exactly alpha for uniform routing, Fedus et al. 2021, eq. 4)
       and the router z-loss beta * mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5).
+    * Node-limited routing (``n_group``, ``topk_group`` = M; DeepSeek-V3, section 2.1.2): the E experts form
+      G contiguous groups; each group scores the sum of its top max(1, k // M) selection scores, and a token's
+      top-k is taken among the experts of its M best groups only (``select_experts``): under expert
+      parallelism with a group per node, each token's rows cross to at most M nodes.
+    * Shared experts (``n_shared_expert``, DeepSeekMoE, Dai et al. 2024): ``shared``, one MLP every token goes
+      through, added unweighted to the routed experts' weighted sum (``add_shared``); its parameters are dense
+      (replicated under expert parallelism), not experts.
     * ``stats``: the ``RoutingStats`` of the last forward.
+    * On many ranks (``shards``, a ``TokenShards``, set by ``parallel.ep.share_routing``): capacity, queue
+      positions and f_i are those of the whole micro-batch, every rank's routing gathered in token order; each
+      rank's P_i and z-loss sum its own tokens scaled so that the mean over the ranks is the micro-batch's loss.
+      ``backward_scale`` (set for a pipeline): the router loss is not left for ``moe_aux_loss`` but
+      back-propagated through the layer's output with that weight (``router_loss_in_backward``) and its value
+      kept in ``reported`` for the step's loss.
 
     Public seams a variant overrides: ``router_logits``, ``route``, ``capacity``, ``expert_fractions``,
-    ``load_balancing_loss``.
+    ``select_experts``, ``load_balancing_loss``, ``batch_routing``, ``add_shared``, ``router_loss_in_backward``.
     """
 
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.n_expert, self.top_k, self.router_kind = c.n_expert, c.top_k, c.router
         self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = c.capacity_factor, c.aux_loss_coef, c.z_loss_coef
+        self.n_group, self.topk_group = c.n_group, c.topk_group
         self.router = nn.Linear(c.d_model, c.n_expert, bias=False)
-        self.experts = nn.ModuleList(MLP(c) for _ in range(c.n_expert))
+        self.experts = nn.ModuleList(MLP(c, c.expert_ffn_dim) for _ in range(c.n_expert))
+        self.shared = MLP(c, c.n_shared_expert * c.expert_ffn_dim) if c.n_shared_expert else None
         if c.router == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(c.n_expert))
         self.aux_loss: torch.Tensor | None = None
         self.stats: RoutingStats | None = None
+        self.shards: TokenShards | None = None
+        self.backward_scale: float | None = None
+        self.reported: list[float] = []
 
     # -- seams ------------------------------------------------------------------------------------------------
 
@@ -350,14 +430,26 @@ class MoE(nn.Module):
         """[T, E] scores of every expert for tokens ``flat`` [T, h]: a linear map h -> E."""
         return self.router(flat)
 
+    def select_experts(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, ids) [T, k] of the top-k of the selection ``scores`` [T, E]; node-limited (``topk_group``): among
+        the experts of each token's M best groups, a group's score the sum of its top max(1, k // M)."""
+        if self.topk_group is None or self.topk_group == self.n_group:
+            return scores.topk(self.top_k, dim=-1)
+        T, E, G, M = scores.shape[0], self.n_expert, self.n_group, self.topk_group
+        grouped = scores.view(T, G, E // G)
+        group_score = grouped.topk(min(max(1, self.top_k // M), E // G), dim=-1).values.sum(-1)  # [T, G]
+        allowed = torch.zeros(T, G, dtype=torch.bool, device=scores.device)
+        allowed.scatter_(1, group_score.topk(M, dim=-1).indices, True)
+        return scores.masked_fill(~allowed.repeat_interleave(E // G, dim=1), float("-inf")).topk(self.top_k, dim=-1)
+
     def route(self, flat: torch.Tensor) -> Routing:
         """Router logits, probabilities, top-k choices and combine weights for tokens ``flat`` [T, h]."""
         logits = self.router_logits(flat)
         if self.router_kind == "softmax":
-            top, chosen = logits.topk(self.top_k, dim=-1)
+            top, chosen = self.select_experts(logits)
             return Routing(logits, logits.softmax(-1), chosen, top.softmax(-1))
         scores = logits.sigmoid()
-        chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+        chosen = self.select_experts(scores + self.expert_bias)[1]
         picked = scores.gather(1, chosen)
         return Routing(logits, scores / scores.sum(-1, keepdim=True), chosen, picked / picked.sum(-1, keepdim=True))
 
@@ -398,23 +490,55 @@ class MoE(nn.Module):
         load = counts.float().to(self.expert_bias.device)
         self.expert_bias.add_(rate * torch.sign(load.mean() - load))
 
+    def batch_routing(self, chosen: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor, int, int]:
+        """For this rank's choices ``chosen`` [T_r, k] (tokens shaped ``lead`` = (B_r, T_r')): the micro-batch's
+        routed and kept counts per expert [E], this rank's keep mask [T_r, k], the micro-batch's token count and
+        the number of ranks sharing it. One process: all local. Sharded (``shards``): when capacity or f_i need
+        them, every rank's choices are gathered (``TokenShards.gather``) and the queues run in token order;
+        otherwise (dropless, no load-balancing loss) the counts are this rank's alone."""
+        E, size = self.n_expert, 1 if self.shards is None else self.shards.size
+        if size > 1 and (self.capacity_factor is not None or self.aux_loss_coef):
+            every, index = self.shards.gather(chosen.view(*lead, self.top_k))
+        else:
+            every, index = chosen, None
+        cap = self.capacity(chosen.shape[0] * size)
+        keep_all = (torch.ones_like(every, dtype=torch.bool) if cap is None
+                    else expert_positions(every, E) < cap)
+        keep = keep_all if index is None else keep_all[index]
+        routed = torch.bincount(every.reshape(-1), minlength=E)
+        kept = torch.bincount(every[keep_all], minlength=E)
+        return routed, kept, keep, chosen.shape[0] * size, size
+
+    def add_shared(self, routed: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """y_t = shared(x_t) + sum_j w_tj E_j(x_t): the shared experts' output, once per token and unweighted, plus
+        the routed sum ``routed`` [T, h] (DeepSeekMoE, eq. 9). Without shared experts: ``routed``."""
+        return routed if self.shared is None else routed + self.shared(flat)
+
+    def router_loss_in_backward(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """``out`` unchanged, its backward also back-propagating ``loss`` x ``backward_scale``; the value is kept
+        in ``reported`` (the pipeline's stages report their layers' router losses from there)."""
+        self.reported.append(float(loss.detach()) * self.backward_scale)
+        return _RouterLossInBackward.apply(out, loss, self.backward_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         r = self.route(flat)
-        counts = torch.bincount(r.chosen.reshape(-1), minlength=self.n_expert)
-        cap = self.capacity(flat.shape[0])
-        keep = (torch.ones_like(r.chosen, dtype=torch.bool) if cap is None
-                else expert_positions(r.chosen, self.n_expert) < cap)
-        self.aux_loss = self.router_loss(r, counts, flat.shape[0])
+        counts, kept, keep, n_tokens, size = self.batch_routing(r.chosen, tuple(x.shape[:-1]))
+        loss = self.router_loss(r, counts, n_tokens, replicas=size)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = ((r.chosen == e) & keep).nonzero(as_tuple=True)
             if token.numel():
                 out.index_add_(0, token, r.weights[token, slot, None] * expert(flat[token]))
-        kept = torch.bincount(r.chosen[keep], minlength=self.n_expert)
         self.stats = RoutingStats(counts.tolist(), kept.tolist(), int(counts.sum() - kept.sum()),
                                   routing_entropy(r.probs.detach()))
-        return out.view_as(x)
+        out = self.add_shared(out, flat).view_as(x)
+        if self.backward_scale is None or not (self.aux_loss_coef or self.z_loss_coef):
+            self.aux_loss = loss
+            return out
+        self.aux_loss = None
+        return self.router_loss_in_backward(out, loss)
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:

@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from course_lib.data import global_batch
 from course_lib.launch import RankError, launch
 from course_lib.model import (
     GPT,
@@ -31,10 +32,19 @@ from course_lib.model import (
     Routing,
     expert_capacity,
     expert_positions,
+    lm_loss,
     moe_aux_loss,
 )
 from course_lib.parallel import ep as E
-from course_lib.train import TrainConfig, compare, train_baseline
+from course_lib.train import (
+    TrainConfig,
+    TrainResult,
+    compare,
+    full_params,
+    make_optimizer,
+    train_baseline,
+    with_fp32_noise,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -102,6 +112,30 @@ class LocalCapacity(E.ExpertParallelMoE):
         return expert_positions(chosen, self.n_expert) < local
 
 
+class SharedTwice(E.ExpertParallelMoE):
+    """Bug: the shared expert's output added twice (once by the layer, once more as if it were routed)."""
+
+    def add_shared(self, routed, flat):
+        return super().add_shared(super().add_shared(routed, flat), flat)
+
+
+class BiasFromKeptCounts(E.ExpertParallel):
+    """Bug: the bias update counts the assignments kept after capacity, not those routed: an expert at capacity
+    looks no busier than the mean, so the overload that the bias should correct stays invisible."""
+
+    def after_step(self):
+        for layer in self.layers:
+            layer.step_routed.copy_(layer.step_kept)
+        super().after_step()
+
+
+class NodeLimitIgnored(E.ExpertParallelMoE):
+    """Bug: the top-k taken over every expert, the node limit (topk_group) forgotten."""
+
+    def select_experts(self, scores):
+        return scores.topk(self.top_k, dim=-1)
+
+
 class WrongRank(E.ExpertParallelMoE):
     """Bug: expert e's tokens go to the next rank's experts."""
 
@@ -113,6 +147,14 @@ class WrongRank(E.ExpertParallelMoE):
 # The batched launches
 
 DROPS = BASE.with_(capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=1e-3)
+DEEPSEEK = DROPS.with_(n_expert=8, top_k=4, expert_d_ff=64, n_shared_expert=1)
+"""DeepSeekMoE's layer at toy size: each expert of f/2 (fine-grained, 2 x the experts and top_k), one shared."""
+BIASED = BASE.with_(router="sigmoid", capacity_factor=1.0)
+NODE_LIMITED = DROPS.with_(n_expert=8, top_k=4, expert_d_ff=64, n_group=2, topk_group=1)
+"""Node-limited routing: 8 experts in 2 groups ("nodes": 1 rank each at ep = 2, 2 at ep = 4), top-4 within 1."""
+BIAS_RATE = 0.01
+"""Auxiliary-loss-free balancing: a bias step of 0.01 is of the size of the sigmoid scores' differences here, so
+it changes which experts are selected from the second step on (``test_bias_update_changes_the_routing``)."""
 CASES = {
     "top2": (BASE, {}),
     "top2_drops_aux_z": (DROPS, {}),
@@ -120,9 +162,16 @@ CASES = {
     "sigmoid_drops_aux": (BASE.with_(router="sigmoid", capacity_factor=0.75, aux_loss_coef=0.01), {}),
     "empty_ranks": (BASE, {"model_fn": first_two_model, "layer_class": FirstTwoEP}),
     "accumulation": (DROPS, {"accumulation": 2}),
+    "deepseek_fine_shared_drops": (DEEPSEEK, {}),
+    "sigmoid_bias_update_drops": (BIASED, {"bias_update_rate": BIAS_RATE}),
+    "node_limited_drops": (NODE_LIMITED, {}),
+    "grouped_free": (NODE_LIMITED.with_(topk_group=None), {}),
     "torch_all_to_all": (DROPS, {"layer_class": E.TorchAllToAllMoE}),
     "no_combine_weights": (BASE, {"layer_class": NoCombineWeights}),
     "f_not_divided_by_k": (BASE.with_(aux_loss_coef=0.1), {"layer_class": FractionNotDividedByK}),
+    "shared_twice": (DEEPSEEK, {"layer_class": SharedTwice}),
+    "bias_from_kept_counts": (BIASED, {"bias_update_rate": BIAS_RATE, "wrapper_class": BiasFromKeptCounts}),
+    "node_limit_ignored": (NODE_LIMITED, {"layer_class": NodeLimitIgnored}),
 }
 EPXDP = {"epxdp_top2_drops": (DROPS, {"ep": 2}), "epxdp_top1_drops": (CASES["top1_drops_aux"][0], {"ep": 2})}
 """(Plain top-1 under EP x DP differs by 2e-6 in one expert weight under AdamW, 4e-9 under SGD: Mixtral's top-1
@@ -141,9 +190,28 @@ def results(world: int) -> list[dict[str, E.EPResult]]:
     return launch(_run_cases, world, cases, TC, timeout=LAUNCH_TIMEOUT)
 
 
+def _biased_baseline(cfg: GPTConfig, tc: TrainConfig, rate: float, dtype: torch.dtype) -> TrainResult:
+    """One process with DeepSeek-V3's bias step after each optimizer step, loads = the step's routed counts."""
+    model = GPT(cfg, tc.seed).to(dtype)
+    opt = make_optimizer(list(model.parameters()), tc)
+    losses = []
+    for step in range(tc.steps):
+        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), y) + moe_aux_loss(model)
+        loss.backward()
+        opt.step()
+        for block in model.blocks:
+            block.mlp.balance_bias_(torch.tensor(block.mlp.stats.tokens_per_expert), rate)
+        losses.append(loss.item())
+    return TrainResult(losses, full_params(model))
+
+
 @functools.cache
 def reference(name: str):
     cfg, kw = (CASES | EPXDP)[name]
+    if "bias_update_rate" in kw:
+        return with_fp32_noise(lambda dtype: _biased_baseline(cfg, TC, kw["bias_update_rate"], dtype))
     return train_baseline(cfg, TC, model_fn=kw.get("model_fn", GPT), accumulation=kw.get("accumulation", 1))
 
 
@@ -310,7 +378,7 @@ def test_config_errors():
 @pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", list(CASES)[:6])
+@pytest.mark.parametrize("name", list(CASES)[:10])
 def test_parity_with_the_single_process_moe(world, name):
     got = results(world)
     report = compare(reference(name), got[0][name])
@@ -393,11 +461,51 @@ def test_comm_log_equals_the_formula(world):
 
 @pytest.mark.parity
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["no_combine_weights", "f_not_divided_by_k"])
+@pytest.mark.parametrize("name", ["no_combine_weights", "f_not_divided_by_k", "shared_twice",
+                                  "bias_from_kept_counts", "node_limit_ignored"])
 def test_mutations_break_parity(name):
-    cfg, _ = CASES[name]
-    report = compare(train_baseline(cfg, TC), results(2)[0][name])
+    cfg, kw = CASES[name]
+    ref = reference("sigmoid_bias_update_drops") if "bias_update_rate" in kw else train_baseline(cfg, TC)
+    report = compare(ref, results(2)[0][name])
     assert not report.ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_node_limited_routing_crosses_fewer_groups(world):
+    """Every token's kept experts in one group; fewer (token, other group) pairs than free routing over the same
+    groups; our per-assignment rows to other groups are what the dispatch's splits say."""
+    res = results(world)
+    for step in range(TC.steps):
+        limited = [r["node_limited_drops"].routing[step] for r in res]
+        free = [r["grouped_free"].routing[step] for r in res]
+        assert all(s.groups_per_token == 1.0 for rank in limited for s in rank)
+        assert all(s.groups_per_token > 1.2 for rank in free for s in rank)
+        pairs = [sum(s.cross_group_pairs for rank in runs for s in rank) for runs in (limited, free)]
+        assert pairs[0] < 0.8 * pairs[1], pairs
+        for rank in limited:  # one group per token: a remote token's rows all cross, a local one's none
+            assert all(s.cross_group_rows >= s.cross_group_pairs for s in rank)
+
+
+def test_node_limited_selection_by_hand():
+    cfg = BASE.with_(n_expert=8, top_k=3, n_group=4, topk_group=2, n_layer=1)
+    moe = _layer(cfg)
+    scores = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    _, chosen = moe.select_experts(scores)
+    for t in range(64):
+        group_score = scores[t].view(4, 2).topk(1, dim=-1).values.sum(-1)  # top max(1, 3 // 2) = 1 per group
+        allowed = set(group_score.topk(2).indices.tolist())
+        masked = torch.tensor([s if e // 2 in allowed else -math.inf for e, s in enumerate(scores[t].tolist())])
+        assert chosen[t].tolist() == masked.topk(3).indices.tolist()
+    spans = {len({e // 2 for e in row}) for row in chosen.tolist()}
+    assert max(spans) <= 2 and len({len({e // 2 for e in r}) for r in scores.topk(3).indices.tolist()}) > 1
+    assert torch.equal(_layer(cfg.with_(topk_group=4)).select_experts(scores)[1], scores.topk(3).indices)
+
+
+def test_bias_update_changes_the_routing():
+    """The bias parity above is not vacuous: without the bias step the same run trains other parameters."""
+    plain = with_fp32_noise(lambda dtype: _biased_baseline(BIASED, TC, 0.0, dtype))
+    assert not compare(reference("sigmoid_bias_update_drops"), plain).ok
 
 
 def _train_one(rank, world_size, cfg, layer_class):

@@ -78,6 +78,50 @@ def test_param_count_equals_the_module_for_every_option():
     assert not wrong, wrong[:3]
 
 
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("n_expert", "top_k", "expert_d_ff", "n_shared"), [
+    (4, 2, None, 1),  # shared experts next to routed ones of the dense size
+    (8, 4, 32, 0),  # fine-grained: 2 x the experts of half the size (d_ff 64), 2 x the top_k
+    (8, 4, 32, 2),  # DeepSeekMoE: fine-grained routed experts plus 2 shared ones of the same size
+])
+def test_param_count_with_shared_and_fine_grained_experts_equals_the_module(mlp, bias, n_expert, top_k,
+                                                                           expert_d_ff, n_shared):
+    cfg = SMALL.with_(mlp=mlp, bias=bias, d_ff=64, n_expert=n_expert, top_k=top_k, expert_d_ff=expert_d_ff,
+                      n_shared_expert=n_shared)
+    model = GPT(cfg)
+    assert param_count(cfg) == num_params(model) == sum(p.numel() for p in model.parameters())
+    moe = model.blocks[0].mlp
+    shared = sum(p.numel() for p in moe.shared.parameters()) if n_shared else 0
+    unused = sum(p.numel() for b in model.blocks for e in b.mlp.experts[top_k:] for p in e.parameters())
+    assert param_count(cfg, active_only=True) == num_params(model) - unused  # shared experts are always active
+    assert moe.experts[0].fc1.out_features == (expert_d_ff or 64)
+    if n_shared:
+        assert moe.shared.fc1.out_features == n_shared * (expert_d_ff or 64) and shared > 0
+
+
+def test_fine_grained_experts_keep_parameters_and_active_flops_of_the_coarse_layer():
+    """DeepSeekMoE's segmentation: E experts of f, top-k  ->  mE experts of f/m, top-mk: the same routed
+    parameters (bias-free) and the same active ones, many more combinations (C(8,4) = 70 vs C(4,2) = 6)."""
+    coarse = SMALL.with_(bias=False, d_ff=64, n_expert=4, top_k=2)
+    fine = coarse.with_(n_expert=8, top_k=4, expert_d_ff=32)
+    router_extra = SMALL.n_layer * SMALL.d_model * 4  # the router grows from E to mE outputs
+    assert param_count(fine) - param_count(coarse) == router_extra
+    assert param_count(fine, active_only=True) - param_count(coarse, active_only=True) == router_extra
+    assert math.comb(8, 4) == 70 and math.comb(4, 2) == 6
+
+
+def test_shared_expert_is_added_once_unweighted():
+    cfg = SMALL.with_(n_expert=4, top_k=2, n_shared_expert=1, n_layer=1)
+    moe = GPT(cfg, seed=2).blocks[0].mlp
+    x = torch.randn(2, 3, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with_shared = moe(x)
+        shared, moe.shared = moe.shared, None
+        routed = moe(x)
+        torch.testing.assert_close(with_shared, routed + shared(x), rtol=1e-6, atol=1e-7)
+
+
 def test_gpt2_block_is_12h2_plus_13h_and_tied_weights_count_once():
     for h in (64, 768):
         assert block_params(GPTConfig(d_model=h, n_head=4)) == 12 * h * h + 13 * h
@@ -332,6 +376,9 @@ def test_bf16_forward(moe):
     ({"d_model": 36, "n_head": 4, "pos": "rope"}, "rotary positions need an even head_dim, got 9"),
     ({"n_expert": 4, "top_k": 5}, r"top_k=5 must be in \[1, n_expert=4\]"),
     ({"n_expert": 4, "top_k": 0}, r"top_k=0 must be in \[1, n_expert=4\]"),
+    ({"n_shared_expert": 1}, r"n_shared_expert and expert_d_ff describe MoE experts: set n_expert > 0"),
+    ({"n_expert": 4, "n_shared_expert": -1}, r"n_shared_expert must be an int >= 0"),
+    ({"n_expert": 4, "expert_d_ff": 0}, r"expert_d_ff must be a positive int"),
 ])
 def test_invalid_configs_are_refused_with_the_reason(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -42,8 +42,13 @@ def test_figures():
     fig = vm.plot_dispatch(vm.dispatch_plan(vm.routed_counts(512, 16, 2, 1.0), 512, 2, 4, 1.0))
     assert isinstance(fig, Figure) and len(fig.axes) == 2
     assert any("capacity" in t.get_text() for t in fig.axes[0].get_legend().get_texts())
-    hist = vm.plot_expert_histograms({"without": [[5, 1, 1, 1], [6, 1, 1, 0]], "with": [[2, 2, 2, 2]] * 2})
-    assert len(hist.axes) == 2
+    runs = {"without": [[5, 1, 1, 1], [6, 1, 1, 0]], "with": [[2, 2, 2, 2]] * 2}
+    load = vm.plot_expert_load(runs)
+    assert len(load.axes) == 4  # two heat maps, their colour bar, the max/mean panel
+    assert [vm.load_ratio(c) for c in runs["without"]] == [2.5, 3.0] and vm.load_ratio([2, 2, 2, 2]) == 1.0
+    assert [line.get_ydata()[1] for line in load.axes[-1].get_lines()[:2]] == [3.0, 1.0]
+    with_entropy = vm.plot_expert_load(runs, {"without": [0.9, 0.8], "with": [1.38, 1.38]})
+    assert len(with_entropy.axes) == 5
     chosen = torch.tensor([[0, 1], [0, 2], [0, 1]])
     keep = torch.tensor([[True, True], [True, True], [False, True]])
     grid = vm.plot_routing_grid(chosen, keep, 3, 2)

@@ -14,6 +14,9 @@
    T*k assignments (exactly alpha for uniform routing).
 5. Find the bug in ``kept_counts(counts, capacity)``: kept assignments of every (rank, expert) under a global
    capacity, the queue of each expert filled rank after rank (``course_lib.parallel.ep.kept_counts``).
+6. ``update_expert_bias(bias, chosen, rate)`` on real ranks: DeepSeek-V3's auxiliary-loss-free balancing,
+   b_i + rate * sign(mean load - load_i) with the loads of the *whole* batch (every rank's routed counts), so
+   every rank's bias is the single-process one (``MoE.balance_bias_``) and the replicas stay equal.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ def _tensor(got: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> 
     if got.dtype != dtype:
         raise CheckFailed(f"{what} must have dtype {dtype}, got {got.dtype}")
     return got
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 routing', '3 routings'."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _expect_same(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -88,7 +96,7 @@ def check_top_k_with_capacity(fn: Callable, cases: tuple[tuple[int, int, int, fl
                 raise CheckFailed(f"keep {what}: token {t}, choice {j} (expert {int(want[0][t, j])}) should be "
                                   f"{'kept' if want[2][t, j] else 'dropped'}; the queue of an expert fills in token "
                                   f"order, a token's first choice before its second")
-        return f"{len(cases)} routings correct"
+        return f"{_count(len(cases), 'routing')} correct"
     return run_check("top_k_with_capacity", body)
 
 
@@ -254,7 +262,7 @@ def check_load_balancing_loss(fn: Callable, cases: tuple[tuple[int, int, int], .
             want_grad = torch.autograd.grad(alpha * E * (f * logits.softmax(-1).mean(0)).sum(), logits)[0]
             expect_close(logits.grad, want_grad, f"d loss / d logits (T={T}, E={E}, k={k}; f_i carries no gradient)",
                          rtol=1e-4, atol=1e-9)
-        return f"{len(cases)} cases correct, uniform routing gives alpha"
+        return f"{_count(len(cases), 'case')} correct, uniform routing gives alpha"
     return run_check("load_balancing_loss", body)
 
 
@@ -275,8 +283,57 @@ def check_kept_counts(fn: Callable, cases: tuple[tuple[int, int, int | None], ..
             _expect_same(_tensor(got, what, (W, E), torch.long), want, what)
             if cap is not None and int(got.sum(0).max()) > cap:
                 raise CheckFailed(f"{what}: an expert keeps more than the capacity")
-        return f"{len(cases)} count matrices correct"
+        return f"{_count(len(cases), 'count matrix', 'count matrices')} correct"
     return run_check("kept_counts", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. the auxiliary-loss-free bias update on ranks
+
+
+def _bias_inputs(rank: int, rows: tuple[int, ...], n_expert: int, top_k: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's choices [rows[rank], k]: rank r prefers expert r mod E, so a rank's own loads disagree with the
+    batch's (an expert busy on one rank is idle on another); the starting bias, the same on every rank."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    pref = torch.full((n_expert,), 1.0)
+    pref[rank % n_expert] = 4.0 * n_expert
+    chosen = torch.stack([torch.multinomial(pref, top_k, generator=g) for _ in range(rows[rank])]) if rows[rank] \
+        else torch.zeros(0, top_k, dtype=torch.long)
+    bias = torch.randn(n_expert, generator=torch.Generator().manual_seed(seed)) * 1e-2
+    return bias, chosen
+
+
+def _bias_on_rank(rank: int, world_size: int, fn: Callable, rows: tuple[int, ...], n_expert: int, top_k: int,
+                  rate: float, seed: int) -> Any:
+    bias, chosen = _bias_inputs(rank, rows, n_expert, top_k, seed)
+    return fn(bias.clone(), chosen.clone(), rate)
+
+
+def check_expert_bias(fn: Callable, world_size: int = 2, rows: tuple[int, ...] = (12, 8), n_expert: int = 4,
+                      top_k: int = 2, rate: float = 1e-3, seed: int = 0,
+                      timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Each rank's ``fn(bias, chosen, rate)`` must return the single-process bias after one update from the
+    whole batch's routed counts, [E] float32, identical on every rank."""
+    def body() -> str:
+        inputs = [_bias_inputs(r, rows, n_expert, top_k, seed) for r in range(world_size)]
+        load = torch.bincount(torch.cat([c for _, c in inputs]).reshape(-1), minlength=n_expert)
+        moe = MoE(GPTConfig(n_layer=1, d_model=8, n_head=2, seq_len=8, n_expert=n_expert, top_k=top_k,
+                            router="sigmoid", bias=False))
+        moe.expert_bias.copy_(inputs[0][0])
+        moe.balance_bias_(load, rate)
+        results = core.launch_check(_bias_on_rank, world_size, fn, rows, n_expert, top_k, rate, seed,
+                                    timeout=timeout, hang_hint=" (did every rank call the same collectives?)",
+                                    course_files=("course_lib/grading/ch07.py",))
+        local = [torch.bincount(c.reshape(-1), minlength=n_expert).tolist() for _, c in inputs]
+        for r, got in enumerate(results):
+            what = (f"rank {r} of {world_size} (its routed counts {local[r]}, the batch's {load.tolist()}, "
+                    f"rate {rate})")
+            expect_close(_tensor(got, f"the bias on {what}", (n_expert,), torch.float32), moe.expert_bias,
+                         f"the bias on {what}: b_i + rate * sign(mean load - load_i), loads over every rank's tokens",
+                         rtol=0, atol=1e-9)
+        return f"{world_size} ranks, counts {local}: every rank's bias moved by the batch's loads"
+    return run_check("update_expert_bias", body)
 
 
 EXERCISES = [
@@ -294,4 +351,8 @@ EXERCISES = [
              hidden=[{"cases": ((20, 8, 1), (12, 4, 3)), "alpha": 0.1, "seed": 1}]),
     Exercise("kept_counts", "Find the bug: capacity over ranks", 2, "kept_counts", check_kept_counts,
              hidden=[{"cases": ((4, 8, 3), (2, 2, None), (1, 3, 1), (5, 2, 12)), "seed": 1}]),
+    Exercise("update_expert_bias", "Auxiliary-loss-free balancing on ranks", 3, "update_expert_bias",
+             check_expert_bias,
+             hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "rate": 1e-2, "seed": 1},
+                     {"world_size": 2, "rows": (0, 5), "n_expert": 2, "top_k": 1, "seed": 2}]),
 ]

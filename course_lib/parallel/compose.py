@@ -60,6 +60,7 @@ from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.ep import ExpertParallel
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.mesh_checkpoint import load_checkpoint, load_parameters, restore_optimizer, save_checkpoint
+from course_lib.parallel.moe_mesh import share_routing
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 from course_lib.parallel.tp import TensorParallel, TensorParallelAttention
@@ -110,6 +111,10 @@ class Parallelized(ParallelWrapper):
                 else:
                     block.attn = CPAttention(block.attn, self.cp)
             body = SequenceShardedGPT(model, self.cp)
+
+        # MoE routing as on one process over dp x cp, router losses per pipeline stage (moe_mesh's docstring).
+        self.routing = share_routing(model, mesh, cp_layout=cp_layout,
+                                     microbatches=microbatches if mesh.size("pp") > 1 else None)
 
         # 3. Pipeline parallelism, with 4. its data-parallel gradient reduction as a schedule action.
         self.pipe: PipelineParallel | None = None
@@ -193,7 +198,8 @@ class Parallelized(ParallelWrapper):
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
         """The global-batch mean per step: the pipeline's (broadcast from the last stage, then averaged over
         dp x cp), or the mean over dp x cp of the ranks' token means (equal token counts)."""
-        return self.pipe.reduce_losses(local) if self.pipe is not None else super().reduce_losses(local)
+        losses = self.pipe.reduce_losses(local) if self.pipe is not None else super().reduce_losses(local)
+        return self.routing.add_stage_losses(losses) if self.routing is not None else losses
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters this rank holds (its stages' under a pipeline), whole, by the single-process model's

@@ -130,10 +130,18 @@ def group_ranks(group: comm.Group) -> list[int]:
 @dataclass
 class EPRoutingStats(RoutingStats):
     """``RoutingStats`` over the whole batch (counts from the exchange; entropy over this rank's tokens) plus this
-    rank's forward dispatch + combine all-to-alls: bytes it sent and seconds they took."""
+    rank's forward dispatch + combine all-to-alls: bytes it sent and seconds they took. With expert groups
+    (``n_group`` G > 1, a group = the experts of ep/G ranks, "a node"), for this rank's kept assignments:
+    ``cross_group_rows``, the rows its dispatch sends to another group (one per assignment, what our all-to-all
+    moves); ``cross_group_pairs``, the distinct (token, other group) pairs -- the rows a node-level dispatcher
+    that sends a token once per node and fans it out inside (DeepEP's internode kernels) would send; and
+    ``groups_per_token``, the mean number of groups a token's kept experts span (tokens that kept any)."""
 
     a2a_sent_bytes: int = 0
     a2a_seconds: float = 0.0
+    cross_group_rows: int = 0
+    cross_group_pairs: int = 0
+    groups_per_token: float = 1.0
 
 
 class ExpertParallelMoE(MoE):
@@ -148,6 +156,7 @@ class ExpertParallelMoE(MoE):
     def __init__(self, moe: MoE, ep_group: comm.Group = None, batch_group: comm.Group = None) -> None:
         nn.Module.__init__(self)  # not MoE.__init__: the router and experts come from ``moe``
         self.n_expert, self.top_k, self.router_kind = moe.n_expert, moe.top_k, moe.router_kind
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = (moe.capacity_factor, moe.aux_loss_coef,
                                                                         moe.z_loss_coef)
         self.ep_group, self.batch_group = ep_group, batch_group
@@ -156,8 +165,12 @@ class ExpertParallelMoE(MoE):
             raise ValueError(f"n_expert={self.n_expert} is not divisible by ep={self.ep_size}: choose ep among "
                              f"{[d for d in range(1, self.n_expert + 1) if self.n_expert % d == 0]}")
         self.n_local = self.n_expert // self.ep_size
+        if self.ep_size % self.n_group:
+            raise ValueError(f"rank {dist.get_rank()}: n_group={self.n_group} groups of experts over ep={self.ep_size} "
+                             f"ranks: a group must be the experts of whole ranks (a node); choose n_group dividing "
+                             f"ep, e.g. {[d for d in range(1, self.ep_size + 1) if self.ep_size % d == 0]}")
         self.expert_ids = list(range(self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local))
-        self.router = moe.router
+        self.router, self.shared = moe.router, moe.shared  # dense: replicated like attention
         self.experts = nn.ModuleList(moe.experts[e] for e in self.expert_ids)
         # the list of experts is split over ep: rank r holds entries [r E/ep, (r+1) E/ep) (placement docstring)
         P.set_placement(self.experts, EP_AXIS, P.Shard(0, size=self.n_expert))
@@ -167,8 +180,10 @@ class ExpertParallelMoE(MoE):
         self.batch_size, self.batch_rank = len(batch), batch.index(dist.get_rank())
         self.peer_pos = [batch.index(g) for g in group_ranks(ep_group)]  # ep peers' places in the batch
         self.step_kept = torch.zeros(self.n_expert, dtype=torch.long)  # kept per expert, whole batch, this step
+        self.step_routed = torch.zeros(self.n_expert, dtype=torch.long)  # routed (before capacity), the same
         self.aux_loss: torch.Tensor | None = None
         self.stats: EPRoutingStats | None = None
+        self.shards, self.backward_scale, self.reported = None, None, []  # its own exchange; not pipelined
 
     # -- seams ------------------------------------------------------------------------------------------------
 
@@ -211,6 +226,19 @@ class ExpertParallelMoE(MoE):
         """Weight each returned expert output row by its router weight."""
         return back * weights[:, None]
 
+    def group_traffic(self, token: torch.Tensor, expert: torch.Tensor, n_tokens: int) -> tuple[int, int, float]:
+        """(rows to other groups, distinct (token, other group) pairs, mean groups per token that kept any) of this
+        rank's kept assignments (``token``, ``expert``), a group being E / G contiguous experts (``EPRoutingStats``)."""
+        if self.n_group == 1 or not n_tokens:
+            return 0, 0, 1.0
+        size = self.n_expert // self.n_group
+        group, mine = expert // size, self.expert_ids[0] // size
+        touched = torch.zeros(n_tokens, self.n_group, dtype=torch.bool, device=expert.device)
+        touched[token, group] = True
+        spans = touched.sum(1)
+        return (int((group != mine).sum()), int(touched.sum() - touched[:, mine].sum()),
+                float(spans[spans > 0].float().mean()) if bool((spans > 0).any()) else 0.0)
+
     # -- the layer --------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -247,13 +275,15 @@ class ExpertParallelMoE(MoE):
         with comm.recording() as lg:
             recv = self.all_to_all(flat[token], out_splits, in_splits)
             back = self.all_to_all(self.run_experts(recv, recv_counts), in_splits, out_splits)
-        out = torch.zeros_like(flat).index_add(0, token, self.combine(back, r.weights[token, slot]))
+        out = self.add_shared(torch.zeros_like(flat).index_add(0, token, self.combine(back, r.weights[token, slot])),
+                              flat)
 
         total_kept = kept.sum(0).cpu()
         self.step_kept += total_kept
+        self.step_routed += counts.sum(0).cpu()
         self.stats = EPRoutingStats(counts.sum(0).tolist(), total_kept.tolist(), int(counts.sum() - kept.sum()),
                                     routing_entropy(r.probs.detach()), lg.sent_bytes("all_to_all"),
-                                    lg.seconds("all_to_all"))
+                                    lg.seconds("all_to_all"), *self.group_traffic(token, expert, flat.shape[0]))
         return out.view_as(x)
 
 
@@ -285,6 +315,9 @@ class ExpertParallel(ParallelWrapper):
     broadcast from the dense group's first rank and the experts over their expert-dp group, so every replica
     starts equal. The loss is the LM loss plus the router losses (``loss``); they depend on the whole batch of a
     forward (``batch_wide_loss``), so the loop cuts micro-batches from the global batch first.
+    ``bias_update_rate`` gamma > 0 (sigmoid router): after each optimizer step every layer's selection bias moves
+    by gamma * sign(mean load - load_i), the loads counted over the step's whole batch (``MoE.balance_bias_``,
+    DeepSeek-V3's auxiliary-loss-free balancing): the same counts on every rank, so the bias stays replicated.
 
     Usage, one step::
 
@@ -298,7 +331,8 @@ class ExpertParallel(ParallelWrapper):
 
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, group: comm.Group = None,
                  ep_group: comm.Group = None, expert_dp_group: comm.Group = None, dense_group: comm.Group = None,
-                 layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True) -> None:
+                 layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True,
+                 bias_update_rate: float = 0.0) -> None:
         if group is not None and dense_group is not None:
             raise ValueError("ExpertParallel: group= and dense_group= are the same group: pass one")
         super().__init__(module, mesh=mesh, group=group if group is not None else dense_group)
@@ -325,6 +359,10 @@ class ExpertParallel(ParallelWrapper):
                 self.layers.append(layer)
         if not self.layers:
             raise ValueError("the module has no MoE layer: expert parallelism needs GPTConfig(n_expert > 0)")
+        if bias_update_rate and any(layer.router_kind != "sigmoid" for layer in self.layers):
+            raise ValueError(f"bias_update_rate={bias_update_rate} needs GPTConfig(router='sigmoid'): the softmax "
+                             f"router has no selection bias to move")
+        self.bias_update_rate = bias_update_rate
         expert_ids = {id(p) for layer in self.layers for p in layer.experts.parameters()}
         self.expert_params = [p for p in module.parameters() if id(p) in expert_ids]
         self.dense_params = [p for p in module.parameters() if id(p) not in expert_ids]
@@ -371,10 +409,14 @@ class ExpertParallel(ParallelWrapper):
                             p.grad = None
 
     def after_step(self) -> None:
-        """After ``optimizer.step()``: start the next step's count of tokens per expert. (This wrapper installs
-        no hooks -- it synchronises in ``finish_gradient_sync`` -- so ``remove_hooks`` has none to remove.)"""
+        """After ``optimizer.step()``: the bias update from this step's routed counts (``bias_update_rate``), then
+        start the next step's counts. (This wrapper installs no hooks -- it synchronises in
+        ``finish_gradient_sync`` -- so ``remove_hooks`` has none to remove.)"""
         for layer in self.layers:
+            if self.bias_update_rate:
+                layer.balance_bias_(layer.step_routed, self.bias_update_rate)
             layer.step_kept.zero_()
+            layer.step_routed.zero_()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unsharded model by its single-process name: the experts all-gathered over the
@@ -402,19 +444,21 @@ class EPResult(TrainResult):
 def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, ep: int | None = None,
              mesh: Mesh | None = None, accumulation: int = 1, model_fn: ModelFn | None = None,
              freeze: Sequence[str] = (), layer_class: type[ExpertParallelMoE] = ExpertParallelMoE,
-             wrapper_class: type[ExpertParallel] = ExpertParallel) -> EPResult:
+             wrapper_class: type[ExpertParallel] = ExpertParallel, bias_update_rate: float = 0.0) -> EPResult:
     """Train with expert parallelism of degree ``ep`` (default: every rank) over the data-parallel ranks: the
     mesh ``Mesh(dp=world_size, ep=ep)`` unless one is given (a ``launch`` target running ``loop.train_loop``;
     ``MeshError`` names what does not fit). Each step the global batch is split into ``accumulation``
     micro-batches and each micro-batch into one shard per rank; the loss is LM + router losses. Returns the
     global-batch mean loss per step (comparable with ``train_baseline(cfg, tc, accumulation=...)``), the full
-    parameters and, per step, the routing statistics of the last micro-batch (the loop's ``on_step_end``)."""
+    parameters and, per step, the routing statistics of the last micro-batch (the loop's ``on_step_end``).
+    ``bias_update_rate``: the auxiliary-loss-free bias step (``ExpertParallel``)."""
     tc = tc or TrainConfig()
     mesh = mesh or Mesh(dp=world_size, ep=ep or world_size)
     if mesh.size("tp", "pp", "cp") != 1:
         raise ValueError("train_ep runs EP x DP only (tp = pp = cp = 1); composing more axes is chapter 08's")
     mesh.shape.validate(cfg)
-    model = wrapper_class(build_model(cfg, tc.seed, model_fn, freeze), mesh=mesh, layer_class=layer_class)
+    model = wrapper_class(build_model(cfg, tc.seed, model_fn, freeze), mesh=mesh, layer_class=layer_class,
+                          bias_update_rate=bias_update_rate)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
     routing: list[list[EPRoutingStats]] = []
     out = train_loop(model, opt, cfg, tc, data_rank=model.rank, data_size=model.world_size,

@@ -10,7 +10,8 @@ carry and how long the slowest rank works.
   and both again in backward, 4 x kept x h x bytes over all ranks, of which the rows routed to another rank's
   experts leave their rank (*modelled*: what our all-to-all would carry, computed here, not measured).
 * **Figures and the widget**: :func:`plot_dispatch` draws tokens per expert (kept and dropped, the capacity line,
-  experts shaded by the rank that holds them) next to rows per rank; :class:`MoEDispatchWidget`
+  experts shaded by the rank that holds them) next to rows per rank; :func:`plot_expert_load` the load of each
+  expert over training steps as a heat map with the busiest expert / mean per step; :class:`MoEDispatchWidget`
   (:func:`moe_dispatch_widget`) wires E, k, capacity factor, ep and skew to it.
 """
 
@@ -27,8 +28,8 @@ from course_lib.model import expert_capacity
 from course_lib.parallel.ep import slowest_rank_load
 from course_lib.viz.panel import ControlPanel, figure_png
 
-__all__ = ["CONTROL_DESCRIPTIONS", "DispatchPlan", "MoEDispatchWidget", "dispatch_plan", "moe_dispatch_widget",
-           "plot_dispatch", "plot_expert_histograms", "plot_routing_grid", "routed_counts"]
+__all__ = ["CONTROL_DESCRIPTIONS", "DispatchPlan", "MoEDispatchWidget", "dispatch_plan", "load_ratio",
+           "moe_dispatch_widget", "plot_dispatch", "plot_expert_load", "plot_routing_grid", "routed_counts"]
 
 CONTROL_DESCRIPTIONS = {"n_expert": "experts E", "top_k": "top-k", "capacity_factor": "capacity factor",
                         "ep": "ep ranks", "skew": "router skew"}
@@ -112,22 +113,50 @@ def plot_dispatch(plan: DispatchPlan, title: str = "") -> Figure:
     return fig
 
 
-def plot_expert_histograms(runs: dict[str, list[list[int]]], title: str = "") -> Figure:
-    """Tokens per expert over training steps, one panel per run ({label: [counts per expert, per step]}):
-    each step a line of its counts, light to dark, so a router that learns to balance shows flattening lines."""
-    fig = Figure(figsize=(4.2 * len(runs), 3.2), layout="constrained")
-    axes = fig.subplots(1, len(runs), squeeze=False)[0]
-    top = max(max(c) for steps in runs.values() for c in steps)
-    for ax, (label, steps) in zip(axes, runs.items(), strict=True):
-        n = len(steps)
-        for i, counts in enumerate(steps):
-            ax.plot(range(len(counts)), counts, marker="o", ms=3, color="C0", alpha=0.25 + 0.75 * (i + 1) / n,
-                    label="first step" if i == 0 else ("last step" if i == n - 1 else None))
-        ax.set_ylim(0, top * 1.1)
+def load_ratio(counts: list[int]) -> float:
+    """max / mean of one step's assignments per expert (1 = balanced; E = everything on one expert)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 0.0
+
+
+def plot_expert_load(runs: dict[str, list[list[int]]], entropy: dict[str, list[float]] | None = None,
+                     title: str = "") -> Figure:
+    """Tokens per expert over training steps: one heat map per run ({label: [counts per expert, per step]}),
+    steps down, experts across, the share of the step's assignments in colour (1/E everywhere = balanced); below,
+    the busiest expert / mean per step of every run (``load_ratio``) and, if given, the mean routing entropy per
+    step ({label: [nats per step]}, log E = uniform)."""
+    n = len(runs)
+    bottom = 2 if entropy else 1
+    fig = Figure(figsize=(3.3 * max(n, 2), 2.9 + 2.2 * bottom), layout="constrained")
+    grid = fig.add_gridspec(2, n * bottom, height_ratios=[1.35, 1])
+    share = {label: torch.tensor(steps, dtype=torch.float32) for label, steps in runs.items()}
+    share = {label: t / t.sum(1, keepdim=True).clamp_min(1) for label, t in share.items()}
+    image = None
+    for i, (label, t) in enumerate(share.items()):
+        ax = fig.add_subplot(grid[0, i * bottom:(i + 1) * bottom])
+        image = ax.imshow(t.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_xticks(range(t.shape[1]))
         ax.set_xlabel("expert")
-        ax.set_ylabel("assignments")
-        ax.set_title(label, fontsize=10)
-        ax.legend(fontsize=8)
+        ax.set_ylabel("step" if i == 0 else "")
+        ax.set_title(label, fontsize=9)
+    if image is not None:
+        fig.colorbar(image, ax=fig.axes, label="share of the step's assignments", shrink=0.9)
+    ax = fig.add_subplot(grid[1, :n])  # the left half of the bottom row (all of it without entropy)
+    for j, (label, steps) in enumerate(runs.items()):
+        ax.plot([load_ratio(c) for c in steps], color=f"C{j}", label=label)
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("busiest expert / mean")
+    ax.legend(fontsize=7)
+    if entropy:
+        bx = fig.add_subplot(grid[1, n:])
+        for j, (label, values) in enumerate(entropy.items()):
+            bx.plot(values, color=f"C{j}", label=label)
+        n_expert = len(next(iter(runs.values()))[0])
+        bx.axhline(float(torch.log(torch.tensor(float(n_expert)))), color="k", lw=0.8, ls=":", label="log E")
+        bx.set_xlabel("step")
+        bx.set_ylabel("routing entropy (nats)")
+        bx.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig

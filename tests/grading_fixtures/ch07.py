@@ -120,10 +120,34 @@ def no_cap_per_rank(counts, capacity):
     return counts.clamp(max=capacity)
 
 
+def bias_from_local_counts(bias, chosen, rate):
+    """Updates from this rank's own counts: the ranks' biases drift apart and none is the batch's."""
+    load = torch.bincount(chosen.reshape(-1), minlength=bias.numel()).float()
+    return bias + rate * torch.sign(load.mean() - load)
+
+
+def bias_sign_flipped(bias, chosen, rate):
+    """Raises the bias of the busy experts (sign(load - mean)): the imbalance grows."""
+    counts = torch.bincount(chosen.reshape(-1), minlength=bias.numel())
+    dist.all_reduce(counts)
+    load = counts.float()
+    return bias + rate * torch.sign(load - load.mean())
+
+
+def bias_averaged_over_ranks(bias, chosen, rate):
+    """Each rank updates from its own loads, then the biases are averaged: the mean of signs, not the sign of the
+    batch's load."""
+    load = torch.bincount(chosen.reshape(-1), minlength=bias.numel()).float()
+    new = bias + rate * torch.sign(load.mean() - load)
+    dist.all_reduce(new)
+    return new / dist.get_world_size()
+
+
 WRONG = {
     "top_k_with_capacity": [capacity_floor, slot_major_queue, softmax_over_all_experts],
     "dispatch": [unsorted_rows, counts_not_exchanged],
     "combine": [combine_in_dispatch_order, combine_without_weights, combine_by_all_gather],
     "load_balancing_loss": [f_not_divided_by_k, without_e_factor],
     "kept_counts": [inclusive_offset, no_cap_per_rank],
+    "update_expert_bias": [bias_from_local_counts, bias_sign_flipped, bias_averaged_over_ranks],
 }
