@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -294,12 +294,19 @@ def read_result(out: Path, log: str = "") -> RestartResult:
                          1 + max((r["attempt"] for r in lines), default=0), log)
 
 
-def run_uninterrupted(out: Path, settings: RunSettings, nproc: int = 2) -> RestartResult:
-    """The same run on ``nproc`` ranks of ``course_lib.launch`` (no torchrun, nothing killed): the reference."""
+def run_launched(out: Path, settings: RunSettings, nproc: int = 2, stop_at: int | None = None) -> RestartResult:
+    """The same run on ``nproc`` ranks of ``course_lib.launch`` (no torchrun): uninterrupted, or, with ``stop_at``,
+    stopped after its checkpoint at step ``stop_at`` and resumed by a second launch (attempt 1) -- a restart with
+    nothing killed, quick enough to try every piece left out."""
     from course_lib.launch import launch  # the launcher is not needed by the torchrun script itself
 
+    if stop_at is not None and (stop_at % settings.every or not 0 < stop_at < settings.steps):
+        raise ValueError(f"stop_at={stop_at} must be a checkpoint step (a multiple of every={settings.every}) "
+                         f"inside the run's {settings.steps} steps")
     out.mkdir(parents=True, exist_ok=False)
-    launch(train_resumable, nproc, out, settings)
+    if stop_at is not None:
+        launch(train_resumable, nproc, out, replace(settings, steps=stop_at))
+    launch(train_resumable, nproc, out, settings, 0 if stop_at is None else 1)
     return read_result(out)
 
 
