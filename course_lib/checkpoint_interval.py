@@ -85,6 +85,9 @@ def goodput(interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 
     _positive(interval_s=interval_s, mtbf_s=mtbf_s)
     if cost_s < 0 or restart_s < 0:
         raise ValueError(f"cost_s and restart_s must be >= 0, got {cost_s}, {restart_s}")
+    exponent = (interval_s + cost_s + restart_s) / mtbf_s
+    if exponent > 700:  # e^700 ~ 1e304: the goodput is below 1e-300, zero in any figure (and exp would overflow)
+        return 0.0
     return interval_s / (mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + cost_s) / mtbf_s))
 
 
