@@ -98,3 +98,27 @@ def measure_checkpoint_cost(rank: int, world_size: int, folder: str, cfg: GPTCon
     mine = [f"stage{k}.pt" for k in range(1)] if rank == 0 else []
     return CheckpointCost(_written(root / "ours", mine), _written(root / "dcp", [f"__{rank}_0.distcp"]),
                           ours_save, ours_load, dcp_save, dcp_load, block, total, same)
+
+
+def reshard_with_dcp(rank: int, world_size: int, folder: str, cfg: GPTConfig) -> bool:
+    """Save at one placement, load at another, with DCP: the model sharded by PyTorch's FSDP2 (``fully_shard``,
+    each rank a dim-0 shard of every parameter: DTensors) after one AdamW step, saved with ``dcp.save``; loaded
+    into an unsharded model on every rank (``dcp.load`` reads the pieces of each whole tensor from the shards that
+    hold them). True when every loaded tensor equals the sharded model's gathered one, on this rank."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=init_device_mesh("cpu", (world_size,)))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = global_batch(0, 2 * world_size, cfg.seq_len)
+    lm_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    optimizer.step()
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
+    whole = {"model": GPT(cfg, seed=1).state_dict()}  # other weights: the load must overwrite every one
+    dcp.load(whole, checkpoint_id=folder)
+    gathered = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return all(torch.equal(whole["model"][n], t) for n, t in gathered.items())
