@@ -265,6 +265,9 @@ def run_torchrun(out: Path, settings: RunSettings, nproc: int = 2, max_restarts:
     failed or ran past ``timeout`` seconds (its whole process group is killed then)."""
     if kill_rank is not None and not 0 <= kill_rank < nproc:
         raise ValueError(f"kill_rank={kill_rank} is not a rank of a {nproc}-rank job: choose 0..{nproc - 1}")
+    if (kill_rank is None) != (kill_step is None) or (kill_step is not None and not 0 <= kill_step < settings.steps):
+        raise ValueError(f"kill_rank={kill_rank}, kill_step={kill_step}: give both (or neither), with kill_step one "
+                         f"of the run's steps 0..{settings.steps - 1}")
     out.mkdir(parents=True, exist_ok=False)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "course_lib.restart", "--out", str(out),

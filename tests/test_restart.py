@@ -83,6 +83,8 @@ def test_sampler_deals_every_window_once_per_epoch_and_resumes_mid_epoch() -> No
 def test_bad_input_is_refused_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kill_rank=2 is not a rank of a 2-rank job"):
         run_torchrun(tmp_path / "x", SETTINGS, nproc=2, kill_rank=2, kill_step=1)
+    with pytest.raises(ValueError, match="give both"):
+        run_torchrun(tmp_path / "z", SETTINGS, nproc=2, kill_rank=1)
     with pytest.raises(ValueError, match="must be a checkpoint step"):
         run_launched(tmp_path / "y", SETTINGS, stop_at=3)
     with pytest.raises(ValueError, match="cannot give 2 ranks a batch of 30"):
