@@ -91,7 +91,7 @@ def _check_space(zero_stages: Sequence[int], micro_batches: Sequence[int], recom
         if not values:
             raise ValueError(f"{name} is empty: give at least one value")
         for x in values:
-            if isinstance(x, bool) or not isinstance(x, int) or x < 1 and allowed is None:
+            if isinstance(x, bool) or not isinstance(x, int) or (x < 1 and allowed is None):
                 raise ValueError(f"{name} must hold ints >= 1, got {x!r} in {tuple(values)}")
             if allowed is not None and x not in allowed:
                 raise ValueError(f"{name} must hold values of {tuple(allowed)}, got {x!r}")
@@ -220,7 +220,7 @@ def _no_mesh_message(cl: Cluster, closest: Prediction | None, problems: dict[str
 
 
 def plan(cfg: GPTConfig | str, cl: Cluster, global_batch: int, seq_len: int, *,
-         assume: Assumptions = Assumptions(), **space: object) -> PlanResult:
+         assume: Assumptions | None = None, **space: object) -> PlanResult:
     """Enumerate (``candidates``, TP inside a node), prune by memory, rank by predicted step time (fastest first).
     Raises ``ValueError`` when no mesh is valid at all (with the constraints that failed); when none fits in
     memory the result is empty and ``message`` says how far the closest is."""
@@ -231,6 +231,7 @@ def plan(cfg: GPTConfig | str, cl: Cluster, global_batch: int, seq_len: int, *,
     for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    assume = assume or Assumptions()
     space.setdefault("gpus_per_node", cl.gpus_per_node)
     problems: dict[str, int] = {}
     preds, rejected, considered, closest = [], 0, 0, None

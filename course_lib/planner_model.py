@@ -3,10 +3,10 @@
 * **Memory**: ``memory.training_memory`` of the candidate's layout, for the stages that can be worst (the first
   two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks and fewer
   micro-batches in flight), their activations scaled to the schedule's own peak in flight
-  (``peak_in_flight``, as ``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v) times 1F1B's on rank 0, as Korthikanti
-  et al. 2022 state; ZB-H1 holds p on every rank until its W). FlashAttention-era activations (no s x s score
-  matrix, no dropout masks: ``activation_formula="adapted"``) are the default; ``Assumptions(attention_memory=
-  "paper")`` uses Korthikanti et al.'s Table 2 with its 5as/h term and dropout.
+  (``peak_in_flight``, as ``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v)
+  times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
+  FlashAttention-era activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``)
+  are the default; ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 with its 5as/h term and dropout.
 * **Compute**: 2 FLOPs per multiply-add of the active parameters at ``Assumptions.gemm_efficiency`` of the peak
   (expert GEMMs at the efficiency of the rows each expert receives); attention 4 h s per token and layer
   forward, halved for the causal mask (a FlashAttention kernel skips the masked blocks), at
@@ -350,10 +350,11 @@ def _all_to_all(cl: Cluster, span: tuple[int, int], token_bytes: float, tokens: 
 
 
 def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: Candidate,
-            assume: Assumptions = Assumptions(), *, time_if_fits_only: bool = False) -> Prediction:
+            assume: Assumptions | None = None, *, time_if_fits_only: bool = False) -> Prediction:
     """Memory of the worst GPU and the step time of ``cand``, split into compute, each axis's exposed
     communication and the pipeline bubble; tokens/s and MFU (see the module docstring for every formula).
     ``time_if_fits_only``: leave the time out (``seconds`` empty) when the memory does not fit (the search)."""
+    assume = assume or Assumptions()
     shape = cand.shape
     if shape.world_size != cl.world_size:
         raise ValueError(f"candidate {cand} uses tp x cp x dp x pp = {shape.world_size} GPUs, but cluster "

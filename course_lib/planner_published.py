@@ -68,7 +68,7 @@ class PublishedRun:
     full_attention: bool = True  # the paper's MFU counts attention without the causal halving
     pinned: dict[str, object] = field(default_factory=dict)  # other published settings (zero, recompute, ...)
     space: dict[str, object] = field(default_factory=dict)
-    assume: Assumptions = Assumptions()
+    assume: Assumptions = field(default_factory=Assumptions)
     gaps: str = ""
     study_fixed: dict[str, int] = field(default_factory=dict)  # what the study itself held fixed (free plan)
 
@@ -79,7 +79,7 @@ def _megatron_runs() -> list[PublishedRun]:
                          {"dp": 48, "tp": tp, "pp": pp, "cp": 1}, mfu, "the table's MFU column",
                          pinned={"zero": 1}, space=MEGATRON_SPACE, assume=Assumptions(tp_overlap=TP_OVERLAP),
                          gaps="the table's own batch per row; the planner has no launch or optimizer-step overhead",
-                         study_fixed={"dp": 48})
+                         study_fixed={"dp": 48, "cp": 1})
             for name, heads, h, layers, tp, pp, gpus, gb, mfu in MEGATRON_WEAK_SCALING]
 
 

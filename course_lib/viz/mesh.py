@@ -111,6 +111,8 @@ class PlannerWidget(ControlPanel):
             if r.ranked:
                 best = r.ranked[0]
                 self.message += f"; best: {best.candidate} (MFU {best.mfu:.0%}; {'; '.join(best.reasons)})"
+            else:
+                self.message += f"; {r.message}"
         self._out.value = f"<pre>{self.message}</pre>"
         plot = draw_plan(self.result) if self.result and self.result.ranked else None
         best = self.result.ranked[0].candidate if plot else None
