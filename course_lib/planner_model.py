@@ -6,7 +6,8 @@
   (``peak_in_flight``, as ``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v)
   times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
   FlashAttention-era activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``)
-  are the default; ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 with its 5as/h term and dropout.
+  are the default; ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term,
+  dropout).
 * **Compute**: 2 FLOPs per multiply-add of the active parameters at ``Assumptions.gemm_efficiency`` of the peak
   (expert GEMMs at the efficiency of the rows each expert receives); attention 4 h s per token and layer
   forward, halved for the causal mask (a FlashAttention kernel skips the masked blocks), at
