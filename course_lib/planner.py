@@ -80,6 +80,7 @@ def cluster(name: str, nodes: int) -> Cluster:
 
 # ------------------------------------------------------------------------------------------------ the search
 
+MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
 FIXED_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "schedule", "v")
 """What ``fixed`` may pin: the mesh degrees and every other field of a ``Candidate``."""
 
@@ -189,11 +190,25 @@ class PlanResult:
         return self.ranked[0]
 
     def place(self, **mesh: int) -> int | None:
-        """1-based place of the first ranked candidate with these fields (``place(tp=8, pp=16)``), or None."""
-        for i, p in enumerate(self.ranked, 1):
-            if all(getattr(p.candidate, k) == v for k, v in mesh.items()):
-                return i
+        """1-based place of the mesh with these degrees (``place(tp=8, pp=16)``; the others any) among the
+        distinct meshes (dp, tp, pp, cp, ep) of the ranking, each at its best candidate; None when absent."""
+        seen: list[tuple[int, ...]] = []
+        for p in self.ranked:
+            key = tuple(getattr(p.candidate, a) for a in MESH_AXES)
+            if key not in seen:
+                seen.append(key)
+                if all(getattr(p.candidate, k) == v for k, v in mesh.items()):
+                    return len(seen)
         return None
+
+    def meshes(self, top: int = 5) -> list[Candidate]:
+        """The best candidate of each of the ``top`` best distinct meshes."""
+        out: dict[tuple[int, ...], Candidate] = {}
+        for p in self.ranked:
+            out.setdefault(tuple(getattr(p.candidate, a) for a in MESH_AXES), p.candidate)
+            if len(out) == top:
+                break
+        return list(out.values())
 
     def table(self, top: int = 10) -> list[dict[str, object]]:
         rows = []
@@ -211,12 +226,14 @@ def _no_mesh_message(cl: Cluster, closest: Prediction | None, problems: dict[str
         common = sorted(problems.items(), key=lambda kv: -kv[1])[:3]
         return ("no valid mesh" + (f" with fixed={fixed}" if fixed else "") + f" on {cl.world_size} GPUs: "
                 + ("; ".join(f"{p} ({n} meshes)" for p, n in common) if common else "nothing to enumerate"))
-    need = closest.memory.total / (closest.usable_bytes)
-    return (f"no mesh fits: the closest ({closest.candidate}) needs {need:.2f}x the memory per GPU "
+    c, need = closest.candidate, closest.memory.total / closest.usable_bytes
+    fixes = ["raise the number of nodes (more ways to split)"]
+    fixes += [f"unpin {sorted(fixed)}"] if fixed else []
+    fixes += ["allow ZeRO-3"] if c.zero < 3 and c.pp == 1 else []
+    fixes += ["allow full recomputation"] if c.recompute != "full" else []
+    return (f"no mesh fits: the closest ({c}) needs {need:.2f}x the memory per GPU "
             f"({closest.memory.total / GiB:.1f} GiB of {closest.usable_bytes / GiB:.1f} GiB usable on "
-            f"{cl.gpu.name}); raise the number of nodes (more ways to split), allow more pipeline stages, ZeRO-3 "
-            f"or full recomputation" + (f", unpin {sorted(fixed)}" if fixed else "")
-            + ", or use GPUs with more memory")
+            f"{cl.gpu.name}); " + ", ".join(fixes) + ", or use GPUs with more memory")
 
 
 def plan(cfg: GPTConfig | str, cl: Cluster, global_batch: int, seq_len: int, *,
@@ -274,6 +291,7 @@ __all__ = [
     "GPU",
     "H100",
     "H800",
+    "MESH_AXES",
     "SCHEDULES",
     "Assumptions",
     "Candidate",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from course_lib.model import GPTConfig
-from course_lib.planner import PlanResult, cluster, plan
+from course_lib.planner import MESH_AXES, PlanResult, cluster, plan
 from course_lib.planner_model import Assumptions, Prediction
 
 # Megatron-LM's weak-scaling runs on H100 (Megatron-Core r0.8.0, its README's table): GPT models with
@@ -159,7 +159,7 @@ class PublishedCheck:
     run: PublishedRun
     pinned: Prediction
     free_place: int | None
-    free: PlanResult
+    free: PlanResult | None
 
     @property
     def predicted_mfu(self) -> float:
@@ -170,29 +170,21 @@ class PublishedCheck:
         return self.predicted_mfu - self.run.mfu
 
 
-MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
-
-
 def mesh_place(res: PlanResult, mesh: dict[str, int]) -> int | None:
-    """Place of ``mesh`` among the distinct meshes (dp, tp, pp, cp, ep) of ``res``, each at its best candidate."""
-    seen: list[tuple[int, ...]] = []
-    want = tuple(mesh.get(a, 1) for a in MESH_AXES)
-    for p in res.ranked:
-        key = tuple(getattr(p.candidate, a) for a in MESH_AXES)
-        if key not in seen:
-            seen.append(key)
-            if key == want:
-                return len(seen)
-    return None
+    """Place of exactly ``mesh`` (degrees not given are 1) among the distinct meshes of ``res``."""
+    return res.place(**{a: mesh.get(a, 1) for a in MESH_AXES})
 
 
-def check(run: PublishedRun) -> PublishedCheck:
-    """Plan ``run`` pinned (its mesh and ``pinned`` settings) and free (the same space, ``study_fixed`` only)."""
+def check(run: PublishedRun, free: bool = True) -> PublishedCheck:
+    """Plan ``run`` pinned (its mesh and ``pinned`` settings) and, with ``free``, free (the same space,
+    ``study_fixed`` only; the slow part on thousands of GPUs)."""
     cl = cluster(run.cluster, run.nodes)
     pinned = plan(run.cfg, cl, run.global_batch, run.seq_len, assume=run.assume,
                   fixed={"ep": 1} | run.mesh | run.pinned, **run.space).best()
-    free = plan(run.cfg, cl, run.global_batch, run.seq_len, assume=run.assume, fixed=run.study_fixed, **run.space)
-    return PublishedCheck(run, pinned, mesh_place(free, {"ep": 1} | run.mesh), free)
+    if not free:
+        return PublishedCheck(run, pinned, None, None)
+    res = plan(run.cfg, cl, run.global_batch, run.seq_len, assume=run.assume, fixed=run.study_fixed, **run.space)
+    return PublishedCheck(run, pinned, mesh_place(res, {"ep": 1} | run.mesh), res)
 
 
 def check_megatron() -> list[PublishedCheck]:
