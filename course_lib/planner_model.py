@@ -48,7 +48,7 @@ from course_lib.memory import (
     params_per_rank,
     training_memory,
 )
-from course_lib.mesh import MeshShape
+from course_lib.mesh import DEFAULT_ORDER, MeshShape
 from course_lib.model import GPTConfig, attention_params, mlp_params
 from course_lib.pp_layers import ends_split
 
@@ -309,8 +309,24 @@ def _time(link: Link, op: cost.Collective, nbytes: float, n: int) -> float:
 @lru_cache(maxsize=10_000)
 def group_span(shape: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> tuple[int, int]:
     """(ranks, nodes) of rank 0's group along ``axes``: how many GPUs talk, on how many nodes."""
-    ranks = shape.group_ranks(0, *axes)
+    ranks = _group_of_rank0(shape, axes)
     return len(ranks), len({r // gpus_per_node for r in ranks})
+
+
+def _group_of_rank0(shape: MeshShape, axes: tuple[str, ...]) -> list[int]:
+    """``shape.group_ranks(0, *axes)``, by arithmetic for Megatron's order (tp-cp-ep-dp-pp: dense strides 1, tp,
+    tp cp, tp cp dp; the expert reading numbers the dp x cp ranks i = ep + EP edp, at rank tp i)."""
+    if shape.order != DEFAULT_ORDER:
+        return shape.group_ranks(0, *axes)
+    if axes == ("ep",):
+        return [shape.tp * i for i in range(shape.ep)]
+    if axes == ("edp",):
+        return [shape.tp * shape.ep * k for k in range(shape.dp * shape.cp // shape.ep)]
+    strides = {"tp": 1, "cp": shape.tp, "dp": shape.tp * shape.cp, "pp": shape.tp * shape.cp * shape.dp}
+    ranks = [0]
+    for a in axes:
+        ranks = [r + i * strides[a] for r in ranks for i in range(getattr(shape, a))]
+    return sorted(ranks)
 
 
 def group_time(cl: Cluster, op: cost.Collective, nbytes: float, span: tuple[int, int]) -> float:

@@ -276,3 +276,15 @@ def test_unknown_cluster_and_model_are_named():
 def test_memory_reasons_state_the_budget():
     p = P.plan("llama2-7b", P.cluster("dgx-h100", 1), 8, 4096, **SMALL).best()
     assert p.reasons[0].startswith(f"{p.memory.total / GiB:.1f} GiB of 80 GiB")
+
+
+def test_the_groups_the_time_model_prices_are_the_meshs_own():
+    import itertools
+
+    from course_lib.planner_model import _group_of_rank0
+
+    for tp, cp, dp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 3)):
+        for ep in (e for e in (1, 2, 4, 8) if (dp * cp) % e == 0):
+            shape = MeshShape(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+            for axes in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",)]:
+                assert _group_of_rank0(shape, axes) == shape.group_ranks(0, *axes), (shape, axes)
