@@ -156,18 +156,17 @@ def candidates(cfg: GPTConfig, world: int, global_batch: int, seq_len: int, *,
                     drop(p)
                 continue
             m = global_batch // (dp * mb)
-            for sched in schedules:
-                vs = virtual_stages if sched == "interleaved" else (1,)
-                for v, zero, rc in itertools.product(vs, zero_stages, recomputes):
-                    cand = Candidate(dp, tp, pp, cp, ep, zero, mb, rc, sched if pp > 1 else "1f1b", v)
-                    if (pp == 1 and sched != schedules[0]) or not pinned(zero=zero, recompute=rc, schedule=sched,
-                                                                          v=v):
-                        continue
-                    why = refusal(cfg, cand, m)
-                    if why:
-                        drop(why)
-                        continue
-                    yield cand
+            pipes = [(sc, v) for sc in schedules for v in (virtual_stages if sc == "interleaved" else (1,))]
+            for (sched, v), zero, rc in itertools.product(pipes if pp > 1 else [("1f1b", 1)], zero_stages,
+                                                          recomputes):
+                cand = Candidate(dp, tp, pp, cp, ep, zero, mb, rc, sched, v)  # type: ignore[arg-type]
+                if not pinned(zero=zero, recompute=rc, schedule=sched, v=v):
+                    continue
+                why = refusal(cfg, cand, m)
+                if why:
+                    drop(why)
+                    continue
+                yield cand
 
 
 # ------------------------------------------------------------------------------------------------ the plan

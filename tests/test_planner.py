@@ -288,3 +288,11 @@ def test_the_groups_the_time_model_prices_are_the_meshs_own():
             shape = MeshShape(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
             for axes in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",)]:
                 assert _group_of_rank0(shape, axes) == shape.group_ranks(0, *axes), (shape, axes)
+
+
+def test_candidates_are_distinct_and_unpipelined_meshes_have_one_schedule():
+    cands = list(P.candidates(PRESETS["llama2-7b"], 16, 64, 4096, schedules=("interleaved", "zb_h1"),
+                              virtual_stages=(2, 4)))
+    assert cands and len(set(cands)) == len(cands)
+    assert all((c.schedule, c.v) == ("1f1b", 1) for c in cands if c.pp == 1)
+    assert {c.schedule for c in cands if c.pp > 1} == {"interleaved", "zb_h1"}
