@@ -296,3 +296,9 @@ def test_candidates_are_distinct_and_unpipelined_meshes_have_one_schedule():
     assert cands and len(set(cands)) == len(cands)
     assert all((c.schedule, c.v) == ("1f1b", 1) for c in cands if c.pp == 1)
     assert {c.schedule for c in cands if c.pp > 1} == {"interleaved", "zb_h1"}
+
+
+def test_predict_names_a_batch_the_candidate_cannot_split():
+    with pytest.raises(ValueError, match=r"global batch 10 does not split into dp x micro_batch = 4 x 2"):
+        P.predict(PRESETS["llama2-7b"], P.cluster("dgx-h100", 1), 10, 4096, P.Candidate(dp=4, tp=2, pp=1,
+                                                                                         micro_batch=2))
