@@ -93,6 +93,10 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU("H100 80GB", 80, 989e12, 1979e12, 3.35e12, "NVLink 4 (H100)",
         "NVIDIA H100 Tensor Core GPU datasheet, column H100 SXM (the DGX/HGX H100 part; the PCIe card is slower): "
         "BF16 1,979 TFLOPS and FP8 3,958 TFLOPS with sparsity, HBM3 3.35 TB/s"),
+    GPU("H800 80GB", 80, 989e12, 1979e12, 3.35e12, "NVLink 4 (H800)",
+        "NVIDIA H800 SXM5 (the export part of the H100 SXM5): the H100's compute and HBM3 (BF16 1,979, FP8 3,958 "
+        "TFLOPS with sparsity; 3.35 TB/s) with NVLink cut to 400 GB/s both directions; DeepSeek-AI's DeepSeek-V3 "
+        "technical report (Sec. 3.2.2) measures 160 GB/s of it per GPU in practice"),
     GPU("H200 141GB", 141, 989e12, 1979e12, 4.8e12, "NVLink 4 (H100)",
         "NVIDIA H200 Tensor Core GPU datasheet, column H200 SXM: the H100's compute (BF16 1,979, FP8 3,958 TFLOPS "
         "with sparsity), 141 GB HBM3e at 4.8 TB/s"),
@@ -132,6 +136,7 @@ def _network(key: str, gigabits: float, port: str) -> Link:
 LINKS: dict[str, Link] = {lk.name: lk for lk in (
     _nvlink("NVLink 5 (B200)", 1800e9, "HGX B200 specifications (NVLink 5, 18 links x 100 GB/s)"),
     _nvlink("NVLink 4 (H100)", 900e9, "H100 datasheet"),
+    _nvlink("NVLink 4 (H800)", 400e9, "NVIDIA H800 SXM5 specifications (NVLink reduced from the H100's 900 GB/s)"),
     _nvlink("NVLink 3 (A100)", 600e9, "A100 datasheet"),
     _pcie("PCIe 5.0 x16", 32),
     _pcie("PCIe 4.0 x16", 16),

@@ -328,7 +328,8 @@ class ParallelLayout:
     * ``tp`` tensor-parallel ranks; ``sp`` adds sequence parallelism (norms/dropout work on s/t tokens).
     * ``pp`` pipeline stages with ``schedule`` "1f1b" (stage i keeps min(pp - i, m) micro-batches in flight,
       so the first stage keeps <= pp) or "afab" (GPipe: every stage keeps all m); ``microbatches`` m per
-      step (default 4 x pp, the m >= 4p rule of thumb).
+      step (default 4 x pp, the m >= 4p rule of thumb); ``split``: blocks per stage when they are not equal
+      (``pp_layers.layer_split``'s explicit split, e.g. ``pp_layers.ends_split``; None: L / pp each).
     * ``cp`` context-parallel ranks: each holds s/cp tokens of every sequence.
     * ``ep`` expert-parallel ranks (MoE), carved out of the dp x cp ranks as in Megatron Core and
       DeepSpeed-MoE: each rank holds n_expert/ep experts, each expert is replicated (dp x cp)/ep times, and
@@ -344,6 +345,7 @@ class ParallelLayout:
     microbatches: int | None = None
     cp: int = 1
     ep: int = 1
+    split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep"):
@@ -385,7 +387,7 @@ class ParallelLayout:
             raise ValueError(f"tp={self.tp} must divide n_head={c.n_head}")
         if c.kv_heads % self.tp and self.tp % c.kv_heads:
             raise ValueError(f"tp={self.tp} and n_kv_head={c.kv_heads}: one must divide the other")
-        layer_split(c.n_layer, self.pp)  # the runtime's rule: pp divides n_layer (equal stages)
+        layer_split(c.n_layer, self.pp, self.split)  # the runtime's rule: pp divides n_layer, or an explicit split
         if seq_len is not None and seq_len % self.cp:
             raise ValueError(f"cp={self.cp} must divide the sequence length {seq_len}")
         if seq_len is not None and self.sp and (seq_len // self.cp) % self.tp:
@@ -406,9 +408,9 @@ def _resolve(config: GPTConfig | str) -> GPTConfig:
     return config
 
 
-def _layers_per_stage(n_layer: int, pp: int) -> list[int]:
-    """L layers over pp stages: the pipeline runtime's rule (``pp_layers.layer_split``: L / pp each)."""
-    return layer_split(n_layer, pp)
+def _layers_per_stage(n_layer: int, pp: int, split: tuple[int, ...] | None = None) -> list[int]:
+    """L layers over pp stages: the pipeline runtime's rule (``pp_layers.layer_split``: L / pp each, or ``split``)."""
+    return layer_split(n_layer, pp, split)
 
 
 def _block_params_rank(c: GPTConfig, tp: int) -> tuple[float, float]:
@@ -449,7 +451,7 @@ def params_per_rank(config: GPTConfig | str, layout: ParallelLayout | None = Non
     if not 0 <= stage < lay.pp:
         raise ValueError(f"stage must be in [0, {lay.pp}), got {stage}")
     h, v, t = c.d_model, c.vocab_size, lay.tp
-    n_layers = _layers_per_stage(c.n_layer, lay.pp)[stage]
+    n_layers = _layers_per_stage(c.n_layer, lay.pp, lay.split)[stage]
     dense, experts = _block_params_rank(c, t)
     word = math.ceil(v / t) * h
     emb = (word + (c.seq_len * h if c.pos == "learned" else 0)) if stage == 0 else 0
@@ -632,7 +634,7 @@ def _stage_budget(c: GPTConfig, lay: ParallelLayout, stage: int, pb: ParamBytes,
 
     e, t, sp = prec.activation_bytes, lay.tp, lay.sp
     s_loc = s // lay.cp
-    n_layers = _layers_per_stage(c.n_layer, lay.pp)[stage]
+    n_layers = _layers_per_stage(c.n_layer, lay.pp, lay.split)[stage]
     kw = dict(tp=t, sp=sp, formula=formula, element_bytes=e, dropout=dropout)
     act = model_activation_bytes(c, b, s_loc, recompute=recompute, n_layers=n_layers, **kw)  # type: ignore[arg-type]
     flight = lay.in_flight(stage)
@@ -695,7 +697,8 @@ def training_memory(config: GPTConfig | str, *, precision: str | Precision = "mi
     * temporary and communication buffers: documented orders of magnitude (see the source).
     * headroom: ``headroom`` x the rest (allocator fragmentation, CUDA context, kernels' workspaces).
 
-    With pp > 1 the first and the last stage are evaluated and the larger is returned (a note says which);
+    With pp > 1 the first and the last stage (every stage, with an uneven ``split``) are evaluated and the
+    largest is returned (a note says which);
     ``stage`` asks for one stage instead. The categories are summed as if they peaked together (gradients
     kept during the next forward, as with gradient accumulation): an upper bound for one step.
     """
@@ -712,7 +715,8 @@ def training_memory(config: GPTConfig | str, *, precision: str | Precision = "mi
     pb = bytes_per_param(prec, optimizer)
     if stage is not None and not 0 <= stage < lay.pp:
         raise ValueError(f"stage must be in [0, {lay.pp}), got {stage}")
-    stages = sorted({0, lay.pp - 1}) if stage is None else [stage]
+    every = range(lay.pp) if lay.split is not None else sorted({0, lay.pp - 1})  # uneven: any stage may be worst
+    stages = list(every) if stage is None else [stage]
     per_stage = {i: _stage_budget(c, lay, i, pb, prec, micro_batch, s, recompute, activation_formula, dropout,
                                   headroom, bucket_bytes) for i in stages}
     worst = max(stages, key=lambda i: sum(per_stage[i].values()))

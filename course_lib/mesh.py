@@ -171,7 +171,8 @@ class MeshShape:
     # ---------------------------------------------------------------------------------------------- validation
 
     def validate(self, cfg: GPTConfig | None = None, *, global_batch: int | None = None, micro_batch: int = 1,
-                 seq_len: int | None = None, v: int = 1, sp: bool = False, world_size: int | None = None) -> None:
+                 seq_len: int | None = None, v: int = 1, sp: bool = False, world_size: int | None = None,
+                 uneven_layers: bool = False) -> None:
         """Raise ``MeshError`` listing every constraint this mesh breaks for the model, batch and sequence, and
         what to change; return None when it fits.
 
@@ -179,7 +180,8 @@ class MeshShape:
         * TP splits attention heads, the FFN and the vocabulary (column/row parallel layers, vocab-parallel
           loss): tp divides n_head, d_ff and vocab; K/V heads are split when tp divides n_kv_head and
           replicated when n_kv_head divides tp;
-        * PP: pp x v divides n_layer (v model chunks per rank, interleaved schedules);
+        * PP: pp x v divides n_layer (v model chunks per rank, interleaved schedules); with ``uneven_layers``
+          (stages of unequal block counts, ``pp_layers.ends_split``) pp x v <= n_layer is enough;
         * CP: zig-zag load balance cuts the sequence into 2 x cp chunks; SP cuts each rank's tokens by tp;
         * EP: ep divides n_expert, and needs a mixture-of-experts model;
         * DP: the global batch is dp x micro_batch x (micro-batches per step).
@@ -190,7 +192,7 @@ class MeshShape:
                             f"{self.world_size}, but the job has {world_size} ranks: change a degree so the "
                             f"product is {world_size}")
         if cfg is not None:
-            problems += self._model_problems(cfg, v)
+            problems += self._model_problems(cfg, v, uneven_layers)
         seq = seq_len if seq_len is not None else (cfg.seq_len if cfg is not None else None)
         if seq is not None:
             if self.cp > 1 and seq % (2 * self.cp):
@@ -210,7 +212,7 @@ class MeshShape:
         if problems:
             raise MeshError(problems)
 
-    def _model_problems(self, c: GPTConfig, v: int) -> list[str]:
+    def _model_problems(self, c: GPTConfig, v: int, uneven_layers: bool = False) -> list[str]:
         t, problems = self.tp, []
 
         def fit(n: int) -> list[int]:
@@ -232,7 +234,10 @@ class MeshShape:
                             f"{fit(c.vocab_size)})")
         if v < 1:
             problems.append(f"v={v} model chunks per rank must be >= 1")
-        elif c.n_layer % (self.pp * v):
+        elif uneven_layers and c.n_layer < self.pp * v:
+            problems.append(f"pp x v = {self.pp} x {v} stages need at least one block each, but n_layer={c.n_layer}: "
+                            f"use pp x v <= {c.n_layer}")
+        elif not uneven_layers and c.n_layer % (self.pp * v):
             problems.append(f"pp x v = {self.pp} x {v} does not divide n_layer={c.n_layer}: every (virtual) "
                             f"stage needs the same number of blocks (choose pp x v in {fit(c.n_layer)})")
         if self.ep > 1 and not c.n_expert:

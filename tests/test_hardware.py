@@ -35,9 +35,10 @@ def test_one_key_per_entry_and_the_key_is_the_name() -> None:
     assert all(key == g.name for key, g in GPUS.items())
     assert all(key == lk.name for key, lk in LINKS.items())
     # one entry per GPU model: no two entries share the same numbers under two keys
-    numbers = [(g.nominal_gib, g.peak_flops, g.mem_bandwidth) for g in GPUS.values()]
+    # (the H800 is the H100 with a slower NVLink: its link tells them apart)
+    numbers = [(g.nominal_gib, g.peak_flops, g.mem_bandwidth, g.intra_link) for g in GPUS.values()]
     assert len(set(numbers)) == len(numbers)
-    assert {"A100 40GB", "A100 80GB", "H100 80GB", "H200 141GB", "B200 180GB"} <= set(GPUS)
+    assert {"A100 40GB", "A100 80GB", "H100 80GB", "H800 80GB", "H200 141GB", "B200 180GB"} <= set(GPUS)
 
 
 def test_every_entry_has_a_source() -> None:

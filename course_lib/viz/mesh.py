@@ -73,7 +73,8 @@ class PlannerWidget(ControlPanel):
     """Model preset, cluster, nodes, global batch and sequence -> the ranked meshes, their time bars and the
     best mesh drawn. A smaller search than ``planner.plan``'s default keeps it interactive."""
 
-    SPACE: ClassVar[dict[str, tuple]] = dict(zero_stages=(1, 3), recomputes=("selective", "full"), micro_batches=(1, 2))
+    SPACE: ClassVar[dict[str, tuple]] = dict(zero_stages=(1, 3), recomputes=("selective", "full"), micro_batches=(1, 2),
+                                             schedules=("1f1b", "interleaved"), virtual_stages=(2,))
 
     def __init__(self, model: str = "llama3-70b", cluster: str = "dgx-h100", nodes: int = 64,
                  global_batch: int = 64, seq_len: int = 32768) -> None:
@@ -111,6 +112,8 @@ class PlannerWidget(ControlPanel):
             if r.ranked:
                 best = r.ranked[0]
                 self.message += f"; best: {best.candidate} (MFU {best.mfu:.0%}; {'; '.join(best.reasons)})"
+            else:
+                self.message += f"; {r.message}"
         self._out.value = f"<pre>{self.message}</pre>"
         plot = draw_plan(self.result) if self.result and self.result.ranked else None
         best = self.result.ranked[0].candidate if plot else None
