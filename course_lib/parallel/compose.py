@@ -52,79 +52,62 @@ from course_lib import comm
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
 from course_lib.parallel import placement as P
+from course_lib.parallel import transforms as T
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.contract import LossFn, ParallelWrapper
-from course_lib.parallel.cp import Algorithm, CPAttention, CPContext, SequenceShardedGPT
-from course_lib.parallel.cp_attention import BlockAttention, Layout, shard_sequence
+from course_lib.parallel.cp import Algorithm, CPContext
+from course_lib.parallel.cp_attention import Layout, shard_sequence
 from course_lib.parallel.dp import DataParallel
-from course_lib.parallel.ep import ExpertParallel
+from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.mesh_checkpoint import load_checkpoint, load_parameters, restore_optimizer, save_checkpoint
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
-from course_lib.parallel.tp import TensorParallel, TensorParallelAttention
+from course_lib.parallel.tp import TensorParallel
+from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.schedules import Schedule
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 
 class Parallelized(ParallelWrapper):
-    """``model`` with every non-trivial axis of ``mesh`` applied in the module docstring's order, behind the one
-    wrapper contract (``train_loop`` drives it like any other form).
+    """``model`` with every non-trivial axis of ``mesh`` applied in place, in the module docstring's order (the
+    ``transforms``), behind the one wrapper contract (``train_loop`` drives it like any other form).
 
     ``forward_backward(x, y)`` takes this data-parallel rank's rows of full sequences: it cuts its cp share of
     the tokens and runs forward and backward (the pipeline's schedule when pp > 1). The parts are attributes:
-    ``tp`` (a ``TensorParallel`` or None), ``cp`` (the ``CPContext`` or None), ``pipe`` (a ``PipelineParallel``
-    or None), ``dp`` (the data-parallel wrapper of a model without pipeline: ``DataParallel`` or
-    ``ExpertParallel``, or None). Seams: the classes of the parts (``tp_class``, ``pipeline_class``,
-    ``executor_class``, ``data_parallel_class``), for variants and tests.
+    ``tp`` (a ``TensorParallel`` or None), ``cp`` (the ``CPContext`` or None), ``ep`` (an ``ExpertParallel`` or
+    None), ``pipe`` (a ``PipelineParallel`` or None), ``dp`` (what wraps a model without pipeline for the
+    data-parallel average: ``DataParallel``, ``ZeroDataParallel`` (ZeRO-2), ``FSDP2DataParallel`` (ZeRO-3) or
+    the ``ExpertParallel``; None). Seams: the classes of the parts (``SEAMS``), for variants and tests.
     """
 
     axes = ("dp", "cp")
 
     def __init__(self, model: GPT, mesh: Mesh, *, sequence_parallel: bool = False, cp_layout: Layout = "zigzag",
                  cp_algorithm: Algorithm = "ring", schedule: str | Schedule = "1f1b", microbatches: int = 2,
-                 v: int = 1, global_batch: int | None = None, tp_class: type[TensorParallel] = TensorParallel,
+                 v: int = 1, global_batch: int | None = None, zero_stage: int = 0,
+                 tp_class: type[TensorParallel] = TensorParallel,
                  pipeline_class: type[PipelineParallel] = PipelineParallel,
                  executor_class: type[PipelineExecutor] = PipelineExecutor,
-                 data_parallel_class: type[DataParallel] = DataParallel) -> None:
+                 data_parallel_class: type[DataParallel] = DataParallel,
+                 fsdp_class: type[FSDP2DataParallel] = FSDP2DataParallel,
+                 cp_context_class: type[CPContext] = CPContext) -> None:
         super().__init__(model, mesh=mesh)
         self.batch_wide_loss = model.config.n_expert > 0  # the router losses: micro-batches cut globally first
         check_composable(mesh.shape, model.config, sequence_parallel=sequence_parallel, global_batch=global_batch,
-                         microbatches=microbatches, v=v)
-        self.mesh = mesh
-        dp_size = mesh.size("dp", "cp")
-
-        # 1. Tensor (and sequence) parallelism: slice the layers over the tp group.
-        self.tp = tp_class(model, mesh=mesh, sequence_parallel=sequence_parallel) if mesh.size("tp") > 1 else None
-
-        # 2. Context parallelism: this rank's tokens, attention over the cp ring.
-        self.cp: CPContext | None = None
-        body: nn.Module = model
-        if mesh.size("cp") > 1:
-            self.cp = CPContext(mesh.group("cp"), cp_layout, cp_algorithm, True, BlockAttention())
-            for p in model.parameters():  # the sequence is split, not the weights (placement's docstring)
-                P.set_placement(p, "cp", P.Replicate())
-            for block in model.blocks:
-                if isinstance(block.attn, TensorParallelAttention):
-                    block.attn.context = self.cp
-                else:
-                    block.attn = CPAttention(block.attn, self.cp)
-            body = SequenceShardedGPT(model, self.cp)
-
-        # 3. Pipeline parallelism, with 4. its data-parallel gradient reduction as a schedule action.
-        self.pipe: PipelineParallel | None = None
-        self.dp: nn.Module | None = None
-        if mesh.size("pp") > 1:
-            self.pipe = pipeline_class(model, mesh=mesh, schedule=schedule, microbatches=microbatches, v=v,
-                                       global_batch=global_batch // mesh.size("dp") if global_batch else None,
-                                       loss_fn=self.loss, executor_class=executor_class,
-                                       grad_group=mesh.group("dp", "cp") if dp_size > 1 else None)
-        # 4. Data parallelism over dp x cp (experts: over edp).
-        elif mesh.size("ep") > 1:
-            self.dp = ExpertParallel(model, mesh=mesh)
-        elif dp_size > 1:
-            self.dp = data_parallel_class(body, group=mesh.group("dp", "cp"), mode="bucketed")
-        self.body = self.dp if self.dp is not None else body
+                         microbatches=microbatches, v=v, zero_stage=zero_stage)
+        self.mesh, self.zero_stage = mesh, zero_stage
+        # The axes, each an in-place transform of the same model (transforms' docstring), in this order:
+        self.tp = T.apply_tp(model, mesh, sequence_parallel=sequence_parallel, tp_class=tp_class)
+        self.cp = (T.apply_cp(model, mesh.group("cp"), layout=cp_layout, algorithm=cp_algorithm,
+                              context_class=cp_context_class) if mesh.size("cp") > 1 else None)
+        self.ep = T.apply_ep(model, mesh)
+        self.pipe = T.apply_pp(model, mesh, schedule=schedule, microbatches=microbatches, v=v,
+                               global_batch=global_batch, loss_fn=self.loss, sequence_parallel=sequence_parallel,
+                               pipeline_class=pipeline_class, executor_class=executor_class)
+        self.dp = self.ep or T.apply_data_parallel(model, mesh, zero=zero_stage, pipe=self.pipe,
+                                                   data_parallel_class=data_parallel_class, fsdp_class=fsdp_class)
+        self.body: nn.Module = self.dp if self.dp is not None else model
 
     # -- one step -------------------------------------------------------------------------------------------------
 
@@ -150,6 +133,8 @@ class Parallelized(ParallelWrapper):
                          scale: float = 1.0) -> float:
         """One micro-batch of this data-parallel rank's rows (full sequences); ``loss_fn`` is ignored: the
         composed loss is ``loss``. Returns the scaled loss of this rank's tokens."""
+        if self.cp is not None:  # every pipeline rank: its later stages never run the model's own forward
+            self.cp.begin(x.shape[1], x.device)
         x, y = self.local_tokens(x), self.local_tokens(y)
         if self.pipe is not None:
             return self.pipe.forward_backward(x, y, self.loss, scale)
@@ -163,6 +148,8 @@ class Parallelized(ParallelWrapper):
         """What this rank's optimizer steps: its stages' shards (pipeline) or all its shards."""
         if self.pipe is not None:
             return self.pipe.parameters()
+        if isinstance(self.dp, ZeroDataParallel):  # ZeRO-2's flat shards, FSDP2's per-parameter ones
+            return self.dp.parameters()
         return iter([p for p in self.module.parameters() if p.requires_grad])
 
     @contextlib.contextmanager
@@ -175,10 +162,19 @@ class Parallelized(ParallelWrapper):
 
     def finish_gradient_sync(self) -> None:
         """The data-parallel average (over dp x cp; the pipeline waits for its REDUCE_GRAD all-reduces), then
-        TP's partial sums (over tp)."""
-        for part in (self.pipe, self.dp, self.tp):
+        the sums of the gradients recorded ``Partial()`` (TP's, over tp), read from the placements of what this
+        rank's optimizer steps. Both are sums of the same gradients over different groups, so they commute.
+        FSDP2 sums its partial shards itself (its shards replaced the module's parameters, so TP's own
+        ``finish_gradient_sync`` would sum them twice); ZeRO-2's flat shards: ``transforms.reduce_partial_flat``."""
+        for part in (self.pipe, self.dp):
             if part is not None:
                 part.finish_gradient_sync()
+        if isinstance(self.dp, FSDP2DataParallel):
+            return
+        if isinstance(self.dp, ZeroDataParallel):
+            T.reduce_partial_flat(self.dp.units, self.mesh)
+        else:
+            P.reduce_partial_grads(self.parameters(), self.mesh)
 
     def after_step(self) -> None:
         for part in (self.pipe, self.dp, self.tp):
@@ -203,10 +199,16 @@ class Parallelized(ParallelWrapper):
         return {n: t.cpu() for n, t in P.full_parameters(self.module, self.mesh, held).items()}
 
 
-def parallelize(model: GPT, mesh: Mesh, **options: Any) -> Parallelized:
-    """Apply every non-trivial axis of ``mesh`` to ``model`` in the fixed order TP -> CP -> PP -> DP / ZeRO (see
-    the module docstring); ``options`` are ``Parallelized``'s. Every rank calls it with the same model (built
-    from the same seed) and the same mesh."""
+def parallelize(model: GPT, mesh: Mesh, config: ParallelConfig | None = None, **options: Any) -> Parallelized:
+    """Apply every non-trivial axis of ``mesh`` to ``model`` in place, in the fixed order TP -> CP -> EP -> PP ->
+    DP / ZeRO (``transforms``), with the options of ``config`` (a ``ParallelConfig``: ``sequence_parallel``,
+    ``zero_stage``, the schedule...; its degrees must be the mesh's) and ``options`` (``Parallelized``'s
+    keywords: ``global_batch`` and the part classes). Every rank calls it with the same model (built from the
+    same seed) and the same mesh."""
+    if config is not None:
+        if config.shape != mesh.shape:
+            raise ValueError(f"the config's mesh {config.shape} is not the mesh given, {mesh.shape}")
+        options = {**config.options(), **options}
     return Parallelized(model, mesh, **options)
 
 
@@ -226,7 +228,7 @@ class ComposedResult(TrainResult):
     timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
-SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class")
+SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", "fsdp_class", "cp_context_class")
 """The keywords of ``Parallelized`` that swap a part's class (variants, tests, the grader)."""
 
 
@@ -267,8 +269,9 @@ def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     ``train_baseline(cfg, tc, accumulation=parallel.accumulation)``."""
     tc, parallel, checkpoint = tc or TrainConfig(), parallel or ParallelConfig(), checkpoint or Checkpointing()
     seams_of("train_parallel", parts)
-    if parallel.zero_stage == 1 and (checkpoint.save_to or checkpoint.resume_from):
-        raise ValueError("checkpoints of train_parallel need zero_stage=0 (a replicated optimizer state)")
+    if parallel.zero_stage and (checkpoint.save_to or checkpoint.resume_from):
+        raise ValueError(f"checkpoints of train_parallel need zero_stage=0 (a replicated optimizer state), got "
+                         f"zero_stage={parallel.zero_stage}: save with zero_stage=0")
     mesh = parallel.mesh(mesh_class)
     model = build_model(cfg, tc.seed, model_fn, freeze)
     start, states = 0, None
