@@ -61,7 +61,7 @@ class RecordedOnTheTPDim(PerParameterUnit):
         for shard, shape in zip(self.shards, self.shapes, strict=True):
             tp = P.placement(shard, "tp")
             if isinstance(tp, P.Shard) and tp.dim == 1:
-                table = getattr(shard, "_course_placements")
+                table = shard._course_placements
                 table[axis] = P.Shard(1, shape[1])
 
 
@@ -93,7 +93,7 @@ MUTATIONS_4 = {  # name: (the run's ParallelConfig, train_parallel keywords that
 }
 
 
-def _placements(rank: int) -> dict[str, dict[str, str]]:
+def _placements(rank: int) -> dict[str, dict[str, dict[str, P.Placement]]]:
     """The placements FSDP2 + TP records on block 0 (dp 2 x tp 2), and FSDP2 on dp 2 x cp 2."""
     from course_lib.mesh import Mesh
     from course_lib.model import GPT
@@ -101,7 +101,7 @@ def _placements(rank: int) -> dict[str, dict[str, str]]:
     out = {}
     for name, kw in {"fsdp_tp": dict(dp=2, tp=2), "fsdp_cp": dict(dp=2, cp=2)}.items():
         composed = C.parallelize(GPT(CFG, seed=0), Mesh(**kw), zero_stage=3)
-        out[name] = {n: str(P.placements_of(p)) for n, p in composed.module.named_parameters()
+        out[name] = {n: P.placements_of(p) for n, p in composed.module.named_parameters()
                      if n.startswith("blocks.0.")}
     return out
 
@@ -151,14 +151,13 @@ def test_fsdp2_shards_the_tp_shard_again_on_dim_0() -> None:
     """FSDP2 + TP: a column-parallel weight is S(0) on tp then S(0) on dp (this rank's rows of its TP rows), a
     row-parallel one S(1) on tp then S(0) on dp -- the local shard cut again on its dim 0, as ``fully_shard``
     over a 2-D mesh after ``parallelize_module`` has it; with cp > 1 the shards live on "dp+cp"."""
-    table = _results()["placements"][0]
-    tp = table["fsdp_tp"]
-    assert tp["blocks.0.attn.q_proj.weight"] == "{'tp': Shard(dim=0, size=None), 'dp': Shard(dim=0, size=32)}" \
-        or tp["blocks.0.attn.q_proj.weight"].endswith("'dp': Shard(dim=0, size=16)}"), tp
-    assert "'tp': Shard(dim=1" in tp["blocks.0.attn.o_proj.weight"]
-    assert tp["blocks.0.attn.o_proj.weight"].endswith("'dp': Shard(dim=0, size=32)}"), tp
-    cp = table["fsdp_cp"]
-    assert all("'dp+cp': Shard(dim=0" in v and "'dp':" not in v for v in cp.values()), cp
+    for rank in _results()["placements"]:
+        tp = rank["fsdp_tp"]  # d_model 32: q_proj [32, 32] -> [16, 32] on tp; o_proj -> [32, 16]
+        assert tp["blocks.0.attn.q_proj.weight"] == {"tp": P.Shard(0), "dp": P.Shard(0, 16)}, tp
+        assert tp["blocks.0.attn.o_proj.weight"] == {"tp": P.Shard(1), "dp": P.Shard(0, 32)}, tp
+        assert list(tp["blocks.0.attn.o_proj.weight"]) == ["tp", "dp"]  # the dp cut nests inside the tp one
+        cp = rank["fsdp_cp"]
+        assert all(v.get("dp+cp") == P.Shard(0, v["dp+cp"].size) and "dp" not in v for v in cp.values()), cp
 
 
 # -- what still does not compose, with the reason and its source ----------------------------------------------
