@@ -108,6 +108,8 @@ class Parallelized(ParallelWrapper):
         self.dp = self.ep or T.apply_data_parallel(model, mesh, zero=zero_stage, pipe=self.pipe,
                                                    data_parallel_class=data_parallel_class, fsdp_class=fsdp_class)
         self.body: nn.Module = self.dp if self.dp is not None else model
+        if self.cp is not None:
+            self._hooks.extend(self.cp.hooks)
 
     # -- one step -------------------------------------------------------------------------------------------------
 
@@ -185,6 +187,7 @@ class Parallelized(ParallelWrapper):
         for part in (self.pipe, self.dp, self.tp):
             if part is not None:
                 part.remove_hooks()
+        super().remove_hooks()
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
         """The global-batch mean per step: the pipeline's (broadcast from the last stage, then averaged over

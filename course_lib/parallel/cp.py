@@ -31,7 +31,7 @@ import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,7 @@ class CPContext:
         self.max_len = max_len
         self.positions: torch.Tensor | None = None  # [cp, T_local]
         self.stats = AttentionStats()
+        self.hooks: list[Any] = []  # apply_cp's pre-hooks (the wrapper's remove_hooks removes them)
 
     def begin(self, seq_len: int, device: torch.device | str | None = None) -> None:
         """A batch of full sequences of ``seq_len`` tokens starts: every rank's global positions in the layout."""
@@ -186,9 +187,11 @@ def apply_cp(model: GPT, group: comm.Group, *, layout: Layout = "zigzag", algori
             block.attn.context = ctx
         else:
             block.attn = attention_class(block.attn, ctx)
-    model.register_forward_pre_hook(lambda _m, args: ctx.begin(args[0].shape[1] * ctx.size, args[0].device))
+    ctx.hooks.append(model.register_forward_pre_hook(
+        lambda _m, args: ctx.begin(args[0].shape[1] * ctx.size, args[0].device)))
     if model.pos_emb is not None:
-        model.pos_emb.register_forward_pre_hook(lambda _m, args: (ctx.embedding_positions(args[0].numel()),))
+        ctx.hooks.append(model.pos_emb.register_forward_pre_hook(
+            lambda _m, args: (ctx.embedding_positions(args[0].numel()),)))
     return ctx
 
 
@@ -232,6 +235,7 @@ class ContextParallel(ParallelWrapper):
         self.grad_group = grad_group
         self.zero_stage = zero_stage
         self.sharded = module  # apply_cp made the model itself run on this rank's tokens
+        self._hooks.extend(self.ctx.hooks)
         self.grad_sync: ParallelWrapper | None = None
         if zero_stage is not None:
             self.grad_sync = ZeroDataParallel(self.sharded, zero_stage, units=[*module.blocks, module],
