@@ -45,6 +45,12 @@ PAIRS_4 = {  # name: the ParallelConfig of a 4-rank run that the old structure r
 }
 
 
+PRODUCTION_8 = {  # scaled-down copies of the meshes of large runs, on 8 ranks
+    "tp2_cp2_pp2_sp": ParallelConfig(tp=2, cp=2, pp=2, sequence_parallel=True),  # a long-context dense run
+    "dp2_tp2_pp2_zero1_sp": ParallelConfig(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),  # Megatron 3D
+}
+
+
 class ChunkLocalPositions(CPContext):
     """The first stage embeds positions 0..s/cp-1 on every cp rank, not the tokens' global ones."""
 
@@ -115,9 +121,13 @@ def _suite4(rank: int, world_size: int) -> dict[str, object]:
     return out
 
 
+def _suite8(rank: int, world_size: int) -> dict[str, object]:
+    return {name: C.train_parallel(rank, world_size, CFG, TC, parallel) for name, parallel in PRODUCTION_8.items()}
+
+
 @functools.cache
-def _results() -> dict[str, list]:
-    per_rank = launch(_suite4, 4, timeout=LAUNCH_TIMEOUT)
+def _results(n: int = 4) -> dict[str, list]:
+    per_rank = launch(_suite4 if n == 4 else _suite8, n, timeout=LAUNCH_TIMEOUT)
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
@@ -139,6 +149,17 @@ def _outcome(results: list) -> str:
 @pytest.mark.parametrize("name", sorted(PAIRS_4))
 def test_pair_matches_one_process_at_4_ranks(name: str) -> None:
     assert _outcome(_results()[name]) == "PASS"
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PRODUCTION_8))
+def test_production_shaped_mesh_matches_one_process_at_8_ranks(name: str) -> None:
+    results = _results(8)[name]
+    assert _outcome(results) == "PASS"
+    groups = {rec.group for r in results for step in r.step_comm for rec in step}
+    axes = [a for a in ("dp", "cp", "tp", "pp") if getattr(PRODUCTION_8[name], a) > 1]
+    assert all(any(a in g for g in groups) for a in axes), groups  # every axis communicated over its group
 
 
 @pytest.mark.parity

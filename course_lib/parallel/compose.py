@@ -1,41 +1,45 @@
-"""Composing the axes: ``parallelize(model, mesh)`` applies TP, CP, PP and DP / ZeRO in one fixed order.
+"""Composing the axes: ``parallelize(model, mesh)`` applies TP, CP, EP, PP and DP / ZeRO in one fixed order.
 
-Each axis of a ``course_lib.mesh.Mesh`` is one wrapper of this package; composing them is applying them one
-after the other to the *same* model, each on its own group of the mesh. The order is fixed, and it is the one
-torchtitan's ``parallelize`` applies and Megatron-LM builds its model in:
+Each axis of a ``course_lib.mesh.Mesh`` is one in-place transform of the model (``course_lib.parallel.
+transforms``); composing them is applying them one after the other to the *same* model, each on its own group
+of the mesh, each recording where every parameter now lives (``placement``). The order is fixed, and it is the
+one torchtitan's ``parallelize_llama`` applies and Megatron-LM builds its model in:
 
-1. **TP (and SP)** over ``mesh.group("tp")`` first: it changes the modules themselves (sliced weights, the f / g
-   operators in forward, a vocab-parallel loss). Everything after it must see the sharded layers: the pipeline
-   cuts sharded blocks, data parallelism averages shards, CP's attention reads this rank's heads.
-2. **CP** over ``mesh.group("cp")``: the model runs on its s / cp tokens at their global positions
-   (``cp.SequenceShardedGPT``) and each attention layer attends over the cp ring (a TP layer's ``context``, or a
-   ``cp.CPAttention``). The sequence is split, not the weights: no parameter changes.
-3. **PP** over ``mesh.group("pp")``: the (TP-sharded) model is cut into stages; each rank keeps its own.
-4. **DP / ZeRO** last, over ``mesh.group("dp", "cp")``: CP ranks hold different tokens of the same rows, so for
-   the gradient they are data-parallel ranks like any other (Megatron's distributed optimizer, torchtitan's
-   ``dp_shard_cp``). It goes last because it must see exactly the parameters this rank trains, which exist only
-   after steps 1-3. With a pipeline the averaging is the schedule's own ``REDUCE_GRAD`` action (each stage's
-   all-reduce starts on its last backward); without one a bucketed ``DataParallel``. ZeRO-1 is a
-   ``ShardedOptimizer`` over the same group (``ParallelConfig(zero_stage=1)``). A mixture-of-experts model
-   with ep > 1 gets ``ExpertParallel`` here instead: dense gradients averaged over dp x cp, experts over ``edp``.
+1. **TP (and SP)** over ``mesh.group("tp")`` first (``apply_tp``): it changes the modules themselves (sliced
+   weights, the f / g operators in forward, a vocab-parallel loss). Everything after it sees the sharded layers:
+   the pipeline cuts sharded blocks, ZeRO shards the shards again, CP's attention reads this rank's heads.
+2. **CP** over ``mesh.group("cp")`` (``apply_cp``): inside the model, no wrapper -- each attention layer attends
+   over the cp ring (a TP layer's ``context``, or a ``cp.CPAttention``) and the position embedding reads the
+   tokens' global positions. The sequence is split, not the weights: every parameter ``Replicate()`` on cp.
+3. **EP** over ``mesh.group("ep")`` (``apply_ep``): a mixture-of-experts model keeps E/ep experts per layer
+   (``ExpertParallel``, which also averages the dense gradients over dp x cp and the experts' over ``edp``).
+4. **PP** over ``mesh.group("pp")`` (``apply_pp``): whatever 1-3 made of the model is cut into stages; the first
+   stage embeds the tokens at their CP positions, and under SP the messages are the sequence-sharded hidden
+   states (s/tp tokens).
+5. **DP / ZeRO** last, over ``mesh.group("dp", "cp")`` (``apply_data_parallel``): CP ranks hold different tokens
+   of the same rows, so for the gradient they are data-parallel ranks like any other (Megatron's distributed
+   optimizer, torchtitan's ``dp_shard_cp``). It goes last because it must see exactly the parameters this rank
+   trains, which exist only after 1-4. With a pipeline the averaging is the schedule's own ``REDUCE_GRAD``
+   action; without one a bucketed ``DataParallel`` (ZeRO 0/1: ZeRO-1 is a ``ShardedOptimizer`` over the same
+   group), the flat ``ZeroDataParallel`` (ZeRO-2) or ``FSDP2DataParallel`` (ZeRO-3: FSDP + TP, "2D").
 
 A run is described by one value, ``config.ParallelConfig`` (the degrees, their order and every option):
 ``launch(train_parallel, 8, cfg, tc, ParallelConfig(dp=2, tp=2, pp=2))``.
 
 One step, per rank: this dp rank's rows (``train_loop``), then its cp share of their tokens
 (``forward_backward``), forward and backward through TP layers (and the pipeline's schedule), then
-``finish_gradient_sync``: the data-parallel average first, then TP's partial sums (both are sums of the same
-gradients over different groups, so they commute; each completes before the next starts).
+``finish_gradient_sync``: the data-parallel average first, then the sums of the gradients placed ``Partial()``
+(TP's, over tp; both are sums of the same gradients over different groups, so they commute).
 
-What this composition leaves out, with a clear error: PP with CP (the pipeline's first stage would have to place
-the tokens at their zig-zag positions), SP with PP (messages would be s/t tokens long), EP with TP, PP or CP
-(expert tensor parallelism), and ZeRO-2/3 with TP or PP (their unit hooks assume an unsharded, unpipelined model;
-ZeRO-1 composes with everything).
+What this composition refuses, with the reason: ZeRO-2/3 with a pipeline (DeepSpeed's rule:
+``config.ZERO_WITH_PIPELINE``), EP with TP, PP or CP (expert tensor parallelism; ``ep.py``'s).
 
-Checked (tests/test_compose.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP, TP x CP, EP x DP and others match
-one process (``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order,
-the DP average over the wrong group, the pipeline's gradient reduction skipped or run before the last weight
-pass) fail.
+Checked (tests/test_compose.py, tests/test_compose_pairs.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP,
+TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP match one process
+(``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order, the DP
+average over the wrong group, the pipeline's gradient reduction skipped or misplaced, a first stage at
+chunk-local positions, ZeRO-3 of a TP weight recorded on the wrong dim, partial gradients summed twice or not at
+all) fail.
 """
 
 from __future__ import annotations
