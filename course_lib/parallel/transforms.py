@@ -58,6 +58,7 @@ from course_lib.schedules import Schedule
 __all__ = ["ZERO_WITH_PIPELINE", "apply_cp", "apply_data_parallel", "apply_ep", "apply_pp", "apply_tp",
            "reduce_partial_flat"]
 
+
 def apply_tp(model: GPT, mesh: Mesh, plan: Mapping[str, Style] | None = None, *, sequence_parallel: bool = False,
              tp_class: type[TensorParallel] = TensorParallel) -> TensorParallel | None:
     """Tensor (and sequence) parallelism over ``mesh.group("tp")``, in place: ``plan`` (default
