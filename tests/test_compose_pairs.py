@@ -112,8 +112,20 @@ def _placements(rank: int) -> dict[str, dict[str, dict[str, P.Placement]]]:
     return out
 
 
+def _mismatch(rank: int) -> str:
+    """The error of ``parallelize`` given a config for another mesh than the one it runs on."""
+    from course_lib.mesh import Mesh
+    from course_lib.model import GPT
+
+    try:
+        C.parallelize(GPT(CFG), Mesh(dp=4), ParallelConfig(dp=2, tp=2))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def _suite4(rank: int, world_size: int) -> dict[str, object]:
-    out: dict[str, object] = {"placements": _placements(rank)}
+    out: dict[str, object] = {"placements": _placements(rank), "mismatch": _mismatch(rank)}
     for name, parallel in PAIRS_4.items():
         out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel)
     for name, (parallel, seam) in MUTATIONS_4.items():
@@ -189,6 +201,12 @@ def test_zero_2_and_3_with_a_pipeline_are_refused_with_the_reason(stage: int) ->
     with pytest.raises(ValueError, match=rf"ZeRO-{stage} with pipeline parallelism is refused, as DeepSpeed's "
                                          r"PipelineEngine .*reduce-scattered after every micro-batch"):
         ParallelConfig(dp=2, pp=2, zero_stage=stage).validate(CFG, global_batch=8)
+
+
+def test_a_config_for_another_mesh_is_refused_with_the_fix() -> None:
+    for rank, message in enumerate(_results()["mismatch"]):
+        assert message.startswith(f"rank {rank}: parallelize got a ParallelConfig for "), message
+        assert "build the mesh from the config (config.mesh())" in message
 
 
 def test_the_pairs_the_old_structure_refused_now_validate() -> None:

@@ -214,7 +214,8 @@ def parallelize(model: GPT, mesh: Mesh, config: ParallelConfig | None = None, **
     same seed) and the same mesh."""
     if config is not None:
         if config.shape != mesh.shape:
-            raise ValueError(f"the config's mesh {config.shape} is not the mesh given, {mesh.shape}")
+            raise ValueError(f"rank {mesh.rank}: parallelize got a ParallelConfig for {config.shape} but the mesh "
+                             f"{mesh.shape}: build the mesh from the config (config.mesh())")
         options = {**config.options(), **options}
     return Parallelized(model, mesh, **options)
 
