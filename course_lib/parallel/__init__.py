@@ -23,7 +23,10 @@
 * ``cp``        context parallelism: the ``ContextParallel`` wrapper; ``cp_attention`` its math (ring and
   all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
 * ``ep``        expert parallelism (count exchange, all-to-all dispatch and combine)
-* ``compose``   ``parallelize(model, mesh)``: TP -> CP -> PP -> DP / ZeRO on one mesh, ``train_parallel``;
+* ``transforms`` each axis as an in-place transform of the model (``apply_tp``, ``apply_cp``, ``apply_ep``,
+  ``apply_pp``, ``apply_data_parallel``), each recording its placements;
+* ``compose``   ``parallelize(model, mesh)``: those transforms in the order TP -> CP -> EP -> PP -> DP / ZeRO on one
+  mesh, ``train_parallel``;
   ``config`` the ``ParallelConfig`` that describes a composed run (degrees, order, options) in one value;
   ``mesh_checkpoint`` saves a composed run at one mesh and resumes it at another
 
