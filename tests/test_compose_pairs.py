@@ -48,6 +48,7 @@ PAIRS_4 = {  # name: the ParallelConfig of a 4-rank run that the old structure r
 PRODUCTION_8 = {  # scaled-down copies of the meshes of large runs, on 8 ranks
     "tp2_cp2_pp2_sp": ParallelConfig(tp=2, cp=2, pp=2, sequence_parallel=True),  # a long-context dense run
     "dp2_tp2_pp2_zero1_sp": ParallelConfig(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),  # Megatron 3D
+    "fsdp2_tp2_cp2_sp": ParallelConfig(dp=2, tp=2, cp=2, zero_stage=3, sequence_parallel=True),  # torchtitan's
 }
 
 
