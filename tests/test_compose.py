@@ -324,8 +324,8 @@ def _check(shape: MeshShape, **kw: object) -> None:
 
 
 @pytest.mark.parametrize("shape,kw,words", [
-    (MeshShape(pp=2, cp=2), {}, "pp > 1 with cp > 1"),
-    (MeshShape(pp=2, tp=2), {"sequence_parallel": True}, "sequence_parallel with pp > 1"),
+    (MeshShape(pp=2, dp=2), {"zero_stage": 2}, "ZeRO-2 with pipeline parallelism is refused, as DeepSpeed"),
+    (MeshShape(pp=2, dp=2), {"zero_stage": 3}, "every weight re-gathered for every micro-batch"),
 ])
 def test_unsupported_combination_is_named(shape: MeshShape, kw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
@@ -344,9 +344,9 @@ def test_mesh_that_does_not_divide_the_model_names_the_constraint() -> None:
         _check(MeshShape(pp=8))
 
 
-def test_zero_stage_2_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="zero_stage 2"):
-        ParallelConfig(zero_stage=2)
+def test_an_unknown_zero_stage_is_refused_with_the_stages() -> None:
+    with pytest.raises(ValueError, match="zero_stage 4: the ZeRO stages are 0"):
+        ParallelConfig(zero_stage=4)
 
 
 def test_parallel_config_keeps_the_mesh_messages() -> None:

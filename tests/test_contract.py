@@ -3,7 +3,8 @@
 Each form -- ``DataParallel`` in its three modes, ``ZeroDataParallel`` at stages 0-3 (and per-parameter,
 ``FSDP2DataParallel``, in the lifecycle; its parity is in tests/test_zero_fsdp2.py), ``PipelineParallel`` on a
 GPT and on a plain ``nn.Sequential``, ``TensorParallel`` (with sequence parallelism), ``ContextParallel`` and
-``ExpertParallel`` -- goes through the same lifecycle at 2 and 4 ranks: wrap (initial weights made identical
+``ExpertParallel``, and the composed wrapper (``compose.Parallelized``) with its data-parallel part at ZeRO 0,
+2 and 3 -- goes through the same lifecycle at 2 and 4 ranks: wrap (initial weights made identical
 over the group), train with and without ``no_sync`` (gradient accumulation) through the one training loop,
 parity with ``train_baseline`` (SGD, which exposes a wrong scale; default tolerance |a - b| <= 1e-6 + 1e-5 |ref|),
 the per-step communication under ``step_comm``, ``no_sync`` holding the gradient reduction back to the last
@@ -36,7 +37,7 @@ from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, GPTConfig, lm_loss
-from course_lib.parallel import cp, dp, ep, pp, tp, zero
+from course_lib.parallel import compose, cp, dp, ep, pp, tp, zero
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
@@ -79,6 +80,10 @@ WRAPPERS = {  # name: wrap(model, group) -> wrapper (for the in-process lifecycl
     "tp-sp": lambda m, g: tp.TensorParallel(m, group=g, sequence_parallel=True),
     "cp": lambda m, g: cp.ContextParallel(m, group=g),
     "ep": lambda m, g: ep.ExpertParallel(m, group=g),
+    # the composed wrapper, its data-parallel part an in-place transform (transforms.apply_data_parallel)
+    "composed-dp": lambda m, g: compose.parallelize(m, Mesh(dp=dist.get_world_size(g))),
+    "composed-zero2": lambda m, g: compose.parallelize(m, Mesh(dp=dist.get_world_size(g)), zero_stage=2),
+    "composed-fsdp2": lambda m, g: compose.parallelize(m, Mesh(dp=dist.get_world_size(g)), zero_stage=3),
 }
 MATH_COMM = {"tp-sp", "cp", "ep"}
 """Wrappers whose layers communicate in forward and backward (not through hooks)."""
@@ -89,7 +94,7 @@ def _full(w: nn.Module) -> dict[str, torch.Tensor]:
     """The whole parameters of a wrapper's model (a collective for the sharding forms)."""
     if isinstance(w, zero.ZeroDataParallel):
         return w.full_state_dict()
-    if isinstance(w, (tp.TensorParallel, cp.ContextParallel, ep.ExpertParallel)):
+    if isinstance(w, (tp.TensorParallel, cp.ContextParallel, ep.ExpertParallel, compose.Parallelized)):
         return w.full_parameters()
     return dict(w.module.named_parameters())
 

@@ -24,7 +24,10 @@
   all-gather attention, the log-sum-exp merge, contiguous and zig-zag layouts)
 * ``ep``        expert parallelism (count exchange, all-to-all dispatch and combine)
   ``moe_mesh`` an MoE's capacity, queues and router losses on any mesh (dp, cp, pp) as on one process
-* ``compose``   ``parallelize(model, mesh)``: TP -> CP -> PP -> DP / ZeRO on one mesh, ``train_parallel``;
+* ``transforms`` each axis as an in-place transform of the model (``apply_tp``, ``apply_cp``, ``apply_ep``,
+  ``apply_pp``, ``apply_data_parallel``), each recording its placements;
+* ``compose``   ``parallelize(model, mesh)``: those transforms in the order TP -> CP -> EP -> PP -> DP / ZeRO on one
+  mesh, ``train_parallel``;
   ``config`` the ``ParallelConfig`` that describes a composed run (degrees, order, options) in one value;
   ``mesh_checkpoint`` saves a composed run at one mesh and resumes it at another
 

@@ -1,41 +1,45 @@
-"""Composing the axes: ``parallelize(model, mesh)`` applies TP, CP, PP and DP / ZeRO in one fixed order.
+"""Composing the axes: ``parallelize(model, mesh)`` applies TP, CP, EP, PP and DP / ZeRO in one fixed order.
 
-Each axis of a ``course_lib.mesh.Mesh`` is one wrapper of this package; composing them is applying them one
-after the other to the *same* model, each on its own group of the mesh. The order is fixed, and it is the one
-torchtitan's ``parallelize`` applies and Megatron-LM builds its model in:
+Each axis of a ``course_lib.mesh.Mesh`` is one in-place transform of the model (``course_lib.parallel.
+transforms``); composing them is applying them one after the other to the *same* model, each on its own group
+of the mesh, each recording where every parameter now lives (``placement``). The order is fixed, and it is the
+one torchtitan's ``parallelize_llama`` applies and Megatron-LM builds its model in:
 
-1. **TP (and SP)** over ``mesh.group("tp")`` first: it changes the modules themselves (sliced weights, the f / g
-   operators in forward, a vocab-parallel loss). Everything after it must see the sharded layers: the pipeline
-   cuts sharded blocks, data parallelism averages shards, CP's attention reads this rank's heads.
-2. **CP** over ``mesh.group("cp")``: the model runs on its s / cp tokens at their global positions
-   (``cp.SequenceShardedGPT``) and each attention layer attends over the cp ring (a TP layer's ``context``, or a
-   ``cp.CPAttention``). The sequence is split, not the weights: no parameter changes.
-3. **PP** over ``mesh.group("pp")``: the (TP-sharded) model is cut into stages; each rank keeps its own.
-4. **DP / ZeRO** last, over ``mesh.group("dp", "cp")``: CP ranks hold different tokens of the same rows, so for
-   the gradient they are data-parallel ranks like any other (Megatron's distributed optimizer, torchtitan's
-   ``dp_shard_cp``). It goes last because it must see exactly the parameters this rank trains, which exist only
-   after steps 1-3. With a pipeline the averaging is the schedule's own ``REDUCE_GRAD`` action (each stage's
-   all-reduce starts on its last backward); without one a bucketed ``DataParallel``. ZeRO-1 is a
-   ``ShardedOptimizer`` over the same group (``ParallelConfig(zero_stage=1)``). A mixture-of-experts model
-   with ep > 1 gets ``ExpertParallel`` here instead: dense gradients averaged over dp x cp, experts over ``edp``.
+1. **TP (and SP)** over ``mesh.group("tp")`` first (``apply_tp``): it changes the modules themselves (sliced
+   weights, the f / g operators in forward, a vocab-parallel loss). Everything after it sees the sharded layers:
+   the pipeline cuts sharded blocks, ZeRO shards the shards again, CP's attention reads this rank's heads.
+2. **CP** over ``mesh.group("cp")`` (``apply_cp``): inside the model, no wrapper -- each attention layer attends
+   over the cp ring (a TP layer's ``context``, or a ``cp.CPAttention``) and the position embedding reads the
+   tokens' global positions. The sequence is split, not the weights: every parameter ``Replicate()`` on cp.
+3. **EP** over ``mesh.group("ep")`` (``apply_ep``): a mixture-of-experts model keeps E/ep experts per layer
+   (``ExpertParallel``, which also averages the dense gradients over dp x cp and the experts' over ``edp``).
+4. **PP** over ``mesh.group("pp")`` (``apply_pp``): whatever 1-3 made of the model is cut into stages; the first
+   stage embeds the tokens at their CP positions, and under SP the messages are the sequence-sharded hidden
+   states (s/tp tokens).
+5. **DP / ZeRO** last, over ``mesh.group("dp", "cp")`` (``apply_data_parallel``): CP ranks hold different tokens
+   of the same rows, so for the gradient they are data-parallel ranks like any other (Megatron's distributed
+   optimizer, torchtitan's ``dp_shard_cp``). It goes last because it must see exactly the parameters this rank
+   trains, which exist only after 1-4. With a pipeline the averaging is the schedule's own ``REDUCE_GRAD``
+   action; without one a bucketed ``DataParallel`` (ZeRO 0/1: ZeRO-1 is a ``ShardedOptimizer`` over the same
+   group), the flat ``ZeroDataParallel`` (ZeRO-2) or ``FSDP2DataParallel`` (ZeRO-3: FSDP + TP, "2D").
 
 A run is described by one value, ``config.ParallelConfig`` (the degrees, their order and every option):
 ``launch(train_parallel, 8, cfg, tc, ParallelConfig(dp=2, tp=2, pp=2))``.
 
 One step, per rank: this dp rank's rows (``train_loop``), then its cp share of their tokens
 (``forward_backward``), forward and backward through TP layers (and the pipeline's schedule), then
-``finish_gradient_sync``: the data-parallel average first, then TP's partial sums (both are sums of the same
-gradients over different groups, so they commute; each completes before the next starts).
+``finish_gradient_sync``: the data-parallel average first, then the sums of the gradients placed ``Partial()``
+(TP's, over tp; both are sums of the same gradients over different groups, so they commute).
 
-What this composition leaves out, with a clear error: PP with CP (the pipeline's first stage would have to place
-the tokens at their zig-zag positions), SP with PP (messages would be s/t tokens long), EP with TP, PP or CP
-(expert tensor parallelism), and ZeRO-2/3 with TP or PP (their unit hooks assume an unsharded, unpipelined model;
-ZeRO-1 composes with everything).
+What this composition refuses, with the reason: ZeRO-2/3 with a pipeline (DeepSpeed's rule:
+``config.ZERO_WITH_PIPELINE``), EP with TP, PP or CP (expert tensor parallelism; ``ep.py``'s).
 
-Checked (tests/test_compose.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP, TP x CP, EP x DP and others match
-one process (``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order,
-the DP average over the wrong group, the pipeline's gradient reduction skipped or run before the last weight
-pass) fail.
+Checked (tests/test_compose.py, tests/test_compose_pairs.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP,
+TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP match one process
+(``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order, the DP
+average over the wrong group, the pipeline's gradient reduction skipped or misplaced, a first stage at
+chunk-local positions, ZeRO-3 of a TP weight recorded on the wrong dim, partial gradients summed twice or not at
+all) fail.
 """
 
 from __future__ import annotations
@@ -52,84 +56,68 @@ from course_lib import comm
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
 from course_lib.parallel import placement as P
+from course_lib.parallel import transforms as T
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.contract import LossFn, ParallelWrapper
-from course_lib.parallel.cp import Algorithm, CPAttention, CPContext, SequenceShardedGPT
-from course_lib.parallel.cp_attention import BlockAttention, Layout, shard_sequence
+from course_lib.parallel.cp import Algorithm, CPContext
+from course_lib.parallel.cp_attention import Layout, shard_sequence
 from course_lib.parallel.dp import DataParallel
-from course_lib.parallel.ep import ExpertParallel
+from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.mesh_checkpoint import load_checkpoint, load_parameters, restore_optimizer, save_checkpoint
 from course_lib.parallel.moe_mesh import share_routing
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
-from course_lib.parallel.tp import TensorParallel, TensorParallelAttention
+from course_lib.parallel.tp import TensorParallel
+from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.schedules import Schedule
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 
 class Parallelized(ParallelWrapper):
-    """``model`` with every non-trivial axis of ``mesh`` applied in the module docstring's order, behind the one
-    wrapper contract (``train_loop`` drives it like any other form).
+    """``model`` with every non-trivial axis of ``mesh`` applied in place, in the module docstring's order (the
+    ``transforms``), behind the one wrapper contract (``train_loop`` drives it like any other form).
 
     ``forward_backward(x, y)`` takes this data-parallel rank's rows of full sequences: it cuts its cp share of
     the tokens and runs forward and backward (the pipeline's schedule when pp > 1). The parts are attributes:
-    ``tp`` (a ``TensorParallel`` or None), ``cp`` (the ``CPContext`` or None), ``pipe`` (a ``PipelineParallel``
-    or None), ``dp`` (the data-parallel wrapper of a model without pipeline: ``DataParallel`` or
-    ``ExpertParallel``, or None). Seams: the classes of the parts (``tp_class``, ``pipeline_class``,
-    ``executor_class``, ``data_parallel_class``), for variants and tests.
+    ``tp`` (a ``TensorParallel`` or None), ``cp`` (the ``CPContext`` or None), ``ep`` (an ``ExpertParallel`` or
+    None), ``pipe`` (a ``PipelineParallel`` or None), ``dp`` (what wraps a model without pipeline for the
+    data-parallel average: ``DataParallel``, ``ZeroDataParallel`` (ZeRO-2), ``FSDP2DataParallel`` (ZeRO-3) or
+    the ``ExpertParallel``; None). Seams: the classes of the parts (``SEAMS``), for variants and tests.
     """
 
     axes = ("dp", "cp")
 
     def __init__(self, model: GPT, mesh: Mesh, *, sequence_parallel: bool = False, cp_layout: Layout = "zigzag",
                  cp_algorithm: Algorithm = "ring", schedule: str | Schedule = "1f1b", microbatches: int = 2,
-                 v: int = 1, global_batch: int | None = None, tp_class: type[TensorParallel] = TensorParallel,
+                 v: int = 1, global_batch: int | None = None, zero_stage: int = 0,
+                 tp_class: type[TensorParallel] = TensorParallel,
                  pipeline_class: type[PipelineParallel] = PipelineParallel,
                  executor_class: type[PipelineExecutor] = PipelineExecutor,
-                 data_parallel_class: type[DataParallel] = DataParallel) -> None:
+                 data_parallel_class: type[DataParallel] = DataParallel,
+                 fsdp_class: type[FSDP2DataParallel] = FSDP2DataParallel,
+                 cp_context_class: type[CPContext] = CPContext) -> None:
         super().__init__(model, mesh=mesh)
         self.batch_wide_loss = model.config.n_expert > 0  # the router losses: micro-batches cut globally first
         check_composable(mesh.shape, model.config, sequence_parallel=sequence_parallel, global_batch=global_batch,
-                         microbatches=microbatches, v=v)
-        self.mesh = mesh
-        dp_size = mesh.size("dp", "cp")
-
-        # 1. Tensor (and sequence) parallelism: slice the layers over the tp group.
-        self.tp = tp_class(model, mesh=mesh, sequence_parallel=sequence_parallel) if mesh.size("tp") > 1 else None
-
-        # 2. Context parallelism: this rank's tokens, attention over the cp ring.
-        self.cp: CPContext | None = None
-        body: nn.Module = model
-        if mesh.size("cp") > 1:
-            self.cp = CPContext(mesh.group("cp"), cp_layout, cp_algorithm, True, BlockAttention())
-            for p in model.parameters():  # the sequence is split, not the weights (placement's docstring)
-                P.set_placement(p, "cp", P.Replicate())
-            for block in model.blocks:
-                if isinstance(block.attn, TensorParallelAttention):
-                    block.attn.context = self.cp
-                else:
-                    block.attn = CPAttention(block.attn, self.cp)
-            body = SequenceShardedGPT(model, self.cp)
-
+                         microbatches=microbatches, v=v, zero_stage=zero_stage)
+        self.mesh, self.zero_stage = mesh, zero_stage
+        # The axes, each an in-place transform of the same model (transforms' docstring), in this order:
+        self.tp = T.apply_tp(model, mesh, sequence_parallel=sequence_parallel, tp_class=tp_class)
+        self.cp = (T.apply_cp(model, mesh.group("cp"), layout=cp_layout, algorithm=cp_algorithm,
+                              context_class=cp_context_class) if mesh.size("cp") > 1 else None)
         # MoE routing as on one process over dp x cp, router losses per pipeline stage (moe_mesh's docstring).
         self.routing = share_routing(model, mesh, cp_layout=cp_layout,
                                      microbatches=microbatches if mesh.size("pp") > 1 else None)
-
-        # 3. Pipeline parallelism, with 4. its data-parallel gradient reduction as a schedule action.
-        self.pipe: PipelineParallel | None = None
-        self.dp: nn.Module | None = None
-        if mesh.size("pp") > 1:
-            self.pipe = pipeline_class(model, mesh=mesh, schedule=schedule, microbatches=microbatches, v=v,
-                                       global_batch=global_batch // mesh.size("dp") if global_batch else None,
-                                       loss_fn=self.loss, executor_class=executor_class,
-                                       grad_group=mesh.group("dp", "cp") if dp_size > 1 else None)
-        # 4. Data parallelism over dp x cp (experts: over edp).
-        elif mesh.size("ep") > 1:
-            self.dp = ExpertParallel(model, mesh=mesh)
-        elif dp_size > 1:
-            self.dp = data_parallel_class(body, group=mesh.group("dp", "cp"), mode="bucketed")
-        self.body = self.dp if self.dp is not None else body
+        self.ep = T.apply_ep(model, mesh)
+        self.pipe = T.apply_pp(model, mesh, schedule=schedule, microbatches=microbatches, v=v,
+                               global_batch=global_batch, loss_fn=self.loss, sequence_parallel=sequence_parallel,
+                               pipeline_class=pipeline_class, executor_class=executor_class)
+        self.dp = self.ep or T.apply_data_parallel(model, mesh, zero=zero_stage, pipe=self.pipe,
+                                                   data_parallel_class=data_parallel_class, fsdp_class=fsdp_class)
+        self.body: nn.Module = self.dp if self.dp is not None else model
+        if self.cp is not None:
+            self._hooks.extend(self.cp.hooks)
 
     # -- one step -------------------------------------------------------------------------------------------------
 
@@ -155,6 +143,8 @@ class Parallelized(ParallelWrapper):
                          scale: float = 1.0) -> float:
         """One micro-batch of this data-parallel rank's rows (full sequences); ``loss_fn`` is ignored: the
         composed loss is ``loss``. Returns the scaled loss of this rank's tokens."""
+        if self.cp is not None:  # every pipeline rank: its later stages never run the model's own forward
+            self.cp.begin(x.shape[1], x.device)
         x, y = self.local_tokens(x), self.local_tokens(y)
         if self.pipe is not None:
             return self.pipe.forward_backward(x, y, self.loss, scale)
@@ -168,6 +158,8 @@ class Parallelized(ParallelWrapper):
         """What this rank's optimizer steps: its stages' shards (pipeline) or all its shards."""
         if self.pipe is not None:
             return self.pipe.parameters()
+        if isinstance(self.dp, ZeroDataParallel):  # ZeRO-2's flat shards, FSDP2's per-parameter ones
+            return self.dp.parameters()
         return iter([p for p in self.module.parameters() if p.requires_grad])
 
     @contextlib.contextmanager
@@ -180,10 +172,19 @@ class Parallelized(ParallelWrapper):
 
     def finish_gradient_sync(self) -> None:
         """The data-parallel average (over dp x cp; the pipeline waits for its REDUCE_GRAD all-reduces), then
-        TP's partial sums (over tp)."""
-        for part in (self.pipe, self.dp, self.tp):
+        the sums of the gradients recorded ``Partial()`` (TP's, over tp), read from the placements of what this
+        rank's optimizer steps. Both are sums of the same gradients over different groups, so they commute.
+        FSDP2 sums its partial shards itself (its shards replaced the module's parameters, so TP's own
+        ``finish_gradient_sync`` would sum them twice); ZeRO-2's flat shards: ``transforms.reduce_partial_flat``."""
+        for part in (self.pipe, self.dp):
             if part is not None:
                 part.finish_gradient_sync()
+        if isinstance(self.dp, FSDP2DataParallel):
+            return
+        if isinstance(self.dp, ZeroDataParallel):
+            T.reduce_partial_flat(self.dp.units, self.mesh)
+        else:
+            P.reduce_partial_grads(self.parameters(), self.mesh)
 
     def after_step(self) -> None:
         for part in (self.pipe, self.dp, self.tp):
@@ -194,6 +195,7 @@ class Parallelized(ParallelWrapper):
         for part in (self.pipe, self.dp, self.tp):
             if part is not None:
                 part.remove_hooks()
+        super().remove_hooks()
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
         """The global-batch mean per step: the pipeline's (broadcast from the last stage, then averaged over
@@ -209,10 +211,17 @@ class Parallelized(ParallelWrapper):
         return {n: t.cpu() for n, t in P.full_parameters(self.module, self.mesh, held).items()}
 
 
-def parallelize(model: GPT, mesh: Mesh, **options: Any) -> Parallelized:
-    """Apply every non-trivial axis of ``mesh`` to ``model`` in the fixed order TP -> CP -> PP -> DP / ZeRO (see
-    the module docstring); ``options`` are ``Parallelized``'s. Every rank calls it with the same model (built
-    from the same seed) and the same mesh."""
+def parallelize(model: GPT, mesh: Mesh, config: ParallelConfig | None = None, **options: Any) -> Parallelized:
+    """Apply every non-trivial axis of ``mesh`` to ``model`` in place, in the fixed order TP -> CP -> EP -> PP ->
+    DP / ZeRO (``transforms``), with the options of ``config`` (a ``ParallelConfig``: ``sequence_parallel``,
+    ``zero_stage``, the schedule...; its degrees must be the mesh's) and ``options`` (``Parallelized``'s
+    keywords: ``global_batch`` and the part classes). Every rank calls it with the same model (built from the
+    same seed) and the same mesh."""
+    if config is not None:
+        if config.shape != mesh.shape:
+            raise ValueError(f"rank {mesh.rank}: parallelize got a ParallelConfig for {config.shape} but the mesh "
+                             f"{mesh.shape}: build the mesh from the config (config.mesh())")
+        options = {**config.options(), **options}
     return Parallelized(model, mesh, **options)
 
 
@@ -232,7 +241,7 @@ class ComposedResult(TrainResult):
     timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
-SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class")
+SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", "fsdp_class", "cp_context_class")
 """The keywords of ``Parallelized`` that swap a part's class (variants, tests, the grader)."""
 
 
@@ -273,8 +282,9 @@ def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     ``train_baseline(cfg, tc, accumulation=parallel.accumulation)``."""
     tc, parallel, checkpoint = tc or TrainConfig(), parallel or ParallelConfig(), checkpoint or Checkpointing()
     seams_of("train_parallel", parts)
-    if parallel.zero_stage == 1 and (checkpoint.save_to or checkpoint.resume_from):
-        raise ValueError("checkpoints of train_parallel need zero_stage=0 (a replicated optimizer state)")
+    if parallel.zero_stage and (checkpoint.save_to or checkpoint.resume_from):
+        raise ValueError(f"checkpoints of train_parallel need zero_stage=0 (a replicated optimizer state), got "
+                         f"zero_stage={parallel.zero_stage}: save with zero_stage=0")
     mesh = parallel.mesh(mesh_class)
     model = build_model(cfg, tc.seed, model_fn, freeze)
     start, states = 0, None

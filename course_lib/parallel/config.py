@@ -22,20 +22,24 @@ from course_lib.parallel.cp import Algorithm
 from course_lib.parallel.cp_attention import Layout
 from course_lib.schedules import Schedule
 
+ZERO_WITH_PIPELINE = ("ZeRO-{stage} with pipeline parallelism is refused, as DeepSpeed's PipelineEngine refuses "
+                      "ZeRO stage >= 2 (Rajbhandari et al., 'ZeRO'; DeepSpeed's pipeline docs): sharded gradients "
+                      "would be reduce-scattered after every micro-batch's backward, m times per step{extra}; use "
+                      "zero_stage=1 (the optimizer state sharded over dp+cp) with pp > 1")
+"""Why ZeRO-2/3 and a pipeline do not compose here, and the source (``check_composable``, ``transforms``)."""
+
 
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
-                     = None, microbatches: int = 1, v: int = 1) -> None:
+                     = None, microbatches: int = 1, v: int = 1, zero_stage: int = 0) -> None:
     """Raise ``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError``
     for a combination this composition does not build (see ``course_lib.parallel.compose``)."""
     micro = global_batch // (shape.dp * microbatches) if global_batch and shape.pp > 1 else 1
     shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
                    sp=sequence_parallel)
     unsupported = []
-    if shape.pp > 1 and shape.cp > 1:
-        unsupported.append("pp > 1 with cp > 1: the pipeline's first stage does not place tokens at their context-"
-                           "parallel positions; use pp = 1 or cp = 1")
-    if shape.pp > 1 and sequence_parallel:
-        unsupported.append("sequence_parallel with pp > 1: pipeline messages are whole sequences here")
+    if shape.pp > 1 and zero_stage >= 2:
+        unsupported.append(ZERO_WITH_PIPELINE.format(stage=zero_stage, extra=" and every weight re-gathered for "
+                                                     "every micro-batch" if zero_stage == 3 else ""))
     if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
         unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
                            "use ep x dp")
@@ -50,7 +54,9 @@ class ParallelConfig:
     * degrees ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` and their ``order`` (fastest first, Megatron's
       ``tp-cp-ep-dp-pp`` by default): ``shape`` is their ``MeshShape``, ``mesh()`` builds the ``Mesh``;
     * ``zero_stage``: 0, the optimizer is replicated (gradients averaged by the data-parallel step); 1, a
-      ``ShardedOptimizer`` partitions its state over dp x cp;
+      ``ShardedOptimizer`` partitions its state over dp x cp; 2, gradients reduce-scattered too (the flat
+      ``ZeroDataParallel``); 3, the parameters as well (FSDP2's per-parameter shards, on top of TP's); 2 and 3
+      refuse a pipeline (``transforms.ZERO_WITH_PIPELINE``);
     * ``sequence_parallel`` (with tp), ``cp_layout`` / ``cp_algorithm`` (with cp), ``schedule``,
       ``microbatches`` and ``v`` (with pp): ``options()``, the keywords ``parallelize`` takes;
     * ``accumulation``: micro-batches per optimizer step of each data-parallel rank (without a pipeline).
@@ -73,10 +79,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         self.shape  # noqa: B018 -- MeshShape refuses a bad degree or order, with its messages
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage {self.zero_stage}: the composed run takes 0 (replicated optimizer) or 1 "
-                             "(ShardedOptimizer over dp x cp); ZeRO-2/3 compose with data and context parallelism "
-                             "only (train_cp(zero_stage=...), chapter 06)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage {self.zero_stage}: the ZeRO stages are 0 (replicated optimizer), 1 "
+                             "(optimizer state sharded over dp x cp), 2 (and gradients), 3 (and parameters: FSDP2)")
         if self.accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {self.accumulation}")
 
@@ -99,10 +104,10 @@ class ParallelConfig:
         """The keywords of ``parallelize`` / ``Parallelized`` this configuration sets."""
         return {"sequence_parallel": self.sequence_parallel, "cp_layout": self.cp_layout,
                 "cp_algorithm": self.cp_algorithm, "schedule": self.schedule, "microbatches": self.microbatches,
-                "v": self.v}
+                "v": self.v, "zero_stage": self.zero_stage}
 
     def validate(self, cfg: GPTConfig, global_batch: int | None = None) -> None:
         """``check_composable`` for this mesh, model and global batch: ``MeshError`` naming every broken
         constraint and its fix, then ``ValueError`` for a combination the composition does not build."""
         check_composable(self.shape, cfg, sequence_parallel=self.sequence_parallel, global_batch=global_batch,
-                         microbatches=self.microbatches, v=self.v)
+                         microbatches=self.microbatches, v=self.v, zero_stage=self.zero_stage)

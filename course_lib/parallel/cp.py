@@ -31,7 +31,7 @@ import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.model import GPT, Attention, GPTConfig, apply_rope, rope_cos_sin
+from course_lib.parallel import placement as P
 from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper, require_member
 from course_lib.parallel.cp_attention import (
     AttentionStats,
@@ -94,22 +95,41 @@ def activation_bytes_per_rank(cfg: GPTConfig, micro_batch: int, seq_len: int, cp
 
 class CPContext:
     """What every ring-attention layer of one model shares: the group, the layout, the algorithm, and the
-    positions of the batch now running (set by ``ContextParallel.forward``)."""
+    positions of the batch now running (``begin``: set by the model's forward, or by the composed step on every
+    pipeline rank, whose stages do not all run the model's forward)."""
 
     def __init__(self, group: comm.Group, layout: Layout, algorithm: Algorithm, causal: bool,
-                 kernel: BlockAttention) -> None:
+                 kernel: BlockAttention, max_len: int | None = None) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}: use one of {ALGORITHMS}")
         self.group, self.layout, self.algorithm, self.causal, self.kernel = group, layout, algorithm, causal, kernel
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.max_len = max_len
         self.positions: torch.Tensor | None = None  # [cp, T_local]
         self.stats = AttentionStats()
+        self.hooks: list[Any] = []  # apply_cp's pre-hooks (the wrapper's remove_hooks removes them)
+
+    def begin(self, seq_len: int, device: torch.device | str | None = None) -> None:
+        """A batch of full sequences of ``seq_len`` tokens starts: every rank's global positions in the layout."""
+        if self.max_len is not None and seq_len > self.max_len:
+            raise ValueError(f"{seq_len // self.size} tokens per rank x cp={self.size} exceeds "
+                             f"seq_len={self.max_len}")
+        check_sequence(seq_len, self.size, self.layout)
+        self.positions = all_positions(seq_len, self.size, self.layout, device)
 
     def local_positions(self) -> torch.Tensor:
         """The global positions of this rank's tokens in the batch now running."""
         if self.positions is None:
-            raise RuntimeError("no batch is running: the positions are set by SequenceShardedGPT.forward")
+            raise RuntimeError("no batch is running: the positions are set by CPContext.begin (the model's forward)")
         return self.positions[self.rank]
+
+    def embedding_positions(self, n: int) -> torch.Tensor:
+        """The positions the learned position embedding reads for this rank's ``n`` tokens: their global ones
+        (a seam: a pipeline's first stage that embeds chunk-local positions 0..n-1 is a subclass)."""
+        mine = self.local_positions()
+        if mine.numel() != n:
+            raise ValueError(f"the position embedding got {n} positions, this rank holds {mine.numel()} tokens")
+        return mine
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = ring_attention if self.algorithm == "ring" else allgather_attention
@@ -143,26 +163,36 @@ class CPAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class SequenceShardedGPT(nn.Module):
-    """The GPT's forward on this rank's tokens: embeddings at their global positions, blocks, head."""
+def apply_cp(model: GPT, group: comm.Group, *, layout: Layout = "zigzag", algorithm: Algorithm = "ring",
+             causal: bool = True, kernel: BlockAttention | None = None,
+             attention_class: type[CPAttention] = CPAttention,
+             context_class: type[CPContext] = CPContext) -> CPContext:
+    """Context parallelism as an in-place transform of ``model`` over ``group``: no wrapper, the model itself
+    then runs on this rank's s/cp tokens (``shard_sequence``) and is still a ``GPT`` a pipeline can cut.
 
-    def __init__(self, model: GPT, ctx: CPContext) -> None:
-        super().__init__()
-        self.model, self.ctx = model, ctx
+    * every block's attention attends over the cp group: a tensor-parallel one (already transformed) gets the
+      context (``TensorParallelAttention.context``), the plain one becomes ``attention_class`` (same parameter
+      names);
+    * the model's forward first sets the global positions of every rank's tokens (``CPContext.begin``, a
+      forward pre-hook), and the learned position embedding reads this rank's global positions instead of
+      0..s/cp-1 (a pre-hook on ``pos_emb``, whichever module TP left there);
+    * no parameter changes: each is recorded ``Replicate()`` on "cp".
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        m, ctx = self.model, self.ctx
-        seq_len = idx.shape[1] * ctx.size
-        if seq_len > m.config.seq_len:
-            raise ValueError(f"{idx.shape[1]} tokens per rank x cp={ctx.size} exceeds seq_len={m.config.seq_len}")
-        check_sequence(seq_len, ctx.size, ctx.layout)
-        ctx.positions = all_positions(seq_len, ctx.size, ctx.layout, idx.device)
-        x = m.tok_emb(idx)
-        if m.pos_emb is not None:
-            x = x + m.pos_emb(ctx.positions[ctx.rank])
-        for block in m.blocks:
-            x = block(x)
-        return m.head(x)
+    Returns the ``CPContext`` every layer shares (its ``stats``, ``begin`` for a pipeline's later stages)."""
+    ctx = context_class(group, layout, algorithm, causal, kernel or BlockAttention(), max_len=model.config.seq_len)
+    for p in model.parameters():  # the sequence is split, not the weights
+        P.set_placement(p, "cp", P.Replicate())
+    for block in model.blocks:
+        if hasattr(block.attn, "context"):  # a TensorParallelAttention: its heads, over the cp ring
+            block.attn.context = ctx
+        else:
+            block.attn = attention_class(block.attn, ctx)
+    ctx.hooks.append(model.register_forward_pre_hook(
+        lambda _m, args: ctx.begin(args[0].shape[1] * ctx.size, args[0].device)))
+    if model.pos_emb is not None:
+        ctx.hooks.append(model.pos_emb.register_forward_pre_hook(
+            lambda _m, args: (ctx.embedding_positions(args[0].numel()),)))
+    return ctx
 
 
 class ContextParallel(ParallelWrapper):
@@ -175,11 +205,12 @@ class ContextParallel(ParallelWrapper):
     attention becomes. Both are seams for variants and tests. Initial weights are broadcast over the gradient
     group. The model's attention modules are replaced in place (parameter names unchanged).
 
-    The gradient reduction over the gradient group is a data-parallel wrapper around ``sharded`` (the model on
-    this rank's tokens), ``grad_sync``: a bucketed ``DataParallel`` (``dp_mode``), or with ``zero_stage`` (0-3)
-    a ``zero.ZeroDataParallel`` that also shards the model states over dp x cp -- CP ranks hold different tokens
-    of the same sequences, so for ZeRO they are data-parallel ranks like any other (Megatron's distributed
-    optimizer, torchtitan's dp_shard_cp). ``average_gradients=False`` leaves the reduction to the caller.
+    The model itself is transformed in place (``apply_cp``). The gradient reduction over the gradient group is a
+    data-parallel wrapper around it, ``grad_sync``: a bucketed ``DataParallel`` (``dp_mode``), or with
+    ``zero_stage`` (0-3) a ``zero.ZeroDataParallel`` that also shards the model states over dp x cp -- CP ranks
+    hold different tokens of the same sequences, so for ZeRO they are data-parallel ranks like any other
+    (Megatron's distributed optimizer, torchtitan's dp_shard_cp). ``average_gradients=False`` leaves the
+    reduction to the caller.
 
     ``forward(idx)`` takes this rank's tokens (``shard``); ``forward_backward(x, y)`` (what the training loop
     calls) takes full sequences and cuts them itself.
@@ -199,15 +230,15 @@ class ContextParallel(ParallelWrapper):
         elif grad_group is None:
             grad_group = self.group
         require_member(grad_group, type(self).__name__)
-        self.ctx = CPContext(self.group, layout, algorithm, causal, kernel or BlockAttention())
-        for block in module.blocks:
-            block.attn = attention_class(block.attn, self.ctx)
+        self.ctx = apply_cp(module, self.group, layout=layout, algorithm=algorithm, causal=causal, kernel=kernel,
+                            attention_class=attention_class)
         self.grad_group = grad_group
         self.zero_stage = zero_stage
-        self.sharded = SequenceShardedGPT(module, self.ctx)
+        self.sharded = module  # apply_cp made the model itself run on this rank's tokens
+        self._hooks.extend(self.ctx.hooks)
         self.grad_sync: ParallelWrapper | None = None
         if zero_stage is not None:
-            self.grad_sync = ZeroDataParallel(self.sharded, zero_stage, units=[*module.blocks, self.sharded],
+            self.grad_sync = ZeroDataParallel(self.sharded, zero_stage, units=[*module.blocks, module],
                                               group=grad_group)
         elif average_gradients:
             self.grad_sync = DataParallel(self.sharded, group=grad_group, mode=dp_mode)
@@ -275,7 +306,7 @@ class ContextParallel(ParallelWrapper):
         """Every parameter whole, by the model's names (under ZeRO gathered from the shards: a collective)."""
         if self.zero_stage is None:
             return full_params(self.module)
-        return {k.removeprefix("model."): v for k, v in self.grad_sync.full_state_dict().items()}
+        return self.grad_sync.full_state_dict()
 
 
 # ----------------------------------------------------------------------------------------------------------------

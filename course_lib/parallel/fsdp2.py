@@ -130,7 +130,6 @@ class PerParameterUnit(FlatParamUnit):
                 full = nn.Parameter(torch.empty(self.shapes[i], dtype=param_dtype, device=self.device))
                 for t in (shard, full):
                     copy_placements(p, t)
-                set_placement(shard, "dp", Shard(0, self.shapes[i][0]))
                 self.padded.append(pad)
                 self.shards.append(shard)
                 self.params.append(full)
@@ -142,6 +141,14 @@ class PerParameterUnit(FlatParamUnit):
         self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.state = UnitState.UNSHARDED
         self.reshard()  # frees the full weights and registers the shards in the module
+
+    def record_placements(self, axis: str) -> None:
+        """Record every shard ``Shard(0, size=d0)`` on ``axis`` (the key of the group it is sharded over: "dp",
+        or "dp+cp" when context-parallel ranks shard with it), on top of what other axes recorded: a TP shard
+        [d0/t, ...] is cut again on its dim 0 (``placement``: the records nest in order)."""
+        self.axis = axis
+        for shard, shape in zip(self.shards, self.shapes, strict=True):
+            set_placement(shard, axis, Shard(0, shape[0]))
 
     def _slots(self, p: nn.Parameter) -> list[tuple[nn.Module, str]]:
         """Every (submodule, attribute) of the unit's module that registers ``p`` (a tied weight has several)."""

@@ -108,6 +108,10 @@ class PipelineParallel(ParallelWrapper):
     weights are broadcast over ``grad_group`` at construction; inside ``no_sync`` nothing is reduced (the next
     pass outside it reduces the accumulated sum). Seams: ``place_grad_reduce`` (where the action goes) and the
     executor's ``reduce_grad``.
+
+    ``sequence_shards``: the messages hold 1 / sequence_shards of each row's tokens (tp, when the stages are
+    tensor- and sequence-parallel: Korthikanti et al. 2022 send the sequence-sharded hidden state between
+    stages, s/tp tokens per message).
     """
 
     axes = ("pp",)
@@ -116,7 +120,8 @@ class PipelineParallel(ParallelWrapper):
                  group: comm.Group = None, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
                  split: Sequence[int] | None = None, global_batch: int | None = None, loss_fn: LossFn = lm_loss,
                  emulate: tuple[float, float, float] | None = None,
-                 executor_class: type[PipelineExecutor] = PipelineExecutor, grad_group: comm.Group = None) -> None:
+                 executor_class: type[PipelineExecutor] = PipelineExecutor, grad_group: comm.Group = None,
+                 sequence_shards: int = 1) -> None:
         parts = pipeline_parts(module)
         super().__init__(module if isinstance(module, nn.Module) else nn.ModuleList([parts.first, *parts.blocks,
                                                                                         parts.last]),
@@ -130,17 +135,26 @@ class PipelineParallel(ParallelWrapper):
                                      for s in self.plan.stages_of(self.rank)})
         by_index = {int(k): st for k, st in self.stages.items()}
         self.parts = parts
-        self.grad_group = grad_group
+        self.grad_group: comm.Group = None
         self._pending: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []  # (params, flat, work) per stage
-        if grad_group is not None:
-            require_member(grad_group, type(self).__name__)
-            self.plan = dataclasses.replace(self.plan, actions=self.place_grad_reduce(self.plan.actions))
-            broadcast_from_first(self.stages, grad_group)
         self.executor = executor_class(by_index, self.plan, self.rank, self.group, loss_fn, emulate)
+        self.executor.sequence_shards = sequence_shards
         if grad_group is not None:
-            self.executor.grad_reduce = self._launch_grad_reduce
+            self.enable_grad_reduce(grad_group)
         self.timelines: list[list[TimedAction]] = []  # one per forward_backward
         self.micro_losses: list[list[float]] = []
+
+    def enable_grad_reduce(self, grad_group: comm.Group) -> None:
+        """Average each stage's gradients over ``grad_group`` (this pipeline rank's data-parallel group) by the
+        schedule's ``REDUCE_GRAD`` actions; the stages' weights are first broadcast over it."""
+        if self.grad_group is not None:
+            raise ValueError("the pipeline already reduces its gradients over a data-parallel group")
+        require_member(grad_group, type(self).__name__)
+        self.grad_group = grad_group
+        self.plan = dataclasses.replace(self.plan, actions=self.place_grad_reduce(self.plan.actions))
+        self.executor.plan, self.executor.actions = self.plan, self.plan.actions[self.rank]
+        broadcast_from_first(self.stages, grad_group)
+        self.executor.grad_reduce = self._launch_grad_reduce
 
     def place_grad_reduce(self, actions: Schedule) -> Schedule:
         """The schedule with its ``REDUCE_GRAD`` actions (a seam: a test puts them in the wrong place)."""

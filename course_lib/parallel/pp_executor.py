@@ -86,6 +86,9 @@ class PipelineExecutor:
             hidden_shape = (attn.q_proj.in_features,) if attn is not None else None
         self.hidden_shape = tuple(hidden_shape) if hidden_shape is not None else None
         """Each message's shape after [rows, tokens] (GPT: [d_model]); ``PipelineParallel`` sets it otherwise."""
+        self.sequence_shards = 1
+        """Each message holds 1 / sequence_shards of the tokens (tp under sequence parallelism: the hidden state
+        between TP regions is sequence-sharded, so a stage sends its s/tp tokens, a tp-th of the traffic)."""
         self.grad_reduce: Callable[[int], None] | None = None
         """What ``REDUCE_GRAD`` of a stage calls (``PipelineParallel`` sets it when it has a ``grad_group``)."""
 
@@ -112,7 +115,8 @@ class PipelineExecutor:
         Returns the unscaled micro-batch losses (on the rank of the last stage, else []) and the timeline."""
         plan = self.plan
         micro = micro_batches(x, y, plan.m)
-        self._shape = (x.shape[0] // plan.m, x.shape[1], *self.hidden_shape)  # every message: one [b, s, h] tensor
+        # every message: one [b, s / sequence_shards, h] tensor (sequence parallelism: each TP rank's s/tp tokens)
+        self._shape = (x.shape[0] // plan.m, x.shape[1] // self.sequence_shards, *self.hidden_shape)
         self._ctx: dict[tuple[int, int], dict[str, Any]] = {}
         self._inbox: dict[tuple[Kind, int, int], tuple[torch.Tensor, Any]] = {}  # (F|B, j, stage) -> data, work
         self._outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
@@ -183,7 +187,8 @@ class PipelineExecutor:
         if self.plan.rank_of(to_stage) == self.rank:
             self._inbox[kind, j, to_stage] = (tensor, None)
         else:
-            self._outbox[kind, j, to_stage - 1 if kind is Kind.F else to_stage + 1] = tensor  # key: the sender
+            # key: the sender; contiguous for the send (a sequence-parallel state is a strided slice of the batch)
+            self._outbox[kind, j, to_stage - 1 if kind is Kind.F else to_stage + 1] = tensor.contiguous()
 
     # -- compute
     def _forward(self, a: Action, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -200,8 +200,7 @@ class ZeroDataParallel(ParallelWrapper):
         self.axis = "dp+cp" if mesh is not None and getattr(mesh, "size", lambda _: 1)("cp") > 1 else "dp"
         """The axis key of the group the shards live on (their ``placement`` records)."""
         for unit in self.units:
-            if unit.flat:
-                unit.record_placements(self.axis)
+            unit.record_placements(self.axis)
         for unit in self.units:
             unit.reshard_after_forward = (unit is not self.root) if reshard_after_forward is None \
                 else bool(reshard_after_forward)

@@ -1,0 +1,217 @@
+"""The composition matrix: the pairs of axes that the in-place transforms (``course_lib.parallel.transforms``)
+made composable, each at 4 ranks against one process, the mutations that must break them, and every refusal
+with its reason.
+
+One launch at 4 ranks runs every configuration in turn (AdamW, 2 steps, a 4-layer d=32 model with learned
+positions, so that a token at the wrong position changes the loss); the tests read its cached results. Parity:
+``train_baseline`` within the noise-derived tolerance (``course_lib.train.compare``: a multiple of the fp32 noise
+the baseline measures against its own float64 run), and every copy of a parameter -- its data-parallel replicas,
+its TP ranks, its FSDP shards after the gather -- bit-for-bit equal (``merge_composed`` raises otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from course_lib.launch import launch
+from course_lib.mesh import MeshShape
+from course_lib.model import GPTConfig
+from course_lib.parallel import compose as C
+from course_lib.parallel import placement as P
+from course_lib.parallel.config import ParallelConfig, check_composable
+from course_lib.parallel.cp import CPContext
+from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit
+from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+CFG = GPTConfig(n_layer=4, d_model=32, n_head=4, seq_len=16, bias=False)
+TC = TrainConfig(steps=2, global_batch=8, optimizer="adamw")
+LAUNCH_TIMEOUT = 600
+
+PAIRS_4 = {  # name: the ParallelConfig of a 4-rank run that the old structure refused
+    "zero2_x_tp": ParallelConfig(dp=2, tp=2, zero_stage=2),
+    "zero2_x_tp_sp": ParallelConfig(dp=2, tp=2, zero_stage=2, sequence_parallel=True),
+    "fsdp2_x_tp": ParallelConfig(dp=2, tp=2, zero_stage=3),
+    "fsdp2_x_tp_sp": ParallelConfig(dp=2, tp=2, zero_stage=3, sequence_parallel=True),
+    "fsdp2_x_cp": ParallelConfig(dp=2, cp=2, zero_stage=3),
+    "pp_x_cp": ParallelConfig(pp=2, cp=2),
+    "pp_x_cp_contiguous_allgather": ParallelConfig(pp=2, cp=2, cp_layout="contiguous", cp_algorithm="allgather"),
+    "pp_x_tp_sp": ParallelConfig(pp=2, tp=2, sequence_parallel=True),
+    "pp_zb_h1_x_tp_sp": ParallelConfig(pp=2, tp=2, sequence_parallel=True, schedule="zb_h1"),
+}
+
+
+PRODUCTION_8 = {  # scaled-down copies of the meshes of large runs, on 8 ranks
+    "tp2_cp2_pp2_sp": ParallelConfig(tp=2, cp=2, pp=2, sequence_parallel=True),  # a long-context dense run
+    "dp2_tp2_pp2_zero1_sp": ParallelConfig(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),  # Megatron 3D
+    "fsdp2_tp2_cp2_sp": ParallelConfig(dp=2, tp=2, cp=2, zero_stage=3, sequence_parallel=True),  # torchtitan's
+}
+
+
+class ChunkLocalPositions(CPContext):
+    """The first stage embeds positions 0..s/cp-1 on every cp rank, not the tokens' global ones."""
+
+    def embedding_positions(self, n: int) -> torch.Tensor:
+        return torch.arange(n, device=self.local_positions().device)
+
+
+class RecordedOnTheTPDim(PerParameterUnit):
+    """ZeRO-3 of a TP weight recorded on the TP shard's own dim (a row-parallel weight's dim 1) instead of the
+    local tensor's dim 0 it actually cuts: gathering and checkpoints then cut the wrong way."""
+
+    def record_placements(self, axis: str) -> None:
+        super().record_placements(axis)
+        for shard, shape in zip(self.shards, self.shapes, strict=True):
+            tp = P.placement(shard, "tp")
+            if isinstance(tp, P.Shard) and tp.dim == 1:
+                table = shard._course_placements
+                table[axis] = P.Shard(1, shape[1])
+
+
+class FSDP2WrongDim(FSDP2DataParallel):
+    unit_class = RecordedOnTheTPDim
+
+
+class TPSyncAfterFSDP2(C.Parallelized):
+    """The known bug: TP's own ``finish_gradient_sync`` also runs after FSDP2 replaced the module's parameters
+    by their shards, so the partial (sequence-parallel) gradients are summed over tp twice."""
+
+    def finish_gradient_sync(self) -> None:
+        super().finish_gradient_sync()
+        self.tp.finish_gradient_sync()
+
+
+class FlatPartialSkipped(C.Parallelized):
+    """ZeRO-2 x TP + SP without the sum over tp of the flat shards' partial segments."""
+
+    def finish_gradient_sync(self) -> None:
+        self.dp.finish_gradient_sync()
+
+
+MUTATIONS_4 = {  # name: (the run's ParallelConfig, train_parallel keywords that break it)
+    "pp_x_cp_first_stage_at_chunk_local_positions": (PAIRS_4["pp_x_cp"], dict(cp_context_class=ChunkLocalPositions)),
+    "fsdp2_x_tp_recorded_on_the_wrong_dim": (PAIRS_4["fsdp2_x_tp"], dict(fsdp_class=FSDP2WrongDim)),
+    "fsdp2_x_tp_sp_partial_summed_twice": (PAIRS_4["fsdp2_x_tp_sp"], dict(composed_class=TPSyncAfterFSDP2)),
+    "zero2_x_tp_sp_partial_not_summed": (PAIRS_4["zero2_x_tp_sp"], dict(composed_class=FlatPartialSkipped)),
+}
+
+
+def _placements(rank: int) -> dict[str, dict[str, dict[str, P.Placement]]]:
+    """The placements FSDP2 + TP records on block 0 (dp 2 x tp 2), and FSDP2 on dp 2 x cp 2."""
+    from course_lib.mesh import Mesh
+    from course_lib.model import GPT
+
+    out = {}
+    for name, kw in {"fsdp_tp": dict(dp=2, tp=2), "fsdp_cp": dict(dp=2, cp=2)}.items():
+        composed = C.parallelize(GPT(CFG, seed=0), Mesh(**kw), zero_stage=3)
+        out[name] = {n: P.placements_of(p) for n, p in composed.module.named_parameters()
+                     if n.startswith("blocks.0.")}
+    return out
+
+
+def _mismatch(rank: int) -> str:
+    """The error of ``parallelize`` given a config for another mesh than the one it runs on."""
+    from course_lib.mesh import Mesh
+    from course_lib.model import GPT
+
+    try:
+        C.parallelize(GPT(CFG), Mesh(dp=4), ParallelConfig(dp=2, tp=2))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def _suite4(rank: int, world_size: int) -> dict[str, object]:
+    out: dict[str, object] = {"placements": _placements(rank), "mismatch": _mismatch(rank)}
+    for name, parallel in PAIRS_4.items():
+        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel)
+    for name, (parallel, seam) in MUTATIONS_4.items():
+        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel, **seam)
+    return out
+
+
+def _suite8(rank: int, world_size: int) -> dict[str, object]:
+    return {name: C.train_parallel(rank, world_size, CFG, TC, parallel) for name, parallel in PRODUCTION_8.items()}
+
+
+@functools.cache
+def _results(n: int = 4) -> dict[str, list]:
+    per_rank = launch(_suite4 if n == 4 else _suite8, n, timeout=LAUNCH_TIMEOUT)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+@functools.cache
+def _reference() -> TrainResult:
+    return train_baseline(CFG, TC)
+
+
+def _outcome(results: list) -> str:
+    try:
+        merged = C.merge_composed(results)
+    except ValueError as e:
+        return f"merge failed: {e}"
+    report = compare(_reference(), merged)
+    return "PASS" if report.ok else str(report)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", sorted(PAIRS_4))
+def test_pair_matches_one_process_at_4_ranks(name: str) -> None:
+    assert _outcome(_results()[name]) == "PASS"
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PRODUCTION_8))
+def test_production_shaped_mesh_matches_one_process_at_8_ranks(name: str) -> None:
+    results = _results(8)[name]
+    assert _outcome(results) == "PASS"
+    groups = {rec.group for r in results for step in r.step_comm for rec in step}
+    axes = [a for a in ("dp", "cp", "tp", "pp") if getattr(PRODUCTION_8[name], a) > 1]
+    assert all(any(a in g for g in groups) for a in axes), groups  # every axis communicated over its group
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", sorted(MUTATIONS_4))
+def test_mutation_fails(name: str) -> None:
+    assert _outcome(_results()[name]) != "PASS", f"the broken variant {name} still matches one process"
+
+
+def test_fsdp2_shards_the_tp_shard_again_on_dim_0() -> None:
+    """FSDP2 + TP: a column-parallel weight is S(0) on tp then S(0) on dp (this rank's rows of its TP rows), a
+    row-parallel one S(1) on tp then S(0) on dp -- the local shard cut again on its dim 0, as ``fully_shard``
+    over a 2-D mesh after ``parallelize_module`` has it; with cp > 1 the shards live on "dp+cp"."""
+    for rank in _results()["placements"]:
+        tp = rank["fsdp_tp"]  # d_model 32: q_proj [32, 32] -> [16, 32] on tp; o_proj -> [32, 16]
+        assert tp["blocks.0.attn.q_proj.weight"] == {"tp": P.Shard(0), "dp": P.Shard(0, 16)}, tp
+        assert tp["blocks.0.attn.o_proj.weight"] == {"tp": P.Shard(1), "dp": P.Shard(0, 32)}, tp
+        assert list(tp["blocks.0.attn.o_proj.weight"]) == ["tp", "dp"]  # the dp cut nests inside the tp one
+        cp = rank["fsdp_cp"]
+        assert all(v.get("dp+cp") == P.Shard(0, v["dp+cp"].size) and "dp" not in v for v in cp.values()), cp
+
+
+# -- what still does not compose, with the reason and its source ----------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_2_and_3_with_a_pipeline_are_refused_with_the_reason(stage: int) -> None:
+    with pytest.raises(ValueError, match=rf"ZeRO-{stage} with pipeline parallelism is refused, as DeepSpeed's "
+                                         r"PipelineEngine .*reduce-scattered after every micro-batch"):
+        ParallelConfig(dp=2, pp=2, zero_stage=stage).validate(CFG, global_batch=8)
+
+
+def test_a_config_for_another_mesh_is_refused_with_the_fix() -> None:
+    for rank, message in enumerate(_results()["mismatch"]):
+        assert message.startswith(f"rank {rank}: parallelize got a ParallelConfig for "), message
+        assert "build the mesh from the config (config.mesh())" in message
+
+
+def test_the_pairs_the_old_structure_refused_now_validate() -> None:
+    for parallel in PAIRS_4.values():
+        parallel.validate(CFG, global_batch=8)
+    check_composable(MeshShape(dp=2, cp=2, tp=2, pp=2), CFG, sequence_parallel=True, global_batch=8,
+                     microbatches=2)
