@@ -114,8 +114,8 @@ class CPContext:
         return self.positions[self.rank]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _ATTEND[self.algorithm](q, k, v, self.positions, chunks_per_rank(self.layout), self.causal, self.group, self.kernel,
-                  self.stats)
+        return _ATTEND[self.algorithm](q, k, v, self.positions, chunks_per_rank(self.layout), self.causal,
+                                       self.group, self.kernel, self.stats)
 
 
 class CPAttention(nn.Module):
