@@ -18,6 +18,7 @@ AdamW turns such relative noise into steps of lr-size: the single-process fp32 r
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from course_lib.memory import layer_activation_bytes
 from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, MLP, Attention, Block, GPTConfig, lm_loss, param_count
-from course_lib.parallel import tp
+from course_lib.parallel import tp, tp_overlap
 from course_lib.parallel.placement import Partial, Shard, clip_grad_norm_, placement
 from course_lib.parallel.tp_comm import SequenceParallelLinears, reduce_scatter_along, split_along
 from course_lib.train import (
@@ -125,6 +126,16 @@ class NoRegatherProject:
 class NoRegather(tp.TensorParallel):
     attention_class = type("NoRegatherAttention", (NoRegatherProject, tp.TensorParallelAttention), {})
     mlp_class = type("NoRegatherMLP", (NoRegatherProject, tp.TensorParallelMLP), {})
+
+
+class OverlappedTP(tp.TensorParallel):
+    """SP with every column-parallel GEMM as a collective matmul (``tp_overlap``; ``comm_overlap`` on)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for m in self.module.modules():
+            if isinstance(m, tp.TensorParallelModule):
+                m.comm_overlap = True
 
 
 class GathersLogits(tp.TensorParallel):
@@ -249,6 +260,29 @@ def _layer_suite(rank: int, world_size: int) -> dict:
         (got * (split_along(w, 1, None) if sp else w)).sum().backward()
         out["embedding", sp] = {"out": _rel(got, split_along(ref_out, 1, None) if sp else ref_out),
                                 "grad": _rel(par.weight.grad, emb.weight.grad.chunk(t)[r]), "fwd": _ops(log.records)}
+    # the collective matmul (overlapped or not) against the gathered GEMM, and with step-indexed output rows
+    lin1, lin2 = nn.Linear(64, 32), nn.Linear(64, 16, bias=False)
+    xs = _rand(2, 8, 64, seed=21)
+    for variant in ("overlapped", "sequential", "step_indexed"):
+        x_ref = xs.clone().requires_grad_(True)
+        refs = (lin1(x_ref), lin2(x_ref))
+        ws = [_rand(*y.shape, seed=22 + i) for i, y in enumerate(refs)]
+        for p in (*lin1.parameters(), *lin2.parameters()):
+            p.grad = None
+        sum((y * w).sum() for y, w in zip(refs, ws, strict=True)).backward()
+        ref_grads = [lin1.weight.grad.chunk(t)[r], lin1.bias.grad.chunk(t)[r], lin2.weight.grad.chunk(t)[r]]
+        params = [p.detach().chunk(t)[r].clone().requires_grad_(True) for p in (lin1.weight, lin1.bias, lin2.weight)]
+        x_par = split_along(xs, 1, None).requires_grad_(True)
+        seam = (lambda rank, step, n: step) if variant == "step_indexed" else tp_overlap.ring_source
+        with mock.patch.object(tp_overlap, "ring_source", seam), comm.recording() as fwd:
+            ys = tp_overlap.collective_matmul(x_par, [(params[0], params[1]), (params[2], None)],
+                                              overlap=variant != "sequential")
+        sum((y * w.chunk(t, -1)[r]).sum() for y, w in zip(ys, ws, strict=True)).backward()
+        out["collective_matmul", variant] = {
+            "out": max(_rel(y, ref.chunk(t, -1)[r]) for y, ref in zip(ys, refs, strict=True)),
+            "x_grad": _rel(x_par.grad, split_along(x_ref.grad, 1, None)),
+            "grads": {i: _rel(p.grad, g) for i, (p, g) in enumerate(zip(params, ref_grads, strict=True))},
+            "fwd": _ops(fwd.records)}
     # activation memory of one block: unsplit, TP, TP + SP, and SP keeping the gathered input
     for sp in ("unsplit", False, True, "regather_skipped"):
         block = Block(CFG)
@@ -300,6 +334,7 @@ RUNS = {  # name -> (cfg, tc, sequence_parallel, tp_class, clip)
     "tied_sgd_sp": (TIED, SGD, True, tp.TensorParallel, None),
     "clip_sgd_sp": (CFG, SGD, True, tp.TensorParallel, CLIP),
     "padded_sgd_sp": (PADDED, SGD, True, tp.TensorParallel, None),
+    "overlap_sgd_sp": (GQA, SGD, True, OverlappedTP, None),
     "broken_no_f_backward": (CFG, SGD, False, NoFBackward, None),
     "broken_norm_sync": (CFG, SGD, True, ForgetsNormSync, None),
     "broken_gathered_logits": (CFG, SGD, False, GathersLogits, None),
@@ -524,6 +559,22 @@ def test_vocab_parallel_cross_entropy(layers, scale):
         assert got["bwd"] == []
 
 
+def test_collective_matmul_equals_the_gathered_gemm(layers):
+    """Two column-parallel GEMMs on the ring-gathered shards, overlapped and not: outputs, input and weight
+    gradients equal the single-process linears'; forward moves exactly the all-gather's bytes by our own sends:
+    t - 1 shards of b s/t h fp32 per rank. Writing each partial GEMM at its step's index instead of its source
+    rank's (a mutation) scrambles the rows."""
+    t, per_rank = layers
+    shard = 2 * 8 // t * 64 * 4
+    for r, res in enumerate(per_rank):
+        for variant in ("overlapped", "sequential"):
+            got = res["collective_matmul", variant]
+            _assert_layer(got, f"collective matmul {variant}, t={t}, rank {r}")
+            assert max(got["grads"].values()) <= LAYER_RTOL, got["grads"]
+            assert sorted(got["fwd"]) == sorted([("send", shard), ("recv", shard)] * (t - 1)), got["fwd"]
+    assert any(res["collective_matmul", "step_indexed"]["out"] > 1e-3 for res in per_rank)
+
+
 def test_activation_memory_with_and_without_sp_matches_formula(layers):
     """Measured (MemoryTracker) activations of one block per rank equal the adapted formula to the byte, and
     TP + SP holds exactly 1/t of the unsplit block's (MHA, learned positions: every saved tensor is split)."""
@@ -543,7 +594,7 @@ def test_activation_memory_with_and_without_sp_matches_formula(layers):
 
 @pytest.mark.parity
 @pytest.mark.parametrize("name", ["sgd", "sgd_sp", "adamw", "adamw_sp", "gqa_sgd", "gqa_sgd_sp", "biased_sgd_sp",
-                                  "tied_sgd_sp", "clip_sgd_sp", "padded_sgd_sp"])
+                                  "tied_sgd_sp", "clip_sgd_sp", "padded_sgd_sp", "overlap_sgd_sp"])
 def test_gpt_parity_with_one_process(models, name):
     t, per_rank = models
     cfg, tc, _sp, _cls, clip = RUNS[name]
@@ -641,6 +692,22 @@ def test_padded_vocabulary_is_masked_out_of_the_loss():
 def test_missing_f_backward_breaks_parity(models):
     _t, per_rank = models
     assert not compare(baseline(CFG, SGD), per_rank[0]["broken_no_f_backward"]).ok
+
+
+def test_overlapped_tp_replaces_the_forward_all_gathers_by_ring_sends(models):
+    """With the collective matmul, each forward all-gather of a region (and of the LM head) becomes t - 1 sends of
+    one s/t shard: the same bytes, by our own send/recv."""
+    t, per_rank = models
+    v = 8 * GQA.seq_len * GQA.d_model * 4
+    planned = tp.step_collectives(GQA, 8, t, True)
+    gathers = [c for c in planned if c.phase == "forward" and c.op == "all_gather"]
+    for res in per_rank:
+        step = res["overlap_sgd_sp"].step_comm[0]
+        sends = [rec for rec in step if rec.op == "send"]
+        assert len(sends) == len(gathers) * (t - 1) and {rec.sent_bytes for rec in sends} == {v // t}
+        assert sum(rec.sent_bytes for rec in sends) == sum((t - 1) * c.tensor_bytes // t for c in gathers)
+        backward_gathers = [c for c in planned if c.phase == "backward" and c.op == "all_gather"]
+        assert len([rec for rec in step if rec.op == "all_gather"]) == len(backward_gathers)
 
 
 @pytest.mark.parity

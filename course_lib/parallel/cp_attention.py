@@ -284,7 +284,7 @@ def _block_plan(kernel: BlockAttention, q_pos: torch.Tensor, k_pos: torch.Tensor
 # Ring attention as an autograd Function
 
 
-def _ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
+def ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
     """(rank in group, group size, global rank of the next, of the previous rank in the ring)."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
 
@@ -294,7 +294,7 @@ def _ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
     return r, n, glob((r + 1) % n), glob((r - 1) % n)
 
 
-def _shift(t: torch.Tensor, nxt: int, prv: int, group: comm.Group) -> tuple[torch.Tensor, list]:
+def ring_shift(t: torch.Tensor, nxt: int, prv: int, group: comm.Group) -> tuple[torch.Tensor, list]:
     """Start sending ``t`` to the next rank and receiving the previous rank's tensor of the same shape."""
     incoming = torch.empty_like(t)
     return incoming, [comm.isend(t, nxt, group), comm.irecv(incoming, prv, group)]
@@ -313,14 +313,14 @@ class RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
                 causal: bool, group: comm.Group, kernel: BlockAttention, stats: AttentionStats | None
                 ) -> torch.Tensor:
-        r, n, nxt, prv = _ring_peers(group)
+        r, n, nxt, prv = ring_peers(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         for step in range(n):
             if step < n - 1:
-                incoming, works = _shift(kv, nxt, prv, group)  # overlapped with this step's compute
+                incoming, works = ring_shift(kv, nxt, prv, group)  # overlapped with this step's compute
             for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
                 if stats is not None:
                     stats.pairs += pairs
@@ -342,7 +342,7 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor):
         q, k, v, out, lse, pos = ctx.saved_tensors
         n_chunks, causal, group, kernel, scale = ctx.config
-        r, n, nxt, prv = _ring_peers(group)
+        r, n, nxt, prv = ring_peers(group)
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(-1)
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -351,7 +351,7 @@ class RingAttentionFunction(torch.autograd.Function):
         dkv = torch.zeros_like(own, dtype=torch.float32)  # dK, dV of the block we hold, accumulated in fp32
         for step in range(n):
             if step < n - 1:
-                incoming, works = _shift(kv, nxt, prv, group)
+                incoming, works = ring_shift(kv, nxt, prv, group)
             use = kernel.kv_for_backward_step(step, kv, own)
             for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
                 if pairs == 0:
@@ -362,7 +362,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 dkv[0][:, :, ks] += dk_b
                 dkv[1][:, :, ks] += dv_b
             if n > 1:
-                incoming_grad, grad_works = _shift(dkv, nxt, prv, group)  # on to the next holder of the block
+                incoming_grad, grad_works = ring_shift(dkv, nxt, prv, group)  # on to the next holder of the block
                 for w in grad_works + (works if step < n - 1 else []):
                     w.wait()
                 dkv = incoming_grad

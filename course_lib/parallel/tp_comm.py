@@ -230,11 +230,12 @@ class SequenceParallelLinears(torch.autograd.Function):
             grad_x = reduce_scatter_along(grad_full, SEQ_DIM, ctx.group)
         work.wait()
         xf = full.movedim(0, SEQ_DIM).reshape(-1, x.shape[-1])
-        out: list[torch.Tensor | None] = [grad_x, None]
+        first = getattr(ctx, "n_args", 2)  # the inputs before the weights: x, group (a variant may add more)
+        out: list[torch.Tensor | None] = [grad_x] + [None] * (first - 1)
         for j, (g, has_bias) in enumerate(zip(grads, ctx.has_bias, strict=True)):
             g2 = g.reshape(-1, g.shape[-1])
-            out.append(g2.t() @ xf if ctx.needs_input_grad[2 + 2 * j] else None)
-            out.append(g2.sum(0) if has_bias and ctx.needs_input_grad[3 + 2 * j] else None)
+            out.append(g2.t() @ xf if ctx.needs_input_grad[first + 2 * j] else None)
+            out.append(g2.sum(0) if has_bias and ctx.needs_input_grad[first + 1 + 2 * j] else None)
         return tuple(out)
 
 

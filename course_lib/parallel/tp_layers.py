@@ -41,6 +41,7 @@ from course_lib.parallel.tp_comm import (
     sequence_parallel_linears,
     split_along,
 )
+from course_lib.parallel.tp_overlap import collective_matmul
 
 __all__ = [
     "TP_AXIS",
@@ -103,6 +104,10 @@ class TensorParallelModule(nn.Module):
     """The base of every layer here: its group, its degree and rank, f and g. Each layer records the ``"tp"``
     placement of every parameter it holds (see the module docstring)."""
 
+    comm_overlap: bool = False
+    """Under SP, run the column-parallel GEMMs as a collective matmul (``tp_overlap``): the all-gather's ring
+    steps overlapped with partial GEMMs. Set it on the layers (or a subclass); the numbers are the same."""
+
     def __init__(self, group: comm.Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -121,9 +126,13 @@ class TensorParallelModule(nn.Module):
 
         Without SP: f, then each linear. Under SP, Megatron-LM's form (``tp_comm.sequence_parallel_linears``):
         one all-gather of the s/t shard feeds all of them, and only the shard is saved for backward, which
-        all-gathers it again for the weight gradients."""
+        all-gathers it again for the weight gradients; with ``comm_overlap`` the forward all-gather is a ring
+        overlapped with partial GEMMs (``tp_overlap.collective_matmul``)."""
         if self.sequence_parallel:
-            return sequence_parallel_linears(x, [(m.weight, m.bias) for m in linears], self.group)
+            pairs = [(m.weight, m.bias) for m in linears]
+            if self.comm_overlap:
+                return collective_matmul(x, pairs, self.group)
+            return sequence_parallel_linears(x, pairs, self.group)
         x = self.enter(x)
         return tuple(F.linear(x, m.weight, m.bias) for m in linears)
 
