@@ -219,8 +219,8 @@ class DocumentMaskAttention(BlockAttention):
 
 
 class EmulatedDeviceAttention(BlockAttention):
-    """Blocks that also cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs of sleep in
-    forward, twice that in backward (as a host waits for a GPU kernel). The sleep costs no CPU, so cp ranks run
+    """Blocks that cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs in forward, twice
+    that in backward (as a host waits for a GPU kernel), the real computation included in that time. The sleep costs no CPU, so cp ranks run
     side by side on a 2-core machine and step times follow the work per rank, not the OS scheduler.
     ``n_head``: when set, a pair costs in proportion to the heads the block computes (q.shape[1] / n_head), so
     Ulysses' blocks of H/cp heads cost what they compute."""
@@ -232,13 +232,23 @@ class EmulatedDeviceAttention(BlockAttention):
         pairs = int(mask.sum()) if mask is not None else q.shape[2] * k.shape[2]
         return pairs * (q.shape[1] / self.n_head if self.n_head else 1)
 
+    def _until(self, start: float, seconds: float) -> None:
+        """Sleep until ``seconds`` after ``start``: the host's real compute runs inside the emulated kernel time
+        (as a CPU prepares the next launch while the GPU computes), so a block costs exactly its emulated time
+        whenever that exceeds the real one."""
+        time.sleep(max(0.0, seconds - (time.perf_counter() - start)))
+
     def forward(self, q, k, v, scale, mask):
-        time.sleep(self.seconds_per_pair * self._pairs(q, k, mask))
-        return super().forward(q, k, v, scale, mask)
+        start = time.perf_counter()
+        out = super().forward(q, k, v, scale, mask)
+        self._until(start, self.seconds_per_pair * self._pairs(q, k, mask))
+        return out
 
     def backward(self, q, k, v, scale, mask, d_out, lse, delta):
-        time.sleep(2 * self.seconds_per_pair * self._pairs(q, k, mask))
-        return super().backward(q, k, v, scale, mask, d_out, lse, delta)
+        start = time.perf_counter()
+        out = super().backward(q, k, v, scale, mask, d_out, lse, delta)
+        self._until(start, 2 * self.seconds_per_pair * self._pairs(q, k, mask))
+        return out
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
