@@ -220,8 +220,9 @@ class DocumentMaskAttention(BlockAttention):
 
 class EmulatedDeviceAttention(BlockAttention):
     """Blocks that cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs in forward, twice
-    that in backward (as a host waits for a GPU kernel), the real computation included in that time. The sleep costs no CPU, so cp ranks run
-    side by side on a 2-core machine and step times follow the work per rank, not the OS scheduler.
+    that in backward (as a host waits for a GPU kernel), the real computation included in that time. The sleep
+    costs no CPU, so cp ranks run side by side on a 2-core machine and step times follow the work per rank, not
+    the OS scheduler.
     ``n_head``: when set, a pair costs in proportion to the heads the block computes (q.shape[1] / n_head), so
     Ulysses' blocks of H/cp heads cost what they compute."""
 
