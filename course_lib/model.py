@@ -470,6 +470,8 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
             self.norm_f = make_norm(c)
             self.lm_head = nn.Linear(c.d_model, c.padded_vocab_size, bias=False)
+        if c.padded_vocab_size != c.vocab_size:
+            self.lm_head.vocab_size = c.vocab_size  # the real vocabulary: the rows beyond it are padding
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
@@ -494,15 +496,16 @@ class GPT(nn.Module):
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head; the padded vocabulary's logits -inf (under TP the LM head's shard of them,
-        whose first id is its ``output_start``)."""
+        """Final norm and LM head; the padded vocabulary's logits -inf. The LM head carries the real
+        ``vocab_size`` when the vocabulary is padded (so a pipeline stage or a TP shard of it masks too; under TP
+        the shard's first id is its ``output_start``). Reads only ``norm_f`` and ``lm_head``."""
         logits = self.lm_head(self.norm_f(x))
-        c = self.config
-        if c.padded_vocab_size == c.vocab_size:
+        vocab = getattr(self.lm_head, "vocab_size", None)
+        if vocab is None:
             return logits
         start = getattr(self.lm_head, "output_start", 0)
         ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
-        return logits.masked_fill(ids >= c.vocab_size, float("-inf"))
+        return logits.masked_fill(ids >= vocab, float("-inf"))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [B, T] token ids -> logits [B, T, vocab]."""

@@ -34,6 +34,7 @@ from course_lib.mesh import Mesh
 from course_lib.model import GPT, MLP, Attention, Block, GPTConfig, lm_loss, param_count
 from course_lib.parallel import tp, tp_overlap
 from course_lib.parallel.placement import Partial, Shard, clip_grad_norm_, placement
+from course_lib.parallel.pp_stages import Stage
 from course_lib.parallel.tp_comm import SequenceParallelLinears, reduce_scatter_along, split_along
 from course_lib.train import (
     TrainConfig,
@@ -686,6 +687,8 @@ def test_padded_vocabulary_is_masked_out_of_the_loss():
     loss.backward()
     assert bool((model.lm_head.weight.grad[257:] == 0).all()) and bool(model.lm_head.weight.grad[:257].any())
     assert param_count(PADDED) == sum(p.numel() for p in model.parameters())
+    stage = Stage(model, 0, 1, range(PADDED.n_layer))  # a pipeline stage runs GPT.head on the same LM head
+    assert bool((stage(x)[..., 257:] == float("-inf")).all())
 
 
 @pytest.mark.parity

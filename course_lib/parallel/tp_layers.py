@@ -170,7 +170,10 @@ class ColumnParallelLinear(TensorParallelModule):
         n = _divide(linear.out_features, t, "out_features")
         rows = (r * n, (r + 1) * n)
         bias = _slice_rows(linear.bias, *rows).data if linear.bias is not None else None
-        return cls(_slice_rows(linear.weight, *rows).data, bias, group, **kwargs)
+        out = cls(_slice_rows(linear.weight, *rows).data, bias, group, **kwargs)
+        if hasattr(linear, "vocab_size"):  # an LM head over a padded vocabulary (``GPT.head`` masks the padding)
+            out.vocab_size = linear.vocab_size
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.project(x, [self])[0] if self.enter_region else F.linear(x, self.weight, self.bias)
