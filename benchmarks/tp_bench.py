@@ -15,7 +15,13 @@ same batch on every rank of the TP group), fp32, AdamW, with the same plan (``tp
   is a little below 1 (0.996 for the default model, 40 collectives against 93; measured 2026-12, 2 cores).
   Measured on the default model, t = 2: time ratio 0.45 (TP) and 0.85 (TP + SP), bytes ratio 1.000 and 0.996.
 
-Run: ``python benchmarks/tp_bench.py [--world-size 2 --d-model 128 --n-layer 4 --seq-len 64 --repeats 7 --sp]``.
+* **Overlap** (``--overlap``): the exposed communication of one column-parallel GEMM under SP, its all-gather
+  done first or decomposed into ring steps overlapped with partial GEMMs (``parallel.tp_overlap``), on the
+  emulated device (a partial GEMM costs ``c``, a ring step ``m``), next to the formulas (t-1) m and
+  (t-1) max(0, m - c); the ratio overlapped / sequential.
+
+Run: ``python benchmarks/tp_bench.py [--world-size 2 --d-model 128 --n-layer 4 --seq-len 64 --repeats 7 --sp]``,
+``python benchmarks/tp_bench.py --overlap [--world-size 4]``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from course_lib import comm
 from course_lib.data import global_batch
 from course_lib.launch import launch
 from course_lib.model import GPT, GPTConfig, lm_loss, num_params
-from course_lib.parallel import tp
+from course_lib.parallel import tp, tp_overlap
 from course_lib.train import TrainConfig, make_optimizer
 
 TIME_GOAL = 1.1
@@ -77,6 +83,19 @@ def _rank(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, sp: bool,
             "calls": (len(log.records), len(dlog.records))}
 
 
+def overlap(t: int, repeats: int) -> None:
+    """Exposed communication of the collective matmul, sequential vs overlapped, measured vs formula."""
+    print(f"collective matmul, t={t}, emulated device: exposed communication (slowest rank, median of {repeats})")
+    print(f"{'c ms':>5} {'m ms':>5} | {'sequential':>10} {'formula':>7} | {'overlapped':>10} {'formula':>7} | ratio")
+    for c_s, m_s in ((0.01, 0.03), (0.02, 0.03), (0.03, 0.03), (0.04, 0.03)):
+        cost = tp_overlap.EmulatedCost(gemm_s=c_s, step_s=m_s)
+        res = launch(tp_overlap.measure_exposed_comm, t, cost, repeats=repeats, timeout=300)
+        seq, ovl = (max(r[k] for r in res) for k in ("sequential", "overlapped"))
+        f_seq, f_ovl = (tp_overlap.exposed_comm_seconds(t, c_s, m_s, o) for o in (False, True))
+        print(f"{c_s * 1e3:>5.0f} {m_s * 1e3:>5.0f} | {seq * 1e3:>10.1f} {f_seq * 1e3:>7.1f} | {ovl * 1e3:>10.1f} "
+              f"{f_ovl * 1e3:>7.1f} | {ovl / seq:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-size", type=int, default=2)
@@ -86,7 +105,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism on both")
+    ap.add_argument("--overlap", action="store_true", help="the collective matmul's exposed comm instead")
     args = ap.parse_args()
+    if args.overlap:
+        overlap(args.world_size, args.repeats)
+        return
     cfg = GPTConfig(bias=False, pos="rope", d_model=args.d_model, n_head=4, n_layer=args.n_layer, seq_len=args.seq_len)
     tc = TrainConfig(global_batch=args.batch)
     res = launch(_rank, args.world_size, cfg, tc, args.sp, args.repeats, timeout=600)

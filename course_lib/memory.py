@@ -521,7 +521,12 @@ def layer_activation_bytes(config: GPTConfig | str, micro_batch: int, seq_len: i
       weight e, product e·h, nonzero indices 16; per token: top-k indices 8k, softmax of top-k e·k
     * RoPE: the cos/sin tables 2·s·(d/2)·4 bytes per layer (not per token)
 
-    Under TP the /t parts are split; the rest are replicated unless ``sp``. Selective recompute (of the core
+    Under TP the /t parts are split; the rest are replicated unless ``sp``: with SP every replicated part is
+    divided by t, including the attention and MLP inputs, because the column-parallel linears after an SP region
+    keep only the s/t input shard and all-gather it again in backward (Megatron-LM's form, what
+    ``course_lib.parallel.tp_comm.sequence_parallel_linears`` does; a linear that saved the gathered input would
+    add 2·e·h·(1 - 1/t) per token). For MHA without RoPE a TP + SP layer is exactly the unsplit layer / t
+    (measured in tests/test_tp.py). Selective recompute (of the core
     attention) drops only the logsumexp here: with a flash kernel there is no s² tensor left to drop, and
     the SDPA output is kept anyway as the o_proj input. Full recompute keeps the layer input e·h (/t with
     SP; what ``torch.utils.checkpoint`` saves per block, checked by the tracker); the paper's Table 2 writes

@@ -228,10 +228,10 @@ class MeshShape:
         if c.ffn_dim % t:
             problems.append(f"tp={t} does not divide d_ff={c.ffn_dim}: the MLP's column-parallel layer splits it "
                             f"(choose tp in {fit(c.ffn_dim)})")
-        if c.vocab_size % t:
-            problems.append(f"tp={t} does not divide vocab_size={c.vocab_size}: the embedding and the loss are "
-                            f"vocab-parallel (pad the vocabulary to a multiple of {t}, or choose tp in "
-                            f"{fit(c.vocab_size)})")
+        if c.padded_vocab_size % t:
+            problems.append(f"tp={t} does not divide vocab_size={c.padded_vocab_size}: the embedding and the loss "
+                            f"are vocab-parallel (pad the vocabulary: GPTConfig(make_vocab_size_divisible_by=k*{t}),"
+                            f" or choose tp in {fit(c.padded_vocab_size)})")
         if v < 1:
             problems.append(f"v={v} model chunks per rank must be >= 1")
         elif uneven_layers and c.n_layer < self.pp * v:

@@ -45,6 +45,11 @@ class GPTConfig:
     with many more expert combinations; ``n_shared_expert`` experts every token passes through, unrouted.
     Node-limited routing (DeepSeek-V3): the experts form ``n_group`` contiguous groups (under expert parallelism
     the experts of one node's ranks) and each token picks its experts from at most ``topk_group`` = M of them.
+
+    ``make_vocab_size_divisible_by`` (Megatron-LM's ``--make-vocab-size-divisible-by``, which it multiplies by
+    the TP degree t): the embedding and the LM head get ``padded_vocab_size = ceil(V / m) * m`` rows, so that t
+    can split a vocabulary it does not divide (pick m = k * t; Megatron's default k is 128). The padded logits
+    are set to -inf (``GPT.head``), so the softmax, the loss and sampling never see them.
     """
 
     vocab_size: int = 256
@@ -69,6 +74,7 @@ class GPTConfig:
     n_shared_expert: int = 0
     n_group: int = 1
     topk_group: int | None = None
+    make_vocab_size_divisible_by: int = 1
     name: str = "tiny"
 
     def __post_init__(self) -> None:
@@ -76,7 +82,8 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         sizes = {"vocab_size": self.vocab_size, "seq_len": self.seq_len, "n_layer": self.n_layer,
-                 "n_head": self.n_head, "d_model": self.d_model}
+                 "n_head": self.n_head, "d_model": self.d_model,
+                 "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by}
         sizes |= {k: v for k, v in (("n_kv_head", self.n_kv_head), ("d_ff", self.d_ff),
                                     ("expert_d_ff", self.expert_d_ff)) if v is not None}
         for name, value in sizes.items():
@@ -118,6 +125,13 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by`` (the rows the embedding
+        and the LM head hold; the ids >= ``vocab_size`` are padding, never a token)."""
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
 
     @property
     def ffn_dim(self) -> int:
@@ -180,9 +194,9 @@ def block_params(c: GPTConfig, active_only: bool = False) -> int:
 
 
 def param_count(c: GPTConfig, active_only: bool = False) -> int:
-    """Total parameters: embeddings + L blocks + final norm + head (untied)."""
-    emb = c.vocab_size * c.d_model + (c.seq_len * c.d_model if c.pos == "learned" else 0)
-    head = 0 if c.tie_embeddings else c.vocab_size * c.d_model
+    """Total parameters: embeddings + L blocks + final norm + head (untied); the vocabulary padded."""
+    emb = c.padded_vocab_size * c.d_model + (c.seq_len * c.d_model if c.pos == "learned" else 0)
+    head = 0 if c.tie_embeddings else c.padded_vocab_size * c.d_model
     return emb + c.n_layer * block_params(c, active_only) + norm_params(c) + head
 
 
@@ -575,11 +589,13 @@ class GPT(nn.Module):
         super().__init__()
         c = self.config = config
         with torch.random.fork_rng(devices=[]):  # torch's default inits draw from the global RNG: leave it as it was
-            self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+            self.tok_emb = nn.Embedding(c.padded_vocab_size, c.d_model)
             self.pos_emb = nn.Embedding(c.seq_len, c.d_model) if c.pos == "learned" else None
             self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
             self.norm_f = make_norm(c)
-            self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+            self.lm_head = nn.Linear(c.d_model, c.padded_vocab_size, bias=False)
+        if c.padded_vocab_size != c.vocab_size:
+            self.lm_head.vocab_size = c.vocab_size  # the real vocabulary: the rows beyond it are padding
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
@@ -604,7 +620,16 @@ class GPT(nn.Module):
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm_f(x))
+        """Final norm and LM head; the padded vocabulary's logits -inf. The LM head carries the real
+        ``vocab_size`` when the vocabulary is padded (so a pipeline stage or a TP shard of it masks too; under TP
+        the shard's first id is its ``output_start``). Reads only ``norm_f`` and ``lm_head``."""
+        logits = self.lm_head(self.norm_f(x))
+        vocab = getattr(self.lm_head, "vocab_size", None)
+        if vocab is None:
+            return logits
+        start = getattr(self.lm_head, "output_start", 0)
+        ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
+        return logits.masked_fill(ids >= vocab, float("-inf"))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [B, T] token ids -> logits [B, T, vocab]."""

@@ -39,6 +39,7 @@ from course_lib.parallel.cp import (
     ring_sends_per_layer,
     train_cp,
 )
+from course_lib.parallel.cp_ulysses import AllToAll, UlyssesExchange, ulysses_attention, ulysses_bytes_per_rank
 from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -89,8 +90,22 @@ class LocalRoPE(CPAttention):
         return super().rotary(q, k, torch.arange(positions.numel(), device=positions.device))
 
 
+class HeadDimResplit(UlyssesExchange):
+    """Ulysses re-split along the wrong dim: chunks of head_dim instead of whole heads go to each rank (the shapes
+    still fit, so nothing complains; every rank attends over slices of every head)."""
+
+    def to_heads(self, x, group):
+        return AllToAll.apply(x, 3, 2, group)
+
+    def to_sequence(self, x, group):
+        return AllToAll.apply(x, 2, 3, group)
+
+
+DOC_STARTS = [0, 7, 15]  # three packed documents in the 24 tokens (not aligned with any chunk)
 KERNELS = {"ok": ca.BlockAttention, "stale_kv": StaleKVBackward, "unshifted": UnshiftedMerge,
-           "local_mask": ChunkLocalMask}
+           "local_mask": ChunkLocalMask, "doc": lambda: ca.DocumentMaskAttention(DOC_STARTS),
+           "head_dim_resplit": ca.BlockAttention}
+ALGORITHM_FNS = {"ring": ca.ring_attention, "allgather": ca.allgather_attention, "ulysses": ulysses_attention}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,17 +123,27 @@ def _attention_case(rank: int, cp: int, layout: str, causal: bool, h_kv: int, al
                     scale: float = 1.0) -> dict[str, float]:
     q, k, v, d_out = _inputs(h_kv, scale)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = ca.reference_attention(*full, causal=causal)
+    if kernel == "doc":  # the block-diagonal causal mask, on the whole sequence
+        doc_mask = KERNELS["doc"]().mask(torch.arange(S), torch.arange(S))
+        ref = torch.nn.functional.scaled_dot_product_attention(full[0], *(ca.expand_kv(t, H) for t in full[1:]),
+                                                               attn_mask=doc_mask)
+    else:
+        ref = ca.reference_attention(*full, causal=causal)
     ref.backward(d_out)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
         return ca.shard_sequence(t, rank, cp, layout, dim=2)
 
     local = [mine(t).requires_grad_() for t in (q, k, v)]
-    fn = ca.ring_attention if algorithm == "ring" else ca.allgather_attention
+    fn = ALGORITHM_FNS[algorithm]
+    if kernel == "head_dim_resplit":
+        fn = functools.partial(ulysses_attention, exchange=HeadDimResplit())
     stats = ca.AttentionStats()
-    out = fn(*local, ca.all_positions(S, cp, layout), ca.chunks_per_rank(layout), causal, None, KERNELS[kernel](),
-             stats)
+    try:
+        out = fn(*local, ca.all_positions(S, cp, layout), ca.chunks_per_rank(layout), causal, None,
+                 KERNELS[kernel](), stats)
+    except ValueError as e:  # Ulysses with more ranks than K/V heads: refused before any communication
+        return {"error": str(e)}
     out.backward(mine(d_out))
     got = [out, *(t.grad for t in local)]
     want = [ref, *(t.grad for t in full)]
@@ -132,8 +157,12 @@ def _attention_case(rank: int, cp: int, layout: str, causal: bool, h_kv: int, al
 
 ATTENTION_CASES = [(layout, causal, h_kv, algorithm, "ok") for layout in ca.LAYOUTS for causal in (True, False)
                    for h_kv in (H, 2) for algorithm in ("ring", "allgather")]
+ATTENTION_CASES += [(layout, causal, h_kv, "ulysses", "ok") for layout in ca.LAYOUTS for causal in (True, False)
+                    for h_kv in (H, 2)]
+ATTENTION_CASES += [(layout, True, h_kv, algorithm, "doc") for layout in ca.LAYOUTS for h_kv in (H, 2)
+                    for algorithm in ("ring", "allgather", "ulysses")]
 ATTENTION_CASES += [("zigzag", True, 2, "ring", "stale_kv"), ("contiguous", True, H, "ring", "local_mask"),
-                    ("zigzag", True, H, "ring", "local_mask")]
+                    ("zigzag", True, H, "ring", "local_mask"), ("zigzag", True, H, "ulysses", "head_dim_resplit")]
 
 
 def _suite(rank: int, cp: int) -> dict:
@@ -141,11 +170,16 @@ def _suite(rank: int, cp: int) -> dict:
     out["large"] = {name: _attention_case(rank, cp, "zigzag", True, H, "ring", name, scale=60.0)
                     for name in ("ok", "unshifted")}
     train = {}
-    for key, cfg, tc, kw in [("sgd_zigzag", CFG, SGD, {"layout": "zigzag"}),
-                             ("sgd_contiguous", CFG, SGD, {"layout": "contiguous"}),
-                             ("adamw_rope_gqa", ROPE_GQA, ADAMW, {"layout": "zigzag"}),
-                             ("sgd_allgather", ROPE_GQA, SGD, {"layout": "zigzag", "algorithm": "allgather"}),
-                             ("local_rope", ROPE_GQA, SGD, {"layout": "zigzag", "attention_class": LocalRoPE})]:
+    runs = [("sgd_zigzag", CFG, SGD, {"layout": "zigzag"}),
+            ("sgd_contiguous", CFG, SGD, {"layout": "contiguous"}),
+            ("adamw_rope_gqa", ROPE_GQA, ADAMW, {"layout": "zigzag"}),
+            ("sgd_allgather", ROPE_GQA, SGD, {"layout": "zigzag", "algorithm": "allgather"}),
+            ("local_rope", ROPE_GQA, SGD, {"layout": "zigzag", "attention_class": LocalRoPE}),
+            ("sgd_ulysses", CFG, SGD, {"layout": "zigzag", "algorithm": "ulysses"}),
+            ("sgd_ulysses_contiguous", CFG, SGD, {"layout": "contiguous", "algorithm": "ulysses"})]
+    if cp <= ROPE_GQA.kv_heads:
+        runs.append(("adamw_rope_gqa_ulysses", ROPE_GQA, ADAMW, {"layout": "zigzag", "algorithm": "ulysses"}))
+    for key, cfg, tc, kw in runs:
         train[key] = train_cp(rank, cp, cfg, tc, **kw)
     if cp == 4:
         train["dp2_cp2"] = train_cp(rank, cp, ROPE_GQA, SGD, mesh=Mesh(dp=2, cp=2), layout="zigzag")
@@ -265,6 +299,38 @@ def test_fully_masked_rows_give_zero_not_nan():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("d_scale", [1.0, 1e3])
+def test_fully_masked_rows_have_finite_gradients_in_every_form(d_scale):
+    """Autograd through the block forward (the all-gather form), the merge of two blocks, and the ring's explicit
+    block backward: a row that sees no key gets zero gradients, never NaN, also for |dO| = 1e3; the other rows'
+    gradients equal SDPA's with the same mask."""
+    q, k, v, d_out = _inputs(H)
+    d_out = d_out * d_scale
+    mask = ca.BlockAttention().mask(torch.arange(S), torch.arange(S))
+    mask[3] = False  # row 3 sees no key at all
+    kernel = ca.BlockAttention()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = kernel.forward(*leaves, D ** -0.5, mask)
+    out.backward(d_out)
+    assert all(bool(torch.isfinite(t.grad).all()) for t in leaves)
+    assert bool((leaves[0].grad[:, :, 3] == 0).all())
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, attn_mask=mask)
+    keep = torch.ones(S, dtype=torch.bool)
+    keep[3] = False
+    (ref[:, :, keep] * d_out[:, :, keep]).sum().backward()  # SDPA gives NaN on the empty row: leave it out
+    scale = max(float(t.grad.abs().max()) for t in ref_leaves)
+    assert float((leaves[0].grad[:, :, keep] - ref_leaves[0].grad[:, :, keep]).abs().max()) <= TOL * scale
+    for mine, theirs in zip(leaves[1:], ref_leaves[1:], strict=True):
+        assert float((mine.grad - theirs.grad).abs().max()) <= TOL * scale
+    merged = [t.clone().requires_grad_() for t in (q, k, v)]
+    m_out, _ = _split_and_merge(kernel, *merged, mask)
+    m_out.backward(d_out)
+    assert all(bool(torch.isfinite(t.grad).all()) for t in merged)
+    grads = kernel.backward(q, k, v, D ** -0.5, mask, d_out, lse.detach(), (d_out * out.detach()).sum(-1))
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
 def test_block_backward_equals_autograd():
     q, k, v, d_out = _inputs(2)
     mask = ca.BlockAttention().mask(torch.arange(S), torch.arange(S))
@@ -283,11 +349,72 @@ def test_block_backward_equals_autograd():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if c[-1] == "ok"], ids=str)
+@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if c[-1] in ("ok", "doc")], ids=str)
 def test_attention_equals_full_attention(cp, case):
+    """Ring, all-gather and Ulysses (MHA and GQA, causal or not, both layouts), and the document (block-diagonal
+    causal) mask in all three: output and dQ, dK, dV equal SDPA's on the whole sequence. Ulysses with more
+    ranks than K/V heads (2 K/V heads at cp = 4) is refused instead, with the fix in the message."""
+    _layout, _causal, h_kv, algorithm, _kernel = case
     for rank, res in enumerate(suite(cp)):
         d = res["attention"][case]
+        if algorithm == "ulysses" and cp > h_kv:
+            assert all(w in d["error"] for w in (f"cp={cp}", f"{h_kv} K/V heads", "algorithm='ring'")), d
+            continue
         assert max(d["out"], d["dq"], d["dk"], d["dv"]) < TOL, (rank, d)
+        assert d["finite"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_document_mask_skips_cross_document_blocks_in_the_ring(cp):
+    """Packed documents cut the ring's work: only same-document causal pairs are computed."""
+    doc = ca.DocumentMaskAttention(DOC_STARTS)
+    for layout in ca.LAYOUTS:
+        got = [r["attention"][(layout, True, H, "ring", "doc")]["pairs"] for r in suite(cp)]
+        want = [int(doc.mask(ca.positions(S, r, cp, layout), torch.arange(S)).sum()) for r in range(cp)]
+        assert got == want and sum(got) < sum(ca.causal_pairs(S, cp, layout))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_mutation_ulysses_resplit_along_head_dim_fails(cp):
+    res = [r["attention"][("zigzag", True, H, "ulysses", "head_dim_resplit")] for r in suite(cp)]
+    assert any(d["out"] > 1e-3 for d in res), res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_balances_causal_work_in_any_layout(cp):
+    """Every rank attends over the whole sequence for H/cp heads: the same visible pairs on every rank."""
+    for layout in ca.LAYOUTS:
+        pairs = [r["attention"][(layout, True, H, "ulysses", "ok")]["pairs"] for r in suite(cp)]
+        assert pairs == [S * (S + 1) // 2] * cp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_comm_equals_formula(cp):
+    """Measured (our own send/recv): per layer and rank, forward and backward each (cp-1)/cp x B (s/cp) d e x
+    (2H + 2H_kv); one send per peer per all-to-all (4 all-to-alls each way)."""
+    want = ulysses_bytes_per_rank(S, SGD.global_batch, CFG.n_head, CFG.kv_heads, CFG.head_dim, cp, 4)
+    for result in suite(cp):
+        for step in result["train"]["sgd_ulysses"].step_comm:
+            sent = [r for r in step if r.op == "send"]
+            assert len(sent) == CFG.n_layer * 8 * (cp - 1)
+            assert sum(r.sent_bytes for r in sent) == CFG.n_layer * (want["forward"] + want["backward"])
+            assert sum(r.recv_bytes for r in step if r.op == "recv") == sum(r.sent_bytes for r in sent)
+
+
+def test_ulysses_moves_fewer_bytes_than_the_ring_past_1_plus_h_over_hkv():
+    """Per layer forward: Ulysses (cp-1)/cp (2H + 2H_kv) n against the ring's (cp-1) 2 H_kv n (n = B s/cp d e):
+    Ulysses wins once cp > 1 + H/H_kv (MHA: cp > 2)."""
+    for h, hkv in ((32, 32), (32, 8)):
+        for cp in (2, 4, 8):
+            if hkv % cp:
+                continue
+            ulysses = ulysses_bytes_per_rank(4096, 1, h, hkv, 128, cp, 2)["forward"]
+            ring = (cp - 1) * ring_kv_bytes(4096, 1, hkv, 128, cp, 2)
+            assert (ulysses < ring) == (cp > 1 + h // hkv), (h, hkv, cp)
 
 
 @pytest.mark.slow
@@ -334,8 +461,12 @@ def test_mutation_chunk_local_mask_fails(cp, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("key, cfg, tc", [("sgd_zigzag", CFG, SGD), ("sgd_contiguous", CFG, SGD),
-                                          ("adamw_rope_gqa", ROPE_GQA, ADAMW), ("sgd_allgather", ROPE_GQA, SGD)])
+                                          ("adamw_rope_gqa", ROPE_GQA, ADAMW), ("sgd_allgather", ROPE_GQA, SGD),
+                                          ("sgd_ulysses", CFG, SGD), ("sgd_ulysses_contiguous", CFG, SGD),
+                                          ("adamw_rope_gqa_ulysses", ROPE_GQA, ADAMW)])
 def test_whole_model_parity(cp, key, cfg, tc):
+    if key == "adamw_rope_gqa_ulysses" and cp > ROPE_GQA.kv_heads:
+        pytest.skip("Ulysses needs cp <= n_kv_head (the refusal is tested on the attention)")
     ref = baseline(cfg, tc)
     for result in suite(cp):
         report = compare(ref, result["train"][key])
@@ -437,8 +568,10 @@ def _bad_inputs(rank: int, world_size: int) -> list[str]:
     for call in (lambda: ca.ring_attention(q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), pos, 2),
                  lambda: ca.ring_attention(q, kv, kv, pos[:, :2], 2),
                  lambda: ca.ring_attention(q[0], kv, kv, pos, 2),
-                 lambda: ContextParallel(GPT(CFG), group=None, algorithm="ulysses"),
-                 lambda: ContextParallel(GPT(CFG), layout="zigzag")(torch.zeros(1, 5, dtype=torch.long))):
+                 lambda: ContextParallel(GPT(CFG), group=None, algorithm="striped"),
+                 lambda: ContextParallel(GPT(CFG), layout="zigzag")(torch.zeros(1, 5, dtype=torch.long)),
+                 lambda: ContextParallel(GPT(CFG.with_(n_kv_head=1)), algorithm="ulysses")(
+                     torch.zeros(1, S // world_size, dtype=torch.long))):
         try:
             call()
             errors.append("no error")
@@ -451,6 +584,7 @@ def test_bad_inputs_raise_clear_errors():
     errors = launch(_bad_inputs, 2, timeout=LAUNCH_TIMEOUT)[0]
     assert "share" in errors[0] and "positions must be" in errors[1] and "expected q" in errors[2]
     assert "unknown algorithm" in errors[3] and "equal chunks" in errors[4]
+    assert "1 K/V heads do not both divide by 2" in errors[5] and "algorithm='ring'" in errors[5]
 
 
 def test_mesh_and_group_together_raise():

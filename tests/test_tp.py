@@ -18,6 +18,7 @@ AdamW turns such relative noise into steps of lr-size: the single-process fp32 r
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -30,10 +31,11 @@ from course_lib.launch import RankError, RankTimeout, launch
 from course_lib.memory import layer_activation_bytes
 from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
-from course_lib.model import GPT, MLP, Attention, Block, GPTConfig, lm_loss
-from course_lib.parallel import tp
+from course_lib.model import GPT, MLP, Attention, Block, GPTConfig, lm_loss, param_count
+from course_lib.parallel import tp, tp_overlap
 from course_lib.parallel.placement import Partial, Shard, clip_grad_norm_, placement
-from course_lib.parallel.tp_comm import split_along
+from course_lib.parallel.pp_stages import Stage
+from course_lib.parallel.tp_comm import SequenceParallelLinears, reduce_scatter_along, split_along
 from course_lib.train import (
     TrainConfig,
     TrainResult,
@@ -50,6 +52,7 @@ CFG = GPTConfig(bias=False)  # GELU, LayerNorm, learned positions, MHA
 GQA = GPTConfig(bias=False, n_kv_head=2, mlp="swiglu", norm="rmsnorm", pos="rope")  # t=4: K/V replicated
 BIASED = GPTConfig()  # with biases: row-parallel biases are partial under SP
 TIED = CFG.with_(tie_embeddings=True)
+PADDED = CFG.with_(vocab_size=257, make_vocab_size_divisible_by=4)  # 260 rows: t = 2 and 4 split the padding
 SGD = TrainConfig(optimizer="sgd", lr=1e-2)
 ADAMW = TrainConfig(optimizer="adamw", lr=1e-3)
 CLIP = 0.5
@@ -78,6 +81,62 @@ class ForgetsNormSync(tp.TensorParallel):
 
     def finish_gradient_sync(self) -> None:
         pass
+
+
+class SavesGathered:
+    """SP the short way: all-gather the shard (g-bar), then ordinary linears, which save the gathered input
+    [b, s, h] instead of the s/t shard, so SP shrinks only the norms' activations."""
+
+    def project(self, x: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, ...]:
+        x = tp.gather_from_sequence_parallel_region(x, self.group)
+        return tuple(F.linear(x, m.weight, m.bias) for m in linears)
+
+
+class SavesGatheredAttention(SavesGathered, tp.TensorParallelAttention):
+    pass
+
+
+class SavesGatheredMLP(SavesGathered, tp.TensorParallelMLP):
+    pass
+
+
+class RegatherSkipped(tp.TensorParallel):
+    attention_class, mlp_class = SavesGatheredAttention, SavesGatheredMLP
+
+
+class _NoRegather(SequenceParallelLinears):
+    """Saves the s/t shard like Megatron-LM but skips the backward re-gather: each rank's weight gradient comes
+    from its own tokens only (dW = dY_own^T x_own), a t-th of the sum."""
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        grad_x = reduce_scatter_along(sum(g @ w for g, w in zip(grads, weights, strict=True)), 1, ctx.group)
+        out: list[torch.Tensor | None] = [grad_x, None]
+        for g, has_bias in zip(grads, ctx.has_bias, strict=True):
+            own = split_along(g, 1, ctx.group).reshape(-1, g.shape[-1])
+            out += [own.t() @ x.reshape(-1, x.shape[-1]), own.sum(0) if has_bias else None]
+        return tuple(out)
+
+
+class NoRegatherProject:
+    def project(self, x: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, ...]:
+        return _NoRegather.apply(x, self.group, *(p for m in linears for p in (m.weight, m.bias)))
+
+
+class NoRegather(tp.TensorParallel):
+    attention_class = type("NoRegatherAttention", (NoRegatherProject, tp.TensorParallelAttention), {})
+    mlp_class = type("NoRegatherMLP", (NoRegatherProject, tp.TensorParallelMLP), {})
+
+
+class OverlappedTP(tp.TensorParallel):
+    """SP with every column-parallel GEMM as a collective matmul (``tp_overlap``; ``comm_overlap`` on)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for m in self.module.modules():
+            if isinstance(m, tp.TensorParallelModule):
+                m.comm_overlap = True
 
 
 class GathersLogits(tp.TensorParallel):
@@ -202,21 +261,49 @@ def _layer_suite(rank: int, world_size: int) -> dict:
         (got * (split_along(w, 1, None) if sp else w)).sum().backward()
         out["embedding", sp] = {"out": _rel(got, split_along(ref_out, 1, None) if sp else ref_out),
                                 "grad": _rel(par.weight.grad, emb.weight.grad.chunk(t)[r]), "fwd": _ops(log.records)}
-    # activation memory of one block, with and without SP
-    for sp in (False, True):
+    # the collective matmul (overlapped or not) against the gathered GEMM, and with step-indexed output rows
+    lin1, lin2 = nn.Linear(64, 32), nn.Linear(64, 16, bias=False)
+    xs = _rand(2, 8, 64, seed=21)
+    for variant in ("overlapped", "sequential", "step_indexed"):
+        x_ref = xs.clone().requires_grad_(True)
+        refs = (lin1(x_ref), lin2(x_ref))
+        ws = [_rand(*y.shape, seed=22 + i) for i, y in enumerate(refs)]
+        for p in (*lin1.parameters(), *lin2.parameters()):
+            p.grad = None
+        sum((y * w).sum() for y, w in zip(refs, ws, strict=True)).backward()
+        ref_grads = [lin1.weight.grad.chunk(t)[r], lin1.bias.grad.chunk(t)[r], lin2.weight.grad.chunk(t)[r]]
+        params = [p.detach().chunk(t)[r].clone().requires_grad_(True) for p in (lin1.weight, lin1.bias, lin2.weight)]
+        x_par = split_along(xs, 1, None).requires_grad_(True)
+        seam = (lambda rank, step, n: step) if variant == "step_indexed" else tp_overlap.ring_source
+        with mock.patch.object(tp_overlap, "ring_source", seam), comm.recording() as fwd:
+            ys = tp_overlap.collective_matmul(x_par, [(params[0], params[1]), (params[2], None)],
+                                              overlap=variant != "sequential")
+        sum((y * w.chunk(t, -1)[r]).sum() for y, w in zip(ys, ws, strict=True)).backward()
+        out["collective_matmul", variant] = {
+            "out": max(_rel(y, ref.chunk(t, -1)[r]) for y, ref in zip(ys, refs, strict=True)),
+            "x_grad": _rel(x_par.grad, split_along(x_ref.grad, 1, None)),
+            "grads": {i: _rel(p.grad, g) for i, (p, g) in enumerate(zip(params, ref_grads, strict=True))},
+            "fwd": _ops(fwd.records)}
+    # activation memory of one block: unsplit, TP, TP + SP, and SP keeping the gathered input
+    for sp in ("unsplit", False, True, "regather_skipped"):
         block = Block(CFG)
-        block.attn = tp.TensorParallelAttention(block.attn, sequence_parallel=sp)
-        block.mlp = tp.TensorParallelMLP(block.mlp, sequence_parallel=sp)
+        if sp != "unsplit":
+            attn, mlp = (SavesGatheredAttention, SavesGatheredMLP) if sp == "regather_skipped" else \
+                (tp.TensorParallelAttention, tp.TensorParallelMLP)
+            block.attn = attn(block.attn, sequence_parallel=bool(sp))
+            block.mlp = mlp(block.mlp, sequence_parallel=bool(sp))
         xb = _rand(4, CFG.seq_len, CFG.d_model, seed=13)
-        xb = (split_along(xb, 1, None) if sp else xb).requires_grad_(True)
+        xb = (split_along(xb, 1, None) if sp in (True, "regather_skipped") else xb).requires_grad_(True)
         with MemoryTracker(block) as mt:
             yb = block(xb)
             out["activations", sp] = mt.current["activations"]
         del yb
-    # vocab-parallel cross-entropy, ordinary and scaled by 1000
-    for scale in (1.0, 1000.0):
-        logits = _rand(2, 8, 256, seed=11) * scale
+    # vocab-parallel cross-entropy, ordinary, scaled by 1000, and with ignored targets (-100)
+    for scale in (1.0, 1000.0, "ignore"):
+        logits = _rand(2, 8, 256, seed=11) * (1.0 if scale == "ignore" else scale)
         targets = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(12))
+        if scale == "ignore":
+            targets[0, :3] = targets[1, 5] = -100
         full = logits.clone().requires_grad_(True)
         ref_loss = F.cross_entropy(full.reshape(-1, 256), targets.reshape(-1))
         ref_loss.backward()
@@ -247,11 +334,14 @@ RUNS = {  # name -> (cfg, tc, sequence_parallel, tp_class, clip)
     "biased_sgd_sp": (BIASED, SGD, True, tp.TensorParallel, None),
     "tied_sgd_sp": (TIED, SGD, True, tp.TensorParallel, None),
     "clip_sgd_sp": (CFG, SGD, True, tp.TensorParallel, CLIP),
+    "padded_sgd_sp": (PADDED, SGD, True, tp.TensorParallel, None),
+    "overlap_sgd_sp": (GQA, SGD, True, OverlappedTP, None),
     "broken_no_f_backward": (CFG, SGD, False, NoFBackward, None),
     "broken_norm_sync": (CFG, SGD, True, ForgetsNormSync, None),
     "broken_gathered_logits": (CFG, SGD, False, GathersLogits, None),
     "broken_gqa_split": (GQA, SGD, False, WrongGQA, None),
     "broken_clip_norm": (CFG, SGD, True, CountsReplicatedPerRank, CLIP),
+    "broken_no_regather": (CFG, SGD, True, NoRegather, None),
 }
 
 
@@ -269,6 +359,9 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
                                                     group=torch.distributed.group.WORLD),
         "no_plan": lambda: tp.TensorParallel(nn.Linear(4, 4)),
         "targets": lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.zeros(2, 4, dtype=torch.long)),
+        "target_range": lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64),
+                                                                torch.full((2, 3), 64 * world_size)),
+        "negative_target": lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.full((2, 3), -1)),
     }
     out = {}
     for name, build in cases.items():
@@ -400,9 +493,9 @@ def test_mlp_matches_one_process_and_communicates_once_each_way(layers, mlp):
         for sp in (False, True):
             got = res["mlp", mlp, sp]
             _assert_layer(got, f"{mlp} MLP, t={t}, sp={sp}, rank {r}")
-            if sp:  # all-gather in, reduce-scatter out; backward reversed
+            if sp:  # all-gather in, reduce-scatter out; backward reversed, with the input re-gathered
                 assert got["fwd"] == [("all_gather", v), ("reduce_scatter", v)]
-                assert got["bwd"] == [("all_gather", v), ("reduce_scatter", v)]
+                assert got["bwd"] == [("all_gather", v), ("all_gather", v), ("reduce_scatter", v)]
             else:  # g forward, f backward
                 assert got["fwd"] == [("all_reduce", v)]
                 assert got["bwd"] == [("all_reduce", v)]
@@ -452,10 +545,11 @@ def test_vocab_parallel_embedding(layers):
             assert got["fwd"] == [(op, v)]
 
 
-@pytest.mark.parametrize("scale", [1.0, 1000.0])
+@pytest.mark.parametrize("scale", [1.0, 1000.0, "ignore"])
 def test_vocab_parallel_cross_entropy(layers, scale):
-    """Equal to F.cross_entropy (also for logits x1000), gradient of every shard = the slice of the full gradient,
-    3 all-reduces of b*s fp32 forward and nothing backward."""
+    """Equal to F.cross_entropy (also for logits x1000, and with targets -100 ignored: mean over the others, no
+    gradient), gradient of every shard = the slice of the full gradient, 3 all-reduces of b*s fp32 forward and
+    nothing backward."""
     _t, per_rank = layers
     for r, res in enumerate(per_rank):
         got = res["ce", scale]
@@ -466,15 +560,31 @@ def test_vocab_parallel_cross_entropy(layers, scale):
         assert got["bwd"] == []
 
 
+def test_collective_matmul_equals_the_gathered_gemm(layers):
+    """Two column-parallel GEMMs on the ring-gathered shards, overlapped and not: outputs, input and weight
+    gradients equal the single-process linears'; forward moves exactly the all-gather's bytes by our own sends:
+    t - 1 shards of b s/t h fp32 per rank. Writing each partial GEMM at its step's index instead of its source
+    rank's (a mutation) scrambles the rows."""
+    t, per_rank = layers
+    shard = 2 * 8 // t * 64 * 4
+    for r, res in enumerate(per_rank):
+        for variant in ("overlapped", "sequential"):
+            got = res["collective_matmul", variant]
+            _assert_layer(got, f"collective matmul {variant}, t={t}, rank {r}")
+            assert max(got["grads"].values()) <= LAYER_RTOL, got["grads"]
+            assert sorted(got["fwd"]) == sorted([("send", shard), ("recv", shard)] * (t - 1)), got["fwd"]
+    assert any(res["collective_matmul", "step_indexed"]["out"] > 1e-3 for res in per_rank)
+
+
 def test_activation_memory_with_and_without_sp_matches_formula(layers):
-    """Measured (MemoryTracker) activations of one block per rank equal the adapted formula to the byte; SP saves
-    less than TP alone: the norm regions shrink by t, the gathered linear inputs stay whole
-    (``tp.layer_activation_bytes_tp``)."""
+    """Measured (MemoryTracker) activations of one block per rank equal the adapted formula to the byte, and
+    TP + SP holds exactly 1/t of the unsplit block's (MHA, learned positions: every saved tensor is split)."""
     t, per_rank = layers
     for res in per_rank:
         for sp in (False, True):
             assert res["activations", sp] == tp.layer_activation_bytes_tp(CFG, 4, t, sp), (t, sp)
-        assert res["activations", True] < res["activations", False]
+        assert res["activations", True] * t == res["activations", "unsplit"]
+        assert res["activations", "regather_skipped"] > res["activations", True]
     assert per_rank[0]["activations", False] == layer_activation_bytes(CFG, 4, CFG.seq_len, tp=t, formula="adapted",
                                                                        element_bytes=4)
 
@@ -485,7 +595,7 @@ def test_activation_memory_with_and_without_sp_matches_formula(layers):
 
 @pytest.mark.parity
 @pytest.mark.parametrize("name", ["sgd", "sgd_sp", "adamw", "adamw_sp", "gqa_sgd", "gqa_sgd_sp", "biased_sgd_sp",
-                                  "tied_sgd_sp", "clip_sgd_sp"])
+                                  "tied_sgd_sp", "clip_sgd_sp", "padded_sgd_sp", "overlap_sgd_sp"])
 def test_gpt_parity_with_one_process(models, name):
     t, per_rank = models
     cfg, tc, _sp, _cls, clip = RUNS[name]
@@ -532,13 +642,14 @@ def test_grad_norm_clipping_counts_each_shard_once(models):
 @pytest.mark.parametrize("name", ["sgd", "sgd_sp", "gqa_sgd", "gqa_sgd_sp", "biased_sgd_sp"])
 def test_comm_log_equals_formula(models, name):
     """Every collective of a step, in order, with its bytes: 2 all-reduces of b*s*h forward and 2 backward per
-    block (SP: all-gather + reduce-scatter of the same bytes), the loss's 3 scalar all-reduces, the sync."""
+    block (SP: all-gather + reduce-scatter of the same bytes, and the backward re-gather of each region's input),
+    the loss's 3 scalar all-reduces, the sync."""
     t, per_rank = models
     cfg, tc, sp, *_ = RUNS[name]
     expected = _expected_ops(cfg, tc, t, sp)
     v = tc.global_batch * cfg.seq_len * cfg.d_model * 4
     blocks = [c for c in tp.step_collectives(cfg, tc.global_batch, t, sp) if c.where.startswith("blocks.0.")]
-    assert [c.tensor_bytes for c in blocks] == [v] * (8 if sp else 4)
+    assert [c.tensor_bytes for c in blocks] == [v] * (10 if sp else 4)  # SP: + 2 backward re-gathers
     for r, res in enumerate(per_rank):
         for step, records in enumerate(res[name].step_comm):
             assert _ops(records) == expected, f"rank {r} step {step}"
@@ -547,21 +658,69 @@ def test_comm_log_equals_formula(models, name):
                 assert rec.sent_bytes == factor * (t - 1) * rec.tensor_bytes // t
 
 
-def test_sp_moves_the_same_bytes_as_tp(models):
+def test_sp_moves_tp_bytes_plus_the_backward_regathers(models):
+    """SP's all-gather + reduce-scatter pairs move TP's all-reduce bytes; the re-gather of each region's input
+    in backward (and of the LM head's) adds (t-1)/t V each."""
     t, per_rank = models
+    v = 8 * 32 * 64 * 4
 
     def block_bytes(name: str) -> int:
-        return sum(r.sent_bytes for r in per_rank[0][name].step_comm[0] if r.tensor_bytes == 8 * 32 * 64 * 4)
+        return sum(r.sent_bytes for r in per_rank[0][name].step_comm[0] if r.tensor_bytes == v)
 
-    assert block_bytes("sgd") == block_bytes("sgd_sp")
-    assert block_bytes("sgd") == (CFG.n_layer * tp.block_bytes_per_rank(8, 32, 64, t, 4)
-                                  + 2 * 2 * (t - 1) * 8 * 32 * 64 * 4 // t)  # + embedding and LM head
+    ends = 2 * 2 * (t - 1) * v // t  # the embedding's and the LM head's all-reduce (SP: RS + AG each)
+    assert block_bytes("sgd") == CFG.n_layer * tp.block_bytes_per_rank(8, 32, 64, t, 4) + ends
+    assert block_bytes("sgd_sp") == (CFG.n_layer * tp.block_bytes_per_rank(8, 32, 64, t, 4, sequence_parallel=True)
+                                     + ends + (t - 1) * v // t)  # + the LM head's re-gather
+    assert block_bytes("sgd_sp") - block_bytes("sgd") == (2 * CFG.n_layer + 1) * (t - 1) * v // t
+
+
+def test_padded_vocabulary_is_masked_out_of_the_loss():
+    """257 tokens padded to 260 rows: the padded logits are -inf, the loss is the cross-entropy over the 257 real
+    ones, and the padded rows of the LM head get no gradient."""
+    model = GPT(PADDED)
+    assert model.tok_emb.weight.shape[0] == model.lm_head.weight.shape[0] == PADDED.padded_vocab_size == 260
+    x, y = global_batch(0, 2, PADDED.seq_len, 0)
+    logits = model(x)
+    assert bool((logits[..., 257:] == float("-inf")).all()) and bool(torch.isfinite(logits[..., :257]).all())
+    loss = lm_loss(logits, y)
+    assert loss.item() == F.cross_entropy(logits[..., :257].reshape(-1, 257), y.reshape(-1)).item()
+    loss.backward()
+    assert bool((model.lm_head.weight.grad[257:] == 0).all()) and bool(model.lm_head.weight.grad[:257].any())
+    assert param_count(PADDED) == sum(p.numel() for p in model.parameters())
+    stage = Stage(model, 0, 1, range(PADDED.n_layer))  # a pipeline stage runs GPT.head on the same LM head
+    assert bool((stage(x)[..., 257:] == float("-inf")).all())
 
 
 @pytest.mark.parity
 def test_missing_f_backward_breaks_parity(models):
     _t, per_rank = models
     assert not compare(baseline(CFG, SGD), per_rank[0]["broken_no_f_backward"]).ok
+
+
+def test_overlapped_tp_replaces_the_forward_all_gathers_by_ring_sends(models):
+    """With the collective matmul, each forward all-gather of a region (and of the LM head) becomes t - 1 sends of
+    one s/t shard: the same bytes, by our own send/recv."""
+    t, per_rank = models
+    v = 8 * GQA.seq_len * GQA.d_model * 4
+    planned = tp.step_collectives(GQA, 8, t, True)
+    gathers = [c for c in planned if c.phase == "forward" and c.op == "all_gather"]
+    for res in per_rank:
+        step = res["overlap_sgd_sp"].step_comm[0]
+        sends = [rec for rec in step if rec.op == "send"]
+        assert len(sends) == len(gathers) * (t - 1) and {rec.sent_bytes for rec in sends} == {v // t}
+        assert sum(rec.sent_bytes for rec in sends) == sum((t - 1) * c.tensor_bytes // t for c in gathers)
+        backward_gathers = [c for c in planned if c.phase == "backward" and c.op == "all_gather"]
+        assert len([rec for rec in step if rec.op == "all_gather"]) == len(backward_gathers)
+
+
+@pytest.mark.parity
+def test_sp_without_the_backward_regather_breaks_parity(models):
+    """Weight gradients from each rank's own s/t tokens (the shard saved, never re-gathered) are a t-th of the
+    sum: the q/k/v, gate/up and fc1 weights drift."""
+    _t, per_rank = models
+    report = compare(baseline(CFG, SGD), per_rank[0]["broken_no_regather"])
+    assert not report.ok
+    assert any("fc1" in p or "q_proj" in p for p in report.problems), report.problems
 
 
 @pytest.mark.parity
@@ -594,10 +753,12 @@ def test_wrong_gqa_split_breaks_parity(models):
 
 
 @pytest.mark.parametrize("case, words", [
-    ("n_head", ["n_head=6", "t=4"]), ("d_ff", ["d_ff=65"]), ("vocab", ["vocab_size=255"]),
+    ("n_head", ["n_head=6", "t=4"]), ("d_ff", ["d_ff=65"]),
+    ("vocab", ["vocab_size=255", "make_vocab_size_divisible_by"]),
     ("seq_len", ["size 6", "divisible by"]), ("style", ["diagonal"]), ("pattern", ["blocks.*.attention"]),
     ("module_type", ["blocks.0.mlp", "MLP"]), ("mesh_and_group", ["either mesh"]), ("no_plan", ["plan="]),
-    ("targets", ["do not match"]),
+    ("targets", ["do not match"]), ("target_range", ["rank", "outside the vocabulary", "ignore_index=-100"]),
+    ("negative_target", ["target -1", "outside the vocabulary"]),
 ])
 def test_clear_errors(models, case, words):
     t, per_rank = models
@@ -629,12 +790,17 @@ def test_dtensor_matches_one_process_and_ours(dtensor, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sgd", "sgd_sp", "swiglu_sgd_sp"])
 def test_ledger_equals_dtensors_collectives(dtensor, name):
-    """Forward and backward: the same collectives with the same bytes in the same order. The one difference: the
+    """Forward and backward: the same collectives with the same bytes in the same order, but for our SP's
+    backward re-gathers of the saved s/t inputs (DTensor's SequenceParallel saves the gathered input) and the
     norms' partial gradients under SP -- ours one flat all-reduce in finish_gradient_sync, DTensor one all-reduce
     per parameter when the optimizer first reads its Partial gradient; the same bytes in more calls."""
-    _t, per_rank = dtensor
+    t, per_rank = dtensor
+    cfg, tc, sp = DTENSOR_RUNS[name]
+    regathers = {i for i, c in enumerate(tp.step_collectives(cfg, tc.global_batch, t, sp)) if c.regather}
+    assert len(regathers) == (2 * cfg.n_layer + 1 if sp else 0)
     for res in per_rank:
-        ours, theirs = res["ours", name].step_comm[0], res["dtensor", name].step_comm[0]
+        ours_all, theirs = res["ours", name].step_comm[0], res["dtensor", name].step_comm[0]
+        ours = [rec for i, rec in enumerate(ours_all) if i not in regathers]  # DTensor keeps the gathered input
         ours_main, ours_sync = ours[:len(ours) - (1 if _sp_run(name) else 0)], ours[len(ours) - 1:]
         assert _ops(theirs[:len(ours_main)]) == _ops(ours_main)
         rest = theirs[len(ours_main):]
@@ -644,6 +810,7 @@ def test_ledger_equals_dtensors_collectives(dtensor, name):
         else:
             assert rest == []
         assert sum(r.sent_bytes for r in theirs) == sum(r.sent_bytes for r in ours)  # bytes ratio 1.00
+        assert all(ours_all[i].op == "all_gather" for i in regathers)
 
 
 def _sp_run(name: str) -> bool:

@@ -52,13 +52,15 @@ from course_lib.parallel.cp_attention import (
     ring_attention,
     shard_sequence,
 )
+from course_lib.parallel.cp_ulysses import ulysses_attention
 from course_lib.parallel.dp import DataParallel, Mode
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
 
-Algorithm = Literal["ring", "allgather"]
-ALGORITHMS: tuple[Algorithm, ...] = ("ring", "allgather")
+Algorithm = Literal["ring", "allgather", "ulysses"]
+ALGORITHMS: tuple[Algorithm, ...] = ("ring", "allgather", "ulysses")
+_ATTEND = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 
 
 def ring_kv_bytes(seq_len: int, batch: int, n_kv_head: int, head_dim: int, cp: int, element_size: int) -> int:
@@ -132,9 +134,8 @@ class CPContext:
         return mine
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        fn = ring_attention if self.algorithm == "ring" else allgather_attention
-        return fn(q, k, v, self.positions, chunks_per_rank(self.layout), self.causal, self.group, self.kernel,
-                  self.stats)
+        return _ATTEND[self.algorithm](q, k, v, self.positions, chunks_per_rank(self.layout), self.causal,
+                                       self.group, self.kernel, self.stats)
 
 
 class CPAttention(nn.Module):
@@ -200,7 +201,8 @@ class ContextParallel(ParallelWrapper):
 
     ``mesh`` (its "cp" axis; gradients averaged over "dp" x "cp") or ``group`` (the cp group, default the world;
     gradients averaged over ``grad_group``, default the same group). ``layout``: "zigzag" (balanced under the
-    causal mask) or "contiguous". ``algorithm``: "ring" (isend/irecv around the ring) or "allgather".
+    causal mask) or "contiguous". ``algorithm``: "ring" (isend/irecv around the ring), "allgather"
+    or "ulysses" (all-to-all from sequence to head shards and back, ``cp_ulysses``; cp must divide n_kv_head).
     ``kernel``: the per-block operations (a ``BlockAttention``); ``attention_class``: the module each block's
     attention becomes. Both are seams for variants and tests. Initial weights are broadcast over the gradient
     group. The model's attention modules are replaced in place (parameter names unchanged).

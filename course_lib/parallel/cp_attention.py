@@ -149,7 +149,10 @@ class BlockAttention:
                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial attention of q over one block: (softmax(s) v, logsumexp(s)), with s = scale q k^T.
 
-        Stable: exp(s - m) with m the row max; a fully masked row gives out 0 and lse -inf (no NaN)."""
+        Stable: exp(s - m) with m the row max; a fully masked row gives out 0 and lse -inf (no NaN), also in
+        autograd's backward (``allgather_attention``): a row with a visible key has a denominator >= 1 (its max
+        term is exp(0)), so only an empty row's 0 is replaced, by 1 -- dividing by a tiny clamp instead would
+        turn dO / tiny into inf and 0 x inf into NaN once |dO| > 4."""
         s = scale * q @ expand_kv(k, q.shape[1]).transpose(-1, -2)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
@@ -157,8 +160,11 @@ class BlockAttention:
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(s - m)
         denom = p.sum(-1, keepdim=True)
-        out = (p @ expand_kv(v, q.shape[1])) / denom.clamp_min(torch.finfo(denom.dtype).tiny)
-        return out, (m + denom.log()).squeeze(-1)
+        seen = denom > 0
+        safe = torch.where(seen, denom, torch.ones_like(denom))
+        out = (p @ expand_kv(v, q.shape[1])) / safe
+        lse = torch.where(seen, m + safe.log(), torch.full_like(denom, float("-inf")))
+        return out, lse.squeeze(-1)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
               block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,24 +196,60 @@ class BlockAttention:
         return received
 
 
+class DocumentMaskAttention(BlockAttention):
+    """Packed sequences: several documents share one row of ``seq_len`` tokens, and a token attends only to the
+    earlier tokens of its own document -- a block-diagonal causal mask (what Llama 3 trains with; FlexAttention's
+    ``document_mask``). ``doc_starts``: the global position where each document begins (0 first), the same for
+    every row of the batch. The mask reads global positions, so it works unchanged in the ring (which then also
+    skips every block that crosses a document boundary: less work, and a new load balance), the all-gather form
+    and Ulysses."""
+
+    def __init__(self, doc_starts: list[int]) -> None:
+        if not doc_starts or doc_starts[0] != 0 or sorted(set(doc_starts)) != list(doc_starts):
+            raise ValueError(f"doc_starts must be increasing positions starting at 0, got {doc_starts}")
+        self.starts = torch.tensor(doc_starts)
+
+    def document(self, pos: torch.Tensor) -> torch.Tensor:
+        """The document index of each global position."""
+        return torch.searchsorted(self.starts.to(pos.device), pos, right=True) - 1
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        same = self.document(q_pos)[:, None] == self.document(k_pos)[None, :]
+        return super().mask(q_pos, k_pos) & same
+
+
 class EmulatedDeviceAttention(BlockAttention):
-    """Blocks that also cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs of sleep in
-    forward, twice that in backward (as a host waits for a GPU kernel). The sleep costs no CPU, so cp ranks run
-    side by side on a 2-core machine and step times follow the work per rank, not the OS scheduler."""
+    """Blocks that cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs in forward, twice
+    that in backward (as a host waits for a GPU kernel), the real computation included in that time. The sleep
+    costs no CPU, so cp ranks run side by side on a 2-core machine and step times follow the work per rank, not
+    the OS scheduler.
+    ``n_head``: when set, a pair costs in proportion to the heads the block computes (q.shape[1] / n_head), so
+    Ulysses' blocks of H/cp heads cost what they compute."""
 
-    def __init__(self, seconds_per_pair: float) -> None:
-        self.seconds_per_pair = seconds_per_pair
+    def __init__(self, seconds_per_pair: float, n_head: int | None = None) -> None:
+        self.seconds_per_pair, self.n_head = seconds_per_pair, n_head
 
-    def _pairs(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> int:
-        return int(mask.sum()) if mask is not None else q.shape[2] * k.shape[2]
+    def _pairs(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> float:
+        pairs = int(mask.sum()) if mask is not None else q.shape[2] * k.shape[2]
+        return pairs * (q.shape[1] / self.n_head if self.n_head else 1)
+
+    def _until(self, start: float, seconds: float) -> None:
+        """Sleep until ``seconds`` after ``start``: the host's real compute runs inside the emulated kernel time
+        (as a CPU prepares the next launch while the GPU computes), so a block costs exactly its emulated time
+        whenever that exceeds the real one."""
+        time.sleep(max(0.0, seconds - (time.perf_counter() - start)))
 
     def forward(self, q, k, v, scale, mask):
-        time.sleep(self.seconds_per_pair * self._pairs(q, k, mask))
-        return super().forward(q, k, v, scale, mask)
+        start = time.perf_counter()
+        out = super().forward(q, k, v, scale, mask)
+        self._until(start, self.seconds_per_pair * self._pairs(q, k, mask))
+        return out
 
     def backward(self, q, k, v, scale, mask, d_out, lse, delta):
-        time.sleep(2 * self.seconds_per_pair * self._pairs(q, k, mask))
-        return super().backward(q, k, v, scale, mask, d_out, lse, delta)
+        start = time.perf_counter()
+        out = super().backward(q, k, v, scale, mask, d_out, lse, delta)
+        self._until(start, 2 * self.seconds_per_pair * self._pairs(q, k, mask))
+        return out
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
@@ -253,7 +295,7 @@ def _block_plan(kernel: BlockAttention, q_pos: torch.Tensor, k_pos: torch.Tensor
 # Ring attention as an autograd Function
 
 
-def _ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
+def ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
     """(rank in group, group size, global rank of the next, of the previous rank in the ring)."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
 
@@ -263,7 +305,7 @@ def _ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
     return r, n, glob((r + 1) % n), glob((r - 1) % n)
 
 
-def _shift(t: torch.Tensor, nxt: int, prv: int, group: comm.Group) -> tuple[torch.Tensor, list]:
+def ring_shift(t: torch.Tensor, nxt: int, prv: int, group: comm.Group) -> tuple[torch.Tensor, list]:
     """Start sending ``t`` to the next rank and receiving the previous rank's tensor of the same shape."""
     incoming = torch.empty_like(t)
     return incoming, [comm.isend(t, nxt, group), comm.irecv(incoming, prv, group)]
@@ -282,14 +324,14 @@ class RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
                 causal: bool, group: comm.Group, kernel: BlockAttention, stats: AttentionStats | None
                 ) -> torch.Tensor:
-        r, n, nxt, prv = _ring_peers(group)
+        r, n, nxt, prv = ring_peers(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         for step in range(n):
             if step < n - 1:
-                incoming, works = _shift(kv, nxt, prv, group)  # overlapped with this step's compute
+                incoming, works = ring_shift(kv, nxt, prv, group)  # overlapped with this step's compute
             for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
                 if stats is not None:
                     stats.pairs += pairs
@@ -311,7 +353,7 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor):
         q, k, v, out, lse, pos = ctx.saved_tensors
         n_chunks, causal, group, kernel, scale = ctx.config
-        r, n, nxt, prv = _ring_peers(group)
+        r, n, nxt, prv = ring_peers(group)
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(-1)
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -320,7 +362,7 @@ class RingAttentionFunction(torch.autograd.Function):
         dkv = torch.zeros_like(own, dtype=torch.float32)  # dK, dV of the block we hold, accumulated in fp32
         for step in range(n):
             if step < n - 1:
-                incoming, works = _shift(kv, nxt, prv, group)
+                incoming, works = ring_shift(kv, nxt, prv, group)
             use = kernel.kv_for_backward_step(step, kv, own)
             for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
                 if pairs == 0:
@@ -331,7 +373,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 dkv[0][:, :, ks] += dk_b
                 dkv[1][:, :, ks] += dv_b
             if n > 1:
-                incoming_grad, grad_works = _shift(dkv, nxt, prv, group)  # on to the next holder of the block
+                incoming_grad, grad_works = ring_shift(dkv, nxt, prv, group)  # on to the next holder of the block
                 for w in grad_works + (works if step < n - 1 else []):
                     w.wait()
                 dkv = incoming_grad
@@ -344,7 +386,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch
                    causal: bool = True, group: comm.Group = None, kernel: BlockAttention | None = None,
                    stats: AttentionStats | None = None) -> torch.Tensor:
     """Ring attention of this rank's q [B, H, T, d] over everyone's k, v [B, H_kv, T, d] (see the Function)."""
-    _check_qkv(q, k, v, pos, n_chunks, group)
+    check_qkv(q, k, v, pos, n_chunks, group)
     return RingAttentionFunction.apply(q, k, v, pos, n_chunks, causal, group, kernel or BlockAttention(), stats)
 
 
@@ -376,7 +418,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: 
                         stats: AttentionStats | None = None) -> torch.Tensor:
     """Attention of this rank's q over the all-gathered K,V (one collective of (cp-1)/cp x cp K,V blocks per
     rank instead of cp - 1 ring steps; memory for the whole sequence's K,V). Autograd does the backward."""
-    _check_qkv(q, k, v, pos, n_chunks, group)
+    check_qkv(q, k, v, pos, n_chunks, group)
     kernel = kernel or BlockAttention()
     full = AllGatherKV.apply(torch.stack((k, v)), group)  # [cp, 2, B, H_kv, T, d]
     k_all, v_all = (torch.cat(list(full[:, i].unbind(0)), dim=2) for i in (0, 1))
@@ -389,8 +431,9 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: 
     return out
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
-               group: comm.Group) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
+              group: comm.Group) -> None:
+    """Raise unless q [B, H, T, d], k, v [B, H_kv, T, d] and pos [cp, T] agree (T split into ``n_chunks``)."""
     n = dist.get_world_size(group)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"expected q [B, H, T, d] and k, v [B, H_kv, T, d], got {tuple(q.shape)}, "

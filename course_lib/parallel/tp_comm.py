@@ -23,6 +23,13 @@ arXiv:2205.05198, Sec. 4.2.2) shards the norm/dropout regions along the sequence
 An all-reduce is a reduce-scatter followed by an all-gather, so the pair moves the same bytes as f + g:
 per rank (t-1)/t x V for each, against 2(t-1)/t x V for one all-reduce (V = b*s*h elements of the activation).
 
+Under SP the column-parallel linears after g-bar would save the all-gathered [b, s, h] input for their weight
+gradient, so SP would shrink only the norms' activations. Megatron-LM keeps the s/t shard instead and
+all-gathers it again in backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022, Sec. 4.2.2;
+``LinearWithGradAccumulationAndAsyncCommunication``): ``sequence_parallel_linears`` does the same for one or
+several linears that read the same input (q/k/v, gate/up), so the activations of a TP + SP block per rank are
+those of one unsplit block divided by t. The price: one more all-gather of V per region in backward.
+
 ``gather_from_tensor_model_parallel_region`` (all-gather along the last dim forward, keep own slice backward) and
 ``scatter_to_tensor_model_parallel_region`` (its reverse) serve ``gather_output=True`` / ``input_is_parallel=False``.
 
@@ -36,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from course_lib import comm
 
@@ -63,6 +71,14 @@ def all_gather_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tens
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy: the linears that read it then save one storage
+
+
+def _start_sequence_gather(x: torch.Tensor, group: comm.Group) -> tuple[Any, torch.Tensor]:
+    """Launch the all-gather of the sequence shards ``x`` [b, s/t, ...] (async); returns (work, [t*s/t, b, ...])."""
+    n, _ = _world(group)
+    front = x.movedim(SEQ_DIM, 0).contiguous()
+    out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    return comm.all_gather(out, front, group=group, async_op=True), out
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
@@ -184,6 +200,52 @@ class ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_gather_along(grad, SEQ_DIM, ctx.group), None
+
+
+class SequenceParallelLinears(torch.autograd.Function):
+    """g-bar followed by k column-parallel linears that read the same gathered input, saving only the s/t shard.
+
+    Forward: X = all-gather(x) along the sequence, ``Y_j = X W_j^T + b_j``; saved: x [b, s/t, h] and the weights.
+    Backward: start the all-gather of x again (async), compute ``dX = sum_j dY_j W_j`` meanwhile (the overlap
+    Megatron-LM builds), wait, reduce-scatter dX to dx, and ``dW_j = dY_j^T X``, ``db_j = sum dY_j``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        work, full = _start_sequence_gather(x, group)
+        work.wait()
+        xf = full.movedim(0, SEQ_DIM)
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(xf, w, b) for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        work, full = _start_sequence_gather(x, ctx.group)  # the re-gather, hidden behind the dX GEMMs
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_full = sum(g @ w for g, w in zip(grads, weights, strict=True))
+            grad_x = reduce_scatter_along(grad_full, SEQ_DIM, ctx.group)
+        work.wait()
+        xf = full.movedim(0, SEQ_DIM).reshape(-1, x.shape[-1])
+        first = getattr(ctx, "n_args", 2)  # the inputs before the weights: x, group (a variant may add more)
+        out: list[torch.Tensor | None] = [grad_x] + [None] * (first - 1)
+        for j, (g, has_bias) in enumerate(zip(grads, ctx.has_bias, strict=True)):
+            g2 = g.reshape(-1, g.shape[-1])
+            out.append(g2.t() @ xf if ctx.needs_input_grad[first + 2 * j] else None)
+            out.append(g2.sum(0) if has_bias and ctx.needs_input_grad[first + 1 + 2 * j] else None)
+        return tuple(out)
+
+
+def sequence_parallel_linears(x: torch.Tensor, linears: list[tuple[torch.Tensor, torch.Tensor | None]],
+                              group: comm.Group = None) -> tuple[torch.Tensor, ...]:
+    """``[all-gather(x) W_j^T + b_j for (W_j, b_j) in linears]`` with x the sequence shard [b, s/t, h]: one
+    all-gather forward, one all-gather (the re-gather) and one reduce-scatter backward; only x is saved."""
+    if dist.get_world_size(group) == 1:
+        return tuple(F.linear(x, w, b) for w, b in linears)
+    return SequenceParallelLinears.apply(x, group, *(p for wb in linears for p in wb))
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:

@@ -38,8 +38,10 @@ from course_lib.parallel.tp_comm import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
+    sequence_parallel_linears,
     split_along,
 )
+from course_lib.parallel.tp_overlap import collective_matmul
 
 __all__ = [
     "TP_AXIS",
@@ -75,10 +77,10 @@ def _size_rank(group: comm.Group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _divide(n: int, t: int, what: str) -> int:
+def _divide(n: int, t: int, what: str, fix: str = "") -> int:
     if n % t:
         raise TPError(f"{what}={n} is not divisible by the tensor-parallel degree t={t}: choose t among the "
-                      f"divisors of {n} ({', '.join(str(d) for d in range(1, n + 1) if n % d == 0)})")
+                      f"divisors of {n} ({', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}){fix}")
     return n // t
 
 
@@ -102,6 +104,10 @@ class TensorParallelModule(nn.Module):
     """The base of every layer here: its group, its degree and rank, f and g. Each layer records the ``"tp"``
     placement of every parameter it holds (see the module docstring)."""
 
+    comm_overlap: bool = False
+    """Under SP, run the column-parallel GEMMs as a collective matmul (``tp_overlap``): the all-gather's ring
+    steps overlapped with partial GEMMs. Set it on the layers (or a subclass); the numbers are the same."""
+
     def __init__(self, group: comm.Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -114,6 +120,21 @@ class TensorParallelModule(nn.Module):
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         """Out of the TP region: g, or the SP reduce-scatter (``leave_tp_region``). A public seam."""
         return leave_tp_region(y, self.group, self.sequence_parallel)
+
+    def project(self, x: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, ...]:
+        """Into the TP region and through the column-parallel ``linears`` that read its input (q/k/v, gate/up).
+
+        Without SP: f, then each linear. Under SP, Megatron-LM's form (``tp_comm.sequence_parallel_linears``):
+        one all-gather of the s/t shard feeds all of them, and only the shard is saved for backward, which
+        all-gathers it again for the weight gradients; with ``comm_overlap`` the forward all-gather is a ring
+        overlapped with partial GEMMs (``tp_overlap.collective_matmul``)."""
+        if self.sequence_parallel:
+            pairs = [(m.weight, m.bias) for m in linears]
+            if self.comm_overlap:
+                return collective_matmul(x, pairs, self.group)
+            return sequence_parallel_linears(x, pairs, self.group)
+        x = self.enter(x)
+        return tuple(F.linear(x, m.weight, m.bias) for m in linears)
 
 
 def _slice_rows(weight: torch.Tensor, start: int, stop: int, dim: int = 0) -> nn.Parameter:
@@ -139,6 +160,7 @@ class ColumnParallelLinear(TensorParallelModule):
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.gather_output, self.enter_region = gather_output, enter_region
+        self.output_start = self.tp_rank * weight.shape[0]  # the first (global) output feature held here
         place(self, Shard(0))  # this rank's output features: rows of the weight, entries of the bias
 
     @classmethod
@@ -148,12 +170,13 @@ class ColumnParallelLinear(TensorParallelModule):
         n = _divide(linear.out_features, t, "out_features")
         rows = (r * n, (r + 1) * n)
         bias = _slice_rows(linear.bias, *rows).data if linear.bias is not None else None
-        return cls(_slice_rows(linear.weight, *rows).data, bias, group, **kwargs)
+        out = cls(_slice_rows(linear.weight, *rows).data, bias, group, **kwargs)
+        if hasattr(linear, "vocab_size"):  # an LM head over a padded vocabulary (``GPT.head`` masks the padding)
+            out.vocab_size = linear.vocab_size
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter_region:
-            x = self.enter(x)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.project(x, [self])[0] if self.enter_region else F.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -219,10 +242,10 @@ class TensorParallelMLP(TensorParallelModule):
         self.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.enter(x)
         if self.gate is not None:
-            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
-        return self.fc2(F.gelu(self.fc1(x)))
+            gate, up = self.project(x, [self.gate, self.fc1])
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(self.project(x, [self.fc1])[0]))
 
 
 class TensorParallelAttention(TensorParallelModule):
@@ -266,11 +289,11 @@ class TensorParallelAttention(TensorParallelModule):
         return q_head // (self.n_head // self.n_kv_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.enter(x)
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_head/t, T, d]
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, local K/V heads, T, d]
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x, [self.q_proj, self.k_proj, self.v_proj])
+        B, T, _ = q.shape
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_head/t, T, d]
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, local K/V heads, T, d]
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rope:
             q, k = self.rotary(q, k)
         q_heads = torch.arange(self.head_offset, self.head_offset + self.local_heads, device=x.device)
@@ -319,7 +342,8 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def __init__(self, emb: nn.Embedding, group: comm.Group = None, sequence_parallel: bool = False) -> None:
         super().__init__(group, sequence_parallel)
-        n = _divide(emb.num_embeddings, self.tp_size, "vocab_size")
+        n = _divide(emb.num_embeddings, self.tp_size, "vocab_size",
+                    f", or pad the vocabulary: GPTConfig(make_vocab_size_divisible_by=k*{self.tp_size})")
         self.vocab_start, self.vocab_end = self.tp_rank * n, (self.tp_rank + 1) * n
         self.num_embeddings = emb.num_embeddings
         self.weight = _slice_rows(emb.weight, self.vocab_start, self.vocab_end)
@@ -376,7 +400,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: comm.Group = None,
-                                 reduction: Literal["mean", "none"] = "mean") -> torch.Tensor:
+                                 reduction: Literal["mean", "none"] = "mean",
+                                 ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy from this rank's vocabulary shard of the logits [..., V/t], never gathering them.
 
     With z the logits, m = max_v z_v (all-reduce MAX), the loss of a token is
@@ -385,14 +410,25 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     3 all-reduces of b*s fp32 scalars instead of an all-gather of b*s*V logits. The gradient of each shard is
     ``softmax(z) - one_hot(target)`` restricted to the shard: no communication in backward.
     (Megatron-LM's ``vocab_parallel_cross_entropy``; DTensor's ``loss_parallel``.)
+
+    As ``F.cross_entropy``: a target equal to ``ignore_index`` contributes loss 0 and no gradient, and the mean
+    is over the other tokens (NaN when every token is ignored); any other target outside [0, t V/t) is refused.
+    Padded vocabulary entries (``GPTConfig.make_vocab_size_divisible_by``) arrive as -inf logits: exp gives 0.
     """
-    r = dist.get_rank(group)
+    r, t = dist.get_rank(group), dist.get_world_size(group)
     v_local = logits.shape[-1]
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets of shape {tuple(targets.shape)} do not match logits {tuple(logits.shape)} "
                          f"(expected {tuple(logits.shape[:-1])})")
-    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, v_local), targets.reshape(-1), r * v_local,
-                                                 group)
+    keep = targets != ignore_index
+    bad = keep & ((targets < 0) | (targets >= t * v_local))
+    if bool(bad.any()):
+        raise ValueError(f"rank {r}: target {int(targets[bad][0])} is outside the vocabulary [0, {t * v_local}) "
+                         f"({t} shards of {v_local} logits) and is not ignore_index={ignore_index}: fix the data "
+                         f"or the tokenizer, or mark positions to skip with {ignore_index}")
+    safe = targets.masked_fill(~keep, 0).reshape(-1)
+    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, v_local), safe, r * v_local, group)
+    per_token = per_token.masked_fill(~keep.reshape(-1), 0.0)  # no loss, and no gradient, for ignored tokens
     if reduction == "none":
         return per_token.view(targets.shape)
-    return per_token.mean()
+    return per_token.sum() / keep.sum()

@@ -4,7 +4,8 @@ communication-bound.
 * **Arithmetic** (pure): :func:`tp_layer_cost` models one transformer block's training step on one rank of a TP
   group of t: compute ``6 P_block n / t + 12 h s n / t`` FLOPs at ``peak x mfu`` (Kaplan et al. 2020; PaLM's
   attention term, ``cost.training_flops_per_token``) against the 4 all-reduces of V = n h e bytes (SP: 4
-  all-gathers + 4 reduce-scatters, the same bytes) in the alpha-beta model (``cost.collective_time``), n =
+  all-gathers + 4 reduce-scatters, the same bytes, + 2 all-gathers that re-gather the saved s/t inputs in
+  backward; no overlap modelled) in the alpha-beta model (``cost.collective_time``), n =
   tokens per device. The bandwidth terms both grow with n, so their ratio does not depend on it:
 
       compute / comm  ~=  6 P_block B / (8 (t-1) h e F)         (~ 9 h B / ((t-1) e F) for a GPT block, f = 4h)
@@ -69,11 +70,11 @@ def tp_layer_cost(cfg: GPTConfig, tokens: int, t: int, link: Link, peak_flops: f
     v = tokens * cfg.d_model * element_bytes
     if t == 1:
         comm, sent, calls = 0.0, 0.0, 0
-    elif sequence_parallel:
-        comm = 4 * (collective_time("all_gather", v, t, link.alpha, link.beta)
-                    + collective_time("reduce_scatter", v, t, link.alpha, link.beta))
-        sent = 4 * (collective_bytes_per_rank("all_gather", v, t) + collective_bytes_per_rank("reduce_scatter", v, t))
-        calls = 8
+    elif sequence_parallel:  # + the backward re-gathers of the two regions' saved s/t inputs
+        comm = 6 * collective_time("all_gather", v, t, link.alpha, link.beta) \
+            + 4 * collective_time("reduce_scatter", v, t, link.alpha, link.beta)
+        sent = 6 * collective_bytes_per_rank("all_gather", v, t) + 4 * collective_bytes_per_rank("reduce_scatter", v, t)
+        calls = 10
     else:
         comm = 4 * collective_time("all_reduce", v, t, link.alpha, link.beta)
         sent, calls = 4 * collective_bytes_per_rank("all_reduce", v, t), 4
