@@ -29,7 +29,6 @@ import torch
 
 from course_lib.model import GPT
 from course_lib.serving.engine import Engine, Segment
-from course_lib.serving.kv_cache import KVCache
 from course_lib.serving.paged import PagedKVCache
 from course_lib.serving.roofline import StepWork
 from course_lib.serving.scheduler import EmulatedClock
@@ -94,13 +93,6 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generato
     return out
 
 
-def rollback(cache: KVCache, seq: int, n_keep: int) -> int:
-    """Forget every cached position of ``seq`` from ``n_keep`` on (a paged cache gives the blocks past it back);
-    returns ``n_keep``, the new number of cached positions."""
-    cache.truncate(seq, n_keep)
-    return n_keep
-
-
 @dataclass
 class SpecResult:
     """Tokens emitted, one entry per verification of how many proposals it kept, and the time the loop took:
@@ -147,6 +139,11 @@ class _Model:
             self.device_s += self.cost(work)
         self.n_cached, self.steps = start + n, self.steps + 1
         return logits
+
+    def rollback(self, n_keep: int) -> None:
+        """Forget every cached position from ``n_keep`` on (the paged cache gives the blocks past it back)."""
+        self.engine.cache.truncate(0, n_keep)
+        self.n_cached = n_keep
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -199,9 +196,9 @@ def speculative_generate(target: GPT, draft: GPT | None, prompt: torch.Tensor, m
         kept = len(new) - 1
         res.accepted.append(kept)
         res.proposed.append(kk)
-        tgt.n_cached = rollback(tgt.engine.cache, 0, len(tokens) + kept)
+        tgt.rollback(len(tokens) + kept)  # the target fed every proposal; keep the accepted ones
         if drf is not None:
-            drf.n_cached = rollback(drf.engine.cache, 0, min(drf.n_cached, len(tokens) + kept))
+            drf.rollback(min(drf.n_cached, len(tokens) + kept))
         tokens += new
         res.tokens += new
     res.wall_s = time.perf_counter() - t0
