@@ -179,6 +179,9 @@ def mfu(
 
 AllReduceAlgorithm = Literal["ring", "one_shot", "two_shot", "best"]
 ALL_REDUCE_ALGORITHMS: tuple[str, ...] = ("ring", "one_shot", "two_shot")
+SHOT_MAX_BYTES = 8 * 2**20
+"""Largest message the one- and two-shot kernels take: vLLM's custom all-reduce registers an 8 MiB buffer per
+rank and hands larger messages to NCCL."""
 
 
 def all_reduce_time(nbytes: float, n: int, alpha: float, beta: float,
@@ -191,7 +194,10 @@ def all_reduce_time(nbytes: float, n: int, alpha: float, beta: float,
       locally: ``alpha + (n-1) V / beta``, one latency step whatever n;
     * ``two_shot``: each rank reduces its 1/n slice from every peer (a one-step reduce-scatter), then every rank
       gathers the n slices (a one-step all-gather): ``2 alpha + 2(n-1)/n V / beta``;
-    * ``best``: the cheapest of the three, what a serving engine picks per message size.
+    * ``best``: the cheapest of the three, what a serving engine picks per message size; one- and two-shot only
+      up to ``SHOT_MAX_BYTES`` (their staging buffer), larger messages go to the ring. In this model two-shot
+      moves the ring's bytes in fewer steps; what the model leaves out (the buffer, the SMs the kernel occupies,
+      the n-1 peers sharing each link) is why engines still use the ring for large messages.
 
     The one- and two-shot kernels are those of vLLM's custom all-reduce and TensorRT-LLM's AllReduce plugin
     (one-shot for small messages, two-shot for medium ones, the ring of NCCL for large ones); NCCL's LL and tree
@@ -210,7 +216,7 @@ def all_reduce_time(nbytes: float, n: int, alpha: float, beta: float,
              "one_shot": alpha + (n - 1) * nbytes / beta,
              "two_shot": 2 * alpha + 2 * (n - 1) / n * nbytes / beta}
     if algorithm == "best":
-        return min(times.values())
+        return min(times.values()) if nbytes <= SHOT_MAX_BYTES else times["ring"]
     if algorithm not in times:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: choose one of "
                          f"{', '.join((*ALL_REDUCE_ALGORITHMS, 'best'))}")

@@ -71,12 +71,28 @@ def attention_intensity(config: GPTConfig | str, kv_bytes: float = 2) -> float:
 def decode_intensity(config: GPTConfig | str, batch: int, context: int, bytes_per_param: float = 2) -> float:
     """FLOP per byte of a whole decode step: (2 N b + 4 L h c b) / (N bytes_per_param + kv_bytes_per_token c b).
 
-    It tends to ``attention_intensity`` (not to infinity) as the batch grows: the critical batch of the weights,
-    ``critical_batch``, is only reached when the KV reads are small next to the weights."""
+    As the batch grows it tends to (2 N + 4 L h c) / (kv_bytes_per_token c), not to infinity: the weights' share
+    of the bytes vanishes, the cache's does not."""
     c = PRESETS[config] if isinstance(config, str) else config
     n = param_count(c)
     flops = 2 * n * batch + 4 * c.n_layer * c.d_model * context * batch
     return flops / (n * bytes_per_param + kv_cache_bytes(c, 1, kv_bytes=bytes_per_param) * context * batch)
+
+
+def decode_critical_batch(config: GPTConfig | str, context: int, peak_flops: float, mem_bandwidth: float,
+                          bytes_per_param: float = 2) -> float:
+    """Batch at which a decode step at ``context`` turns compute-bound (``decode_intensity`` = the ridge I*):
+
+        b = I* N bytes_per_param / (2 N + 4 L h c - I* kv_bytes_per_token c)
+
+    ``inf`` when the denominator is <= 0: past the context c = 2 N / (I* kv_bytes_per_token - 4 L h) no batch
+    makes decode compute-bound, because every added sequence brings its own cache to read. At c = 0 it is the
+    weights' ``critical_batch``."""
+    c = PRESETS[config] if isinstance(config, str) else config
+    n, ridge = param_count(c), ridge_point(peak_flops, mem_bandwidth)
+    denom = 2 * n + 4 * c.n_layer * c.d_model * context - ridge * kv_cache_bytes(c, 1, kv_bytes=bytes_per_param) \
+        * context
+    return ridge * n * bytes_per_param / denom if denom > 0 else float("inf")
 
 
 @dataclass(frozen=True)

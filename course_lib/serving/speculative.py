@@ -108,8 +108,11 @@ class SpecResult:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted proposals / proposals (NaN when nothing was proposed)."""
-        return sum(self.accepted) / sum(self.proposed) if sum(self.proposed) else float("nan")
+        """Accepted proposals / proposals the target judged: a verification stops at its first rejection, so the
+        proposals after it were never tested (counting them would bias a low). Under the formula's assumption
+        (each tested proposal kept with probability a), this is the maximum-likelihood a. NaN when none."""
+        tested = sum(self.accepted) + sum(1 for a, p in zip(self.accepted, self.proposed, strict=True) if a < p)
+        return sum(self.accepted) / tested if tested else float("nan")
 
     @property
     def tokens_per_verification(self) -> float:
@@ -209,3 +212,22 @@ def speculative_generate(target: GPT, draft: GPT | None, prompt: torch.Tensor, m
             m.engine.cache.free(0)
             m.engine.cache.check_no_leak()
     return res
+
+
+def speedup_vs_k(target: GPT, draft: GPT, prompt: torch.Tensor, max_new_tokens: int, ks: list[int],
+                 cost_target: Callable[[StepWork], float], cost_draft: Callable[[StepWork], float]) -> list[dict]:
+    """Greedy speculative decoding at each k on the emulated device, against plain decoding (k = 0): per k the
+    acceptance rate a, tokens per verification measured and by the formula at that a, and the speed-up measured
+    (wall clock of the emulated device) and modelled (sum of step costs). Checks each output equals k = 0's."""
+    base = speculative_generate(target, draft, prompt, max_new_tokens, 0, cost_target=cost_target)
+    rows = []
+    for k in ks:
+        r = speculative_generate(target, draft, prompt, max_new_tokens, k, cost_target=cost_target,
+                                 cost_draft=cost_draft)
+        if r.tokens != base.tokens:
+            raise AssertionError(f"k={k}: speculative greedy output differs from the target's greedy decoding")
+        a = r.acceptance_rate
+        rows.append({"k": k, "acceptance": a, "tokens_per_verification": r.tokens_per_verification,
+                     "formula": expected_tokens_per_verification(a, k), "speedup_measured": base.wall_s / r.wall_s,
+                     "speedup_modelled": base.device_s / r.device_s})
+    return rows
