@@ -9,6 +9,10 @@
    checked by running tensor-parallel decode on real ranks against one rank.
 5. ``step_logits(model, cache, tokens, start)`` (find the bug): a cached forward step whose decode went wrong
    because ``is_causal=True`` aligns the causal mask top-left.
+6. ``schedule_step(running, waiting, token_budget, max_batch, free_blocks, block_size)``: one step of a
+   continuous-batching scheduler with chunked prefill and preemption: decodes first, then running prefills, then
+   waiting requests (first come first served), all under a token budget, the batch limit and the free KV blocks;
+   when a running sequence's blocks do not fit, the most recently admitted sequence is preempted.
 """
 
 from __future__ import annotations
@@ -183,6 +187,72 @@ def check_step_logits(fn: Callable, prompt_lens: tuple[int, ...] = (1, 6), new: 
     return run_check("step_logits", body)
 
 
+def _schedule_step_reference(running: list[tuple[int, int, int, int]], waiting: list[tuple[int, int]],
+                             token_budget: int, max_batch: int, free_blocks: int,
+                             block_size: int) -> tuple[list[tuple[int, int]], list[int]]:
+    budget, free = token_budget, free_blocks
+    alive = [list(s) for s in running]  # [id, n_tokens, n_cached, n_blocks]
+    plan: dict[int, int] = {}
+    preempted: list[int] = []
+    decodes = [s for s in alive if s[2] == s[1] - 1]
+    for s in decodes + [s for s in alive if s[2] < s[1] - 1]:
+        n = min(s[1] - s[2], budget)
+        if s[0] in preempted or n <= 0:
+            continue
+        need = math.ceil((s[2] + n) / block_size) - s[3]
+        while need > free:
+            victim = [v for v in alive if v[0] not in preempted][-1]
+            preempted.append(victim[0])
+            free += victim[3]
+            budget += plan.pop(victim[0], 0)
+            if victim is s:
+                break
+        if s[0] in preempted:
+            continue
+        free -= max(need, 0)
+        s[3] += max(need, 0)
+        plan[s[0]] = n
+        budget -= n
+    in_batch = len(alive) - len(preempted)
+    for wid, n_tokens in waiting:
+        n = min(n_tokens, budget)
+        if in_batch >= max_batch or n <= 0 or math.ceil(n / block_size) > free:
+            break
+        free -= math.ceil(n / block_size)
+        plan[wid] = n
+        budget -= n
+        in_batch += 1
+    return list(plan.items()), preempted
+
+
+SCHEDULE_CASES = (
+    # (running [(id, n_tokens, n_cached, n_blocks)], waiting [(id, n_tokens)], budget, max_batch, free, block_size)
+    ([(0, 10, 4, 2), (1, 6, 5, 2)], [(2, 5)], 6, 4, 10, 4),  # the decode before the earlier prefill
+    ([(0, 9, 8, 3)], [(1, 20), (2, 3)], 8, 3, 10, 4),  # a newcomer's prompt chunked to the budget left
+    ([(0, 5, 4, 2), (1, 7, 6, 2)], [(2, 3)], 16, 2, 10, 4),  # the batch is full
+    ([(0, 5, 4, 2)], [(1, 16), (2, 2)], 32, 4, 3, 4),  # the head of the queue does not fit: nobody jumps it
+    ([(0, 9, 8, 2), (1, 5, 4, 1), (2, 13, 12, 3)], [(3, 4)], 16, 4, 1, 4),  # preempt the newest, reuse its blocks
+    ([(0, 5, 4, 2), (1, 20, 4, 1)], [], 8, 4, 0, 4),  # the sequence that does not fit is the newest: itself
+    ([(0, 30, 4, 1), (1, 5, 4, 1)], [(2, 3)], 8, 4, 1, 4),  # a planned decode preempted: its token comes back
+)
+
+
+def check_schedule_step(fn: Callable, cases: tuple = SCHEDULE_CASES) -> CheckResult:
+    def body() -> str:
+        for running, waiting, budget, max_batch, free, bs in cases:
+            what = (f"schedule_step(running={running}, waiting={waiting}, token_budget={budget}, "
+                    f"max_batch={max_batch}, free_blocks={free}, block_size={bs})")
+            got = fn(list(running), list(waiting), budget, max_batch, free, bs)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise CheckFailed(f"{what} must return (plan, preempted), got {got!r}")
+            plan, preempted = [tuple(x) for x in got[0]], list(got[1])
+            ref_plan, ref_preempted = _schedule_step_reference(running, waiting, budget, max_batch, free, bs)
+            expect_equal(plan, ref_plan, f"{what}: plan [(id, tokens to feed)]")
+            expect_equal(preempted, ref_preempted, f"{what}: preempted ids")
+        return f"{len(cases)} steps planned right: decodes first, budget, batch limit, FIFO admission, preemption"
+    return run_check("schedule_step", body)
+
+
 EXERCISES = [
     Exercise("attend_over_cache", "KV cache: append and attend over the cache", 3, "attend_over_cache",
              check_attend_over_cache,
@@ -200,4 +270,11 @@ EXERCISES = [
                      {"t": 4, "n_head": 8, "n_kv": 8, "seed": 1}]),
     Exercise("step_logits", "Find the bug: a cached step that decodes wrong", 3, "step_logits", check_step_logits,
              hidden=[{"prompt_lens": (2, 9), "new": 5, "chunk": 4, "seed": 2}]),
+    Exercise("schedule_step", "A continuous-batching scheduler step: chunked prefill and preemption", 5,
+             "schedule_step", check_schedule_step,
+             hidden=[{"cases": (
+                 ([(0, 17, 16, 4), (1, 3, 2, 1), (2, 40, 8, 1)], [(3, 9), (4, 1)], 12, 5, 2, 8),
+                 ([(0, 33, 32, 2), (1, 33, 32, 2)], [(2, 50)], 64, 3, 0, 16),
+                 ([], [(0, 7), (1, 7), (2, 7)], 16, 8, 2, 4),
+                 ([(0, 6, 5, 1), (1, 9, 8, 2), (2, 4, 0, 0)], [(3, 2)], 3, 4, 1, 4))}]),
 ]

@@ -196,19 +196,19 @@ def decode_throughput(batches: Sequence[int], d_model: int = 1024, n_layer: int 
 
 
 def emulated_decode_throughput(model: torch.nn.Module, cost: StepCost, batches: Sequence[int], context: int,
-                               steps: int = 3) -> list[float]:
+                               steps: int = 3) -> tuple[list[float], int]:
     """Tokens/s of real decode steps of the engine on the **emulated device** ``cost`` (measured wall clock).
 
     Each step feeds one token to each of ``b`` sequences holding ``context`` cached positions (the cache is
     reserved, not prefilled: its values do not change the time), runs :class:`~course_lib.serving.engine.Engine`
     on it, then sleeps until the step has lasted ``cost(work)`` (``scheduler.EmulatedClock``); tokens/s is
-    ``b x steps`` over the measured time. The tiny model's own compute must stay below the emulated step, which
-    the clock checks."""
+    ``b x steps`` over the measured time. Returns the tokens/s at each batch and the number of steps whose real
+    compute outlasted the emulated step (``EmulatedClock.overruns``: those points fall below the model)."""
     from course_lib.serving.engine import Engine, Segment
     from course_lib.serving.kv_cache import ContiguousKVCache
     from course_lib.serving.scheduler import EmulatedClock
 
-    out = []
+    out, overruns = [], 0
     for b in batches:
         cache = ContiguousKVCache(model.config, b, context + steps)
         engine, clock = Engine(model, cache), EmulatedClock(cost)
@@ -222,4 +222,5 @@ def emulated_decode_throughput(model: torch.nn.Module, cost: StepCost, batches: 
             clock.step_done(StepWork(new_tokens=b, attended=b * (context + k + 1), cached_tokens=b * (context + k),
                                      n_seqs=b))
         out.append(b * steps / (clock.now() - t0))
-    return out
+        overruns += clock.overruns
+    return out, overruns

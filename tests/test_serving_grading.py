@@ -1,0 +1,40 @@
+"""Chapter 09's scheduler-step exercise: its check accepts a right step and rejects plausible wrong ones."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from course_lib.grading import ch09
+from tests.grading_fixtures.ch09 import WRONG, _schedule
+
+EXERCISE = next(e for e in ch09.EXERCISES if e.key == "schedule_step")
+
+
+def ignores_the_batch_limit(running, waiting, token_budget, max_batch, free_blocks, block_size):
+    return _schedule(running, waiting, token_budget, 10**6, free_blocks, block_size)
+
+
+WRONG_STEPS = [*WRONG["schedule_step"], functools.partial(_schedule, return_blocks=False),  # blocks never back
+               ignores_the_batch_limit]
+
+
+def _passes(fn) -> bool:
+    return ch09.check_schedule_step(fn).ok and all(
+        ch09.check_schedule_step(fn, **kw).ok for kw in EXERCISE.hidden)
+
+
+def test_the_check_accepts_a_right_step():
+    assert _passes(ch09._schedule_step_reference)
+    assert _passes(_schedule)  # the fixtures' switchable step with every rule on: another implementation
+
+
+@pytest.mark.parametrize("wrong", WRONG_STEPS, ids=lambda f: getattr(f, "__name__", "partial"))
+def test_the_check_rejects_each_plausible_bug(wrong):
+    assert not ch09.check_schedule_step(wrong).ok  # the visible cases already catch it
+
+
+def test_a_wrong_return_shape_is_named():
+    result = ch09.check_schedule_step(lambda *a: [(0, 1)])
+    assert not result.ok and "must return (plan, preempted)" in result.message
