@@ -20,7 +20,8 @@ for "what would this GPU do"); :class:`WallClock` reads ``time.perf_counter`` (w
 :class:`EmulatedClock` is the wall clock of an **emulated device**: the real step runs, then the clock sleeps
 until the step has lasted its modelled cost (measured time, robust to a busy CPU as long as the real compute
 stays below the modelled one; the clock counts the steps where it did not).
-Seams a variant overrides: :meth:`Scheduler.admit`, :meth:`Scheduler.plan`, :meth:`Scheduler.preempt`.
+Seams a variant overrides: :meth:`Scheduler.make_state`, :meth:`Scheduler.admit`, :meth:`Scheduler.plan`,
+:meth:`Scheduler.preempt`.
 """
 
 from __future__ import annotations
@@ -210,6 +211,10 @@ class Scheduler:
             budget -= n
         return items
 
+    def make_state(self, request: Request, record: RequestRecord) -> SeqState:
+        """The state of a request that just arrived: its prompt, nothing cached, no output yet."""
+        return SeqState(request, request.prompt.tolist(), record)
+
     def preempt(self, seq: SeqState) -> None:
         """Recompute preemption: free the sequence's cache, put it first in the queue, keep its outputs."""
         self.cache.free(seq.id)
@@ -253,7 +258,7 @@ class Scheduler:
         while pending or self.waiting or self.running:
             while pending and pending[0].arrival_s <= self.clock.now():
                 r = pending.popleft()
-                self.waiting.append(SeqState(r, r.prompt.tolist(), records[r.id]))
+                self.waiting.append(self.make_state(r, records[r.id]))
             self.admit()
             if not self.running:
                 if not pending:
