@@ -38,3 +38,14 @@ def test_the_check_rejects_each_plausible_bug(wrong):
 def test_a_wrong_return_shape_is_named():
     result = ch09.check_schedule_step(lambda *a: [(0, 1)])
     assert not result.ok and "must return (plan, preempted)" in result.message
+
+
+def test_the_verify_check_accepts_the_rejection_rule_and_rejects_its_bugs():
+    from course_lib.serving.speculative import accept_sampled
+
+    exercise = next(e for e in ch09.EXERCISES if e.key == "verify_sampled")
+    assert ch09.check_verify_sampled(accept_sampled).ok
+    assert all(ch09.check_verify_sampled(accept_sampled, **kw).ok for kw in exercise.hidden)
+    for wrong in WRONG["verify_sampled"]:
+        result = ch09.check_verify_sampled(wrong)
+        assert not result.ok, wrong.__name__

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from course_lib.grading.ch09 import chi2_pvalue
 from course_lib.model import GPT, GPTConfig
 from course_lib.serving import speculative
 from course_lib.serving.engine import generate_uncached
@@ -101,14 +102,6 @@ def test_a_mismatched_draft_is_named():
 # ------------------------------------------------------------------------------------------ rejection sampling
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square goodness of fit, p-value from the regularised upper incomplete gamma function
-    (chi2 with df = cells - 1): P(X > x) = Q(df / 2, x / 2)."""
-    expected = probs * counts.sum()
-    stat = ((counts - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(counts) - 1) / 2), stat / 2))
-
-
 def _rule_pvalues(rule, n: int = 20000, vocab: int = 4, k: int = 2, seed: int = 0) -> tuple[float, float]:
     """Draw k proposals from q, apply ``rule``; p-values of the first emitted token against p[0] and of the second
     (emitted only when the first proposal was kept) against p[1]."""
@@ -122,7 +115,7 @@ def _rule_pvalues(rule, n: int = 20000, vocab: int = 4, k: int = 2, seed: int = 
         first[out[0]] += 1
         if len(out) > 1:
             second[out[1]] += 1
-    return _chi2_pvalue(first, p[0]), _chi2_pvalue(second, p[1])
+    return chi2_pvalue(first, p[0]), chi2_pvalue(second, p[1])
 
 
 def _accept_by_q_over_p(p, q, drafts, g):
@@ -178,7 +171,7 @@ def test_sampled_speculative_decoding_draws_from_the_target_end_to_end():
         second[res.tokens[1]] += 1
         accepted += res.accepted[0]
     assert 0 < accepted < 1500  # the draft is rejected sometimes: the residual draw is exercised
-    assert _chi2_pvalue(first, p1) > ALPHA and _chi2_pvalue(second, p2) > ALPHA
+    assert chi2_pvalue(first, p1) > ALPHA and chi2_pvalue(second, p2) > ALPHA
 
 
 def test_emulated_device_time_is_the_sum_of_the_step_costs():

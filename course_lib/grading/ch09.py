@@ -13,6 +13,9 @@
    continuous-batching scheduler with chunked prefill and preemption: decodes first, then running prefills, then
    waiting requests (first come first served), all under a token budget, the batch limit and the free KV blocks;
    when a running sequence's blocks do not fit, the most recently admitted sequence is preempted.
+7. ``verify_sampled(p, q, drafts, generator)``: speculative sampling's verification step, the rejection rule of
+   Leviathan et al. / Chen et al.; checked on fixed cases and by chi-square tests of the emitted tokens against
+   the target's distribution.
 """
 
 from __future__ import annotations
@@ -253,6 +256,54 @@ def check_schedule_step(fn: Callable, cases: tuple = SCHEDULE_CASES) -> CheckRes
     return run_check("schedule_step", body)
 
 
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit of ``counts`` to ``probs``; the p-value is the regularised upper
+    incomplete gamma function Q(df / 2, x / 2), df = cells - 1."""
+    expected = probs * counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(counts) - 1) / 2), stat / 2))
+
+
+FALSE_ALARM = 1e-3
+"""Each chi-square test fails a right rule with probability 1e-3 on fresh draws (the draws are seeded here, so a
+given check always gives the same verdict)."""
+
+
+def check_verify_sampled(fn: Callable, n: int = 4000, vocab: int = 4, k: int = 2, seed: int = 0) -> CheckResult:
+    def body() -> str:
+        g = torch.Generator().manual_seed(seed)
+        p = torch.softmax(1.5 * torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
+        q = torch.softmax(1.5 * torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
+        same = fn(p, p[:k].clone(), list(range(k)), torch.Generator().manual_seed(seed))
+        if not isinstance(same, list) or len(same) != k + 1 or same[:k] != list(range(k)):
+            raise CheckFailed(f"with q equal to p every proposal must be kept and a bonus token drawn from p[k]: "
+                              f"expected {list(range(k))} + [one token], got {same!r}")
+        zero = p.clone()
+        zero[0, 0] = 0.0
+        zero[0] /= zero[0].sum()
+        out = fn(zero, q, [0] * k, torch.Generator().manual_seed(seed))
+        if not isinstance(out, list) or len(out) != 1 or out[0] == 0:
+            raise CheckFailed(f"a proposal the target gives probability 0 must be rejected and replaced by a draw from "
+                              f"norm(max(0, p - q)) (never that token): got {out!r} for proposals {[0] * k}")
+        first, second = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
+        for _ in range(n):
+            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
+            out = fn(p, q, drafts, g)
+            first[out[0]] += 1
+            if len(out) > 1:
+                second[out[1]] += 1
+        for name, counts, target in (("first", first, p[0]), ("second", second, p[1])):
+            pv = chi2_pvalue(counts, target)
+            if pv < FALSE_ALARM:
+                freq = " ".join(f"{x:.3f}" for x in (counts / counts.sum()).tolist())
+                raise CheckFailed(f"the {name} emitted token is not distributed as the target's p: frequencies {freq} "
+                                  f"against p {' '.join(f'{x:.3f}' for x in target.tolist())} over {int(counts.sum())} "
+                                  f"draws (chi-square p-value {pv:.2g} < {FALSE_ALARM})")
+        return (f"{n} verifications: every emitted token follows the target's p (chi-square, false-alarm rate "
+                f"{FALSE_ALARM} per test), and the fixed cases are right")
+    return run_check("verify_sampled", body)
+
+
 EXERCISES = [
     Exercise("attend_over_cache", "KV cache: append and attend over the cache", 3, "attend_over_cache",
              check_attend_over_cache,
@@ -277,4 +328,6 @@ EXERCISES = [
                  ([(0, 33, 32, 2), (1, 33, 32, 2)], [(2, 50)], 64, 3, 0, 16),
                  ([], [(0, 7), (1, 7), (2, 7)], 16, 8, 2, 4),
                  ([(0, 6, 5, 1), (1, 9, 8, 2), (2, 4, 0, 0)], [(3, 2)], 3, 4, 1, 4))}]),
+    Exercise("verify_sampled", "Speculative sampling: the verification step's rejection rule", 4, "verify_sampled",
+             check_verify_sampled, hidden=[{"vocab": 6, "k": 3, "seed": 1}]),
 ]

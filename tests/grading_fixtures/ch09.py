@@ -176,6 +176,35 @@ def schedule_preempts_the_oldest(running, waiting, token_budget, max_batch, free
     return _schedule(running, waiting, token_budget, max_batch, free_blocks, block_size, newest=False)
 
 
+def _verify(p, q, drafts, g, accept, residual, bonus=True):
+    out = []
+    for i, x in enumerate(drafts):
+        if float(torch.rand((), generator=g)) < accept(float(p[i, x]), float(q[i, x])):
+            out.append(x)
+            continue
+        r = residual(p[i], q[i]).clamp(min=0)
+        out.append(int(torch.multinomial(r / r.sum(), 1, generator=g)))
+        return out
+    if bonus:
+        out.append(int(torch.multinomial(p[len(drafts)], 1, generator=g)))
+    return out
+
+
+def verify_ratio_upside_down(p, q, drafts, generator):
+    """Keeps a proposal with probability min(1, q/p) instead of min(1, p/q)."""
+    return _verify(p, q, drafts, generator, lambda pi, qi: min(1.0, qi / pi if pi else 1.0), lambda pi, qi: pi - qi)
+
+
+def verify_residual_from_p(p, q, drafts, generator):
+    """After a rejection, draws from the target's p instead of norm(max(0, p - q))."""
+    return _verify(p, q, drafts, generator, lambda pi, qi: min(1.0, pi / qi), lambda pi, qi: pi)
+
+
+def verify_no_bonus(p, q, drafts, generator):
+    """Forgets the bonus token when every proposal is kept."""
+    return _verify(p, q, drafts, generator, lambda pi, qi: min(1.0, pi / qi), lambda pi, qi: pi - qi, bonus=False)
+
+
 WRONG = {
     "attend_over_cache": [attend_is_causal, attend_without_mask, attend_gqa_repeat_wrong],
     "reserve_blocks": [reserve_partial, reserve_floor],
@@ -183,4 +212,5 @@ WRONG = {
     "tp_kv_heads": [kv_heads_like_queries, kv_heads_round_robin],
     "step_logits": [step_causal_only_at_start, step_position_from_zero],
     "schedule_step": [schedule_running_order, schedule_skips_the_head, schedule_preempts_the_oldest],
+    "verify_sampled": [verify_ratio_upside_down, verify_residual_from_p, verify_no_bonus],
 }
