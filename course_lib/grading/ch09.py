@@ -7,8 +7,10 @@
 3. ``request_metrics(arrival_s, token_times)``: TTFT, the inter-token gaps, TPOT and end-to-end latency.
 4. ``tp_kv_heads(rank, t, n_head, n_kv)``: the KV heads a rank of a t-way TP group holds (replicated when t > n_kv),
    checked by running tensor-parallel decode on real ranks against one rank.
-5. ``step_logits(model, cache, tokens, start)`` (find the bug): a cached forward step whose decode went wrong
-   because ``is_causal=True`` aligns the causal mask top-left.
+5. ``step_logits(model, cache, tokens, start)`` (find the bug, then go further): a cached forward step whose decode
+   went wrong because ``is_causal=True`` aligns the causal mask top-left; the fixed step must also serve a RoPE +
+   grouped-query-attention model (rotations at the absolute positions, K/V heads shared), which the chapter's
+   ``forward_cached`` does not.
 6. ``schedule_step(running, waiting, token_budget, max_batch, free_blocks, block_size)``: one step of a
    continuous-batching scheduler with chunked prefill and preemption: decodes first, then running prefills, then
    waiting requests (first come first served), all under a token budget, the batch limit and the free KV blocks;
@@ -157,36 +159,45 @@ def check_tp_kv_heads(fn: Callable, t: int = 2, n_head: int = 4, n_kv: int = 2, 
     return run_check("tp_kv_heads", body)
 
 
+STEP_CONFIGS = {"learned": GPTConfig(seq_len=32, n_layer=2),
+                "rope-gqa": GPTConfig(seq_len=32, n_layer=2, n_kv_head=2, pos="rope")}
+"""The step must serve the chapter's model (learned positions, 4 K/V heads) and a Llama-style one (RoPE, 2 K/V
+heads shared by 4 query heads), which the chapter's ``forward_cached`` does not."""
+
+
 def check_step_logits(fn: Callable, prompt_lens: tuple[int, ...] = (1, 6), new: int = 6, chunk: int = 3,
-                      seed: int = 0) -> CheckResult:
+                      seed: int = 0, configs: tuple[str, ...] = ("learned", "rope-gqa")) -> CheckResult:
     def body() -> str:
-        cfg = GPTConfig(seq_len=32, n_layer=2)
-        model = GPT(cfg, seed=seed).eval()
-        g = torch.Generator().manual_seed(seed)
-        for n in prompt_lens:
-            prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
-            cache = ContiguousKVCache(cfg, 1, n + new)
-            cache.reserve(0, n + new)
+        for name in configs:
+            cfg = STEP_CONFIGS[name]
+            model = GPT(cfg, seed=seed).eval()
+            g = torch.Generator().manual_seed(seed)
+            for n in prompt_lens:
+                prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+                cache = ContiguousKVCache(cfg, 1, n + new)
+                cache.reserve(0, n + new)
+                with torch.no_grad():
+                    logits, out = fn(model, cache, prompt, 0), []
+                    for i in range(new):
+                        if not isinstance(logits, torch.Tensor) or logits.shape != (cfg.vocab_size,):
+                            raise CheckFailed(f"step_logits must return the last token's logits [vocab], got "
+                                              f"{getattr(logits, 'shape', type(logits).__name__)}")
+                        out.append(int(logits.argmax()))
+                        logits = fn(model, cache, torch.tensor(out[-1:]), n + i)
+                expect_equal(out, generate_uncached(model, prompt, new),
+                             f"{name} model: greedy tokens after a {n}-token prompt")
+            # chunked prefill: several new tokens after cached ones (start > 0 and n > 1)
+            prompt = torch.randint(0, cfg.vocab_size, (2 * chunk + 1,), generator=g)
+            cache = ContiguousKVCache(cfg, 1, prompt.numel())
+            cache.reserve(0, prompt.numel())
             with torch.no_grad():
-                logits, out = fn(model, cache, prompt, 0), []
-                for i in range(new):
-                    if not isinstance(logits, torch.Tensor) or logits.shape != (cfg.vocab_size,):
-                        raise CheckFailed(f"step_logits must return the last token's logits [vocab], got "
-                                          f"{getattr(logits, 'shape', type(logits).__name__)}")
-                    out.append(int(logits.argmax()))
-                    logits = fn(model, cache, torch.tensor(out[-1:]), n + i)
-            expect_equal(out, generate_uncached(model, prompt, new), f"greedy tokens after a {n}-token prompt")
-        # chunked prefill: several new tokens after cached ones (start > 0 and n > 1)
-        prompt = torch.randint(0, cfg.vocab_size, (2 * chunk + 1,), generator=g)
-        cache = ContiguousKVCache(cfg, 1, prompt.numel())
-        cache.reserve(0, prompt.numel())
-        with torch.no_grad():
-            fn(model, cache, prompt[:chunk], 0)
-            got = fn(model, cache, prompt[chunk:], chunk)
-            ref = model(prompt[None])[0, -1]
-        expect_close(got, ref, f"logits after a {chunk}-token chunk then a {chunk + 1}-token chunk", rtol=1e-4,
-                     atol=1e-5)
-        return f"decode after prompts of {list(prompt_lens)} tokens and chunked prefill match the uncached model"
+                fn(model, cache, prompt[:chunk], 0)
+                got = fn(model, cache, prompt[chunk:], chunk)
+                ref = model(prompt[None])[0, -1]
+            expect_close(got, ref, f"{name} model: logits after a {chunk}-token chunk then a {chunk + 1}-token chunk",
+                         rtol=1e-4, atol=1e-5)
+        return (f"decode after prompts of {list(prompt_lens)} tokens and chunked prefill match the uncached model "
+                f"({', '.join(configs)})")
     return run_check("step_logits", body)
 
 
