@@ -173,3 +173,51 @@ def mfu(
     if peak_flops <= 0 or n_gpus < 1:
         raise ValueError(f"need peak_flops > 0 and n_gpus >= 1, got {peak_flops}, {n_gpus}")
     return tokens_per_s * training_flops_per_token(n_params, n_layer, d_model, seq_len) / (n_gpus * peak_flops)
+
+
+# ------------------------------------------------------------------------- small-message all-reduce
+
+AllReduceAlgorithm = Literal["ring", "one_shot", "two_shot", "best"]
+ALL_REDUCE_ALGORITHMS: tuple[str, ...] = ("ring", "one_shot", "two_shot")
+SHOT_MAX_BYTES = 8 * 2**20
+"""Largest message the one- and two-shot kernels take: vLLM's custom all-reduce registers an 8 MiB buffer per
+rank and hands larger messages to NCCL."""
+
+
+def all_reduce_time(nbytes: float, n: int, alpha: float, beta: float,
+                    algorithm: AllReduceAlgorithm = "best") -> float:
+    """Alpha-beta time of an all-reduce of V = ``nbytes`` on ``n`` ranks, by algorithm (seconds).
+
+    * ``ring``: reduce-scatter + all-gather rings, ``2(n-1) alpha + 2(n-1)/n V / beta`` (``collective_time``);
+      latency grows with n, which is what the large gradient messages of training can afford;
+    * ``one_shot``: every rank reads the whole buffer of each of the n-1 others over the switch and reduces
+      locally: ``alpha + (n-1) V / beta``, one latency step whatever n;
+    * ``two_shot``: each rank reduces its 1/n slice from every peer (a one-step reduce-scatter), then every rank
+      gathers the n slices (a one-step all-gather): ``2 alpha + 2(n-1)/n V / beta``;
+    * ``best``: the cheapest of the three, what a serving engine picks per message size; one- and two-shot only
+      up to ``SHOT_MAX_BYTES`` (their staging buffer), larger messages go to the ring. In this model two-shot
+      moves the ring's bytes in fewer steps; what the model leaves out (the buffer, the SMs the kernel occupies,
+      the n-1 peers sharing each link) is why engines still use the ring for large messages.
+
+    The one- and two-shot kernels are those of vLLM's custom all-reduce and TensorRT-LLM's AllReduce plugin
+    (one-shot for small messages, two-shot for medium ones, the ring of NCCL for large ones); NCCL's LL and tree
+    protocols and NVLink SHARP give the same effect: a decode step's all-reduce of a few kB costs about one link
+    latency, not 2(n-1) of them. Both need every pair of ranks to be one hop apart (NVSwitch, NVLink mesh).
+    """
+    if alpha < 0 or beta <= 0:
+        raise ValueError(f"need alpha >= 0 (seconds) and beta > 0 (bytes/s), got alpha={alpha}, beta={beta}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n (number of ranks) must be a positive integer, got {n!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if n == 1:
+        return 0.0
+    times = {"ring": collective_time("all_reduce", nbytes, n, alpha, beta),
+             "one_shot": alpha + (n - 1) * nbytes / beta,
+             "two_shot": 2 * alpha + 2 * (n - 1) / n * nbytes / beta}
+    if algorithm == "best":
+        return min(times.values()) if nbytes <= SHOT_MAX_BYTES else times["ring"]
+    if algorithm not in times:
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: choose one of "
+                         f"{', '.join((*ALL_REDUCE_ALGORITHMS, 'best'))}")
+    return times[algorithm]

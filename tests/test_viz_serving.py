@@ -79,3 +79,26 @@ def test_drawn_trace_panel_redraws_the_schedule_for_each_policy():
         w.set(policy=policy)
         assert w.image.value[:4] == b"\x89PNG" and w.image.value not in shown, policy
         shown.append(w.image.value)
+
+
+def test_budget_panel_names_the_all_reduce_bound_and_keeps_its_legend_off_the_axis_label():
+    w = ServingBudgetPanel(model="llama3-70b", draw=False)
+    assert "communication-bound" in w.set(tp=8, batch=1, context=4096, allreduce="ring")
+    assert "memory-bound" in w.set(allreduce="best") and "(best)" in w.text
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = w.figure()
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    legend, label = ax.get_legend().get_window_extent(renderer), ax.xaxis.label.get_window_extent(renderer)
+    assert not legend.overlaps(label)
+
+
+def test_decode_and_budget_sweep_figures_label_their_series():
+    from course_lib.viz.serving import plot_budget_sweep, plot_decode_throughput
+
+    fig = plot_decode_throughput([1, 4], {"measured (emulated device)": [1.0, 3.0], "modelled": [1.0, 3.5]},
+                                 title="t")
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["measured (emulated device)", "modelled"]
+    fig = plot_budget_sweep({"64": (0.1, 0.01), "512": (0.05, 0.02)}, title="t")
+    assert fig.axes[0].get_xlabel() == "TTFT p99 (ms)"

@@ -7,8 +7,17 @@
 3. ``request_metrics(arrival_s, token_times)``: TTFT, the inter-token gaps, TPOT and end-to-end latency.
 4. ``tp_kv_heads(rank, t, n_head, n_kv)``: the KV heads a rank of a t-way TP group holds (replicated when t > n_kv),
    checked by running tensor-parallel decode on real ranks against one rank.
-5. ``step_logits(model, cache, tokens, start)`` (find the bug): a cached forward step whose decode went wrong
-   because ``is_causal=True`` aligns the causal mask top-left.
+5. ``step_logits(model, cache, tokens, start)`` (find the bug, then go further): a cached forward step whose decode
+   went wrong because ``is_causal=True`` aligns the causal mask top-left; the fixed step must also serve a RoPE +
+   grouped-query-attention model (rotations at the absolute positions, K/V heads shared), which the chapter's
+   ``forward_cached`` does not.
+6. ``schedule_step(running, waiting, token_budget, max_batch, free_blocks, block_size)``: one step of a
+   continuous-batching scheduler with chunked prefill and preemption: decodes first, then running prefills, then
+   waiting requests (first come first served), all under a token budget, the batch limit and the free KV blocks;
+   when a running sequence's blocks do not fit, the most recently admitted sequence is preempted.
+7. ``verify_sampled(p, q, drafts, generator)``: speculative sampling's verification step, the rejection rule of
+   Leviathan et al. / Chen et al.; checked on fixed cases and by chi-square tests of the emitted tokens against
+   the target's distribution.
 """
 
 from __future__ import annotations
@@ -150,37 +159,160 @@ def check_tp_kv_heads(fn: Callable, t: int = 2, n_head: int = 4, n_kv: int = 2, 
     return run_check("tp_kv_heads", body)
 
 
+STEP_CONFIGS = {"learned": GPTConfig(seq_len=32, n_layer=2),
+                "rope-gqa": GPTConfig(seq_len=32, n_layer=2, n_kv_head=2, pos="rope")}
+"""The step must serve the chapter's model (learned positions, 4 K/V heads) and a Llama-style one (RoPE, 2 K/V
+heads shared by 4 query heads), which the chapter's ``forward_cached`` does not."""
+
+
 def check_step_logits(fn: Callable, prompt_lens: tuple[int, ...] = (1, 6), new: int = 6, chunk: int = 3,
-                      seed: int = 0) -> CheckResult:
+                      seed: int = 0, configs: tuple[str, ...] = ("learned", "rope-gqa")) -> CheckResult:
     def body() -> str:
-        cfg = GPTConfig(seq_len=32, n_layer=2)
-        model = GPT(cfg, seed=seed).eval()
-        g = torch.Generator().manual_seed(seed)
-        for n in prompt_lens:
-            prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
-            cache = ContiguousKVCache(cfg, 1, n + new)
-            cache.reserve(0, n + new)
+        for name in configs:
+            cfg = STEP_CONFIGS[name]
+            model = GPT(cfg, seed=seed).eval()
+            g = torch.Generator().manual_seed(seed)
+            for n in prompt_lens:
+                prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+                cache = ContiguousKVCache(cfg, 1, n + new)
+                cache.reserve(0, n + new)
+                with torch.no_grad():
+                    logits, out = fn(model, cache, prompt, 0), []
+                    for i in range(new):
+                        if not isinstance(logits, torch.Tensor) or logits.shape != (cfg.vocab_size,):
+                            raise CheckFailed(f"step_logits must return the last token's logits [vocab], got "
+                                              f"{getattr(logits, 'shape', type(logits).__name__)}")
+                        out.append(int(logits.argmax()))
+                        logits = fn(model, cache, torch.tensor(out[-1:]), n + i)
+                expect_equal(out, generate_uncached(model, prompt, new),
+                             f"{name} model: greedy tokens after a {n}-token prompt")
+            # chunked prefill: several new tokens after cached ones (start > 0 and n > 1)
+            prompt = torch.randint(0, cfg.vocab_size, (2 * chunk + 1,), generator=g)
+            cache = ContiguousKVCache(cfg, 1, prompt.numel())
+            cache.reserve(0, prompt.numel())
             with torch.no_grad():
-                logits, out = fn(model, cache, prompt, 0), []
-                for i in range(new):
-                    if not isinstance(logits, torch.Tensor) or logits.shape != (cfg.vocab_size,):
-                        raise CheckFailed(f"step_logits must return the last token's logits [vocab], got "
-                                          f"{getattr(logits, 'shape', type(logits).__name__)}")
-                    out.append(int(logits.argmax()))
-                    logits = fn(model, cache, torch.tensor(out[-1:]), n + i)
-            expect_equal(out, generate_uncached(model, prompt, new), f"greedy tokens after a {n}-token prompt")
-        # chunked prefill: several new tokens after cached ones (start > 0 and n > 1)
-        prompt = torch.randint(0, cfg.vocab_size, (2 * chunk + 1,), generator=g)
-        cache = ContiguousKVCache(cfg, 1, prompt.numel())
-        cache.reserve(0, prompt.numel())
-        with torch.no_grad():
-            fn(model, cache, prompt[:chunk], 0)
-            got = fn(model, cache, prompt[chunk:], chunk)
-            ref = model(prompt[None])[0, -1]
-        expect_close(got, ref, f"logits after a {chunk}-token chunk then a {chunk + 1}-token chunk", rtol=1e-4,
-                     atol=1e-5)
-        return f"decode after prompts of {list(prompt_lens)} tokens and chunked prefill match the uncached model"
+                fn(model, cache, prompt[:chunk], 0)
+                got = fn(model, cache, prompt[chunk:], chunk)
+                ref = model(prompt[None])[0, -1]
+            expect_close(got, ref, f"{name} model: logits after a {chunk}-token chunk then a {chunk + 1}-token chunk",
+                         rtol=1e-4, atol=1e-5)
+        return (f"decode after prompts of {list(prompt_lens)} tokens and chunked prefill match the uncached model "
+                f"({', '.join(configs)})")
     return run_check("step_logits", body)
+
+
+def _schedule_step_reference(running: list[tuple[int, int, int, int]], waiting: list[tuple[int, int]],
+                             token_budget: int, max_batch: int, free_blocks: int,
+                             block_size: int) -> tuple[list[tuple[int, int]], list[int]]:
+    budget, free = token_budget, free_blocks
+    alive = [list(s) for s in running]  # [id, n_tokens, n_cached, n_blocks]
+    plan: dict[int, int] = {}
+    preempted: list[int] = []
+    decodes = [s for s in alive if s[2] == s[1] - 1]
+    for s in decodes + [s for s in alive if s[2] < s[1] - 1]:
+        n = min(s[1] - s[2], budget)
+        if s[0] in preempted or n <= 0:
+            continue
+        need = math.ceil((s[2] + n) / block_size) - s[3]
+        while need > free:
+            victim = [v for v in alive if v[0] not in preempted][-1]
+            preempted.append(victim[0])
+            free += victim[3]
+            budget += plan.pop(victim[0], 0)
+            if victim is s:
+                break
+        if s[0] in preempted:
+            continue
+        free -= max(need, 0)
+        s[3] += max(need, 0)
+        plan[s[0]] = n
+        budget -= n
+    in_batch = len(alive) - len(preempted)
+    for wid, n_tokens in waiting:
+        n = min(n_tokens, budget)
+        if in_batch >= max_batch or n <= 0 or math.ceil(n / block_size) > free:
+            break
+        free -= math.ceil(n / block_size)
+        plan[wid] = n
+        budget -= n
+        in_batch += 1
+    return list(plan.items()), preempted
+
+
+SCHEDULE_CASES = (
+    # (running [(id, n_tokens, n_cached, n_blocks)], waiting [(id, n_tokens)], budget, max_batch, free, block_size)
+    ([(0, 10, 4, 2), (1, 6, 5, 2)], [(2, 5)], 6, 4, 10, 4),  # the decode before the earlier prefill
+    ([(0, 9, 8, 3)], [(1, 20), (2, 3)], 8, 3, 10, 4),  # a newcomer's prompt chunked to the budget left
+    ([(0, 5, 4, 2), (1, 7, 6, 2)], [(2, 3)], 16, 2, 10, 4),  # the batch is full
+    ([(0, 5, 4, 2)], [(1, 16), (2, 2)], 32, 4, 3, 4),  # the head of the queue does not fit: nobody jumps it
+    ([(0, 9, 8, 2), (1, 5, 4, 1), (2, 13, 12, 3)], [(3, 4)], 16, 4, 1, 4),  # preempt the newest, reuse its blocks
+    ([(0, 5, 4, 2), (1, 20, 4, 1)], [], 8, 4, 0, 4),  # the sequence that does not fit is the newest: itself
+    ([(0, 30, 4, 1), (1, 5, 4, 1)], [(2, 3)], 8, 4, 1, 4),  # a planned decode preempted: its token comes back
+)
+
+
+def check_schedule_step(fn: Callable, cases: tuple = SCHEDULE_CASES) -> CheckResult:
+    def body() -> str:
+        for running, waiting, budget, max_batch, free, bs in cases:
+            what = (f"schedule_step(running={running}, waiting={waiting}, token_budget={budget}, "
+                    f"max_batch={max_batch}, free_blocks={free}, block_size={bs})")
+            got = fn(list(running), list(waiting), budget, max_batch, free, bs)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise CheckFailed(f"{what} must return (plan, preempted), got {got!r}")
+            plan, preempted = [tuple(x) for x in got[0]], list(got[1])
+            ref_plan, ref_preempted = _schedule_step_reference(running, waiting, budget, max_batch, free, bs)
+            expect_equal(plan, ref_plan, f"{what}: plan [(id, tokens to feed)]")
+            expect_equal(preempted, ref_preempted, f"{what}: preempted ids")
+        return f"{len(cases)} steps planned right: decodes first, budget, batch limit, FIFO admission, preemption"
+    return run_check("schedule_step", body)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit of ``counts`` to ``probs``; the p-value is the regularised upper
+    incomplete gamma function Q(df / 2, x / 2), df = cells - 1."""
+    expected = probs * counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(counts) - 1) / 2), stat / 2))
+
+
+FALSE_ALARM = 1e-3
+"""Each chi-square test fails a right rule with probability 1e-3 on fresh draws (the draws are seeded here, so a
+given check always gives the same verdict)."""
+
+
+def check_verify_sampled(fn: Callable, n: int = 4000, vocab: int = 4, k: int = 2, seed: int = 0) -> CheckResult:
+    def body() -> str:
+        g = torch.Generator().manual_seed(seed)
+        p = torch.softmax(1.5 * torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
+        q = torch.softmax(1.5 * torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
+        same = fn(p, p[:k].clone(), list(range(k)), torch.Generator().manual_seed(seed))
+        if not isinstance(same, list) or len(same) != k + 1 or same[:k] != list(range(k)):
+            raise CheckFailed(f"with q equal to p every proposal must be kept and a bonus token drawn from p[k]: "
+                              f"expected {list(range(k))} + [one token], got {same!r}")
+        zero = p.clone()
+        zero[0, 0] = 0.0
+        zero[0] /= zero[0].sum()
+        out = fn(zero, q, [0] * k, torch.Generator().manual_seed(seed))
+        if not isinstance(out, list) or len(out) != 1 or out[0] == 0:
+            raise CheckFailed(f"a proposal the target gives probability 0 must be rejected and replaced by a draw from "
+                              f"norm(max(0, p - q)) (never that token): got {out!r} for proposals {[0] * k}")
+        first, second = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
+        for _ in range(n):
+            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
+            out = fn(p, q, drafts, g)
+            first[out[0]] += 1
+            if len(out) > 1:
+                second[out[1]] += 1
+        for name, counts, target in (("first", first, p[0]), ("second", second, p[1])):
+            pv = chi2_pvalue(counts, target)
+            if pv < FALSE_ALARM:
+                freq = " ".join(f"{x:.3f}" for x in (counts / counts.sum()).tolist())
+                raise CheckFailed(f"the {name} emitted token is not distributed as the target's p: frequencies {freq} "
+                                  f"against p {' '.join(f'{x:.3f}' for x in target.tolist())} over {int(counts.sum())} "
+                                  f"draws (chi-square p-value {pv:.2g} < {FALSE_ALARM})")
+        return (f"{n} verifications: every emitted token follows the target's p (chi-square, false-alarm rate "
+                f"{FALSE_ALARM} per test), and the fixed cases are right")
+    return run_check("verify_sampled", body)
 
 
 EXERCISES = [
@@ -200,4 +332,13 @@ EXERCISES = [
                      {"t": 4, "n_head": 8, "n_kv": 8, "seed": 1}]),
     Exercise("step_logits", "Find the bug: a cached step that decodes wrong", 3, "step_logits", check_step_logits,
              hidden=[{"prompt_lens": (2, 9), "new": 5, "chunk": 4, "seed": 2}]),
+    Exercise("schedule_step", "A continuous-batching scheduler step: chunked prefill and preemption", 5,
+             "schedule_step", check_schedule_step,
+             hidden=[{"cases": (
+                 ([(0, 17, 16, 4), (1, 3, 2, 1), (2, 40, 8, 1)], [(3, 9), (4, 1)], 12, 5, 2, 8),
+                 ([(0, 33, 32, 2), (1, 33, 32, 2)], [(2, 50)], 64, 3, 0, 16),
+                 ([], [(0, 7), (1, 7), (2, 7)], 16, 8, 2, 4),
+                 ([(0, 6, 5, 1), (1, 9, 8, 2), (2, 4, 0, 0)], [(3, 2)], 3, 4, 1, 4))}]),
+    Exercise("verify_sampled", "Speculative sampling: the verification step's rejection rule", 4, "verify_sampled",
+             check_verify_sampled, hidden=[{"vocab": 6, "k": 3, "seed": 1}]),
 ]

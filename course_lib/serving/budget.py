@@ -10,6 +10,9 @@ Time of one decode step per GPU (roofline, :mod:`course_lib.serving.roofline`, p
 
     step = max(FLOPs / peak, (weights + KV cache) / bandwidth) + 2 L x all_reduce(batch x h x 2 bytes, t)
 
+The all-reduce is priced by ``course_lib.cost.all_reduce_time``: by default the cheapest of the ring, one-shot
+and two-shot algorithms (``allreduce="best"``: a decode step's few-kB all-reduce is latency-bound, and serving
+engines use one-shot kernels whose latency barely grows with t); ``allreduce="ring"`` prices NCCL's ring.
 Each sequence gets one token per step: inter-token latency = step; throughput = batch / step. Prefill of the
 prompt is compute-bound: TTFT ~ 2 N x context / (t x peak) (no queueing).
 """
@@ -20,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from course_lib import hardware
-from course_lib.cost import collective_time
+from course_lib.cost import AllReduceAlgorithm, all_reduce_time
 from course_lib.memory import MemoryBudget, ParallelLayout, inference_memory, kv_cache_bytes, params_per_rank
 from course_lib.model import PRESETS, GPTConfig
 
@@ -53,12 +56,15 @@ class ServingPrediction:
 
     @property
     def bound(self) -> str:
-        return "compute-bound" if self.compute_s > self.memory_s else "memory-bound"
+        """The largest of the step's three terms: compute, memory (weights + KV cache) or the TP all-reduces."""
+        terms = {"compute-bound": self.compute_s, "memory-bound": self.memory_s,
+                 "communication-bound": self.comm_s}
+        return max(terms, key=terms.get)
 
 
 def predict(config: GPTConfig | str, gpu: str = "H100 80GB", *, batch: int = 1, context: int = 4096,
-            quant: str = "bf16", tp: int = 1, link: str | None = None,
-            headroom: float = 0.10) -> ServingPrediction:
+            quant: str = "bf16", tp: int = 1, link: str | None = None, headroom: float = 0.10,
+            allreduce: AllReduceAlgorithm = "best") -> ServingPrediction:
     """Memory per GPU, max concurrent sequences and decode step time of ``config`` served with TP ``tp``.
 
     ``gpu`` and ``link`` are keys of the hardware catalogue (``course_lib.hardware``); ``link=None`` is the
@@ -80,9 +86,8 @@ def predict(config: GPTConfig | str, gpu: str = "H100 80GB", *, batch: int = 1, 
     flops = 2 * n_rank * batch + 4 * c.n_layer * c.d_model * context * batch / tp
     compute_s = flops / peak
     memory_s = (budget["weights"] + budget["kv_cache"]) / bw
-    comm_s = 2 * c.n_layer * collective_time("all_reduce", batch * c.d_model * 2, tp, lk.alpha, lk.beta) \
-        if tp > 1 else 0.0
+    comm_s = 2 * c.n_layer * all_reduce_time(batch * c.d_model * 2, tp, lk.alpha, lk.beta, allreduce)
     step = max(compute_s, memory_s) + comm_s
-    ttft = 2 * n_rank * context / peak + (2 * c.n_layer * collective_time(
-        "all_reduce", context * c.d_model * 2, tp, lk.alpha, lk.beta) if tp > 1 else 0.0)
+    ttft = 2 * n_rank * context / peak + 2 * c.n_layer * all_reduce_time(context * c.d_model * 2, tp, lk.alpha,
+                                                                          lk.beta, allreduce)
     return ServingPrediction(batch, budget, capacity, max_seqs, step, compute_s, memory_s, comm_s, ttft)

@@ -64,7 +64,9 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
+    def forward(self, segments: Sequence[Segment], every_token: bool = False) -> torch.Tensor:
+        """Logits of each segment's last token ``[len(segments), vocab]``, or of every token fed ``[N, vocab]``
+        with ``every_token=True`` (what speculative decoding's verification step needs)."""
         if not segments:
             raise ValueError("a step needs at least one segment")
         m = self.model
@@ -78,6 +80,8 @@ class Engine:
         for layer, block in enumerate(m.blocks):
             x = x + self.attn_out(block, self.attention(layer, block, block.norm1(x), segments, positions))
             x = x + self.mlp(block, block.norm2(x))
+        if every_token:
+            return m.lm_head(m.norm_f(x))
         last = torch.cumsum(torch.tensor([s.tokens.numel() for s in segments], device=x.device), 0) - 1
         return m.lm_head(m.norm_f(x[last]))
 
@@ -135,7 +139,17 @@ def generate(model: GPT, prompts: Sequence[torch.Tensor], max_new_tokens: int, t
              generator: torch.Generator | None = None, cache: KVCache | None = None,
              engine_cls: Callable[[GPT, KVCache], Engine] = Engine) -> list[list[int]]:
     """Batched generation with a KV cache: one prefill step for every prompt (of any lengths), then one decode
-    step per new token for all sequences at once. Returns the new tokens of each prompt."""
+    step per new token for all sequences at once. Returns the new tokens of each prompt.
+
+    A prompt whose length + ``max_new_tokens`` exceeds the model's ``seq_len`` is refused before any work, for
+    every position type (learned positions have no embedding past it; RoPE would run, outside the context the
+    model was trained for)."""
+    limit = model.config.seq_len
+    for i, p in enumerate(prompts):
+        if p.numel() + max_new_tokens > limit:
+            raise ValueError(f"prompt {i}: {p.numel()} tokens + max_new_tokens={max_new_tokens} = "
+                             f"{p.numel() + max_new_tokens} exceed the model's seq_len={limit} "
+                             f"({model.config.pos} positions); shorten the prompt or ask for fewer tokens")
     n_max = max(p.numel() for p in prompts) + max_new_tokens
     cache = cache or ContiguousKVCache(model.config, len(prompts), n_max, device=prompts[0].device)
     engine = engine_cls(model, cache)

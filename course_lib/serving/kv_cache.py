@@ -79,6 +79,25 @@ class KVCache(ABC):
     def sequences(self) -> list[int]:
         """The sequences that hold memory now."""
 
+    def reserve_prefix(self, seq: int, tokens: list[int]) -> int | None:
+        """Admit ``seq`` holding ``tokens``: the positions already cached (0 here; a prefix cache finds more), or
+        None (and no change) if they do not fit."""
+        return 0 if self.reserve(seq, len(tokens)) else None
+
+    def commit(self, seq: int, tokens: list[int]) -> None:
+        """``tokens`` (the first positions of ``seq``) are now cached: a prefix cache registers their blocks."""
+        return None
+
+    def positions_in_use(self) -> int:
+        """Distinct positions of memory held by live sequences (shared blocks counted once)."""
+        return self.reserved_tokens()
+
+    def truncate(self, seq: int, n_tokens: int) -> None:
+        """Forget positions ``n_tokens ..`` of ``seq`` (speculative decoding's rollback). Positions are addressed
+        by index, so a layout that cannot give memory back (a contiguous slot) has nothing to do: the next write
+        overwrites them, and no read goes past the positions it asks for."""
+        return None
+
     def reserved_tokens(self) -> int:
         """Positions set aside for all live sequences."""
         return sum(self.reserved_for(s) for s in self.sequences())

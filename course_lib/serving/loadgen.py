@@ -49,3 +49,34 @@ def poisson_trace(n: int, rate: float, *, vocab_size: int = 256, short_prompt: t
         prompt = torch.randint(0, vocab_size, (plen,), generator=g)
         out.append(Request(i, prompt, uniform(output), t))
     return out
+
+
+def chat_trace(n_chats: int, turns: int, *, rate: float, system_len: int = 32, user: tuple[int, int] = (4, 12),
+               answer: tuple[int, int] = (4, 12), output: tuple[int, int] = (4, 12), think_s: float = 0.05,
+               vocab_size: int = 256, seed: int = 0) -> list[Request]:
+    """Multi-turn chats that all begin with one shared system prompt of ``system_len`` tokens: chat c starts at a
+    Poisson arrival (``rate`` chats per second) and its turn j arrives ``j x think_s`` later with the prompt
+    system + (user message, earlier answer) of turns 0 .. j-1 + the new user message, so each turn's prompt
+    extends the previous one. The earlier answers are stand-in tokens (the trace is fixed before anything is
+    generated), as a chat client sends back the history it shows. Ids are in arrival order."""
+    if n_chats < 1 or turns < 1 or rate <= 0:
+        raise ValueError(f"need n_chats >= 1, turns >= 1 and rate > 0, got {n_chats}, {turns}, {rate}")
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(lo_hi: tuple[int, int]) -> torch.Tensor:
+        return torch.randint(0, vocab_size, (int(torch.randint(lo_hi[0], lo_hi[1] + 1, (1,), generator=g)),),
+                             generator=g)
+
+    system = torch.randint(0, vocab_size, (system_len,), generator=g)
+    raw, t = [], 0.0
+    for c in range(n_chats):
+        if c:
+            t += float(torch.empty(1).exponential_(rate, generator=g))
+        history = system
+        for j in range(turns):
+            prompt = torch.cat([history, tokens(user)])
+            n_out = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
+            raw.append((t + j * think_s, c, prompt, n_out))
+            history = torch.cat([prompt, tokens(answer)])
+    raw.sort(key=lambda r: (r[0], r[1]))
+    return [Request(i, p, n, a) for i, (a, _, p, n) in enumerate(raw)]

@@ -79,6 +79,14 @@ class PagedKVCache(KVCache):
     def free(self, seq: int) -> None:
         self.allocator.release(self.block_tables.pop(seq))
 
+    def truncate(self, seq: int, n_tokens: int) -> None:
+        """Give back the blocks past the first ``blocks_for(n_tokens)`` of ``seq``."""
+        table = self.block_tables[seq]
+        keep = self.blocks_for(n_tokens)
+        if keep < len(table):
+            self.allocator.release(table[keep:])
+            del table[keep:]
+
     def _where(self, seq: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n, device=self.device)
         table = self.block_tables[seq]
@@ -109,6 +117,9 @@ class PagedKVCache(KVCache):
 
     def sequences(self) -> list[int]:
         return list(self.block_tables)
+
+    def positions_in_use(self) -> int:
+        return len({b for t in self.block_tables.values() for b in t}) * self.block_size
 
     def check_no_leak(self) -> None:
         """Every block is either free or in exactly one live table; raises ``AssertionError`` naming the leak."""

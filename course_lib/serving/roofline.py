@@ -10,17 +10,28 @@ I* = peak_flops / mem_bandwidth. For a decoder step over a batch of ``b`` tokens
 
     I(b) ~ 2 b / bytes_per_param       and the critical batch  b* = I* x bytes_per_param / 2
 
-Decode (b = number of sequences, one token each) sits far left of the ridge: memory-bound, its time is the time
-to stream the weights (+ the KV cache) and barely grows with b, so tokens/s grows ~linearly in b until b*.
-Prefill (b = prompt tokens) sits right of it: compute-bound. H100 SXM bf16: 989e12 / 3.35e12 = 295 FLOP/byte,
-b* ~ 295 tokens.
+That critical batch applies to the **weights** only. Each sequence of a decode batch also reads its own KV
+cache, every step, and that read is not shared: per token, a decode step at batch b and context c moves
 
-:class:`StepCost` turns this into the simulated clock's cost of a scheduler step; :func:`measure_bandwidth`,
-:func:`measure_flops` and :func:`decode_throughput` are micro-benchmarks of the machine the notebook runs on.
+    bytes per token = weight_bytes / b + kv_bytes_per_token x c          (Pope et al. 2022, Sec. 2)
+
+so the weights' share falls as 1/b but the cache's does not. Attention over the cache does 4 h FLOPs per layer
+and cached position for 2 n_kv d_head x bytes_per_elem bytes, an intensity of 2 n_head / (n_kv x bytes) FLOP/byte
+(1 for multi-head attention in bf16, 8 with 8-way grouped-query attention): a constant of the model, not of the
+batch, far left of every ridge. Attention over the cache **never becomes compute-bound**; batching amortises the
+weights only, and once the batch's KV reads rival the weights, tokens/s grows much slower than the batch.
+Prefill (b = prompt tokens) sits right of the weights' ridge: compute-bound. H100 SXM bf16:
+989e12 / 3.35e12 = 295 FLOP/byte, b* ~ 295 tokens.
+
+:class:`StepCost` turns this into the simulated clock's cost of a scheduler step (and the emulated device's,
+``scheduler.EmulatedClock``); :func:`emulated_decode_throughput` runs real decode steps of the engine on that
+emulated device; :func:`measure_bandwidth`, :func:`measure_flops` and :func:`decode_throughput` are wall-clock
+micro-benchmarks of the machine the notebook runs on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +51,48 @@ def ridge_point(peak_flops: float, mem_bandwidth: float) -> float:
 def critical_batch(peak_flops: float, mem_bandwidth: float, bytes_per_param: float = 2) -> float:
     """Tokens per step at which a weight-streaming step turns compute-bound: I* x bytes_per_param / 2."""
     return ridge_point(peak_flops, mem_bandwidth) * bytes_per_param / 2
+
+
+def decode_bytes_per_token(weight_bytes: float, kv_bytes_per_token: float, batch: int, context: int) -> float:
+    """Bytes a decode step moves per generated token: ``weight_bytes / batch + kv_bytes_per_token x context``."""
+    if batch < 1 or context < 0:
+        raise ValueError(f"need batch >= 1 and context >= 0, got batch={batch}, context={context}")
+    return weight_bytes / batch + kv_bytes_per_token * context
+
+
+def attention_intensity(config: GPTConfig | str, kv_bytes: float = 2) -> float:
+    """FLOP per byte of attention over the KV cache: 4 L h / (2 L n_kv d_head kv_bytes) = 2 n_head / (n_kv kv_bytes).
+
+    Independent of the batch and the context: each sequence reads its own cache, so batching never raises it."""
+    c = PRESETS[config] if isinstance(config, str) else config
+    return 2 * c.n_head / (c.kv_heads * kv_bytes)
+
+
+def decode_intensity(config: GPTConfig | str, batch: int, context: int, bytes_per_param: float = 2) -> float:
+    """FLOP per byte of a whole decode step: (2 N b + 4 L h c b) / (N bytes_per_param + kv_bytes_per_token c b).
+
+    As the batch grows it tends to (2 N + 4 L h c) / (kv_bytes_per_token c), not to infinity: the weights' share
+    of the bytes vanishes, the cache's does not."""
+    c = PRESETS[config] if isinstance(config, str) else config
+    n = param_count(c)
+    flops = 2 * n * batch + 4 * c.n_layer * c.d_model * context * batch
+    return flops / (n * bytes_per_param + kv_cache_bytes(c, 1, kv_bytes=bytes_per_param) * context * batch)
+
+
+def decode_critical_batch(config: GPTConfig | str, context: int, peak_flops: float, mem_bandwidth: float,
+                          bytes_per_param: float = 2) -> float:
+    """Batch at which a decode step at ``context`` turns compute-bound (``decode_intensity`` = the ridge I*):
+
+        b = I* N bytes_per_param / (2 N + 4 L h c - I* kv_bytes_per_token c)
+
+    ``inf`` when the denominator is <= 0: past the context c = 2 N / (I* kv_bytes_per_token - 4 L h) no batch
+    makes decode compute-bound, because every added sequence brings its own cache to read. At c = 0 it is the
+    weights' ``critical_batch``."""
+    c = PRESETS[config] if isinstance(config, str) else config
+    n, ridge = param_count(c), ridge_point(peak_flops, mem_bandwidth)
+    denom = 2 * n + 4 * c.n_layer * c.d_model * context - ridge * kv_cache_bytes(c, 1, kv_bytes=bytes_per_param) \
+        * context
+    return ridge * n * bytes_per_param / denom if denom > 0 else float("inf")
 
 
 @dataclass(frozen=True)
@@ -79,6 +132,16 @@ class StepCost:
         n = param_count(c)
         return cls(n, n * bytes_per_param, kv_cache_bytes(c, 1, kv_bytes=bytes_per_param), c.n_layer, c.d_model,
                    card.peak_flops, card.mem_bandwidth, overhead_s, f"{c.name} on {card.name}")
+
+    def slowed(self, factor: float) -> StepCost:
+        """The same device running ``factor`` times slower (peak and bandwidth divided, overhead multiplied): an
+        emulated device slow enough that a CPU's real work hides under its sleeps; its times / factor are the
+        original device's."""
+        if factor <= 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        return dataclasses.replace(self, peak_flops=self.peak_flops / factor,
+                                   mem_bandwidth=self.mem_bandwidth / factor, overhead_s=self.overhead_s * factor,
+                                   label=f"{self.label}, {factor:g}x slower")
 
     def flops(self, w: StepWork) -> float:
         return 2 * self.n_params * w.new_tokens + 4 * self.n_layer * self.d_model * w.attended
@@ -130,3 +193,34 @@ def decode_throughput(batches: Sequence[int], d_model: int = 1024, n_layer: int 
         return x
 
     return [b / _median_time(lambda b=b: step(torch.randn(b, d_model)), repeats) for b in batches]
+
+
+def emulated_decode_throughput(model: torch.nn.Module, cost: StepCost, batches: Sequence[int], context: int,
+                               steps: int = 3) -> tuple[list[float], int]:
+    """Tokens/s of real decode steps of the engine on the **emulated device** ``cost`` (measured wall clock).
+
+    Each step feeds one token to each of ``b`` sequences holding ``context`` cached positions (the cache is
+    reserved, not prefilled: its values do not change the time), runs :class:`~course_lib.serving.engine.Engine`
+    on it, then sleeps until the step has lasted ``cost(work)`` (``scheduler.EmulatedClock``); tokens/s is
+    ``b x steps`` over the measured time. Returns the tokens/s at each batch and the number of steps whose real
+    compute outlasted the emulated step (``EmulatedClock.overruns``: those points fall below the model)."""
+    from course_lib.serving.engine import Engine, Segment
+    from course_lib.serving.kv_cache import ContiguousKVCache
+    from course_lib.serving.scheduler import EmulatedClock
+
+    out, overruns = [], 0
+    for b in batches:
+        cache = ContiguousKVCache(model.config, b, context + steps)
+        engine, clock = Engine(model, cache), EmulatedClock(cost)
+        for i in range(b):
+            cache.reserve(i, context + steps)
+        tokens = torch.zeros(1, dtype=torch.long)
+        t0 = clock.now()
+        for k in range(steps):
+            clock.step_begin()
+            engine.forward([Segment(i, tokens, context + k) for i in range(b)])
+            clock.step_done(StepWork(new_tokens=b, attended=b * (context + k + 1), cached_tokens=b * (context + k),
+                                     n_seqs=b))
+        out.append(b * steps / (clock.now() - t0))
+        overruns += clock.overruns
+    return out, overruns

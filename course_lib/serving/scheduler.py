@@ -16,8 +16,12 @@ back to the front of the queue keeping its output tokens, and when it rejoins it
 prefilled again (vLLM's recompute preemption). A waiting sequence never holds cache memory.
 
 Time comes from a clock: :class:`SimClock` advances by a cost model per step (deterministic, for tests and
-for "what would this GPU do"); :class:`WallClock` reads ``time.perf_counter`` (what this machine really did).
-Seams a variant overrides: :meth:`Scheduler.admit`, :meth:`Scheduler.plan`, :meth:`Scheduler.preempt`.
+for "what would this GPU do"); :class:`WallClock` reads ``time.perf_counter`` (what this machine really did);
+:class:`EmulatedClock` is the wall clock of an **emulated device**: the real step runs, then the clock sleeps
+until the step has lasted its modelled cost (measured time, robust to a busy CPU as long as the real compute
+stays below the modelled one; the clock counts the steps where it did not).
+Seams a variant overrides: :meth:`Scheduler.make_state`, :meth:`Scheduler.admit`, :meth:`Scheduler.plan`,
+:meth:`Scheduler.preempt`.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class SimClock:
     def wait_until(self, t: float) -> None:
         self.t = max(self.t, t)
 
+    def step_begin(self) -> None:
+        pass
+
     def step_done(self, work: StepWork) -> None:
         self.t += self.cost(work)
 
@@ -71,8 +78,32 @@ class WallClock:
     def wait_until(self, t: float) -> None:
         time.sleep(max(0.0, t - self.now()))
 
+    def step_begin(self) -> None:
+        pass
+
     def step_done(self, work: StepWork) -> None:
         pass  # real time passed by itself
+
+
+class EmulatedClock(WallClock):
+    """Wall clock of an emulated device: :meth:`step_done` sleeps until ``cost(work)`` seconds have passed since
+    :meth:`step_begin` (the same idea as ``course_lib.instrument.EmulatedDeviceGPT``: a sleep costs no CPU, as a
+    GPU kernel is a wait from the host's side). ``overruns`` counts steps whose real compute took longer."""
+
+    mode = "emulated device"
+
+    def __init__(self, cost: Callable[[StepWork], float]) -> None:
+        super().__init__()
+        self.cost, self.overruns, self._begin = cost, 0, 0.0
+
+    def step_begin(self) -> None:
+        self._begin = self.now()
+
+    def step_done(self, work: StepWork) -> None:
+        left = self._begin + self.cost(work) - self.now()
+        if left < 0:
+            self.overruns += 1
+        time.sleep(max(0.0, left))
 
 
 @dataclass
@@ -102,7 +133,8 @@ class SeqState:
 @dataclass
 class StepRecord:
     """One engine step: when it ran, what each sequence fed (request id, kind, tokens), who was preempted, and
-    the cache positions held by waiting sequences (always 0 unless preemption leaks)."""
+    the cache positions held by waiting sequences (always 0 unless preemption leaks), and the distinct positions
+    of memory in use (shared prefix blocks counted once)."""
 
     start_s: float
     end_s: float
@@ -110,6 +142,7 @@ class StepRecord:
     preempted: list[int]
     reserved_tokens: int
     held_by_waiting: int
+    in_use_tokens: int = 0
 
 
 @dataclass
@@ -131,7 +164,7 @@ class Scheduler:
     """Serve a list of requests with ``engine`` under ``policy``; ``run(requests)`` -> :class:`ServeResult`."""
 
     def __init__(self, engine: Engine, *, policy: Policy = "continuous", max_batch: int = 8,
-                 token_budget: int | None = None, clock: SimClock | WallClock | None = None,
+                 token_budget: int | None = None, clock: SimClock | WallClock | EmulatedClock | None = None,
                  temperature: float = 0.0, seed: int = 0) -> None:
         if policy not in ("static", "continuous"):
             raise ValueError(f"policy must be 'static' or 'continuous', got {policy!r}")
@@ -152,13 +185,16 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting sequences into the batch: static only when the batch is empty, continuous every step;
-        first come first served, each one only if the cache can hold its tokens so far."""
+        first come first served, each one only if the cache can hold its tokens so far (a prefix cache may already
+        hold their first positions: only the rest is prefilled)."""
         if self.policy == "static" and self.running:
             return
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if not self.cache.reserve(seq.id, len(seq.tokens)):
+            cached = self.cache.reserve_prefix(seq.id, seq.tokens)  # > 0 only with a prefix cache
+            if cached is None:
                 break
+            seq.n_cached = cached
             self.running.append(self.waiting.popleft())
 
     def plan(self) -> list[tuple[SeqState, int]]:
@@ -174,6 +210,10 @@ class Scheduler:
             items.append((s, n))
             budget -= n
         return items
+
+    def make_state(self, request: Request, record: RequestRecord) -> SeqState:
+        """The state of a request that just arrived: its prompt, nothing cached, no output yet."""
+        return SeqState(request, request.prompt.tolist(), record)
 
     def preempt(self, seq: SeqState) -> None:
         """Recompute preemption: free the sequence's cache, put it first in the queue, keep its outputs."""
@@ -218,7 +258,7 @@ class Scheduler:
         while pending or self.waiting or self.running:
             while pending and pending[0].arrival_s <= self.clock.now():
                 r = pending.popleft()
-                self.waiting.append(SeqState(r, r.prompt.tolist(), records[r.id]))
+                self.waiting.append(self.make_state(r, records[r.id]))
             self.admit()
             if not self.running:
                 if not pending:
@@ -230,6 +270,7 @@ class Scheduler:
         return ServeResult([records[r.id] for r in requests], steps, self.clock.mode, self.policy)
 
     def _step(self, items: list[tuple[SeqState, int]], preempted: list[int]) -> StepRecord:
+        self.clock.step_begin()
         start = self.clock.now()
         device = self.engine.model.lm_head.weight.device
         segments = [Segment(s.id, torch.tensor(s.tokens[s.n_cached:s.n_cached + n], device=device), s.n_cached)
@@ -244,6 +285,7 @@ class Scheduler:
         done_rows = []
         for row, (s, n) in enumerate(items):
             s.n_cached += n
+            self.cache.commit(s.id, s.tokens[:s.n_cached])
             if s.n_cached == len(s.tokens):
                 done_rows.append((row, s))
         if done_rows:
@@ -256,4 +298,5 @@ class Scheduler:
                     self.cache.free(s.id)
                     self.running.remove(s)
         held = sum(self.cache.reserved_for(s.id) for s in self.waiting)
-        return StepRecord(start, now, work, preempted, self.cache.reserved_tokens(), held)
+        return StepRecord(start, now, work, preempted, self.cache.reserved_tokens(), held,
+                          self.cache.positions_in_use())

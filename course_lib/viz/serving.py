@@ -3,8 +3,9 @@
 * :func:`plot_schedule` -- which request ran in which step (prefill / decode / recompute), on the clock that
   made it ("simulated" or "wall-clock", in the title);
 * :func:`plot_roofline` -- attainable FLOP/s vs arithmetic intensity, with measured points;
-* :class:`ServingBudgetPanel` -- model, GPU, batch, context, quantisation, TP -> memory per GPU, max concurrent
-  sequences, predicted tokens/s and latency (:func:`course_lib.serving.budget.predict`);
+* :class:`ServingBudgetPanel` -- model, GPU, batch, context, quantisation, TP, all-reduce algorithm -> memory per
+  GPU, max concurrent sequences, predicted tokens/s and latency, and the bound that dominates
+  (:func:`course_lib.serving.budget.predict`);
 * :class:`TracePanel` -- arrival rate and batching policy -> p50/p99 TTFT and ITL of a trace served by the tiny
   GPT on this machine (wall-clock) or on the simulated clock.
 """
@@ -36,7 +37,7 @@ KIND_COLORS = {"prefill": "#4C72B0", "decode": "#55A868", "recompute": "#C44E52"
 
 def plot_schedule(result: ServeResult, *, max_requests: int = 24, title: str = "") -> Figure:
     """One row per request, one bar per step it took part in, coloured by what it fed; x is the clock's time."""
-    fig = Figure(figsize=(9, 0.22 * min(max_requests, len(result.records)) + 1.6))
+    fig = Figure(figsize=(9, min(4.8, 0.15 * min(max_requests, len(result.records)) + 1.4)))
     ax = fig.add_subplot()
     ids = [r.id for r in result.records][:max_requests]
     row = {rid: i for i, rid in enumerate(ids)}
@@ -48,7 +49,7 @@ def plot_schedule(result: ServeResult, *, max_requests: int = 24, title: str = "
                         color=KIND_COLORS[kind], linewidth=0)
     for r in result.records[:max_requests]:
         ax.plot(r.arrival_s * scale, row[r.id], marker="|", color="black", markersize=8)
-    ax.set_yticks(range(len(ids)), [f"req {i}" for i in ids], fontsize=7)
+    ax.set_yticks(range(len(ids)), [f"req {i}" for i in ids], fontsize=6 if len(ids) > 16 else 7)
     ax.invert_yaxis()
     ax.set_xlabel(f"time (ms, {result.clock_mode})")
     handles = [Patch(color=c, label=k) for k, c in KIND_COLORS.items()]
@@ -82,6 +83,36 @@ def plot_roofline(peak_flops: float, mem_bandwidth: float, points: Mapping[str, 
     return fig
 
 
+def plot_decode_throughput(batches: list[int], series: Mapping[str, list[float]], *, title: str) -> Figure:
+    """log-log decode tokens/s vs batch, one line per ``series`` {label: tokens/s at each batch}; the label says
+    whether a line is modelled or measured (and on which device)."""
+    fig = Figure(figsize=(6.5, 3.6))
+    ax = fig.add_subplot()
+    for k, (label, ys) in enumerate(series.items()):
+        ax.loglog(batches, ys, "o-" if "measured" in label else "--", label=label, color=f"C{k}")
+    ax.set_xlabel("batch (sequences decoding together)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_budget_sweep(points: Mapping[str, tuple[float, float]], *, title: str) -> Figure:
+    """Chunked prefill's trade-off: one point per token budget {label: (TTFT p99 s, ITL p99 s)}, in ms."""
+    fig = Figure(figsize=(6, 3.4))
+    ax = fig.add_subplot()
+    xs, ys = zip(*[(t * 1e3, i * 1e3) for t, i in points.values()], strict=True)
+    ax.plot(xs, ys, "o-", color="C0")
+    for label, x, y in zip(points, xs, ys, strict=True):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("TTFT p99 (ms)")
+    ax.set_ylabel("ITL p99 (ms)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 class ServingBudgetPanel(ControlPanel):
     """Model preset, GPU, batch, context, quantisation, TP -> memory per GPU by category, max concurrent
     sequences, predicted decode tokens/s and inter-token latency. ``set(tp=4)`` -> ``text``."""
@@ -103,12 +134,14 @@ class ServingBudgetPanel(ControlPanel):
                                      style={"description_width": "initial", "button_width": "60px"}),
             "tp": W.Dropdown(options=[1, 2, 4, 8], value=1, description="TP", style=style,
                              layout=W.Layout(width="120px")),
+            "allreduce": W.ToggleButtons(options=["best", "ring"], value="best", description="all-reduce",
+                                         style={"description_width": "initial", "button_width": "60px"}),
         }
         self.image = W.Image(format="png")
         self.out = W.HTML()
         self.children = [W.HBox([self.controls["model"], self.controls["gpu"], self.controls["tp"]]),
                          W.HBox([self.controls["batch"], self.controls["context"], self.controls["quant"]]),
-                         self.out, self.image]
+                         self.controls["allreduce"], self.out, self.image]
         self._watch()
         self.prediction = None
         self.error = ""
@@ -118,7 +151,7 @@ class ServingBudgetPanel(ControlPanel):
         v = self.values()
         try:
             self.prediction = predict(v["model"], v["gpu"], batch=v["batch"], context=v["context"],
-                                      quant=v["quant"], tp=v["tp"])
+                                      quant=v["quant"], tp=v["tp"], allreduce=v["allreduce"])
             self.error = ""
         except ValueError as e:
             self.prediction, self.error = None, str(e)
@@ -129,7 +162,7 @@ class ServingBudgetPanel(ControlPanel):
 
     def figure(self) -> Figure:
         p = self.prediction
-        fig = Figure(figsize=(6, 1.8))
+        fig = Figure(figsize=(6.5, 2.2))
         ax = fig.add_subplot()
         left = 0.0
         for cat, b in p.budget.items():
@@ -138,7 +171,7 @@ class ServingBudgetPanel(ControlPanel):
         ax.axvline(p.capacity_bytes / GB, color="black", linestyle="--", label=f"{self.values()['gpu']}")
         ax.set_yticks([])
         ax.set_xlabel("GB per GPU (modelled)")
-        ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+        ax.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.02), frameon=False)
         fig.tight_layout()
         return fig
 
@@ -152,7 +185,7 @@ class ServingBudgetPanel(ControlPanel):
                 f"memory per GPU {p.budget.total / GB:.1f} GB of {p.capacity_bytes / GB:.1f} GB: {fit}\n"
                 f"max concurrent sequences of {v['context']} tokens: {p.max_sequences}\n"
                 f"decode step {p.step_s * 1e3:.2f} ms ({p.bound}; compute {p.compute_s * 1e3:.2f} ms, memory "
-                f"{p.memory_s * 1e3:.2f} ms, TP all-reduces {p.comm_s * 1e3:.2f} ms)\n"
+                f"{p.memory_s * 1e3:.2f} ms, TP all-reduces ({v['allreduce']}) {p.comm_s * 1e3:.2f} ms)\n"
                 f"-> inter-token latency {p.step_s * 1e3:.2f} ms, {p.tokens_per_s:.0f} tokens/s for the batch; "
                 f"prefill of the context ~{p.ttft_s * 1e3:.0f} ms (predicted, roofline)")
 
@@ -177,7 +210,7 @@ class TracePanel(ControlPanel):
             "rate": W.Dropdown(options=[10, 30, 100, 300, 1000], value=100, description="arrivals / s",
                                style=style),
             "policy": W.ToggleButtons(options=list(self.POLICIES), value="continuous", description="batching",
-                                      style={"description_width": "initial", "button_width": "110px"}),
+                                      style={"description_width": "initial", "button_width": "135px"}),
             "clock": W.ToggleButtons(options=["simulated", "wall-clock"], value="simulated", description="clock",
                                      style={"description_width": "initial", "button_width": "90px"}),
         }

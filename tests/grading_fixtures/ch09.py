@@ -117,10 +117,100 @@ def step_position_from_zero(model, cache, tokens, start):
     return model.lm_head(model.norm_f(x[-1]))
 
 
+def _schedule(running, waiting, token_budget, max_batch, free_blocks, block_size, *, decodes_first=True,
+              fifo=True, newest=True, return_blocks=True):
+    """A scheduler step with one of its rules switchable off (the wrong answers below)."""
+    budget, free = token_budget, free_blocks
+    alive = [list(s) for s in running]
+    plan, preempted = {}, []
+    order = ([s for s in alive if s[2] == s[1] - 1] + [s for s in alive if s[2] < s[1] - 1]) if decodes_first \
+        else alive
+    for s in order:
+        n = min(s[1] - s[2], budget)
+        if s[0] in preempted or n <= 0:
+            continue
+        need = math.ceil((s[2] + n) / block_size) - s[3]
+        while need > free:
+            left = [v for v in alive if v[0] not in preempted]
+            victim = left[-1] if newest else left[0]
+            preempted.append(victim[0])
+            free += victim[3] if return_blocks else 0
+            budget += plan.pop(victim[0], 0)
+            if victim is s or not left[1:]:
+                break
+        if s[0] in preempted or need > free:
+            continue
+        free -= max(need, 0)
+        s[3] += max(need, 0)
+        plan[s[0]] = n
+        budget -= n
+    in_batch = len(alive) - len(preempted)
+    for wid, n_tokens in waiting:
+        n = min(n_tokens, budget)
+        if in_batch >= max_batch or n <= 0:
+            break
+        if math.ceil(n / block_size) > free:
+            if fifo:
+                break
+            continue
+        free -= math.ceil(n / block_size)
+        plan[wid] = n
+        budget -= n
+        in_batch += 1
+    return list(plan.items()), preempted
+
+
+def schedule_running_order(running, waiting, token_budget, max_batch, free_blocks, block_size):
+    """Plans the running sequences in their order, prefills and decodes mixed: a prefill can eat the budget of
+    a decode behind it."""
+    return _schedule(running, waiting, token_budget, max_batch, free_blocks, block_size, decodes_first=False)
+
+
+def schedule_skips_the_head(running, waiting, token_budget, max_batch, free_blocks, block_size):
+    """Admits a later request when the first waiting one does not fit (not first come first served)."""
+    return _schedule(running, waiting, token_budget, max_batch, free_blocks, block_size, fifo=False)
+
+
+def schedule_preempts_the_oldest(running, waiting, token_budget, max_batch, free_blocks, block_size):
+    """Preempts the first admitted sequence instead of the most recent one."""
+    return _schedule(running, waiting, token_budget, max_batch, free_blocks, block_size, newest=False)
+
+
+def _verify(p, q, drafts, g, accept, residual, bonus=True):
+    out = []
+    for i, x in enumerate(drafts):
+        if float(torch.rand((), generator=g)) < accept(float(p[i, x]), float(q[i, x])):
+            out.append(x)
+            continue
+        r = residual(p[i], q[i]).clamp(min=0)
+        out.append(int(torch.multinomial(r / r.sum(), 1, generator=g)))
+        return out
+    if bonus:
+        out.append(int(torch.multinomial(p[len(drafts)], 1, generator=g)))
+    return out
+
+
+def verify_ratio_upside_down(p, q, drafts, generator):
+    """Keeps a proposal with probability min(1, q/p) instead of min(1, p/q)."""
+    return _verify(p, q, drafts, generator, lambda pi, qi: min(1.0, qi / pi if pi else 1.0), lambda pi, qi: pi - qi)
+
+
+def verify_residual_from_p(p, q, drafts, generator):
+    """After a rejection, draws from the target's p instead of norm(max(0, p - q))."""
+    return _verify(p, q, drafts, generator, lambda pi, qi: min(1.0, pi / qi), lambda pi, qi: pi)
+
+
+def verify_no_bonus(p, q, drafts, generator):
+    """Forgets the bonus token when every proposal is kept."""
+    return _verify(p, q, drafts, generator, lambda pi, qi: min(1.0, pi / qi), lambda pi, qi: pi - qi, bonus=False)
+
+
 WRONG = {
     "attend_over_cache": [attend_is_causal, attend_without_mask, attend_gqa_repeat_wrong],
     "reserve_blocks": [reserve_partial, reserve_floor],
     "request_metrics": [metrics_ttft_from_first_gap, metrics_tpot_over_n],
     "tp_kv_heads": [kv_heads_like_queries, kv_heads_round_robin],
     "step_logits": [step_causal_only_at_start, step_position_from_zero],
+    "schedule_step": [schedule_running_order, schedule_skips_the_head, schedule_preempts_the_oldest],
+    "verify_sampled": [verify_ratio_upside_down, verify_residual_from_p, verify_no_bonus],
 }
