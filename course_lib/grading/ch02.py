@@ -40,7 +40,15 @@ import torch.distributed as dist
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_number, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    expect_number,
+    guard_visible_checks,
+    run_check,
+)
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel import dp
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
@@ -366,21 +374,30 @@ def check_overlap_buckets(fn: Callable[..., Any], world_size: int = 2, seed: int
 EXERCISES = [
     Exercise("assign_buckets", "DDP's bucket assignment", 3, "assign_buckets", check_assign_buckets,
              hidden=[{"cases": (((10, 20, 30), 1000), ((), 25), ((5, 5, 5, 5, 5), 10), ((1, 2, 3, 4, 5, 6, 7), 6),
-                                ((8, 8, 8), 8), ((100,), 1))}]),
+                                ((8, 8, 8), 8), ((100,), 1))}],
+             off_limits=("course_lib.parallel.dp.assign_buckets",)),
     Exercise("average_gradients", "All-reduce and average the gradients", 3, "average_gradients",
              check_average_gradients,
              hidden=[{"world_size": 2, "seed": 1}, {"world_size": 4, "groups": 2, "seed": 2},
-                     {"world_size": 2, "freeze": ("pos_emb.weight",), "seed": 3}]),
+                     {"world_size": 2, "freeze": ("pos_emb.weight",), "seed": 3}],
+             off_limits=("course_lib.parallel.dp.DataParallel",)),
     Exercise("accumulation_step", "A gradient-accumulation step with no_sync", 4, "accumulation_step",
              check_accumulation_step,
              hidden=[{"world_size": 4, "accumulation": 2, "seed": 1}, {"world_size": 2, "accumulation": 4, "seed": 2},
-                     {"world_size": 2, "accumulation": 1, "seed": 3}]),
+                     {"world_size": 2, "accumulation": 1, "seed": 3}],
+             off_limits=("course_lib.parallel.dp.DataParallel", "course_lib.parallel.dp.TorchDDP")),
     Exercise("dp_bytes_per_step", "Bytes per rank and optimizer step", 2, "dp_bytes_per_step",
              check_dp_bytes_per_step,
-             hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}]),
+             hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}],
+             off_limits=("course_lib.parallel.dp.allreduce_bytes_per_rank",
+                         "course_lib.cost.collective_bytes_per_rank")),
     Exercise("overlap_buckets", "Overlapped, bucketed gradient hooks", 4, "overlap_buckets", check_overlap_buckets,
-             hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3}]),
+             hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3}],
+             off_limits=("course_lib.parallel.dp.DataParallel", "course_lib.parallel.dp.assign_buckets")),
     Exercise("fixed_overlap_buckets", "Find the bug: overlap that works for one step", 3, "fixed_overlap_buckets",
              check_overlap_buckets, visible={"steps": 3},
-             hidden=[{"world_size": 4, "seed": 1, "steps": 3}, {"world_size": 2, "seed": 2, "steps": 4}]),
+             hidden=[{"world_size": 4, "seed": 1, "steps": 3}, {"world_size": 2, "seed": 2, "steps": 4}],
+             off_limits=("course_lib.parallel.dp.DataParallel",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from course_lib import comm
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import MLP, GPTConfig
 
 GRADER_PARAMETERS = {"seed": 1}
@@ -227,13 +227,23 @@ def check_vocab_parallel_cross_entropy(fn: Callable, world_size: int = 2, n: int
 
 EXERCISES = [
     Exercise("reduce_from_region", "g: all-reduce forward, identity backward", 2, "reduce_from_region",
-             check_reduce_from_region, hidden=[{"world_size": 4, "shape": (3, 5), "seed": 2}]),
+             check_reduce_from_region, hidden=[{"world_size": 4, "shape": (3, 5), "seed": 2}],
+             off_limits=("course_lib.parallel.tp_comm.ReduceFromTensorParallelRegion",
+                         "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
     Exercise("copy_to_region", "Find the bug: f's missing backward all-reduce", 2, "copy_to_region",
-             check_copy_to_region, hidden=[{"world_size": 4, "shape": (4, 2, 2), "seed": 3}]),
+             check_copy_to_region, hidden=[{"world_size": 4, "shape": (4, 2, 2), "seed": 3}],
+             off_limits=("course_lib.parallel.tp_comm.CopyToTensorParallelRegion",
+                         "course_lib.parallel.tp_comm.copy_to_tensor_parallel_region")),
     Exercise("tp_mlp", "A column-parallel then row-parallel MLP", 3, "tp_mlp", check_tp_mlp,
-             hidden=[{"world_size": 4, "shape": (1, 4, 16), "seed": 4}]),
+             hidden=[{"world_size": 4, "shape": (1, 4, 16), "seed": 4}],
+             off_limits=("course_lib.parallel.tp_layers.TensorParallelMLP",
+                         "course_lib.parallel.tp_layers.ColumnParallelLinear",
+                         "course_lib.parallel.tp_layers.RowParallelLinear")),
     Exercise("vocab_parallel_cross_entropy", "Vocab-parallel cross-entropy", 3, "vocab_parallel_cross_entropy",
              check_vocab_parallel_cross_entropy,
              hidden=[{"world_size": 4, "n": 12, "vocab": 32, "scale": 1000.0, "seed": 5},
-                     {"world_size": 2, "n": 1, "vocab": 8, "seed": 6}]),
+                     {"world_size": 2, "n": 1, "vocab": 8, "seed": 6}],
+             off_limits=("course_lib.parallel.tp_layers.vocab_parallel_cross_entropy",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

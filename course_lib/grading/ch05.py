@@ -28,7 +28,7 @@ import torch
 from course_lib import cost, schedules
 from course_lib.data import global_batch
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel import pp
 
@@ -199,13 +199,21 @@ def check_gpipe_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: i
 
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
-             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}]),
+             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}],
+             off_limits=("course_lib.schedules.one_f_one_b", "course_lib.schedules.interleaved_one_f_one_b")),
     Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
-             check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}]),
+             check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}],
+             off_limits=("course_lib.schedules.zb_h1",)),
     Exercise("pipeline_step", "One 1F1B step on two real ranks", 5, "pipeline_step", check_pipeline_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 1, "batch": 2, "seed": 2},
-                     {"m": 8, "batch": 8, "seed": 3}]),
+                     {"m": 8, "batch": 8, "seed": 3}],
+             off_limits=("course_lib.parallel.pp.PipelineParallel",
+                         "course_lib.parallel.pp_executor.PipelineExecutor")),
     Exercise("gpipe_step", "Find the bug: a GPipe step on two real ranks", 4, "gpipe_step", check_gpipe_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
-                     {"m": 4, "batch": 12, "seed": 3}]),
+                     {"m": 4, "batch": 12, "seed": 3}],
+             off_limits=("course_lib.parallel.pp.PipelineParallel",
+                         "course_lib.parallel.pp_executor.PipelineExecutor")),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, launch_check, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    guard_visible_checks,
+    launch_check,
+    run_check,
+)
 from course_lib.parallel import cp_attention as ca
 
 GRADER_PARAMETERS = {"seed": 1}
@@ -177,12 +185,23 @@ def check_fixed_kernel(kernel_cls: Any, world_size: int = 2, seq: int = 16, seed
 
 EXERCISES = [
     Exercise("merge_partials", "Merge two partial attention results by log-sum-exp", 3, "merge_partials",
-             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}]),
+             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}],
+             off_limits=("course_lib.parallel.cp_attention.BlockAttention.merge",)),
     Exercise("zigzag_positions", "Zig-zag chunk assignment and positions", 2, "zigzag_positions",
-             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}]),
+             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}],
+             off_limits=("course_lib.parallel.cp_attention.positions",
+                         "course_lib.parallel.cp_attention.all_positions",
+                         "course_lib.parallel.cp_attention.chunk_ids",
+                         "course_lib.parallel.cp_attention.check_sequence",
+                         "course_lib.parallel.cp_attention.shard_sequence")),
     Exercise("ring_step", "One ring-attention step on real ranks", 4, "ring_step", check_ring_step,
              hidden=[{"world_size": 4, "seq": 24, "seed": 2, "layout": "zigzag"},
-                     {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"}]),
+                     {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"}],
+             off_limits=("course_lib.parallel.cp_attention.ring_attention",
+                         "course_lib.parallel.cp_attention.RingAttentionFunction")),
     Exercise("fixed_kernel", "Find the bug: the ring backward's K,V", 3, "FixedKernel", check_fixed_kernel,
-             hidden=[{"world_size": 4, "seq": 24, "seed": 4}]),
+             hidden=[{"world_size": 4, "seq": 24, "seed": 4}],
+             off_limits=("course_lib.parallel.cp_attention.BlockAttention.kv_for_backward_step",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

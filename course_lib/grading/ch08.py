@@ -35,7 +35,15 @@ from course_lib import hardware, planner
 from course_lib import schedules as S
 from course_lib.data import global_batch, shard
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    expect_equal,
+    guard_visible_checks,
+    run_check,
+)
 from course_lib.memory import GiB
 from course_lib.mesh import DENSE_AXES, Mesh, MeshShape
 from course_lib.model import GPT, PRESETS, GPTConfig, lm_loss, param_count
@@ -462,23 +470,30 @@ def check_add_grad_reduce(fn: Callable, cases: tuple = _REDUCE_CASES, ranks: tup
 EXERCISES = [
     Exercise("coords_of", "Rank -> coordinates for an axis order", 3, "coords_of", check_coords_of,
              hidden=[{"meshes": (({"tp": 3, "cp": 1, "dp": 2, "pp": 2}, "cp-dp-tp-ep-pp"),
-                                 ({"tp": 1, "cp": 4, "dp": 1, "pp": 2}, "tp-cp-ep-dp-pp"))}]),
+                                 ({"tp": 1, "cp": 4, "dp": 1, "pp": 2}, "tp-cp-ep-dp-pp"))}],
+             off_limits=("course_lib.mesh.MeshShape.coords", "course_lib.mesh.MeshShape.table")),
     Exercise("group_of", "The ranks of a group over some axes", 3, "group_of", check_group_of,
              hidden=[{"meshes": (({"tp": 3, "cp": 2, "dp": 2, "pp": 1}, "dp-cp-tp-ep-pp"),),
-                      "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}]),
+                      "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}],
+             off_limits=("course_lib.mesh.MeshShape.group_ranks", "course_lib.mesh.MeshShape.all_groups")),
     Exercise("mesh_problems", "Validate a mesh: which constraints break", 3, "mesh_problems", check_mesh_problems,
              hidden=[{"cases": ((GPTConfig(n_head=8, n_kv_head=1, d_model=64, seq_len=30, n_layer=6),
                                  {"tp": 2, "cp": 3, "pp": 4}, 12, 1),
-                                (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"pp": 2, "dp": 4}, 16, 2))}]),
+                                (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"pp": 2, "dp": 4}, 16, 2))}],
+             off_limits=("course_lib.mesh.MeshShape.validate",)),
     Exercise("predict_mesh", "Predict a mesh's memory and step time", 4, "predict_mesh", check_predict_mesh,
              hidden=[{"cases": (("llama3-8b", {"dp": 8, "tp": 2, "pp": 2}, planner.A100, 32, 2048, 1, 1, 0.4),
                                 ("llama2-70b", {"dp": 64, "tp": 8}, planner.A100, 512, 2048, 1, 3, 0.6),
                                 ("llama2-70b", {"dp": 4, "cp": 2, "tp": 8, "pp": 2}, planner.H100, 32, 2048, 1, 2,
-                                 0.45))}]),
+                                 0.45))}],
+             off_limits=("course_lib.planner.predict", "course_lib.planner.plan")),
     Exercise("average_dp_gradients", "Find the bug: DP x TP on four ranks", 5, "average_dp_gradients",
              check_average_dp_gradients, hidden=[{"orders": ("dp-tp-cp-ep-pp",), "batch": 8, "seed": 2}]),
     Exercise("add_grad_reduce", "Pipeline x data parallelism: the gradient reduction in the schedule", 5,
              "add_grad_reduce", check_add_grad_reduce,
              hidden=[{"cases": (("gpipe", 4, 4, 1), ("zb_h1", 2, 3, 1), ("interleaved", 4, 8, 2), ("zb_h1", 3, 6, 1)),
-                      "ranks": (("zb_h1", 4, 1),)}]),
+                      "ranks": (("zb_h1", 4, 1),)}],
+             off_limits=("course_lib.schedules.add_grad_reduce",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

@@ -99,6 +99,9 @@ def grade_exercise(ex: Exercise, namespace: dict[str, Any]) -> CheckResult:
     fn = namespace.get(ex.function)
     if fn is None:
         return CheckResult(ex.key, False, f"the notebook defines no `{ex.function}`")
+    refused = ex.refusal(fn)
+    if refused:
+        return refused
     settings = [ex.visible, *ex.hidden]
     for i, kwargs in enumerate(settings):
         with time_limit(CHECK_TIMEOUT_S, f"check {i + 1} of {ex.key}"):
