@@ -254,3 +254,18 @@ def test_no_solution_is_refused_as_the_librarys_answer(solution):
     namespace = _solution_namespace(solution)
     for ex in grader.chapter_module(solution.name[:2]).EXERCISES:
         assert ex.refusal(namespace[ex.function]) is None, (solution.name, ex.key)
+
+
+def _other_right_answers():
+    for ch in CHAPTERS:
+        fixtures = importlib.import_module(f"tests.grading_fixtures.ch{ch}")
+        for ex in grader.chapter_module(ch).EXERCISES:
+            for right in getattr(fixtures, "RIGHT", {}).get(ex.key, []):
+                yield pytest.param(ex, right, id=f"{ch}-{ex.key}-{right.__name__}")
+
+
+@pytest.mark.parametrize("exercise, right", list(_other_right_answers()))
+def test_correct_answers_other_than_the_solutions_score_full_marks(exercise, right):
+    """The specification allows them (a ring run the other way round, ...): the grader must too."""
+    result = grader.grade_exercise(exercise, {exercise.function: right})
+    assert result.ok, f"{right.__name__} ({right.__doc__}) was rejected: {result.message}"

@@ -20,7 +20,7 @@ from course_lib.grading.core import (
     CheckFailed,
     CheckResult,
     Exercise,
-    expect_equal,
+    expect_int,
     expect_number,
     guard_visible_checks,
     run_check,
@@ -41,7 +41,7 @@ def check_param_state_bytes(fn: Callable, cases: tuple[tuple[str, str], ...] = (
                                   f"(weights, gradients, optimizer_state), got {got!r}")
             for part, g, e in zip(("weights", "gradients", "optimizer state"), got,
                                   (ref.params, ref.grads, ref.optimizer), strict=True):
-                expect_equal(g, e, f"{part} bytes for precision={precision!r}, optimizer={optimizer!r}")
+                expect_int(g, int(e), f"{part} bytes for precision={precision!r}, optimizer={optimizer!r}")
         return f"{len(cases)} precision/optimizer pairs correct"
     return run_check("param_state_bytes", body)
 
@@ -61,8 +61,8 @@ def check_kv_cache_bytes(fn: Callable, cases: tuple[tuple[int, int, int, int, in
     def body() -> str:
         for n_layer, n_kv, d_head, tokens, batch, nbytes in cases:
             expected = 2 * n_layer * n_kv * d_head * nbytes * tokens * batch
-            expect_number(fn(n_layer, n_kv, d_head, tokens, batch, nbytes), expected,
-                          f"kv_cache_bytes({n_layer}, {n_kv}, {d_head}, {tokens}, {batch}, {nbytes})")
+            expect_int(fn(n_layer, n_kv, d_head, tokens, batch, nbytes), expected,
+                       f"kv_cache_bytes({n_layer}, {n_kv}, {d_head}, {tokens}, {batch}, {nbytes})")
         return f"{len(cases)} cases correct"
     return run_check("kv_cache_bytes", body)
 

@@ -116,6 +116,16 @@ def expect_equal(got: Any, expected: Any, what: str) -> None:
         raise CheckFailed(f"{what}: expected {expected!r}, got {got!r}")
 
 
+def expect_int(got: Any, expected: int, what: str) -> None:
+    """A Python ``int`` (not a float, even a whole one; not a bool, a tensor or a numpy scalar) equal to
+    ``expected``: where a specification says integers (bytes, counts), ``8.0`` is a different answer."""
+    if type(got) is not int:
+        raise CheckFailed(f"{what}: expected the Python int {expected!r}, got {type(got).__name__} ({got!r}); the "
+                          "specification asks for an integer (use // for an exact division)")
+    if got != expected:
+        raise CheckFailed(f"{what}: expected {expected!r}, got {got!r}")
+
+
 def expect_number(got: Any, expected: float, what: str, rel: float = 1e-9) -> None:
     """A Python or numpy scalar (not a tensor, not a list) within ``rel`` of ``expected``."""
     if isinstance(got, torch.Tensor | list | tuple | bool) or not hasattr(got, "__float__"):
@@ -167,6 +177,21 @@ def patch_process_group(names: Iterable[str],
     finally:
         for name, method in saved.items():
             setattr(pg, name, method)
+
+
+class LoggedWork:
+    """An async handle that calls ``on_wait()`` when waited on, then waits on the real one: lets a check see *when*
+    the learner waits (inside backward? before computing?)."""
+
+    def __init__(self, work: Any, on_wait: Callable[[], None]) -> None:
+        self._work, self._on_wait = work, on_wait
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._on_wait()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def refusal(error: type[Exception], message: str) -> Callable[..., Any]:
