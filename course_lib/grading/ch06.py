@@ -7,7 +7,8 @@
 3. ``ring_step(q, q_pos, kv, kv_pos, out, lse, group)``: one step of ring attention on real ranks: pass the held
    K,V block on (isend to the next rank, irecv from the previous), attend to it with the causal mask from global
    positions, merge, return the received block. Checked by running cp steps against full attention.
-4. Find the bug: a ``BlockAttention`` subclass whose ring backward gets the gradients wrong (stale K,V).
+4. Find the bug: a ``BlockAttention`` subclass whose block backward recomputes P with the block's own softmax
+   instead of the whole row's lse (right on one rank, wrong on two); the fix writes ``backward`` itself.
 """
 
 from __future__ import annotations
@@ -279,9 +280,9 @@ EXERCISES = [
                      {"world_size": 4, "seq": 12, "seed": 6, "layout": "contiguous", "rings": 2}],
              off_limits=("course_lib.parallel.cp_attention.ring_attention",
                          "course_lib.parallel.cp_attention.RingAttentionFunction")),
-    Exercise("fixed_kernel", "Find the bug: the ring backward's K,V", 3, "FixedKernel", check_fixed_kernel,
+    Exercise("fixed_kernel", "Find the bug: the ring backward's probabilities", 3, "FixedKernel", check_fixed_kernel,
              hidden=[{"world_size": 4, "seq": 24, "seed": 4}],
-             off_limits=("course_lib.parallel.cp_attention.BlockAttention.kv_for_backward_step",)),
+             off_limits=("course_lib.parallel.cp_attention.BlockAttention.backward",)),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -11,9 +11,9 @@
    the library's planner (``planner.predict``: ``memory.training_memory``'s exact per-stage count, and its time
    model on links that cost nothing) within ``MEMORY_RTOL`` and ``TIME_RTOL``, on meshes with pp > 1, cp > 1 and
    ZeRO-1/2/3.
-5. ``average_dp_gradients(params, mesh)``: find the bug in a colleague's DP x TP step (the data-parallel average
-   taken over the wrong axis) and fix it; run on 4 real ranks (dp=2 x tp=2, two axis orders), checked against one
-   process after one SGD step.
+5. ``average_dp_gradients(params, mesh)``: find the bug in a colleague's DP x TP step (the data-parallel groups
+   built by hand from rank ids, right only when tp varies fastest) and fix it; run on 4 real ranks (dp=2 x tp=2,
+   both axis orders, visibly too), checked against one process after one SGD step.
 6. ``add_grad_reduce(schedule)``: pipeline x data parallelism as a schedule transform, one ``REDUCE_GRAD`` per
    stage right after its last weight-gradient action (B, or W under zero bubble); checked as data on 1F1B,
    interleaved and ZB-H1 schedules (with and without transfers), then on 4 real ranks: ``train_parallel`` on

@@ -81,6 +81,40 @@ def ring_step_returns_own_block(q, q_pos, kv, kv_pos, out, lse, group=None):
     return out, lse, kv
 
 
+def _scores(q, k, scale, mask):
+    s = scale * q @ k.transpose(-1, -2)
+    return s.masked_fill(~mask, float("-inf")) if mask is not None else s
+
+
+class KeepsTheBlockSoftmax(ca.BlockAttention):
+    """The colleague's kernel as given: P from this block's own softmax (right only when one block is all)."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        p = torch.softmax(_scores(q, k, scale, mask), dim=-1).nan_to_num()
+        ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
+class ForgetsDelta(ca.BlockAttention):
+    """dS = P * dP, without subtracting rowsum(dO * O): the softmax's Jacobian is half written."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        ds = p * (d_out @ v.transpose(-1, -2))
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
+class ForgetsTheScale(ca.BlockAttention):
+    """Drops the 1/sqrt(d) of the scores from dQ and dK (the chain rule through s = scale q k^T)."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
+        return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
 class StillStale(ca.BlockAttention):
     """Uses the received block only from step 2 on."""
 
@@ -179,5 +213,5 @@ WRONG = {
     "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check, divisible_by_cp_only],
     "ring_step": [ring_step_local_mask, ring_step_returns_own_block, ring_step_group_ranks_as_peers,
                   ring_step_waits_first, ring_step_attends_masked_blocks],
-    "fixed_kernel": [StillStale, ForwardMaskOnly],
+    "fixed_kernel": [KeepsTheBlockSoftmax, ForgetsDelta, ForgetsTheScale, StillStale, ForwardMaskOnly],
 }
