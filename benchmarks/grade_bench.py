@@ -34,7 +34,7 @@ def make_class(root: Path, learners: int, chapters: list[str]) -> Path:
     return folder
 
 
-def timed(folder: Path, jobs: int) -> tuple[float, list[float], int, int]:
+def timed(folder: Path, jobs: int) -> tuple[float, list[float], int, int, list[str]]:
     seconds: list[float] = []
     original = grader.grade_notebook
 
@@ -50,7 +50,8 @@ def timed(folder: Path, jobs: int) -> tuple[float, list[float], int, int]:
         wall = time.monotonic() - start
     finally:
         grader.grade_notebook = original
-    return wall, seconds, sum(r.points for r in rows), sum(r.max for r in rows)
+    lost = sorted({f"{r.chapter}/{r.exercise}: {r.reason[:120]}" for r in rows if r.points < r.max})
+    return wall, seconds, sum(r.points for r in rows), sum(r.max for r in rows), lost
 
 
 def main() -> None:
@@ -66,10 +67,12 @@ def main() -> None:
               f"{os.cpu_count()} CPU(s)")
         for jobs in args.jobs:
             before = os.getloadavg()[0]
-            wall, seconds, points, best = timed(folder, jobs)
+            wall, seconds, points, best, lost = timed(folder, jobs)
             print(f"--jobs {jobs}: class {wall:.0f} s, median {statistics.median(seconds):.1f} s per notebook "
                   f"(min {min(seconds):.1f}, max {max(seconds):.1f}), {points}/{best} points, load average "
                   f"{before:.1f} -> {os.getloadavg()[0]:.1f}")
+            for reason in lost:  # a solution that loses points: a timeout under load, or a stale copy
+                print(f"    lost: {reason}")
 
 
 if __name__ == "__main__":
