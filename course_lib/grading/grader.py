@@ -3,10 +3,14 @@
     python -m course_lib.grading exercises/01_collectives.ipynb          # one notebook
     python -m course_lib.grading submissions/ --out report.json           # a class's folder
     python -m course_lib.grading submissions/ --strict                    # exit 1 unless every mark is earned
+    python -m course_lib.grading submissions/ --jobs 2                    # two notebooks at a time
 
 Exit status: 0 once the notebooks are graded, whatever they scored (the score is printed and written with
-``--out``); with ``--strict``, 1 unless every notebook has full marks (for CI); 2 for a usage error or when no
-notebook was found.
+``--out``); with ``--strict``, 1 unless every notebook has full marks (for CI); 2 for a usage error, when no
+notebook was found, or for a path that does not exist, is not a notebook, or is a notebook whose chapter cannot be
+told (one line on stderr says which). The chapter is ``metadata.course.chapter``, else the chapter whose checks a
+cell imports, else the file name's leading ``NN_``. An answer that uses the library's own implementation of its
+exercise scores 0 for it (``course_lib.grading.off_limits``).
 
 How a notebook is graded:
 
