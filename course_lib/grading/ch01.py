@@ -130,12 +130,13 @@ a ``ForbiddenCollective`` is reported with its own message."""
 def _leftward_ring_bytes(op: str, numel: int, element_size: int, n: int, rank: int) -> tuple[int, int]:
     """(sent, received) bytes of the same ring run the other way (rank r sends to r-1, receives from r+1): a
     reduce-scatter sends every chunk but r and receives every chunk but r+1; an all-gather sends every chunk but
-    r-1 and receives every chunk but r. ``comm.ring_bytes`` gives the rightward ring's."""
+    r-1 and receives every chunk but r; an all-reduce is the two. ``comm.ring_bytes`` gives the rightward ring's."""
     if n == 1:
         return 0, 0
     c = chunk_numels(numel, n)
-    sent, recv = {"reduce_scatter": (numel - c[rank], numel - c[(rank + 1) % n]),
-                  "all_gather": (numel - c[(rank - 1) % n], numel - c[rank])}[op]
+    rs = (numel - c[rank], numel - c[(rank + 1) % n])
+    ag = (numel - c[(rank - 1) % n], numel - c[rank])
+    sent, recv = {"reduce_scatter": rs, "all_gather": ag, "all_reduce": (rs[0] + ag[0], rs[1] + ag[1])}[op]
     return sent * element_size, recv * element_size
 
 
