@@ -217,6 +217,19 @@ def check_shape_that_hides_the_bug(fn: Callable[[], tuple[int, int]]) -> CheckRe
     return run_check("shape_that_hides_the_bug", body)
 
 
+def check_colleague_on_shape(colleague: Callable[..., Any], shape_fn: Callable[[], tuple[int, int]],
+                            seed: int = 0) -> CheckResult:
+    """The colleague's GPipe step run on two ranks on the learner's ``shape_fn()`` = (batch, m): a demonstration
+    (not graded) that the shape hides the bug; "not implemented yet" until ``shape_fn`` is written."""
+    def body() -> str:
+        batch, m = shape_fn()
+        result = check_gpipe_step(colleague, m=m, batch=batch, seed=seed)
+        if not result.ok:
+            raise CheckFailed(f"the colleague's step on (batch, m) = ({batch}, {m}) is caught: {result.message}")
+        return f"the colleague's step passes on (batch, m) = ({batch}, {m}): {result.message}"
+    return run_check("the colleague's step on your shape", body)
+
+
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
              hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}],
