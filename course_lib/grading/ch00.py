@@ -16,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from course_lib import memory
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_equal, expect_number, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_int,
+    expect_number,
+    guard_visible_checks,
+    run_check,
+)
 from course_lib.hardware import GPUS
 
 GRADER_PARAMETERS = {"seed": 1}
@@ -33,7 +41,7 @@ def check_param_state_bytes(fn: Callable, cases: tuple[tuple[str, str], ...] = (
                                   f"(weights, gradients, optimizer_state), got {got!r}")
             for part, g, e in zip(("weights", "gradients", "optimizer state"), got,
                                   (ref.params, ref.grads, ref.optimizer), strict=True):
-                expect_equal(g, e, f"{part} bytes for precision={precision!r}, optimizer={optimizer!r}")
+                expect_int(g, int(e), f"{part} bytes for precision={precision!r}, optimizer={optimizer!r}")
         return f"{len(cases)} precision/optimizer pairs correct"
     return run_check("param_state_bytes", body)
 
@@ -53,8 +61,8 @@ def check_kv_cache_bytes(fn: Callable, cases: tuple[tuple[int, int, int, int, in
     def body() -> str:
         for n_layer, n_kv, d_head, tokens, batch, nbytes in cases:
             expected = 2 * n_layer * n_kv * d_head * nbytes * tokens * batch
-            expect_number(fn(n_layer, n_kv, d_head, tokens, batch, nbytes), expected,
-                          f"kv_cache_bytes({n_layer}, {n_kv}, {d_head}, {tokens}, {batch}, {nbytes})")
+            expect_int(fn(n_layer, n_kv, d_head, tokens, batch, nbytes), expected,
+                       f"kv_cache_bytes({n_layer}, {n_kv}, {d_head}, {tokens}, {batch}, {nbytes})")
         return f"{len(cases)} cases correct"
     return run_check("kv_cache_bytes", body)
 
@@ -147,19 +155,26 @@ EXERCISES = [
     Exercise("param_state_bytes", "Bytes per parameter by precision and optimizer", 2, "param_state_bytes",
              check_param_state_bytes,
              hidden=[{"cases": tuple((p, o) for p in ("fp32", "bf16", "mixed")
-                                     for o in ("sgd", "sgd_momentum", "adamw"))}]),
+                                     for o in ("sgd", "sgd_momentum", "adamw"))}],
+             off_limits=("course_lib.memory.bytes_per_param", "course_lib.memory.precision_policy")),
     Exercise("zero_bytes_per_device", "ZeRO model states per device", 3, "zero_bytes_per_device",
              check_zero_bytes_per_device,
              hidden=[{"cases": tuple((1e9, 8, s, 12) for s in range(4))},
-                     {"cases": tuple((70e9, n, s, k) for n in (1, 3, 1024) for s in range(4) for k in (12, 16))}]),
+                     {"cases": tuple((70e9, n, s, k) for n in (1, 3, 1024) for s in range(4) for k in (12, 16))}],
+             off_limits=("course_lib.memory.zero_memory_per_device",)),
     Exercise("kv_cache_bytes", "KV cache of a served model", 2, "kv_cache_bytes", check_kv_cache_bytes,
-             hidden=[{"cases": ((32, 32, 128, 2048, 8, 2), (32, 8, 128, 32768, 3, 1), (1, 1, 1, 1, 1, 4))}]),
+             hidden=[{"cases": ((32, 32, 128, 2048, 8, 2), (32, 8, 128, 32768, 3, 1), (1, 1, 1, 1, 1, 4))}],
+             off_limits=("course_lib.memory.kv_cache_bytes", "course_lib.memory.inference_memory")),
     Exercise("fewest_gpus", "The fewest GPUs that train a model", 3, "fewest_gpus", check_fewest_gpus,
              hidden=[{"cases": (("llama2-7b", "RTX 4090 24GB", 4096), ("llama2-70b", "H200 141GB", 4096),
-                                ("llama3-70b", "A100 40GB", 8192))}]),
+                                ("llama3-70b", "A100 40GB", 8192))}],
+             off_limits=("course_lib.planner.fewest_gpus", "course_lib.planner.plan")),
     Exercise("model_states_per_gpu", "Find the bug: model states on a TP x PP x DP layout", 2,
              "model_states_per_gpu", check_model_states_per_gpu,
              hidden=[{"cases": tuple((1e9, 2, 1, 4, z, 12) for z in range(4))},
                      {"cases": tuple((70e9, 1, 8, 8, z, 16) for z in range(4))},
-                     {"cases": ((13e9, 8, 1, 1, 3, 12), (405e9, 8, 16, 1, 0, 12), (175e9, 8, 8, 16, 2, 12))}]),
+                     {"cases": ((13e9, 8, 1, 1, 3, 12), (405e9, 8, 16, 1, 0, 12), (175e9, 8, 8, 16, 2, 12))}],
+             off_limits=("course_lib.memory.zero_memory_per_device", "course_lib.memory.params_per_rank")),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

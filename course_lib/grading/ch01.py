@@ -32,7 +32,15 @@ import torch
 
 from course_lib.comm import chunk_numels, ring_bytes
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    expect_int,
+    guard_visible_checks,
+    run_check,
+)
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 30.0
@@ -78,13 +86,15 @@ def _generator(seed: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(1000 * seed + rank)
 
 
-def _inputs(exercise: str, rank: int, n: int, size: Any, seed: int) -> tuple:
-    """The arguments rank ``rank`` passes to the learner's function (the same on every process)."""
+def _inputs(exercise: str, rank: int, n: int, size: Any, seed: int, dtype: str = "float32") -> tuple:
+    """The arguments rank ``rank`` passes to the learner's function (the same on every process); the all-gather's
+    chunk in ``dtype`` (whole numbers for an integer dtype)."""
     g = _generator(seed, rank)
     if exercise == "reduce_scatter":
         return (torch.randn(size, generator=g),)
     if exercise == "all_gather":
-        return torch.randn(chunk_numels(size, n)[rank], generator=g), size
+        chunk = torch.randn(chunk_numels(size, n)[rank], generator=g)
+        return (chunk * 100).to(getattr(torch, dtype)) if dtype != "float32" else chunk, size
     if exercise == "all_to_all":
         return ([torch.randn(size, generator=g) for _ in range(n)],)
     if exercise == "all_reduce":
@@ -93,9 +103,9 @@ def _inputs(exercise: str, rank: int, n: int, size: Any, seed: int) -> tuple:
 
 
 def _run_on_rank(rank: int, world_size: int, exercise: str, fn: Callable[..., Any], size: Any,
-                 seed: int) -> dict[str, Any]:
+                 seed: int, dtype: str = "float32") -> dict[str, Any]:
     """What every rank runs: the learner's function on its inputs, with the point-to-point guard on."""
-    args = _inputs(exercise, rank, world_size, size, seed)
+    args = _inputs(exercise, rank, world_size, size, seed, dtype)
     before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
     counts = {"sent": 0, "recv": 0}
     with _point_to_point_only(counts):
@@ -117,17 +127,36 @@ _launch = functools.partial(
 a ``ForbiddenCollective`` is reported with its own message."""
 
 
-def _check_bytes(results: list[dict[str, Any]], op: str, numel: int, what: str) -> list[int]:
+def _leftward_ring_bytes(op: str, numel: int, element_size: int, n: int, rank: int) -> tuple[int, int]:
+    """(sent, received) bytes of the same ring run the other way (rank r sends to r-1, receives from r+1): a
+    reduce-scatter sends every chunk but r and receives every chunk but r+1; an all-gather sends every chunk but
+    r-1 and receives every chunk but r; an all-reduce is the two. ``comm.ring_bytes`` gives the rightward ring's."""
+    if n == 1:
+        return 0, 0
+    c = chunk_numels(numel, n)
+    rs = (numel - c[rank], numel - c[(rank + 1) % n])
+    ag = (numel - c[(rank - 1) % n], numel - c[rank])
+    sent, recv = {"reduce_scatter": rs, "all_gather": ag, "all_reduce": (rs[0] + ag[0], rs[1] + ag[1])}[op]
+    return sent * element_size, recv * element_size
+
+
+def _check_bytes(results: list[dict[str, Any]], op: str, numel: int, what: str, element_size: int = 4) -> list[int]:
+    """Every rank's (sent, received) bytes are a ring's: the rightward ring of the specification
+    (``comm.ring_bytes``) on every rank, or the same ring run leftward on every rank (as correct)."""
     n = len(results)
-    for r, res in enumerate(results):
-        want_sent, want_recv = ring_bytes(op, numel, 4, n, r)
-        if (res["sent"], res["recv"]) != (want_sent, want_recv):
-            raise CheckFailed(
-                f"rank {r} sent {res['sent']} bytes and received {res['recv']}; {what} on {n} ranks over "
-                f"{numel} float32 elements (chunks {chunk_numels(numel, n)}) sends {want_sent} and receives "
-                f"{want_recv} (comm.ring_bytes({op!r}, {numel}, 4, {n}, {r})). The values were right: they took "
-                "another route than the ring")
-    return [res["sent"] for res in results]
+    got = [(res["sent"], res["recv"]) for res in results]
+    rings = {direction: [count(op, numel, element_size, n, r) for r in range(n)]
+             for direction, count in (("rightward", ring_bytes), ("leftward", _leftward_ring_bytes))}
+    if got in rings.values():
+        return [res["sent"] for res in results]
+    r = next(r for r in range(n) if got[r] != rings["rightward"][r])
+    want_sent, want_recv = rings["rightward"][r]
+    left_sent, left_recv = rings["leftward"][r]
+    raise CheckFailed(
+        f"rank {r} sent {got[r][0]} bytes and received {got[r][1]}; {what} on {n} ranks over {numel} elements of "
+        f"{element_size} bytes (chunks {chunk_numels(numel, n)}) sends {want_sent} and receives {want_recv} "
+        f"(comm.ring_bytes({op!r}, {numel}, {element_size}, {n}, {r})), or {left_sent} and {left_recv} with the ring "
+        "run the other way on every rank. The values were right: they took another route than the ring")
 
 
 def _expect_unmodified(results: list[dict[str, Any]], what: str) -> None:
@@ -158,19 +187,20 @@ def check_ring_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor], world_
 
 
 def check_ring_all_gather(fn: Callable[[torch.Tensor, int], torch.Tensor], world_size: int = 4, numel: int = 10,
-                          seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+                          seed: int = 0, dtype: str = "float32", timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
     """Every rank must return the 1-D tensor of ``numel`` elements made of the ranks' chunks in rank order
-    (rank r brings ``chunk_numels(numel, n)[r]`` elements), exactly, with a ring all-gather's bytes."""
+    (rank r brings ``chunk_numels(numel, n)[r]`` elements of ``dtype``), exactly, in the chunks' dtype, with a
+    ring all-gather's bytes."""
     def body() -> str:
         n = world_size
         sizes = chunk_numels(numel, n)
-        expected = torch.cat([_inputs("all_gather", r, n, numel, seed)[0] for r in range(n)])
-        results = _launch(_run_on_rank, n, "all_gather", fn, numel, seed, timeout=timeout)
+        expected = torch.cat([_inputs("all_gather", r, n, numel, seed, dtype)[0] for r in range(n)])
+        results = _launch(_run_on_rank, n, "all_gather", fn, numel, seed, dtype, timeout=timeout)
         for r, res in enumerate(results):
             expect_close(res["got"], expected, f"rank {r}'s gathered tensor ({n} ranks, numel {numel}, chunk sizes "
-                         f"{sizes})", rtol=0.0, atol=0.0)
+                         f"{sizes}, {dtype} chunks: the result keeps their dtype)", rtol=0.0, atol=0.0)
         _expect_unmodified(results, "chunk")
-        sent = _check_bytes(results, "all_gather", numel, "a ring all-gather")
+        sent = _check_bytes(results, "all_gather", numel, "a ring all-gather", expected.element_size())
         return f"{n} ranks, numel {numel}, chunks {sizes}: every rank has every chunk; bytes sent per rank {sent}"
     return run_check("ring_all_gather", body)
 
@@ -219,8 +249,8 @@ def check_ring_all_reduce_bytes(fn: Callable[[int, int, int, int], tuple[int, in
                 want = ring_bytes("all_reduce", numel, es, n, r)
                 what = (f"ring_all_reduce_bytes(numel={numel}, element_size={es}, n={n}, rank={r}) with chunks "
                         f"{chunk_numels(numel, n)[:8]}{'...' if n > 8 else ''}")
-                expect_equal(got[0], want[0], f"{what}: bytes sent")
-                expect_equal(got[1], want[1], f"{what}: bytes received")
+                expect_int(got[0], want[0], f"{what}: bytes sent")
+                expect_int(got[1], want[1], f"{what}: bytes received")
                 count += 1
         return f"{count} (case, rank) pairs exact"
     return run_check("ring_all_reduce_bytes", body)
@@ -255,19 +285,30 @@ EXERCISES = [
     Exercise("ring_reduce_scatter", "Ring reduce-scatter from send/recv", 4, "ring_reduce_scatter",
              check_ring_reduce_scatter,
              hidden=[{"world_size": 2, "shape": (7,), "seed": 1}, {"world_size": 3, "shape": (4, 5), "seed": 2},
-                     {"world_size": 4, "shape": (1003,), "seed": 3}]),
+                     {"world_size": 4, "shape": (1003,), "seed": 3}],
+             off_limits=("course_lib.collectives.ring_reduce_scatter",
+                         "course_lib.collectives.ring_reduce_scatter_chunks")),
     Exercise("ring_all_gather", "Ring all-gather from send/recv", 3, "ring_all_gather", check_ring_all_gather,
              hidden=[{"world_size": 2, "numel": 5, "seed": 1}, {"world_size": 3, "numel": 1000, "seed": 2},
-                     {"world_size": 4, "numel": 4, "seed": 3}]),
+                     {"world_size": 4, "numel": 4, "seed": 3},
+                     {"world_size": 3, "numel": 8, "seed": 4, "dtype": "float64"},
+                     {"world_size": 2, "numel": 7, "seed": 5, "dtype": "int32"}],
+             off_limits=("course_lib.collectives.ring_all_gather", "course_lib.collectives.ring_all_gather_chunks")),
     Exercise("ring_all_reduce_bytes", "Exact bytes of a ring all-reduce", 2, "ring_all_reduce_bytes",
              check_ring_all_reduce_bytes,
              hidden=[{"cases": ((1, 4, 1), (7, 4, 2), (11, 2, 3), (3, 4, 5), (4096, 4, 4), (1001, 2, 7),
-                                (6_738_415_616, 2, 64))}]),
+                                (6_738_415_616, 2, 64))}],
+             off_limits=("course_lib.comm.ring_bytes", "course_lib.cost.collective_bytes_per_rank")),
     Exercise("pairwise_all_to_all", "All-to-all by pairwise exchange", 3, "pairwise_all_to_all",
              check_pairwise_all_to_all,
-             hidden=[{"world_size": 2, "block": (5,), "seed": 1}, {"world_size": 3, "block": (2, 3), "seed": 2}]),
+             hidden=[{"world_size": 2, "block": (5,), "seed": 1}, {"world_size": 3, "block": (2, 3), "seed": 2}],
+             off_limits=("course_lib.collectives.all_to_all", "course_lib.collectives.all_to_all_single")),
     Exercise("fixed_ring_all_reduce", "Find the bug: a ring all-reduce", 3, "fixed_ring_all_reduce",
              check_fixed_ring_all_reduce,
              hidden=[{"world_size": 2, "numel": 6, "seed": 1}, {"world_size": 3, "numel": 999, "seed": 2},
-                     {"world_size": 4, "numel": 4, "seed": 3}]),
+                     {"world_size": 4, "numel": 4, "seed": 3}],
+             off_limits=("course_lib.collectives.ring_all_reduce", "course_lib.collectives.ring_reduce_scatter",
+                         "course_lib.collectives.ring_all_gather")),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

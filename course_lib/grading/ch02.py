@@ -40,7 +40,15 @@ import torch.distributed as dist
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_number, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    expect_number,
+    guard_visible_checks,
+    run_check,
+)
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel import dp
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
@@ -290,50 +298,64 @@ def check_dp_bytes_per_step(fn: Callable[[int, int, int, int], float],
 # 5. overlap_buckets
 
 
-def _overlap_on_rank(rank: int, world_size: int, fn: Callable[..., Any], tc: TrainConfig) -> dict[str, Any]:
+def _overlap_on_rank(rank: int, world_size: int, fn: Callable[..., Any], tc: TrainConfig,
+                     order: str) -> dict[str, Any]:
+    """``order="backward"``: ``params`` in the order backward produces them; ``"last_first"``: the parameter whose
+    gradient comes last is listed first, so bucket 0 completes last and the later buckets complete before it."""
     model = GPT(CFG, seed=tc.seed)
     params = [p for p in model.parameters() if p.requires_grad][::-1]
+    if order == "last_first":
+        params = [params[-1], *params[:-1]]
     buckets = dp.assign_buckets(params, int(BUCKET_MB * dp.MiB))
-    phase, calls = ["setup"], []
+    phase, calls, waits = ["setup"], [], []
 
     def counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(self: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
             ts = tensors if isinstance(tensors, list | tuple) else [tensors]
             calls.append((phase[0], sum(t.numel() for t in ts), str(ts[0].dtype)))
-            return original(self, tensors, *args, **kwargs)
+            return core.LoggedWork(original(self, tensors, *args, **kwargs), lambda: waits.append(phase[0]))
         return wrapped
 
     opt = make_optimizer(list(model.parameters()), tc)
-    steps, grads = [], []
+    steps, grads, waited = [], [], []
     with core.patch_process_group(("allreduce",), counting):
         finish = fn(params, buckets)
         for step in range(tc.steps):
             x, y = global_batch(step, tc.global_batch, CFG.seq_len, tc.seed)
             opt.zero_grad()
             calls.clear()
+            waits.clear()
             phase[0] = "backward"
             lm_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
             phase[0] = "finish()"
             finish()
             phase[0] = "step"
             steps.append(list(calls))
+            waited.append(list(waits))
             grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
             opt.step()
-    return {"calls": steps, "grads": grads, "bucket_numels": [sum(params[j].numel() for j in b) for b in buckets]}
+    return {"calls": steps, "grads": grads, "waits": waited,
+            "bucket_numels": [sum(params[j].numel() for j in b) for b in buckets]}
 
 
 def check_overlap_buckets(fn: Callable[..., Any], world_size: int = 2, seed: int = 0, steps: int = 2,
-                          timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+                          order: str = "backward", timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
     """``finish = fn(params, buckets)`` once (``params`` in backward order, ``buckets`` from ``dp.assign_buckets``),
     then ``steps`` SGD steps of forward, backward, ``finish()``, ``optimizer.step()`` on this rank's shard of the
     global batch of 8. Each step: exactly one float32 all-reduce per bucket, of the bucket's size, in bucket order,
-    all issued while backward runs and none in ``finish()``; after ``finish()`` every gradient is the
-    single-process gradient of the global batch (rtol 1e-4), on every rank."""
+    all issued while backward runs and none in ``finish()``, none waited on during backward; after ``finish()``
+    every gradient is the single-process gradient of the global batch (rtol 1e-4), on every rank. ``order``: see
+    ``_overlap_on_rank`` (with ``"last_first"`` the buckets complete out of order)."""
     def body() -> str:
         tc = TrainConfig(optimizer="sgd", lr=1e-2, steps=steps, global_batch=8, seed=seed)
-        results = _launch(_overlap_on_rank, world_size, fn, tc, timeout=timeout)
+        results = _launch(_overlap_on_rank, world_size, fn, tc, order, timeout=timeout)
         numels = results[0]["bucket_numels"]
         for rank, res in enumerate(results):
+            for step, waits in enumerate(res["waits"]):
+                if "backward" in waits:
+                    raise CheckFailed(f"rank {rank}, step {step}: {waits.count('backward')} all-reduce(s) waited on "
+                                      "inside backward (a hook that waits stalls the backward until the network is "
+                                      "done: no overlap); wait only in finish()")
             for step, calls in enumerate(res["calls"]):
                 late = [c for c in calls if c[0] != "backward"]
                 if late:
@@ -366,21 +388,30 @@ def check_overlap_buckets(fn: Callable[..., Any], world_size: int = 2, seed: int
 EXERCISES = [
     Exercise("assign_buckets", "DDP's bucket assignment", 3, "assign_buckets", check_assign_buckets,
              hidden=[{"cases": (((10, 20, 30), 1000), ((), 25), ((5, 5, 5, 5, 5), 10), ((1, 2, 3, 4, 5, 6, 7), 6),
-                                ((8, 8, 8), 8), ((100,), 1))}]),
+                                ((8, 8, 8), 8), ((100,), 1))}],
+             off_limits=("course_lib.parallel.dp.assign_buckets",)),
     Exercise("average_gradients", "All-reduce and average the gradients", 3, "average_gradients",
              check_average_gradients,
              hidden=[{"world_size": 2, "seed": 1}, {"world_size": 4, "groups": 2, "seed": 2},
-                     {"world_size": 2, "freeze": ("pos_emb.weight",), "seed": 3}]),
+                     {"world_size": 2, "freeze": ("pos_emb.weight",), "seed": 3}],
+             off_limits=("course_lib.parallel.dp.DataParallel",)),
     Exercise("accumulation_step", "A gradient-accumulation step with no_sync", 4, "accumulation_step",
              check_accumulation_step,
              hidden=[{"world_size": 4, "accumulation": 2, "seed": 1}, {"world_size": 2, "accumulation": 4, "seed": 2},
                      {"world_size": 2, "accumulation": 1, "seed": 3}]),
     Exercise("dp_bytes_per_step", "Bytes per rank and optimizer step", 2, "dp_bytes_per_step",
              check_dp_bytes_per_step,
-             hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}]),
+             hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}],
+             off_limits=("course_lib.parallel.dp.allreduce_bytes_per_rank",
+                         "course_lib.cost.collective_bytes_per_rank")),
     Exercise("overlap_buckets", "Overlapped, bucketed gradient hooks", 4, "overlap_buckets", check_overlap_buckets,
-             hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3}]),
+             hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3},
+                     {"world_size": 2, "seed": 3, "order": "last_first"}],
+             off_limits=("course_lib.parallel.dp.DataParallel", "course_lib.parallel.dp.assign_buckets")),
     Exercise("fixed_overlap_buckets", "Find the bug: overlap that works for one step", 3, "fixed_overlap_buckets",
              check_overlap_buckets, visible={"steps": 3},
-             hidden=[{"world_size": 4, "seed": 1, "steps": 3}, {"world_size": 2, "seed": 2, "steps": 4}]),
+             hidden=[{"world_size": 4, "seed": 1, "steps": 3}, {"world_size": 2, "seed": 2, "steps": 4}],
+             off_limits=("course_lib.parallel.dp.DataParallel",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

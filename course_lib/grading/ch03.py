@@ -34,7 +34,15 @@ from typing import Any
 import torch
 
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    expect_equal,
+    guard_visible_checks,
+    run_check,
+)
 from course_lib.parallel.zero import FlatLayout
 
 GRADER_PARAMETERS = {"seed": 1, "world_size": 2}
@@ -136,11 +144,11 @@ def _storage_facts(t: Any) -> dict[str, Any]:
 
 
 def _gather_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shapes: Sequence[tuple[int, ...]],
-                    seed: int) -> dict[str, Any]:
+                    seed: int, dtype: str = "float32") -> dict[str, Any]:
     numel = sum(math.prod(s) for s in shapes)
     padded = -(-numel // world_size) * world_size
     s = padded // world_size
-    flat = torch.zeros(padded)
+    flat = torch.zeros(padded, dtype=getattr(torch, dtype))
     flat[:numel] = _param0(numel, seed)
     shard = flat[rank * s:(rank + 1) * s].clone()
     before = shard.clone()
@@ -243,17 +251,18 @@ def check_zero1_sgd_step(fn: Callable[..., None], world_size: int = 4, numel: in
 
 def check_gather_unit(fn: Callable[..., list[torch.Tensor]], world_size: int = 4,
                       shapes: tuple[tuple[int, ...], ...] = ((3, 5), (7,), (2, 2)), seed: int = 0,
-                      timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """Every rank must return the unit's parameters (shapes ``shapes``, in order, float32) exactly, as views of
-    one buffer holding the whole padded unit (parameter i at its offset), leave its shard unchanged, and send
-    (N-1)/N x 4 padded bytes (one all-gather)."""
+                      dtype: str = "float32", timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """Every rank must return the unit's parameters (shapes ``shapes``, in order, in the shard's ``dtype``)
+    exactly, as views of one buffer holding the whole padded unit (parameter i at its offset), leave its shard
+    unchanged, and send (N-1)/N x the padded unit's bytes (one all-gather)."""
     def body() -> str:
         n = world_size
         lay = FlatLayout.build([f"p{i}" for i in range(len(shapes))], shapes, n)
-        flat = torch.zeros(lay.padded_numel)
+        flat = torch.zeros(lay.padded_numel, dtype=getattr(torch, dtype))
         flat[:lay.numel] = _param0(lay.numel, seed)
+        es = flat.element_size()
         expected = lay.views(flat)
-        results = _launch(_gather_on_rank, n, fn, [tuple(s) for s in shapes], seed, timeout=timeout)
+        results = _launch(_gather_on_rank, n, fn, [tuple(s) for s in shapes], seed, dtype, timeout=timeout)
         for r, res in enumerate(results):
             facts = res["facts"]
             if facts is None or len(facts) != len(shapes):
@@ -270,20 +279,20 @@ def check_gather_unit(fn: Callable[..., list[torch.Tensor]], world_size: int = 4
                 raise CheckFailed(f"rank {r}: the {len(shapes)} parameters live in {len(storages)} different storages;"
                                   " they must be views of the one gathered buffer (no copies: a copy doubles the "
                                   "unit's memory at the peak, and one resize of the buffer must free them all)")
-            if facts[0]["storage_bytes"] != 4 * lay.padded_numel:
+            if facts[0]["storage_bytes"] != es * lay.padded_numel:
                 raise CheckFailed(f"rank {r}: the parameters are views of a buffer of {facts[0]['storage_bytes']:,} "
-                                  f"bytes; the gathered unit is {lay.padded_numel} float32 = "
-                                  f"{4 * lay.padded_numel:,} bytes")
+                                  f"bytes; the gathered unit is {lay.padded_numel} {dtype} = "
+                                  f"{es * lay.padded_numel:,} bytes (the buffer takes the shard's dtype)")
             for i, f in enumerate(facts):
-                if f["offset_bytes"] != 4 * lay.offsets[i]:
+                if f["offset_bytes"] != es * lay.offsets[i]:
                     raise CheckFailed(f"rank {r}: parameter {i} starts {f['offset_bytes']} bytes into the buffer; "
-                                      f"expected {4 * lay.offsets[i]} (element {lay.offsets[i]})")
+                                      f"expected {es * lay.offsets[i]} (element {lay.offsets[i]})")
             if res["shard_modified"]:
                 raise CheckFailed(f"rank {r}: the function modified its input shard; leave it as it was")
-            _check_comm(res["comm"], (n - 1) * 4 * lay.padded_numel // n,
-                        f"gathering the unit (one all-gather of {4 * lay.padded_numel:,} bytes sends (N-1)/N x V)", r)
+            _check_comm(res["comm"], (n - 1) * es * lay.padded_numel // n,
+                        f"gathering the unit (one all-gather of {es * lay.padded_numel:,} bytes sends (N-1)/N x V)", r)
         return (f"{n} ranks, shapes {list(shapes)} ({lay.numel} elements padded to {lay.padded_numel}): views of one "
-                f"buffer, exact; {(n - 1) * 4 * lay.padded_numel // n:,} bytes sent per rank")
+                f"buffer, exact; {(n - 1) * es * lay.padded_numel // n:,} bytes sent per rank")
     return run_check("gather_unit", body)
 
 
@@ -316,17 +325,24 @@ def check_grad_shard(fn: Callable[[torch.Tensor], torch.Tensor], world_size: int
 
 EXERCISES = [
     Exercise("shard_range", "Owner rule with padding", 2, "shard_range", check_shard_range,
-             hidden=[{"cases": ((1, 1), (7, 2), (9, 3), (2, 8), (1000, 7), (43791, 4), (6_738_415_616, 64))}]),
+             hidden=[{"cases": ((1, 1), (7, 2), (9, 3), (2, 8), (1000, 7), (43791, 4), (6_738_415_616, 64))}],
+             off_limits=("course_lib.parallel.zero_unit.shard_bounds", "course_lib.parallel.zero_unit.FlatLayout")),
     Exercise("zero1_sgd_step", "A ZeRO-1 optimizer step on real ranks", 4, "zero1_sgd_step", check_zero1_sgd_step,
              hidden=[{"world_size": 2, "numel": 10, "steps": 3, "seed": 1},
                      {"world_size": 3, "numel": 9, "steps": 2, "lr": 0.05, "momentum": 0.5, "seed": 2},
-                     {"world_size": 4, "numel": 1000, "steps": 2, "seed": 3}]),
+                     {"world_size": 4, "numel": 1000, "steps": 2, "seed": 3}],
+             off_limits=("course_lib.parallel.zero.ZeroDataParallel",)),
     Exercise("gather_unit", "Gather an FSDP unit as views of one buffer", 3, "gather_unit", check_gather_unit,
              hidden=[{"world_size": 2, "shapes": ((5,), (2, 3)), "seed": 1},
                      {"world_size": 3, "shapes": ((4, 4), (1,), (3,)), "seed": 2},
-                     {"world_size": 4, "shapes": ((33, 33), (65,)), "seed": 3}]),
+                     {"world_size": 4, "shapes": ((33, 33), (65,)), "seed": 3},
+                     {"world_size": 2, "shapes": ((3, 3), (5,)), "seed": 4, "dtype": "float64"}],
+             off_limits=("course_lib.parallel.zero_unit.FlatParamUnit", "course_lib.parallel.zero_unit.FlatLayout")),
     Exercise("grad_shard", "Find the bug: the gradient reduce-scatter", 3, "grad_shard", check_grad_shard,
              hidden=[{"world_size": 2, "cases": (2, 7, 1), "seed": 1},
                      {"world_size": 3, "cases": (9, 3, 11), "seed": 2},
-                     {"world_size": 4, "cases": (8780, 17457), "seed": 3}]),
+                     {"world_size": 4, "cases": (8780, 17457), "seed": 3}],
+             off_limits=("course_lib.parallel.zero_unit.FlatParamUnit",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

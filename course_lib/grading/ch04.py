@@ -3,7 +3,7 @@
 1. ``reduce_from_region(x)``: Megatron's g, all-reduce (sum over the ranks) forward, identity backward, through
    ``course_lib.comm`` (one logged all-reduce forward, none backward); ``x`` itself is not modified.
 2. ``copy_to_region(x)`` (find the bug): Megatron's f, identity forward, all-reduce of the gradient backward. The
-   notebook shows a version whose backward returns the gradient unchanged; the fixed one must sum it over ranks.
+   colleague's version averages the gradient over the ranks (divides by t, as DP would); the fixed one sums it.
 3. ``tp_mlp(x, w1, b1, w2, b2)``: a GELU MLP column -> row from this rank's shards (``w1`` [f/t, h] rows of fc1,
    ``b1`` its slice of fc1's bias, ``w2`` [h, f/t] columns of fc2, ``b2`` fc2's whole bias, added once), with f in
    and g out (the library's ``tp.copy_to_tensor_parallel_region`` / ``tp.reduce_from_tensor_parallel_region`` or
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from course_lib import comm
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import MLP, GPTConfig
 
 GRADER_PARAMETERS = {"seed": 1}
@@ -227,13 +227,23 @@ def check_vocab_parallel_cross_entropy(fn: Callable, world_size: int = 2, n: int
 
 EXERCISES = [
     Exercise("reduce_from_region", "g: all-reduce forward, identity backward", 2, "reduce_from_region",
-             check_reduce_from_region, hidden=[{"world_size": 4, "shape": (3, 5), "seed": 2}]),
-    Exercise("copy_to_region", "Find the bug: f's missing backward all-reduce", 2, "copy_to_region",
-             check_copy_to_region, hidden=[{"world_size": 4, "shape": (4, 2, 2), "seed": 3}]),
+             check_reduce_from_region, hidden=[{"world_size": 4, "shape": (3, 5), "seed": 2}],
+             off_limits=("course_lib.parallel.tp_comm.ReduceFromTensorParallelRegion",
+                         "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
+    Exercise("copy_to_region", "Find the bug: f's backward, averaged", 2, "copy_to_region",
+             check_copy_to_region, hidden=[{"world_size": 4, "shape": (4, 2, 2), "seed": 3}],
+             off_limits=("course_lib.parallel.tp_comm.CopyToTensorParallelRegion",
+                         "course_lib.parallel.tp_comm.copy_to_tensor_parallel_region")),
     Exercise("tp_mlp", "A column-parallel then row-parallel MLP", 3, "tp_mlp", check_tp_mlp,
-             hidden=[{"world_size": 4, "shape": (1, 4, 16), "seed": 4}]),
+             hidden=[{"world_size": 4, "shape": (1, 4, 16), "seed": 4}],
+             off_limits=("course_lib.parallel.tp_layers.TensorParallelMLP",
+                         "course_lib.parallel.tp_layers.ColumnParallelLinear",
+                         "course_lib.parallel.tp_layers.RowParallelLinear")),
     Exercise("vocab_parallel_cross_entropy", "Vocab-parallel cross-entropy", 3, "vocab_parallel_cross_entropy",
              check_vocab_parallel_cross_entropy,
              hidden=[{"world_size": 4, "n": 12, "vocab": 32, "scale": 1000.0, "seed": 5},
-                     {"world_size": 2, "n": 1, "vocab": 8, "seed": 6}]),
+                     {"world_size": 2, "n": 1, "vocab": 8, "seed": 6}],
+             off_limits=("course_lib.parallel.tp_layers.vocab_parallel_cross_entropy",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

@@ -14,6 +14,9 @@
 4. ``gpipe_step(stage, x, y, m)``: find the bug in a colleague's GPipe step on the same two ranks (the last stage
    divides each micro-batch loss by the micro-batch's rows b instead of by m, so the gradients of *both* stages are
    m/b times too large) and fix it; the same check as 3 with GPipe's order (all forwards, then all backwards).
+5. ``shape_that_hides_the_bug()``: a (batch, m), m >= 2, for which the colleague's step of 4 passes parity: the
+   bug is a factor m/b, invisible exactly when b = batch / m = m, i.e. batch = m^2 (the notebook also runs the
+   colleague's step on the shape, on ranks, to show it).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from course_lib import cost, schedules
 from course_lib.data import global_batch
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import GPT, GPTConfig, lm_loss
 from course_lib.parallel import pp
 
@@ -197,15 +200,55 @@ def check_gpipe_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: i
     return _check_two_stage_step("gpipe_step", fn, schedules.gpipe, "GPipe", m, batch, seed, timeout)
 
 
+def check_shape_that_hides_the_bug(fn: Callable[[], tuple[int, int]]) -> CheckResult:
+    """``fn()`` = (batch, m), ints, m >= 2, m divides batch, and the colleague's factor m / b = 1: batch = m^2."""
+    def body() -> str:
+        got = fn()
+        if not (isinstance(got, tuple) and len(got) == 2 and all(type(v) is int for v in got)):
+            raise CheckFailed(f"shape_that_hides_the_bug() must return a pair of ints (batch, m), got {got!r}")
+        batch, m = got
+        if m < 2 or batch < 1 or batch % m:
+            raise CheckFailed(f"(batch, m) = {got}: need m >= 2 micro-batches and m dividing batch")
+        b = batch // m
+        if b != m:
+            raise CheckFailed(f"(batch, m) = {got}: b = batch / m = {b} rows per micro-batch; the colleague's "
+                              f"gradients are then {m}/{b} = {m / b:.3g} x one process's, and parity catches that")
+        return f"(batch, m) = {got}: b = m = {m}, the colleague's factor m / b is 1"
+    return run_check("shape_that_hides_the_bug", body)
+
+
+def check_colleague_on_shape(colleague: Callable[..., Any], shape_fn: Callable[[], tuple[int, int]],
+                            seed: int = 0) -> CheckResult:
+    """The colleague's GPipe step run on two ranks on the learner's ``shape_fn()`` = (batch, m): a demonstration
+    (not graded) that the shape hides the bug; "not implemented yet" until ``shape_fn`` is written."""
+    def body() -> str:
+        batch, m = shape_fn()
+        result = check_gpipe_step(colleague, m=m, batch=batch, seed=seed)
+        if not result.ok:
+            raise CheckFailed(f"the colleague's step on (batch, m) = ({batch}, {m}) is caught: {result.message}")
+        return f"the colleague's step passes on (batch, m) = ({batch}, {m}): {result.message}"
+    return run_check("the colleague's step on your shape", body)
+
+
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
-             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}]),
+             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}],
+             off_limits=("course_lib.schedules.one_f_one_b", "course_lib.schedules.interleaved_one_f_one_b")),
     Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
-             check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}]),
+             check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}],
+             off_limits=("course_lib.schedules.zb_h1",)),
     Exercise("pipeline_step", "One 1F1B step on two real ranks", 5, "pipeline_step", check_pipeline_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 1, "batch": 2, "seed": 2},
-                     {"m": 8, "batch": 8, "seed": 3}]),
+                     {"m": 8, "batch": 8, "seed": 3}],
+             off_limits=("course_lib.parallel.pp.PipelineParallel",
+                         "course_lib.parallel.pp_executor.PipelineExecutor")),
     Exercise("gpipe_step", "Find the bug: a GPipe step on two real ranks", 4, "gpipe_step", check_gpipe_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
-                     {"m": 4, "batch": 12, "seed": 3}]),
+                     {"m": 4, "batch": 12, "seed": 3}, {"m": 3, "batch": 6, "seed": 4}],
+             off_limits=("course_lib.parallel.pp.PipelineParallel",
+                         "course_lib.parallel.pp_executor.PipelineExecutor")),
+    Exercise("shape_that_hides_the_bug", "Predict: the shape where the colleague's bug passes", 2,
+             "shape_that_hides_the_bug", check_shape_that_hides_the_bug),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

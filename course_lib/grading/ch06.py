@@ -7,7 +7,8 @@
 3. ``ring_step(q, q_pos, kv, kv_pos, out, lse, group)``: one step of ring attention on real ranks: pass the held
    K,V block on (isend to the next rank, irecv from the previous), attend to it with the causal mask from global
    positions, merge, return the received block. Checked by running cp steps against full attention.
-4. Find the bug: a ``BlockAttention`` subclass whose ring backward gets the gradients wrong (stale K,V).
+4. Find the bug: a ``BlockAttention`` subclass whose block backward recomputes P with the block's own softmax
+   instead of the whole row's lse (right on one rank, wrong on two); the fix writes ``backward`` itself.
 """
 
 from __future__ import annotations
@@ -18,15 +19,27 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, launch_check, run_check
+from course_lib.grading import core
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    guard_visible_checks,
+    launch_check,
+    run_check,
+)
 from course_lib.parallel import cp_attention as ca
 
 GRADER_PARAMETERS = {"seed": 1}
 
 _launch = functools.partial(
     launch_check, hang_hint=" (an isend without its matching irecv on the neighbour, or a wait that never comes?)",
-    course_files=("course_lib/grading/ch06.py", "course_lib/comm.py", "course_lib/parallel/cp_attention.py"))
+    course_files=("course_lib/grading/ch06.py", "course_lib/comm.py", "course_lib/parallel/cp_attention.py"),
+    guard_errors=("CheckFailed",))
 
 
 def _tensor(got: Any, like: torch.Tensor, what: str) -> torch.Tensor:
@@ -96,14 +109,15 @@ def check_zigzag_positions(fn: Callable, cases: tuple[tuple[int, int], ...] = ((
                     raise CheckFailed(f"{what} must return an int64 tensor, got {got!r}")
                 if got.tolist() != expected.tolist():
                     raise CheckFailed(f"{what}: expected {expected.tolist()}, got {got.tolist()}")
-        bad_seq, bad_cp = cases[0][0] + 2, cases[0][1]
-        try:
-            fn(bad_seq, bad_cp, 0)
-        except ValueError:
-            pass
-        else:
+        seq, bad_cp = cases[0]
+        # one length divisible by neither cp nor 2 cp, one divisible by cp but not by 2 cp
+        for bad_seq in (seq + 2, bad_cp * (2 * (seq // (2 * bad_cp)) + 1)):
+            try:
+                fn(bad_seq, bad_cp, 0)
+            except ValueError:
+                continue
             raise CheckFailed(f"zigzag_positions({bad_seq}, {bad_cp}, 0) must raise ValueError: {bad_seq} tokens do "
-                              f"not split into {2 * bad_cp} equal chunks")
+                              f"not split into 2 x cp = {2 * bad_cp} equal chunks")
         return f"{len(cases)} layouts exact, bad lengths rejected"
     return run_check("zigzag_positions", body)
 
@@ -112,36 +126,110 @@ def check_zigzag_positions(fn: Callable, cases: tuple[tuple[int, int], ...] = ((
 # 3. ring_step, on ranks
 
 
-def _ring_on_rank(rank: int, world_size: int, fn: Callable, seq: int, seed: int, layout: str) -> float:
+_ATTENTION_OPS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
+                            torch.einsum, torch.baddbmm, torch.nn.functional.scaled_dot_product_attention})
+"""The products that attending a block takes (``ca.BlockAttention().forward`` or a hand-written one)."""
+
+
+class _Events(TorchFunctionMode):
+    """On a rank, during one ``ring_step``: "compute" for every attention product, "post" for every send or
+    receive started, "wait" when one is waited on, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _ATTENTION_OPS and (not self.log or self.log[-1] != "compute"):
+            self.log.append("compute")
+        return func(*args, **(kwargs or {}))
+
+    def p2p(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def posted(pg: Any, *args: Any, **kwargs: Any) -> Any:
+            self.log.append("post")
+            return core.LoggedWork(original(pg, *args, **kwargs), lambda: self.log.append("wait"))
+        return posted
+
+
+def _step_problem(log: list[str], visible: bool, step: int) -> str | None:
+    """What one step's events break: two posts, then (if any key is visible) the attention, then the waits."""
+    posts, computes = log.count("post"), log.count("compute")
+    if posts != 2:
+        return f"step {step}: {posts} send/receive(s) started; one step sends the held block and receives one"
+    if not visible:
+        return (f"step {step}: the block held no visible key (every key after every query) but was attended "
+                "anyway: skip a block nothing of which is visible") if computes else None
+    if not computes:
+        return None  # attention without a product the check recognises: the result is still compared
+    first_compute = log.index("compute")
+    if log.index("post") > first_compute or (log.count("post") and log[:first_compute].count("post") < 2):
+        return (f"step {step}: the block was attended before both transfers started: start the send and the "
+                "receive first, so that they run while this rank computes")
+    if "wait" in log and log.index("wait") < first_compute:
+        return (f"step {step}: a transfer was waited on before the block was attended: no overlap; wait only "
+                "after computing")
+    return None
+
+
+def _ring_on_rank(rank: int, world_size: int, fn: Callable, seq: int, seed: int, layout: str,
+                  rings: int) -> dict[str, Any]:
+    """``rings`` disjoint rings over the world (ring i: ranks i, i + rings, ...), each run with its own group."""
+    group, members = None, list(range(world_size))
+    if rings > 1:
+        groups = [(dist.new_group(list(range(i, world_size, rings))), list(range(i, world_size, rings)))
+                  for i in range(rings)]
+        group, members = groups[rank % rings]
+    cp, me = len(members), members.index(rank)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 2, seq, 8, generator=g) for _ in range(3))
-    pos = ca.all_positions(seq, world_size, layout)
+    pos = ca.all_positions(seq, cp, layout)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
-        return ca.shard_sequence(t, rank, world_size, layout, dim=2)
+        return ca.shard_sequence(t, me, cp, layout, dim=2)
 
     q_l, kv = mine(q), torch.stack((mine(k), mine(v)))
     out, lse = torch.zeros_like(q_l), torch.full(q_l.shape[:-1], -math.inf)
-    for step in range(world_size):
-        got = fn(q_l, pos[rank], kv, pos[(rank - step) % world_size], out, lse, None)
+    problems = []
+    for step in range(cp):
+        kv_pos = pos[(me - step) % cp]
+        events = _Events()
+        try:
+            with core.patch_process_group(core.PG_POINT_TO_POINT, events.p2p), events:
+                got = fn(q_l, pos[me], kv, kv_pos, out, lse, group)
+        except ValueError as err:
+            if "not part of group" not in str(err):
+                raise
+            raise CheckFailed(f"step {step}, in a ring of the global ranks {members}: a peer outside the group "
+                              f"({str(err).split(' is not')[0]}); send/recv take global ranks: the group's member "
+                              "i is comm.global_rank(group, i)") from None
         if not isinstance(got, tuple) or len(got) != 3:
             raise CheckFailed(f"ring_step must return (out, lse, next_kv), got {type(got).__name__}")
         out, lse, kv = got
         if not isinstance(kv, torch.Tensor) or kv.shape != (2, *q_l.shape):
             raise CheckFailed(f"step {step}: next_kv must be the received [2, B, H, T, d] block")
+        problem = _step_problem(events.log, bool((kv_pos[None, :] <= pos[me][:, None]).any()), step)
+        if problem:
+            problems.append(problem)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return float((out - mine(ref)).abs().max())
+    return {"diff": float((out - mine(ref)).abs().max()), "problems": problems}
 
 
 def check_ring_step(fn: Callable, world_size: int = 2, seq: int = 12, seed: int = 0,
-                    layout: str = "contiguous") -> CheckResult:
+                    layout: str = "contiguous", rings: int = 1) -> CheckResult:
+    """``world_size`` ranks in ``rings`` disjoint rings (each its own process group when ``rings > 1``: peers are
+    the group's members' global ranks) run cp steps; the output must equal full causal attention, and each step
+    must start both transfers, then attend (skipping a block with no visible key), then wait."""
     def body() -> str:
-        diffs = _launch(_ring_on_rank, world_size, fn, seq, seed, layout, timeout=60)
-        worst = max(diffs)
+        results = _launch(_ring_on_rank, world_size, fn, seq, seed, layout, rings, timeout=60)
+        worst = max(res["diff"] for res in results)
+        where = f"{world_size} ranks in {rings} ring(s) of {world_size // rings}"
         if not worst < 1e-5:
-            raise CheckFailed(f"after {world_size} ring steps ({layout}, {seq} tokens) the output differs from full "
+            raise CheckFailed(f"{where}, {layout}, {seq} tokens: after the ring steps the output differs from full "
                               f"causal attention by {worst:.3g} (the mask from global positions? the merge?)")
-        return f"{world_size} ranks, {layout}, {seq} tokens: equal to full attention (max |diff| < 1e-5)"
+        for r, res in enumerate(results):
+            if res["problems"]:
+                raise CheckFailed(f"rank {r} ({where}), {res['problems'][0]}")
+        return f"{where}, {layout}, {seq} tokens: equal to full attention (max |diff| < 1e-5), transfers overlapped"
     return run_check("ring_step", body)
 
 
@@ -177,12 +265,24 @@ def check_fixed_kernel(kernel_cls: Any, world_size: int = 2, seq: int = 16, seed
 
 EXERCISES = [
     Exercise("merge_partials", "Merge two partial attention results by log-sum-exp", 3, "merge_partials",
-             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}]),
+             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}],
+             off_limits=("course_lib.parallel.cp_attention.BlockAttention.merge",)),
     Exercise("zigzag_positions", "Zig-zag chunk assignment and positions", 2, "zigzag_positions",
-             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}]),
+             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}],
+             off_limits=("course_lib.parallel.cp_attention.positions",
+                         "course_lib.parallel.cp_attention.all_positions",
+                         "course_lib.parallel.cp_attention.chunk_ids",
+                         "course_lib.parallel.cp_attention.check_sequence",
+                         "course_lib.parallel.cp_attention.shard_sequence")),
     Exercise("ring_step", "One ring-attention step on real ranks", 4, "ring_step", check_ring_step,
              hidden=[{"world_size": 4, "seq": 24, "seed": 2, "layout": "zigzag"},
-                     {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"}]),
-    Exercise("fixed_kernel", "Find the bug: the ring backward's K,V", 3, "FixedKernel", check_fixed_kernel,
-             hidden=[{"world_size": 4, "seq": 24, "seed": 4}]),
+                     {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"},
+                     {"world_size": 4, "seq": 12, "seed": 6, "layout": "contiguous", "rings": 2}],
+             off_limits=("course_lib.parallel.cp_attention.ring_attention",
+                         "course_lib.parallel.cp_attention.RingAttentionFunction")),
+    Exercise("fixed_kernel", "Find the bug: the ring backward's probabilities", 3, "FixedKernel", check_fixed_kernel,
+             hidden=[{"world_size": 4, "seq": 24, "seed": 4}],
+             off_limits=("course_lib.parallel.cp_attention.BlockAttention.backward",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

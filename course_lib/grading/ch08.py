@@ -11,9 +11,9 @@
    the library's planner (``planner.predict``: ``memory.training_memory``'s exact per-stage count, and its time
    model on links that cost nothing) within ``MEMORY_RTOL`` and ``TIME_RTOL``, on meshes with pp > 1, cp > 1 and
    ZeRO-1/2/3.
-5. ``average_dp_gradients(params, mesh)``: find the bug in a colleague's DP x TP step (the data-parallel average
-   taken over the wrong axis) and fix it; run on 4 real ranks (dp=2 x tp=2, two axis orders), checked against one
-   process after one SGD step.
+5. ``average_dp_gradients(params, mesh)``: find the bug in a colleague's DP x TP step (the data-parallel groups
+   built by hand from rank ids, right only when tp varies fastest) and fix it; run on 4 real ranks (dp=2 x tp=2,
+   both axis orders, visibly too), checked against one process after one SGD step.
 6. ``add_grad_reduce(schedule)``: pipeline x data parallelism as a schedule transform, one ``REDUCE_GRAD`` per
    stage right after its last weight-gradient action (B, or W under zero bubble); checked as data on 1F1B,
    interleaved and ZB-H1 schedules (with and without transfers), then on 4 real ranks: ``train_parallel`` on
@@ -35,7 +35,15 @@ from course_lib import hardware, planner
 from course_lib import schedules as S
 from course_lib.data import global_batch, shard
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, expect_equal, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_close,
+    expect_equal,
+    guard_visible_checks,
+    run_check,
+)
 from course_lib.memory import GiB
 from course_lib.mesh import DENSE_AXES, Mesh, MeshShape
 from course_lib.model import GPT, PRESETS, GPTConfig, lm_loss, param_count
@@ -54,7 +62,8 @@ CONSTRAINTS = ("heads", "kv_heads", "ffn", "vocab", "layers", "sequence", "batch
 _MESHES = (({"tp": 2, "cp": 1, "dp": 2, "pp": 2}, "tp-cp-ep-dp-pp"),
            ({"tp": 2, "cp": 2, "dp": 3, "pp": 1}, "tp-cp-ep-dp-pp"),
            ({"tp": 4, "cp": 1, "dp": 2, "pp": 1}, "dp-tp-cp-ep-pp"),
-           ({"tp": 2, "cp": 2, "dp": 2, "pp": 2}, "pp-dp-cp-ep-tp"))
+           ({"tp": 2, "cp": 2, "dp": 2, "pp": 2}, "pp-dp-cp-ep-tp"),
+           ({"tp": 2, "ep": 2, "dp": 2, "pp": 2}, "tp-ep-dp-cp-pp"))  # ep has a degree but is not a dense axis
 
 
 def _shape(degrees: dict[str, int], order: str) -> MeshShape:
@@ -74,8 +83,9 @@ def check_coords_of(fn: Callable, meshes: tuple = _MESHES) -> CheckResult:
                     raise CheckFailed(f"coords_of({r}, {degrees}, {order!r}) must return a dict of the four axes "
                                       f"{list(DENSE_AXES)} to Python ints, got {got!r}")
                 if got != want:
+                    ep = " ; ep has a degree here but is not a dense axis: skip it" if degrees.get("ep", 1) > 1 else ""
                     raise CheckFailed(f"coords_of({r}, {degrees}, {order!r}): expected {want}, got {got} (the first "
-                                      f"axis of the order varies fastest)")
+                                      f"axis of the order varies fastest{ep})")
                 n += 1
         return f"{n} ranks of {len(meshes)} meshes right"
     return run_check("coords_of", body)
@@ -131,6 +141,7 @@ _CASES = (
     (_CFG, {"dp": 3}, 8, 1),                             # batch
     (_CFG.with_(vocab_size=250, d_ff=190), {"tp": 4}, 8, 2),  # ffn, vocab
     (GPTConfig(n_head=6, n_kv_head=3, d_model=48), {"tp": 4, "dp": 2}, 6, 2),  # heads, kv, batch
+    (_CFG, {"cp": 2, "dp": 2}, 6, 1),                    # fits: cp ranks share the sequences, not the batch
 )
 
 
@@ -146,10 +157,12 @@ def check_mesh_problems(fn: Callable, cases: tuple = _CASES) -> CheckResult:
                 raise CheckFailed(f"unknown constraint names {sorted(unknown)}: use {CONSTRAINTS}")
             if got != want:
                 missing, extra = sorted(want - got), sorted(got - want)
+                wrong = ([f"{missing} broken but not returned"] if missing else []) + \
+                    ([f"{extra} returned but not broken (that rule holds here)"] if extra else [])
                 raise CheckFailed(f"degrees {degrees}, global batch {gb}, micro-batch {mb} (n_head={cfg.n_head}, "
                                   f"n_kv_head={cfg.kv_heads}, d_ff={cfg.ffn_dim}, vocab={cfg.vocab_size}, "
-                                  f"n_layer={cfg.n_layer}, seq_len={cfg.seq_len}): missing {missing}, "
-                                  f"not broken {extra}")
+                                  f"n_layer={cfg.n_layer}, seq_len={cfg.seq_len}): expected {sorted(want)}, got "
+                                  f"{sorted(got)}: {'; '.join(wrong)}")
         return f"{len(cases)} meshes: the broken constraints named exactly"
     return run_check("mesh_problems", body)
 
@@ -280,7 +293,8 @@ def _dp_tp_step(rank: int, world_size: int, fn: Callable, order: str, batch: int
     return tp.full_parameters()
 
 
-def check_average_dp_gradients(fn: Callable, orders: tuple[str, ...] = ("tp-cp-ep-dp-pp",), batch: int = 4,
+def check_average_dp_gradients(fn: Callable, orders: tuple[str, ...] = ("tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp"),
+                               batch: int = 4,
                                seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
     """4 ranks, dp=2 x tp=2: each DP replica (a TP pair) trains on its half of the batch; after ``fn`` and one SGD
     step (lr 0.5) every rank's full parameters must equal one process's after the same step on the whole batch."""
@@ -464,23 +478,34 @@ def check_add_grad_reduce(fn: Callable, cases: tuple = _REDUCE_CASES, ranks: tup
 EXERCISES = [
     Exercise("coords_of", "Rank -> coordinates for an axis order", 3, "coords_of", check_coords_of,
              hidden=[{"meshes": (({"tp": 3, "cp": 1, "dp": 2, "pp": 2}, "cp-dp-tp-ep-pp"),
-                                 ({"tp": 1, "cp": 4, "dp": 1, "pp": 2}, "tp-cp-ep-dp-pp"))}]),
+                                 ({"tp": 1, "cp": 4, "dp": 1, "pp": 2}, "tp-cp-ep-dp-pp"),
+                                 ({"tp": 2, "cp": 2, "dp": 2, "ep": 4}, "ep-cp-tp-dp-pp"))}],
+             off_limits=("course_lib.mesh.MeshShape.coords", "course_lib.mesh.MeshShape.table")),
     Exercise("group_of", "The ranks of a group over some axes", 3, "group_of", check_group_of,
-             hidden=[{"meshes": (({"tp": 3, "cp": 2, "dp": 2, "pp": 1}, "dp-cp-tp-ep-pp"),),
-                      "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}]),
+             hidden=[{"meshes": (({"tp": 3, "cp": 2, "dp": 2, "pp": 1}, "dp-cp-tp-ep-pp"),
+                                 ({"tp": 2, "cp": 2, "dp": 2, "ep": 4}, "cp-ep-tp-dp-pp")),
+                      "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}],
+             off_limits=("course_lib.mesh.MeshShape.group_ranks", "course_lib.mesh.MeshShape.all_groups")),
     Exercise("mesh_problems", "Validate a mesh: which constraints break", 3, "mesh_problems", check_mesh_problems,
              hidden=[{"cases": ((GPTConfig(n_head=8, n_kv_head=1, d_model=64, seq_len=30, n_layer=6),
                                  {"tp": 2, "cp": 3, "pp": 4}, 12, 1),
-                                (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"pp": 2, "dp": 4}, 16, 2))}]),
+                                (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"pp": 2, "dp": 4}, 16, 2),
+                                (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"cp": 4, "dp": 2}, 10, 1))}],
+             off_limits=("course_lib.mesh.MeshShape.validate",)),
     Exercise("predict_mesh", "Predict a mesh's memory and step time", 4, "predict_mesh", check_predict_mesh,
              hidden=[{"cases": (("llama3-8b", {"dp": 8, "tp": 2, "pp": 2}, planner.A100, 32, 2048, 1, 1, 0.4),
                                 ("llama2-70b", {"dp": 64, "tp": 8}, planner.A100, 512, 2048, 1, 3, 0.6),
                                 ("llama2-70b", {"dp": 4, "cp": 2, "tp": 8, "pp": 2}, planner.H100, 32, 2048, 1, 2,
-                                 0.45))}]),
+                                 0.45))}],
+             off_limits=("course_lib.planner.predict", "course_lib.planner.plan")),
     Exercise("average_dp_gradients", "Find the bug: DP x TP on four ranks", 5, "average_dp_gradients",
-             check_average_dp_gradients, hidden=[{"orders": ("dp-tp-cp-ep-pp",), "batch": 8, "seed": 2}]),
+             check_average_dp_gradients, hidden=[{"orders": ("dp-tp-cp-ep-pp", "tp-dp-cp-ep-pp"), "batch": 8,
+                                                  "seed": 2}]),
     Exercise("add_grad_reduce", "Pipeline x data parallelism: the gradient reduction in the schedule", 5,
              "add_grad_reduce", check_add_grad_reduce,
              hidden=[{"cases": (("gpipe", 4, 4, 1), ("zb_h1", 2, 3, 1), ("interleaved", 4, 8, 2), ("zb_h1", 3, 6, 1)),
-                      "ranks": (("zb_h1", 4, 1),)}]),
+                      "ranks": (("zb_h1", 4, 1),)}],
+             off_limits=("course_lib.schedules.add_grad_reduce",)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

@@ -10,6 +10,7 @@ must not use.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import signal
 import traceback
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from course_lib.grading.off_limits import library_answer
 from course_lib.launch import RankError, RankTimeout, launch
 
 
@@ -42,7 +44,9 @@ class CheckFailed(AssertionError):  # noqa: N818 - reads as the verdict it carri
 @dataclass
 class Exercise:
     """One graded exercise: the notebook function it grades (``function``), its points, and the checks the grader
-    runs — ``visible`` with the notebook's own settings, ``hidden`` with others."""
+    runs — ``visible`` with the notebook's own settings, ``hidden`` with others. ``off_limits``: dotted paths of the
+    library objects that are this exercise's answer; an answer that calls or inherits them scores 0
+    (``course_lib.grading.off_limits``)."""
 
     key: str
     title: str
@@ -51,6 +55,27 @@ class Exercise:
     check: Callable[..., CheckResult]
     visible: dict[str, Any] = field(default_factory=dict)
     hidden: Sequence[dict[str, Any]] = ()
+    off_limits: Sequence[str] = ()
+
+    def refusal(self, answer: Any) -> CheckResult | None:
+        """A FAIL saying why, when ``answer`` is the library's implementation; None when it is the learner's own."""
+        why = library_answer(answer, self.off_limits, f"`{self.function}`")
+        return CheckResult(self.key, False, why) if why else None
+
+
+def guard_visible_checks(namespace: dict[str, Any], exercises: Sequence[Exercise]) -> None:
+    """Make each exercise's visible check (the ``check_<name>`` a notebook calls, in the chapter module's
+    ``namespace``) refuse the library's answer the way the grader does, before running anything."""
+    for ex in exercises:
+        if not ex.off_limits:
+            continue
+        check = ex.check
+
+        @functools.wraps(check)
+        def guarded(answer: Any, *args: Any, _ex: Exercise = ex, _check: Callable[..., CheckResult] = check,
+                    **kwargs: Any) -> CheckResult:
+            return _ex.refusal(answer) or _check(answer, *args, **kwargs)
+        namespace[check.__name__] = ex.check = guarded
 
 
 def run_check(name: str, body: Callable[[], str | None]) -> CheckResult:
@@ -87,6 +112,16 @@ def expect_equal(got: Any, expected: Any, what: str) -> None:
     if type(got) is not type(expected) and not (isinstance(got, int | float) and isinstance(expected, int | float)):
         raise CheckFailed(f"{what}: expected a {type(expected).__name__} ({expected!r}), got {type(got).__name__} "
                           f"({got!r})")
+    if got != expected:
+        raise CheckFailed(f"{what}: expected {expected!r}, got {got!r}")
+
+
+def expect_int(got: Any, expected: int, what: str) -> None:
+    """A Python ``int`` (not a float, even a whole one; not a bool, a tensor or a numpy scalar) equal to
+    ``expected``: where a specification says integers (bytes, counts), ``8.0`` is a different answer."""
+    if type(got) is not int:
+        raise CheckFailed(f"{what}: expected the Python int {expected!r}, got {type(got).__name__} ({got!r}); the "
+                          "specification asks for an integer (use // for an exact division)")
     if got != expected:
         raise CheckFailed(f"{what}: expected {expected!r}, got {got!r}")
 
@@ -142,6 +177,21 @@ def patch_process_group(names: Iterable[str],
     finally:
         for name, method in saved.items():
             setattr(pg, name, method)
+
+
+class LoggedWork:
+    """An async handle that calls ``on_wait()`` when waited on, then waits on the real one: lets a check see *when*
+    the learner waits (inside backward? before computing?)."""
+
+    def __init__(self, work: Any, on_wait: Callable[[], None]) -> None:
+        self._work, self._on_wait = work, on_wait
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._on_wait()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def refusal(error: type[Exception], message: str) -> Callable[..., Any]:

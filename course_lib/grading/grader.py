@@ -3,10 +3,14 @@
     python -m course_lib.grading exercises/01_collectives.ipynb          # one notebook
     python -m course_lib.grading submissions/ --out report.json           # a class's folder
     python -m course_lib.grading submissions/ --strict                    # exit 1 unless every mark is earned
+    python -m course_lib.grading submissions/ --jobs 2                    # two notebooks at a time
 
 Exit status: 0 once the notebooks are graded, whatever they scored (the score is printed and written with
-``--out``); with ``--strict``, 1 unless every notebook has full marks (for CI); 2 for a usage error or when no
-notebook was found.
+``--out``); with ``--strict``, 1 unless every notebook has full marks (for CI); 2 for a usage error, when no
+notebook was found, or for a path that does not exist, is not a notebook, or is a notebook whose chapter cannot be
+told (one line on stderr says which). The chapter is ``metadata.course.chapter``, else the chapter whose checks a
+cell imports, else the file name's leading ``NN_``. An answer that uses the library's own implementation of its
+exercise scores 0 for it (``course_lib.grading.off_limits``).
 
 How a notebook is graded:
 
@@ -29,12 +33,15 @@ import argparse
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -99,6 +106,9 @@ def grade_exercise(ex: Exercise, namespace: dict[str, Any]) -> CheckResult:
     fn = namespace.get(ex.function)
     if fn is None:
         return CheckResult(ex.key, False, f"the notebook defines no `{ex.function}`")
+    refused = ex.refusal(fn)
+    if refused:
+        return refused
     settings = [ex.visible, *ex.hidden]
     for i, kwargs in enumerate(settings):
         with time_limit(CHECK_TIMEOUT_S, f"check {i + 1} of {ex.key}"):
@@ -129,11 +139,30 @@ def run_hidden_checks(chapter: str, namespace: dict[str, Any], results_path: str
 # The grader process
 
 
+CHAPTER_IN_CODE = re.compile(r"course_lib\.grading(?: import |\.)ch(\d{2})\b")
+
+
+def _graded(chapter: str) -> bool:
+    return len(chapter) == 2 and chapter.isdigit() and find_spec(f"course_lib.grading.ch{chapter}") is not None
+
+
+def chapter_from_content(nb: nbformat.NotebookNode) -> str | None:
+    """The chapter whose checks the notebook imports (``from course_lib.grading import ch05``)."""
+    for cell in nb.cells:
+        for m in CHAPTER_IN_CODE.findall(cell.source if cell.cell_type == "code" else ""):
+            if _graded(m):
+                return m
+    return None
+
+
 def notebook_chapter(path: Path, nb: nbformat.NotebookNode) -> str:
-    chapter = nb.metadata.get("course", {}).get("chapter") or path.name[:2]
-    if not (len(chapter) == 2 and chapter.isdigit()):
-        raise ValueError(f"{path}: cannot tell the chapter (name it NN_topic.ipynb or set metadata.course.chapter)")
-    return chapter
+    """``metadata.course.chapter``, else the chapter whose checks a cell imports, else the file name's NN_."""
+    declared = str(nb.metadata.get("course", {}).get("chapter", ""))
+    for chapter in (declared, chapter_from_content(nb) or "", path.name[:2]):
+        if _graded(chapter):
+            return chapter
+    raise ValueError(f"{path}: cannot tell the chapter: no metadata course.chapter, no cell importing "
+                     "course_lib.grading.chNN, and the name does not start with a graded chapter (NN_topic.ipynb)")
 
 
 def _prepare(nb: nbformat.NotebookNode, chapter: str, results_path: Path) -> nbformat.NotebookNode:
@@ -214,19 +243,46 @@ def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout
     return report
 
 
+def find_notebooks(paths: list[Path]) -> list[Path]:
+    """The notebooks of ``paths`` (folders searched recursively, checkpoints skipped); raises ``UsageError`` naming
+    a path that does not exist or is not a notebook."""
+    for p in paths:
+        if not p.exists():
+            raise UsageError(f"{p}: no such file or folder")
+        if p.is_file() and p.suffix != ".ipynb":
+            raise UsageError(f"{p}: not a notebook (expected an .ipynb file or a folder of them)")
+    return [nb for p in paths for nb in (sorted(p.rglob("*.ipynb")) if p.is_dir() else [p])
+            if ".ipynb_checkpoints" not in nb.parts]
+
+
+class UsageError(ValueError):
+    """A path the grader cannot grade: the CLI prints it on one line and exits 2."""
+
+
 def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S,
-          progress: bool = True) -> list[NotebookReport]:
-    notebooks = [nb for p in paths for nb in (sorted(p.rglob("*.ipynb")) if p.is_dir() else [p])
-                 if ".ipynb_checkpoints" not in nb.parts]
-    reports = []
-    for i, nb in enumerate(notebooks, 1):
-        if progress:
-            print(f"[{i}/{len(notebooks)}] grading {nb} ...", flush=True)
+          progress: bool = True, jobs: int = 1) -> list[NotebookReport]:
+    """Grade the notebooks of ``paths``, ``jobs`` at a time (each in its own papermill process); reports in the
+    notebooks' order. A notebook whose chapter cannot be told raises ``UsageError`` before anything runs."""
+    notebooks = find_notebooks(paths)
+    for nb in notebooks:
+        try:
+            content = nbformat.read(nb, as_version=4)
+        except Exception as err:  # not JSON, not a notebook
+            raise UsageError(f"{nb}: not a readable notebook ({type(err).__name__})") from None
+        try:
+            notebook_chapter(nb, content)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+    def one(i_nb: tuple[int, Path]) -> NotebookReport:
+        i, nb = i_nb
         report = grade_notebook(nb, timeout, cell_timeout)
-        reports.append(report)
         if progress:
-            print(report.table(), flush=True)
-    return reports
+            print(f"[{i}/{len(notebooks)}] {report.table()}", flush=True)
+        return report
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, enumerate(notebooks, 1)))
 
 
 def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str) -> None:
@@ -248,8 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT_S, help="seconds per notebook")
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
     parser.add_argument("--strict", action="store_true", help="exit 1 unless every notebook scores full marks")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
     args = parser.parse_args(argv)
-    reports = grade(args.paths, args.timeout, args.cell_timeout)
+    try:
+        reports = grade(args.paths, args.timeout, args.cell_timeout, jobs=args.jobs)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not reports:
         print(f"no notebook found in {', '.join(map(str, args.paths))}", file=sys.stderr)
         return 2

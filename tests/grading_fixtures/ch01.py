@@ -256,11 +256,60 @@ def ar_calls_dist_all_reduce(tensor):
     return out
 
 
+def ag_float32_output(chunk, numel):
+    """The right ring into a float32 buffer whatever the chunks' dtype: float64 loses digits, int32 comes back
+    as floats."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = torch.empty(numel)
+    places = list(out.split(chunk_numels(numel, n)))
+    places[r].copy_(chunk.reshape(-1))
+    for k in range(n - 1):
+        _exchange(places[(r - k) % n], (r + 1) % n, places[(r - k - 1) % n], (r - 1) % n)
+    return out
+
+
+def bytes_as_floats(numel, element_size, n, rank):
+    """The right counts, as floats (the specification says ints)."""
+    if n == 1:
+        return 0.0, 0.0
+    c = chunk_numels(numel, n)
+    return (float((2 * numel - c[rank] - c[(rank + 1) % n]) * element_size),
+            float((2 * numel - c[(rank - 1) % n] - c[rank]) * element_size))
+
+
+def rs_leftward_ring(tensor):
+    """Correct: the ring run the other way (send to r-1, receive from r+1; chunk (r+k+1) leaves at step k)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.reshape(-1).clone().split(chunk_numels(tensor.numel(), n)))
+    for k in range(n - 1):
+        send, recv = (r + k + 1) % n, (r + k + 2) % n
+        incoming = torch.empty_like(chunks[recv])
+        _exchange(chunks[send], (r - 1) % n, incoming, (r + 1) % n)
+        chunks[recv] += incoming
+    return chunks[r].clone()
+
+
+def ag_leftward_ring(chunk, numel):
+    """Correct: the all-gather's ring run the other way round."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = torch.empty(numel, dtype=chunk.dtype)
+    places = list(out.split(chunk_numels(numel, n)))
+    places[r].copy_(chunk.reshape(-1))
+    for k in range(n - 1):
+        _exchange(places[(r + k) % n], (r - 1) % n, places[(r + k + 1) % n], (r + 1) % n)
+    return out
+
+
+RIGHT = {"ring_reduce_scatter": [rs_leftward_ring], "ring_all_gather": [ag_leftward_ring]}
+"""Correct answers other than the solution's: each must score full marks."""
+
 WRONG = {
     "ring_reduce_scatter": [rs_off_by_one_step, rs_sums_own_data_twice, rs_equal_chunks, rs_through_rank_zero,
                             rs_modifies_input, rs_calls_dist_reduce_scatter],
-    "ring_all_gather": [ag_off_by_one_step, ag_stores_at_senders_slot, ag_equal_chunks, ag_own_chunk_to_everyone],
-    "ring_all_reduce_bytes": [bytes_float_formula, bytes_one_phase, bytes_same_chunk_in_both_phases],
+    "ring_all_gather": [ag_off_by_one_step, ag_stores_at_senders_slot, ag_equal_chunks, ag_own_chunk_to_everyone,
+                        ag_float32_output],
+    "ring_all_reduce_bytes": [bytes_float_formula, bytes_one_phase, bytes_same_chunk_in_both_phases,
+                              bytes_as_floats],
     "pairwise_all_to_all": [a2a_no_exchange, a2a_wrong_slot, a2a_forgets_own_block, a2a_calls_dist_all_to_all],
     "fixed_ring_all_reduce": [ar_the_bug_kept, ar_fixed_in_place, ar_calls_dist_all_reduce],
 }

@@ -224,7 +224,8 @@ def bytes_2v(n_params, bytes_per_grad, n, accumulation):
 # overlap_buckets
 
 
-def _overlap(params, buckets, *, divide=True, per_parameter=False, in_finish=False, reset=True):
+def _overlap(params, buckets, *, divide=True, per_parameter=False, in_finish=False, reset=True, out_of_order=False,
+             wait_in_hook=False):
     import torch
 
     n = dist.get_world_size()
@@ -238,9 +239,15 @@ def _overlap(params, buckets, *, divide=True, per_parameter=False, in_finish=Fal
         else:
             flat = torch.cat([params[j].grad.reshape(-1) for j in buckets[k]])
             state["in_flight"].append((buckets[k], flat, dist.all_reduce(flat, async_op=True)))
+        if wait_in_hook:
+            state["in_flight"][-1][2].wait()
 
     def hook(p):
         state["missing"][bucket_of[id(p)]] -= 1
+        if out_of_order:
+            if state["missing"][bucket_of[id(p)]] == 0:
+                launch(bucket_of[id(p)])
+            return
         while not in_finish and state["next"] < len(buckets) and state["missing"][state["next"]] == 0:
             launch(state["next"])
             state["next"] += 1
@@ -285,6 +292,17 @@ def overlap_one_all_reduce_per_parameter(params, buckets):
     return _overlap(params, buckets, per_parameter=True)
 
 
+def overlap_launches_out_of_order(params, buckets):
+    """Launches each bucket as soon as it is complete, whatever the buckets before it: the ranks can issue the
+    all-reduces in different orders (a collective mismatch) when buckets complete out of order."""
+    return _overlap(params, buckets, out_of_order=True)
+
+
+def overlap_waits_in_the_hook(params, buckets):
+    """Waits for each bucket's all-reduce inside the hook that launched it: right values, but backward stalls."""
+    return _overlap(params, buckets, wait_in_hook=True)
+
+
 WRONG = {
     "assign_buckets": [buckets_in_forward_order, buckets_never_exceed_the_cap, buckets_close_only_above_the_cap,
                        buckets_drop_the_last_partial_one],
@@ -293,6 +311,7 @@ WRONG = {
     "accumulation_step": [step_loss_not_divided_by_m, step_communicates_on_every_micro_batch, step_without_no_sync,
                           step_zeroes_inside_the_loop, step_forgets_finish_gradient_sync, step_returns_the_loss_tensor],
     "dp_bytes_per_step": [bytes_one_phase, bytes_every_micro_batch, bytes_2v],
-    "overlap_buckets": [overlap_all_in_finish, overlap_forgets_to_divide, overlap_one_all_reduce_per_parameter],
+    "overlap_buckets": [overlap_all_in_finish, overlap_forgets_to_divide, overlap_one_all_reduce_per_parameter,
+                        overlap_launches_out_of_order, overlap_waits_in_the_hook],
     "fixed_overlap_buckets": [overlap_never_resets, overlap_forgets_to_divide],
 }

@@ -110,6 +110,14 @@ def gather_then_clone(shard, numel, shapes):
     return [v.clone() for v in _views(flat, shapes)]
 
 
+def gather_into_a_float32_buffer(shard, numel, shapes):
+    """One all-gather into one float32 buffer whatever the shard's dtype: a float64 unit loses its digits (and a
+    bf16 one would take twice its memory)."""
+    flat = torch.empty(dist.get_world_size() * shard.numel(), dtype=torch.float32)
+    dist.all_gather_into_tensor(flat, shard.float())
+    return _views(flat, shapes)
+
+
 def gather_by_all_reduce(shard, numel, shapes):
     """A zero buffer with its own shard written in, summed by all-reduce: twice the bytes of an all-gather."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -171,6 +179,7 @@ WRONG = {
     "shard_range": [range_without_padding, range_uneven_chunks, range_owner_offset],
     "zero1_sgd_step": [zero1_forgets_to_average, zero1_updates_the_full_tensor, zero1_wrong_shard,
                        zero1_gathers_every_gradient],
-    "gather_unit": [gather_then_clone, gather_by_all_reduce, gather_in_reverse_rank_order],
+    "gather_unit": [gather_then_clone, gather_by_all_reduce, gather_in_reverse_rank_order,
+                    gather_into_a_float32_buffer],
     "grad_shard": [shard_plus_one, shard_rounded_down, shard_in_float32, shard_by_all_reduce],
 }

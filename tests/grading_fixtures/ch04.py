@@ -69,8 +69,28 @@ class _FAveraged(torch.autograd.Function):
 
 
 def f_averages_instead_of_sums(x):
-    """Divides by t, as data parallelism would: the ranks used the same X, their gradients add up."""
+    """The colleague's f as given: divides by t, as data parallelism would (the ranks used the same X, their
+    gradients add up)."""
     return _FAveraged.apply(x)
+
+
+class _FBothWays(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = x.detach().clone()
+        comm.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        comm.all_reduce(grad)
+        return grad
+
+
+def f_all_reduces_forward_too(x):
+    """Sums in forward as well: f's forward is the identity (X is already the same on every rank)."""
+    return _FBothWays.apply(x)
 
 
 def mlp_bias_added_on_every_rank(x, w1, b1, w2, b2):
@@ -106,7 +126,7 @@ def ce_without_the_global_max(logits, targets):
 
 WRONG = {
     "reduce_from_region": [g_all_reduces_backward_too, g_outside_autograd],
-    "copy_to_region": [f_without_backward_all_reduce, f_averages_instead_of_sums],
+    "copy_to_region": [f_without_backward_all_reduce, f_averages_instead_of_sums, f_all_reduces_forward_too],
     "tp_mlp": [mlp_bias_added_on_every_rank, mlp_without_f],
     "vocab_parallel_cross_entropy": [ce_gathers_the_logits, ce_without_the_global_max],
 }

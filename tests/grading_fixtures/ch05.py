@@ -116,9 +116,31 @@ def gpipe_fixed_but_in_1f1b_order(stage, x, y, m):
     return _two_stage_step(stage, x, y, m, one_f_one_b, lambda loss: loss / m)
 
 
+def hides_with_the_chapter_shape():
+    """The notebook's own shape (batch 8, m 4): b = 2, the bug shows."""
+    return 8, 4
+
+
+def hides_with_one_micro_batch():
+    """m = 1: no pipeline at all (b = batch and the factor is 1/b: a different test), and the rule says m >= 2."""
+    return 4, 1
+
+
+def hides_with_floats():
+    """The right shape as floats."""
+    return 9.0, 3.0
+
+
+def hides_when_batch_equals_m():
+    """b = 1 row per micro-batch: the factor m / b = m."""
+    return 4, 4
+
+
 WRONG = {
     "one_f_one_b_order": [warmup_off_by_one, all_forwards_then_backwards],
     "zb_h1_schedule": [split_backward_without_delay, all_weight_gradients_at_the_end, weight_before_input],
     "pipeline_step": [step_gpipe_order, step_without_loss_scale, step_with_all_reduce],
     "gpipe_step": [gpipe_divided_by_rows, gpipe_without_loss_scale, gpipe_fixed_but_in_1f1b_order],
+    "shape_that_hides_the_bug": [hides_with_the_chapter_shape, hides_with_one_micro_batch, hides_with_floats,
+                                 hides_when_batch_equals_m],
 }

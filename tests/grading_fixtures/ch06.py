@@ -81,6 +81,40 @@ def ring_step_returns_own_block(q, q_pos, kv, kv_pos, out, lse, group=None):
     return out, lse, kv
 
 
+def _scores(q, k, scale, mask):
+    s = scale * q @ k.transpose(-1, -2)
+    return s.masked_fill(~mask, float("-inf")) if mask is not None else s
+
+
+class KeepsTheBlockSoftmax(ca.BlockAttention):
+    """The colleague's kernel as given: P from this block's own softmax (right only when one block is all)."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        p = torch.softmax(_scores(q, k, scale, mask), dim=-1).nan_to_num()
+        ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
+class ForgetsDelta(ca.BlockAttention):
+    """dS = P * dP, without subtracting rowsum(dO * O): the softmax's Jacobian is half written."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        ds = p * (d_out @ v.transpose(-1, -2))
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
+class ForgetsTheScale(ca.BlockAttention):
+    """Drops the 1/sqrt(d) of the scores from dQ and dK (the chain rule through s = scale q k^T)."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
+        return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
 class StillStale(ca.BlockAttention):
     """Uses the received block only from step 2 on."""
 
@@ -95,9 +129,89 @@ class ForwardMaskOnly(ca.BlockAttention):
         return own
 
 
+def divisible_by_cp_only(seq_len, cp, rank):
+    """Checks that cp divides the length, not 2 cp: a length of cp x an odd number gives chunks of unequal size."""
+    if seq_len % cp or seq_len == 0:
+        raise ValueError("bad length")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in (rank, 2 * cp - 1 - rank)])
+
+
+def _attend(q, q_pos, kv, kv_pos, out, lse):
+    visible = kv_pos[None, :] <= q_pos[:, None]
+    if visible.any():
+        b_out, b_lse = ca.BlockAttention().forward(q, kv[0], kv[1], 1 / math.sqrt(q.shape[-1]), visible)
+        out, lse = _merge(out, lse, b_out, b_lse)
+    return out, lse
+
+
+def ring_step_group_ranks_as_peers(q, q_pos, kv, kv_pos, out, lse, group=None):
+    """The neighbours' positions in the group passed as peers: right for the whole world, wrong in a sub-group
+    (peers are global ranks)."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    incoming = torch.empty_like(kv)
+    works = [comm.isend(kv, (r + 1) % n, group), comm.irecv(incoming, (r - 1) % n, group)]
+    out, lse = _attend(q, q_pos, kv, kv_pos, out, lse)
+    for w in works:
+        w.wait()
+    return out, lse, incoming
+
+
+def _peers(group):
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    return comm.global_rank(group, (r + 1) % n), comm.global_rank(group, (r - 1) % n)
+
+
+def ring_step_waits_first(q, q_pos, kv, kv_pos, out, lse, group=None):
+    """Right values, no overlap: the transfer is waited on before the block is attended."""
+    nxt, prev = _peers(group)
+    incoming = torch.empty_like(kv)
+    for w in [comm.isend(kv, nxt, group), comm.irecv(incoming, prev, group)]:
+        w.wait()
+    out, lse = _attend(q, q_pos, kv, kv_pos, out, lse)
+    return out, lse, incoming
+
+
+def ring_step_attends_masked_blocks(q, q_pos, kv, kv_pos, out, lse, group=None):
+    """Right values (a fully masked block adds nothing) but it computes every block, visible or not: the causal
+    ring's saving thrown away."""
+    nxt, prev = _peers(group)
+    incoming = torch.empty_like(kv)
+    works = [comm.isend(kv, nxt, group), comm.irecv(incoming, prev, group)]
+    visible = kv_pos[None, :] <= q_pos[:, None]
+    b_out, b_lse = ca.BlockAttention().forward(q, kv[0], kv[1], 1 / math.sqrt(q.shape[-1]), visible)
+    out, lse = _merge(out, lse, b_out, b_lse)
+    for w in works:
+        w.wait()
+    return out, lse, incoming
+
+
+def ring_step_by_hand(q, q_pos, kv, kv_pos, out, lse, group=None):
+    """Correct: the block attended with a hand-written softmax instead of BlockAttention, batch_isend_irecv."""
+    nxt, prev = _peers(group)
+    incoming = torch.empty_like(kv)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt, group), dist.P2POp(dist.irecv, incoming, prev,
+                                                                                        group)])
+    visible = kv_pos[None, :] <= q_pos[:, None]
+    if visible.any():
+        scores = (q @ kv[0].transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~visible, float("-inf"))
+        b_lse = torch.logsumexp(scores, -1)
+        safe = torch.where(torch.isfinite(b_lse), b_lse, torch.zeros_like(b_lse))
+        b_out = torch.exp(scores - safe[..., None]) @ kv[1]
+        out, lse = _merge(out, lse, b_out, b_lse)
+    for w in works:
+        w.wait()
+    return out, lse, incoming
+
+
+RIGHT = {"ring_step": [ring_step_by_hand]}
+"""Correct answers other than the solution's: each must score full marks."""
+
 WRONG = {
     "merge_partials": [merge_without_max_shift, merge_equal_weights, merge_nan_for_masked_rows],
-    "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check],
-    "ring_step": [ring_step_local_mask, ring_step_returns_own_block],
-    "fixed_kernel": [StillStale, ForwardMaskOnly],
+    "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check, divisible_by_cp_only],
+    "ring_step": [ring_step_local_mask, ring_step_returns_own_block, ring_step_group_ranks_as_peers,
+                  ring_step_waits_first, ring_step_attends_masked_blocks],
+    "fixed_kernel": [KeepsTheBlockSoftmax, ForgetsDelta, ForgetsTheScale, StillStale, ForwardMaskOnly],
 }

@@ -25,6 +25,16 @@ def coords_default_order(rank, degrees, order):
     return coords
 
 
+def coords_counts_ep(rank, degrees, order):
+    """Reads ep as one more digit of the rank (the specification says to skip it: it does not multiply the world
+    size)."""
+    coords = {}
+    for axis in order.split("-"):
+        rank, coords[axis] = divmod(rank, degrees.get(axis, 1))
+    coords.pop("ep")
+    return coords
+
+
 def _coords(rank, degrees, order):
     coords = {}
     for axis in order.split("-"):
@@ -78,6 +88,28 @@ def problems_batch_without_micro_batch(cfg, degrees, global_batch, micro_batch):
     rules["sequence"] = cp > 1 and cfg.seq_len % (2 * cp) != 0
     rules["batch"] = global_batch % dp != 0
     return {k for k, v in rules.items() if v}
+
+
+def problems_batch_over_dp_cp(cfg, degrees, global_batch, micro_batch):
+    """Divides the batch by dp x cp x micro-batch: cp ranks share each sequence, not the batch."""
+    tp, cp, dp, _pp, rules = _rules(cfg, degrees, global_batch, micro_batch)
+    rules["kv_heads"] = cfg.kv_heads % tp != 0 and tp % cfg.kv_heads != 0
+    rules["sequence"] = cp > 1 and cfg.seq_len % (2 * cp) != 0
+    rules["batch"] = global_batch % (dp * cp * micro_batch) != 0
+    return {k for k, v in rules.items() if v}
+
+
+_HARD_CODED = {}
+
+
+def average_over_hard_coded_groups(params, mesh):
+    """Hard-codes the replicas as ranks {0, 2} and {1, 3}: right when tp varies fastest, not for another order."""
+    if not _HARD_CODED:
+        _HARD_CODED.update({0: dist.new_group([0, 2]), 1: dist.new_group([1, 3])})
+    group = _HARD_CODED[dist.get_rank() % 2]
+    for p in params:
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= 2
 
 
 def average_over_tp(params, mesh):
@@ -232,13 +264,15 @@ def reduce_in_place(schedule):
     return schedule
 
 WRONG = {
-    "coords_of": [coords_slowest_first, coords_default_order],
+    "coords_of": [coords_slowest_first, coords_default_order, coords_counts_ep],
     "group_of": [group_fixes_the_wrong_axes, group_by_stride],
-    "mesh_problems": [problems_kv_never_replicated, problems_sequence_by_cp, problems_batch_without_micro_batch],
+    "mesh_problems": [problems_kv_never_replicated, problems_sequence_by_cp, problems_batch_without_micro_batch,
+                      problems_batch_over_dp_cp],
     "predict_mesh": [predict_ignores_pp_in_memory, predict_without_bubble, predict_bubble_fraction_as_ratio,
                      predict_microbatches_ignore_dp, predict_zero_over_dp_only, predict_zero3_like_zero2,
                      predict_ignores_zero_stage, predict_fp32_gradients],
-    "average_dp_gradients": [average_over_tp, average_over_world, sum_without_dividing],
+    "average_dp_gradients": [average_over_tp, average_over_world, sum_without_dividing,
+                             average_over_hard_coded_groups],
     "add_grad_reduce": [reduce_after_last_i, reduce_once_per_rank, reduce_after_every_weight_pass,
                         reduce_at_the_end, reduce_as_tuples, reduce_kind_as_a_string, reduce_in_place],
 }

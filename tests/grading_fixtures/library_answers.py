@@ -1,0 +1,87 @@
+"""Answers that are the library's own implementation, called, wrapped or inherited: each must score 0 with a
+reason that says "write it yourself" (``course_lib.grading.off_limits``). Keyed (chapter, exercise)."""
+
+import course_lib.schedules
+from course_lib import schedules as S
+from course_lib.collectives import ring_reduce_scatter as library_rs
+from course_lib.memory import kv_cache_bytes as library_kv
+from course_lib.mesh import MeshShape
+from course_lib.parallel import cp_attention as ca
+from course_lib.parallel import dp as dp_lib
+from course_lib.schedules import one_f_one_b
+
+
+def zb_h1_by_full_path(p, m):
+    """The issue's example: the library's ZB-H1 through its full dotted path."""
+    return course_lib.schedules.zb_h1(p, m)
+
+
+def _my_helper(p, m):
+    return S.zb_h1(p, m)
+
+
+def zb_h1_through_a_helper(p, m):
+    """The library's schedule one helper away."""
+    return _my_helper(p, m)
+
+
+def one_f_one_b_imported(p, m, rank):
+    """Exercise 1 with the library's one_f_one_b imported by name (a list comprehension around it)."""
+    return [f"{a.kind.value}{a.microbatch}" for a in one_f_one_b(p, m)[rank] if a.is_compute]
+
+
+def add_grad_reduce_wrapped(schedule):
+    """The library's placement of REDUCE_GRAD, wrapped."""
+    return S.add_grad_reduce(schedule)
+
+
+class FixedKernelInherits(ca.BlockAttention):
+    """The base class is already the fix: nothing of the learner's."""
+
+
+class FixedKernelCallsSuper(ca.BlockAttention):
+    """Overrides the block backward only to hand it to the library's through super()."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        return super().backward(q, k, v, scale, mask, d_out, lse, delta)
+
+
+def coords_of_from_mesh_shape(rank, degrees, order):
+    """MeshShape's own rank -> coordinates."""
+    shape = MeshShape(**{a: degrees.get(a, 1) for a in ("tp", "cp", "dp", "pp")}, order=order)
+    return {a: c for a, c in shape.coords(rank).items() if a != "ep"}
+
+
+def merge_partials_by_the_kernel(out1, lse1, out2, lse2):
+    """BlockAttention's merge on an instance."""
+    return ca.BlockAttention().merge(out1, lse1, out2, lse2)
+
+
+def ring_reduce_scatter_renamed(tensor):
+    """The library's ring reduce-scatter imported under another name."""
+    return library_rs(tensor)
+
+
+def kv_cache_bytes_from_memory(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value):
+    """memory.kv_cache_bytes (a different signature, but the answer all the same) behind a closure."""
+    def inner():
+        return library_kv
+    return inner
+
+
+def assign_buckets_from_dp(sizes, cap):
+    """The DP wrapper's own bucket assignment, reached through the module."""
+    return dp_lib.assign_buckets([__import__("torch").empty(s) for s in sizes], cap)
+
+
+CASES = {
+    ("05", "zb_h1_schedule"): [zb_h1_by_full_path, zb_h1_through_a_helper],
+    ("05", "one_f_one_b_order"): [one_f_one_b_imported],
+    ("08", "add_grad_reduce"): [add_grad_reduce_wrapped],
+    ("06", "fixed_kernel"): [FixedKernelInherits, FixedKernelCallsSuper],
+    ("08", "coords_of"): [coords_of_from_mesh_shape],
+    ("06", "merge_partials"): [merge_partials_by_the_kernel],
+    ("01", "ring_reduce_scatter"): [ring_reduce_scatter_renamed],
+    ("00", "kv_cache_bytes"): [kv_cache_bytes_from_memory],
+    ("02", "assign_buckets"): [assign_buckets_from_dp],
+}
