@@ -4,7 +4,8 @@ Viacheslav Dubrov's "measure honestly" checklist (after the Ultra-Scale Playbook
 the model and the code version; the topology (ranks, mesh, backend, device); global and local batch in sequences
 and tokens; peak memory by category; tokens per second and MFU computed one consistent way; the time spent in each
 kind of collective; scaling efficiency with its kind (strong or weak) and its baseline named; and loss parity
-with a single-device baseline. ``RunRecord`` holds exactly that; ``record_run`` fills it from what the course's
+with a single-device baseline. For a long run the same checklist adds input stalls, the checkpoint's time, the
+behaviour after a restart and the distribution of stragglers (chapter 10). ``RunRecord`` holds exactly that; ``record_run`` fills it from what the course's
 training helpers already return (per-step losses, parameters and ``step_comm``) plus the step times the caller
 measured.
 
@@ -15,7 +16,11 @@ Conventions, stated once:
   / (world size x peak FLOPs of one device) -- only when a peak is given (a CPU has none worth quoting);
 * time in a collective = the seconds the rank spent inside the call (issue to completion for async ones): it
   includes waiting for slower ranks, so it is an upper bound on the exposed communication;
-* bytes are labelled ``measured`` (our own send/recv) or ``modelled`` (a backend collective's ring formula).
+* bytes are labelled ``measured`` (our own send/recv) or ``modelled`` (a backend collective's ring formula);
+* checkpoint time = the seconds a save blocks training (all of a synchronous save; an asynchronous save's copy to
+  host memory), with the bytes one save writes over all ranks;
+* restarts = how many times the group was started again, and whether the resumed run matched the uninterrupted
+  one; stragglers = the detector's verdict (``stragglers.find_straggler``) on per-rank step times.
 """
 
 from __future__ import annotations
@@ -88,6 +93,11 @@ class RunRecord:
     peak_memory: dict[str, int] | None = None
     scaling: Scaling | None = None
     parity: str | None = None
+    checkpoint_s: float | None = None
+    checkpoint_bytes: int | None = None
+    restarts: int | None = None
+    restart_parity: str | None = None
+    stragglers: str | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -110,6 +120,13 @@ class RunRecord:
                                        f"({c['bytes_kind']}), {c['seconds'] * 1e3:.2f} ms/step inside the calls"))
         out.append(("scaling", str(self.scaling) if self.scaling else "not measured"))
         out.append(("loss parity", self.parity or "not checked"))
+        if self.checkpoint_s is not None:
+            size = f", {format_bytes(self.checkpoint_bytes)} per save" if self.checkpoint_bytes is not None else ""
+            out.append(("checkpoint", f"{self.checkpoint_s * 1e3:.0f} ms blocking training{size}"))
+        if self.restarts is not None:
+            out.append(("restarts", f"{self.restarts}" + (f"; {self.restart_parity}" if self.restart_parity else "")))
+        if self.stragglers is not None:
+            out.append(("stragglers", self.stragglers))
         return out
 
     def table(self) -> str:
@@ -141,13 +158,21 @@ def record_run(cfg: GPTConfig, *, world_size: int, mesh: Mapping[str, int], glob
                step_seconds: Sequence[float], step_comm: Sequence[Sequence[comm.CommRecord]] = (),
                backend: str = "gloo", device: str = "cpu", peak_flops: float | None = None,
                peak_memory: Mapping[str, int] | None = None, scaling: Scaling | None = None,
-               parity: str | None = None) -> RunRecord:
-    """Fill a ``RunRecord`` from a training helper's outputs and the step times the caller measured."""
+               parity: str | None = None, checkpoint_s: float | None = None, checkpoint_bytes: int | None = None,
+               restarts: int | None = None, restart_parity: str | None = None,
+               stragglers: str | None = None) -> RunRecord:
+    """Fill a ``RunRecord`` from a training helper's outputs and the step times the caller measured; a long run
+    adds its checkpoint's blocking time and bytes, its restarts and the straggler detector's verdict."""
     if not step_seconds or any(t <= 0 for t in step_seconds):
         raise ValueError("step_seconds must hold at least one positive step time")
     for name, value in (("world_size", world_size), ("global_batch", global_batch), ("local_batch", local_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value in (("checkpoint_bytes", checkpoint_bytes), ("restarts", restarts)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0 (or None: not recorded), got {value!r}")
+    if checkpoint_s is not None and not checkpoint_s >= 0:
+        raise ValueError(f"checkpoint_s must be the seconds a save blocks training (>= 0), got {checkpoint_s!r}")
     step_s = statistics.median(step_seconds)
     tokens_per_s = global_batch * cfg.seq_len / step_s
     n = param_count(cfg)
@@ -156,4 +181,5 @@ def record_run(cfg: GPTConfig, *, world_size: int, mesh: Mapping[str, int], glob
         mfu = cost.mfu(tokens_per_s, n, peak_flops, world_size, cfg.n_layer, cfg.d_model, cfg.seq_len)
     return RunRecord(cfg.name, n, code_version(), backend, device, world_size, dict(mesh), global_batch,
                      local_batch, cfg.seq_len, len(step_seconds), step_s, tokens_per_s, mfu, comm_summary(step_comm),
-                     dict(peak_memory) if peak_memory else None, scaling, parity)
+                     dict(peak_memory) if peak_memory else None, scaling, parity, checkpoint_s, checkpoint_bytes,
+                     restarts, restart_parity, stragglers)

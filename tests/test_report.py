@@ -50,3 +50,24 @@ def test_bad_input_is_named(kwargs, needle):
     args = dict(world_size=2, mesh={"dp": 2}, global_batch=8, local_batch=4, step_seconds=[0.1]) | kwargs
     with pytest.raises(ValueError, match=needle):
         record_run(CFG, **args)
+
+
+def test_a_long_runs_checkpoint_restarts_and_stragglers_are_recorded():
+    """The checklist's additions for long runs (chapter 10): the checkpoint's blocking time and bytes, the
+    restarts with the resumed run's parity, the straggler verdict; absent ones are left out of the table."""
+    plain = record_run(CFG, world_size=2, mesh={"dp": 2}, global_batch=4, local_batch=2, step_seconds=[0.1])
+    assert not any(k in plain.table() for k in ("checkpoint", "restarts", "stragglers"))
+    r = record_run(CFG, world_size=2, mesh={"dp": 2}, global_batch=4, local_batch=2, step_seconds=[0.1],
+                   checkpoint_s=0.0125, checkpoint_bytes=3_000_000, restarts=1,
+                   restart_parity="bit for bit the uninterrupted run", stragglers="rank 1 is the straggler")
+    rows = dict(r.rows())
+    assert rows["checkpoint"] == "12 ms blocking training, 3.00 MB per save"
+    assert rows["restarts"] == "1; bit for bit the uninterrupted run"
+    assert rows["stragglers"] == "rank 1 is the straggler"
+
+
+@pytest.mark.parametrize("bad", [{"restarts": -1}, {"restarts": 1.5}, {"checkpoint_bytes": True},
+                                 {"checkpoint_s": -0.1}, {"checkpoint_s": float("nan")}])
+def test_a_long_runs_fields_refuse_nonsense(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        record_run(CFG, world_size=2, mesh={"dp": 2}, global_batch=4, local_batch=2, step_seconds=[0.1], **bad)
