@@ -5,9 +5,9 @@ the model and the code version; the topology (ranks, mesh, backend, device); glo
 and tokens; peak memory by category; tokens per second and MFU computed one consistent way; the time spent in each
 kind of collective; scaling efficiency with its kind (strong or weak) and its baseline named; and loss parity
 with a single-device baseline. For a long run the same checklist adds input stalls, the checkpoint's time, the
-behaviour after a restart and the distribution of stragglers (chapter 10). ``RunRecord`` holds exactly that; ``record_run`` fills it from what the course's
-training helpers already return (per-step losses, parameters and ``step_comm``) plus the step times the caller
-measured.
+behaviour after a restart and the distribution of stragglers (chapter 10). ``RunRecord`` holds exactly that;
+``record_run`` fills it from what the course's training helpers already return (per-step losses, parameters and
+``step_comm``) plus the step times the caller measured.
 
 Conventions, stated once:
 
