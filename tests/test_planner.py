@@ -416,3 +416,11 @@ def test_with_library_rules_every_ranked_mesh_is_one_the_library_composes():
     assert any("moe_mesh.share_routing" in r for r in refused)
     assert {str(p.candidate) for p in ruled.ranked} == {str(p.candidate) for p, r in zip(free.ranked, refused,
                                                                                           strict=True) if not r}
+
+
+def test_moe_activations_follow_the_experts_hidden_size_not_d_ff():
+    cfg = GPTConfig(n_layer=4, d_model=64, n_expert=8, top_k=2, d_ff=1024, expert_d_ff=64, n_shared_expert=1)
+    cl, cand = P.cluster("dgx-h100", 1), P.Candidate(dp=8, tp=1, pp=1, recompute="none")
+    act = P.predict(cfg, cl, 16, 64, cand).memory["activations"]
+    assert P.predict(cfg.with_(d_ff=4096), cl, 16, 64, cand).memory["activations"] == act  # d_ff: dense blocks
+    assert P.predict(cfg.with_(n_shared_expert=2), cl, 16, 64, cand).memory["activations"] > act
