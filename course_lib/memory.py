@@ -502,8 +502,8 @@ def layer_activation_bytes(config: GPTConfig | str, micro_batch: int, seq_len: i
     e·a·s/t (+ dropout mask a·s/t and dropout output e·a·s/t); projection input e·h/t; attention dropout
     mask h; MLP input e·h; MLP hidden 2·e·f/t (SwiGLU 4·e·f/t); MLP dropout mask h. Parts marked without /t
     are replicated under TP and split by t with sequence parallelism. For a GPT (MHA, f = 4h, GELU, e = 2,
-    dropout) this is exactly :func:`activation_bytes_paper`. MoE: the MLP terms x top_k (tokens per rank,
-    balanced routing).
+    dropout) this is exactly :func:`activation_bytes_paper`. MoE: the MLP terms of f_e x (top_k + n_shared_expert)
+    (tokens per rank, balanced routing).
 
     ``formula="adapted"``: what the course's eager ``course_lib.model.Block`` saves for backward (no dropout,
     ``F.scaled_dot_product_attention`` -> CPU flash kernel, so no s² term), found by listing each autograd
@@ -517,8 +517,9 @@ def layer_activation_bytes(config: GPTConfig | str, micro_batch: int, seq_len: i
       the projection, so ``y.transpose(1, 2).reshape(...)`` is free and o_proj saves the same storage; with
       RoPE q is contiguous [B, H, T, d], the reshape copies and o_proj saves another e·h/t
     * MLP input e·h; GELU: fc1 output + GELU output 2·e·f/t; SwiGLU: gate, silu, up, product 4·e·f/t
-    * MoE, per token and chosen expert: gathered input e·h, hidden (2 or 4)·e·f, expert output e·h, gate
-      weight e, product e·h, nonzero indices 16; per token: top-k indices 8k, softmax of top-k e·k
+    * MoE, per token and chosen expert: gathered input e·h, hidden (2 or 4)·e·f_e, expert output e·h, gate
+      weight e, product e·h, nonzero indices 16; per token: top-k indices 8k, softmax of top-k e·k; the
+      shared experts' hidden (2 or 4)·e·n_s·f_e (f_e = ``expert_d_ff``)
     * RoPE: the cos/sin tables 2·s·(d/2)·4 bytes per layer (not per token)
 
     Under TP the /t parts are split; the rest are replicated unless ``sp``: with SP every replicated part is
@@ -554,8 +555,8 @@ def layer_activation_bytes(config: GPTConfig | str, micro_batch: int, seq_len: i
         if recompute == "none":
             split += (2 * e + 1) * a * s / t if dropout else e * a * s / t  # softmax (+ mask + dropout out)
         mlp = n_hidden * e * f / t
-        if c.n_expert:
-            mlp *= c.top_k
+        if c.n_expert:  # top_k routed experts of f_e, and the shared experts' one MLP of n_s f_e
+            mlp = n_hidden * e * (c.top_k + c.n_shared_expert) * c.expert_ffn_dim / t
         return n * (replicated / rep + split + mlp)
     if formula != "adapted":
         raise ValueError(f"formula must be 'paper' or 'adapted', got {formula!r}")
@@ -569,8 +570,8 @@ def layer_activation_bytes(config: GPTConfig | str, micro_batch: int, seq_len: i
         split += 4 * a / t  # logsumexp
     if c.n_expert:
         k = c.top_k
-        per_choice = e * (3 * h + n_hidden * f / t + 1) + 16
-        mlp = 8 * k + e * k + k * per_choice
+        per_choice = e * (3 * h + n_hidden * c.expert_ffn_dim / t + 1) + 16
+        mlp = 8 * k + e * k + k * per_choice + n_hidden * e * c.n_shared_expert * c.expert_ffn_dim / t
     else:
         mlp = n_hidden * e * f / t
     rope = 4 * s * d if c.pos == "rope" else 0

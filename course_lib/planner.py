@@ -19,6 +19,24 @@ by ``planner_model.predict``: compute at an assumed fraction of the GPU's peak, 
 alpha-beta model of ``cost.py`` on the links each group really crosses, minus the part each kind can overlap
 (every overlap an explicit ``Assumptions`` field), plus the pipeline bubble. Its numbers are predictions: the
 ranking and the reasons matter more than the digits. An empty or impossible answer says why.
+
+**The planner and the library.** ``plan(..., library_rules=True)`` ranks only meshes the course library composes
+at toy scale (``library_refusal``: ``parallel.config.check_composable`` and the MoE refusal of
+``parallel.moe_mesh.share_routing``); that is what chapter 08 runs end to end. By default the planner plans real
+clusters and differs, deliberately, where the library's limits are teaching limits and not the hardware's:
+
+* ZeRO-2/3 with a pipeline: the same rule and message in both (``ZERO_WITH_PIPELINE``), always applied;
+* divisibility (``MeshShape.validate``): the same, except that stages may hold unequal block counts
+  (``pp_layers.ends_split``, which ``train_pp(split=...)`` cuts; the composed ``parallelize`` cuts equal stages
+  only, so ``library_rules`` asks for pp x v dividing n_layer) and the vocabulary is padded to 128 x tp as
+  Megatron-LM pads it (the library does the same given ``GPTConfig(make_vocab_size_divisible_by=128 * tp)``);
+* EP with TP, PP or CP: the library's composition refuses it (its experts are neither tensor-parallel nor
+  pipelined); Megatron Core and DeepSpeed run it (DeepSeek-V3 trains on PP 16 x EP 64), so the planner ranks it;
+* an MoE with capacity or the load-balancing loss, dp x cp > 1, pp > 1 and ep = 1: the library refuses it because
+  no single process has the micro-batches the pipeline then sees (its parity with ``train_baseline`` would
+  break); a real run accepts per-micro-batch load statistics (Megatron-LM's aux loss is per micro-batch), so the
+  planner ranks it;
+* TP inside a node (``gpus_per_node``): the planner's rule only (step 2), the library has no nodes.
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ from course_lib.hardware import GPU, Link
 from course_lib.memory import GiB
 from course_lib.mesh import MeshError, MeshShape, divisors
 from course_lib.model import PRESETS, GPTConfig
+from course_lib.parallel.config import check_composable
 from course_lib.planner_model import (
     SCHEDULES,
     Assumptions,
@@ -111,17 +130,42 @@ def _check_space(zero_stages: Sequence[int], micro_batches: Sequence[int], recom
         raise ValueError(f"fixed has unknown key(s) {unknown}: it pins one of {list(FIXED_KEYS)}")
 
 
+def moe_pipeline_refusal(cfg: GPTConfig, shape: MeshShape) -> str:
+    """The library's MoE refusal (``parallel.moe_mesh.share_routing``), "" when it does not apply: capacity or the
+    load-balancing loss with dp x cp > 1 and pp > 1 (and ep = 1: ``ExpertParallel`` does its own exchange)."""
+    batch_wide = cfg.n_expert and (cfg.capacity_factor is not None or cfg.aux_loss_coef)
+    if batch_wide and shape.ep == 1 and shape.pp > 1 and shape.dp * shape.cp > 1:
+        return (f"an MoE with capacity or the load-balancing loss with dp x cp = {shape.dp * shape.cp} and "
+                f"pp = {shape.pp}: refused by the library (moe_mesh.share_routing), no single process has the "
+                f"pipeline's micro-batches")
+    return ""
+
+
+def library_refusal(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int) -> str:
+    """Why the course library would not compose ``cand`` at toy scale ("" when it would): the message of
+    ``parallel.config.check_composable`` (with the vocabulary padded to 128 x tp, the planner's ``padded_vocab``)
+    or of ``moe_pipeline_refusal``."""
+    c = replace(cfg, seq_len=seq_len, vocab_size=padded_vocab(cfg.vocab_size, cand.tp))
+    try:
+        check_composable(cand.shape, c, sequence_parallel=cand.tp > 1, global_batch=global_batch,
+                         microbatches=cand.microbatches(global_batch), v=cand.v, zero_stage=cand.zero)
+    except (MeshError, ValueError) as e:
+        return "library: " + str(e)
+    return moe_pipeline_refusal(cfg, cand.shape)
+
+
 def candidates(cfg: GPTConfig, world: int, global_batch: int, seq_len: int, *,
                zero_stages: Sequence[int] = (0, 1, 2, 3), micro_batches: Sequence[int] = (1, 2, 4),
                recomputes: Sequence[str] = ("none", "selective", "full"),
                schedules: Sequence[str] = ("1f1b", "interleaved", "zb_h1"), virtual_stages: Sequence[int] = (2, 4),
                max_cp: int | None = None, gpus_per_node: int | None = None, fixed: dict[str, object] | None = None,
-               problems: dict[str, int] | None = None) -> Iterable[Candidate]:
+               library_rules: bool = False, problems: dict[str, int] | None = None) -> Iterable[Candidate]:
     """Every candidate with dp x tp x pp x cp = world that ``MeshShape.validate`` accepts for the model (its
     vocabulary padded for TP, ``padded_vocab``; stages of unequal block counts allowed), the batch and the
     sequence, and that ``refusal`` does not refuse; ``fixed`` pins some fields (``{"dp": 48}``: the question a
     weak-scaling study asks -- how to split the rest between TP and PP). With ``gpus_per_node``, TP stays inside
-    a node (step 2). ``problems`` (a dict) collects why meshes were dropped, for the explanation of an empty plan.
+    a node (step 2). ``library_rules``: also drop what ``library_refusal`` refuses (the module docstring says where
+    the two differ and why). ``problems`` (a dict) collects why meshes were dropped, for an empty plan's message.
     """
     fixed = dict(fixed or {})
     _check_space(zero_stages, micro_batches, recomputes, schedules, virtual_stages, max_cp, fixed)
@@ -162,7 +206,7 @@ def candidates(cfg: GPTConfig, world: int, global_batch: int, seq_len: int, *,
                 cand = Candidate(dp, tp, pp, cp, ep, zero, mb, rc, sched, v)  # type: ignore[arg-type]
                 if not pinned(zero=zero, recompute=rc, schedule=sched, v=v):
                     continue
-                why = refusal(cfg, cand, m)
+                why = refusal(cfg, cand, m) or (library_rules and library_refusal(cfg, cand, global_batch, seq_len))
                 if why:
                     drop(why)
                     continue
@@ -301,6 +345,8 @@ __all__ = [
     "candidates",
     "cluster",
     "fewest_gpus",
+    "library_refusal",
+    "moe_pipeline_refusal",
     "padded_vocab",
     "plan",
     "predict",

@@ -9,7 +9,10 @@
   are the default; ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term,
   dropout).
 * **Compute**: 2 FLOPs per multiply-add of the active parameters at ``Assumptions.gemm_efficiency`` of the peak
-  (expert GEMMs at the efficiency of the rows each expert receives); attention 4 h s per token and layer
+  (expert GEMMs at the efficiency of the rows each expert receives). An MoE layer's active matmul weights are
+  attention + router h E + the shared experts' MLP of n_s f_e + top_k routed MLPs of f_e (``expert_d_ff``,
+  DeepSeekMoE's fine-grained experts); the first ``Assumptions.dense_layers`` blocks are dense MLPs of d_ff
+  (DeepSeek-V3's first 3); attention 4 h s per token and layer
   forward, halved for the causal mask (a FlashAttention kernel skips the masked blocks), at
   ``attention_efficiency``; memory-bound kernels moving the saved activations ``elementwise_passes`` times at
   the memory bandwidth. Backward twice the forward, plus the recomputed forward (selective: the core attention;
@@ -18,10 +21,11 @@
   micro-batch (6 with full recompute), ``tp_overlap`` of them hidden (Megatron-LM's ``--tp-comm-overlap``; off
   by default); CP's K,V ring (per TP rank: its own K/V heads) behind the attention of the block in flight;
   EP's dispatch and combine all-to-all over NVLink for the ranks of the node and the network for the rest,
-  ``ep_overlap`` hidden, optionally node-limited (DeepSeek-V3's routing: each token to at most M nodes, sent
-  once per node); DP/ZeRO collectives hierarchical (within the node on NVLink, then across nodes with 1/k of the
-  bytes per GPU), ZeRO-2's reduce-scatter per micro-batch, ZeRO-3's gathers and reduce-scatter per micro-batch
-  with ``zero3_overlap`` hidden; the pipeline's sends.
+  ``ep_overlap`` hidden, over the MoE layers only; node-limited routing (DeepSeek-V3's: the model's
+  ``topk_group`` = M of its ``n_group`` groups, or ``Assumptions.node_limit``) sends a token once per node it
+  reaches, at most M x ceil(nodes / n_group) nodes; DP/ZeRO collectives hierarchical (within the node on
+  NVLink, then across nodes with 1/k of the bytes per GPU), ZeRO-2's reduce-scatter per micro-batch, ZeRO-3's
+  gathers and reduce-scatter per micro-batch with ``zero3_overlap`` hidden; the pipeline's sends.
 * **Bubble**: ``cost.bubble_ratio`` of the schedule (1F1B (p-1)/m, interleaved (p-1)/(v m), ZB-H1 (p-1)/(3m))
   times the slowest rank's compute and exposed per-micro-batch communication.
 
@@ -49,7 +53,8 @@ from course_lib.memory import (
     training_memory,
 )
 from course_lib.mesh import DEFAULT_ORDER, MeshShape
-from course_lib.model import GPTConfig, attention_params, mlp_params
+from course_lib.model import GPTConfig, attention_params, mlp_params, shared_expert_params
+from course_lib.parallel.config import ZERO_WITH_PIPELINE
 from course_lib.pp_layers import ends_split
 
 Schedule = Literal["1f1b", "interleaved", "zb_h1"]
@@ -148,11 +153,12 @@ class Candidate:
 
 def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
     """Why the search leaves ``cand`` out ("" when it does not): combinations the libraries refuse or the
-    schedule cannot run. ZeRO-2/3 with a pipeline: DeepSpeed refuses it (its pipeline engine runs ZeRO-1 only:
-    sharded gradients would be reduce-scattered for every micro-batch of every stage); interleaved 1F1B needs
-    m a multiple of p (``schedules.interleaved_one_f_one_b``); ZB-H1's bubble formula holds for m >= p."""
+    schedule cannot run. ZeRO-2/3 with a pipeline: the course library's own rule and message
+    (``parallel.config.ZERO_WITH_PIPELINE``, DeepSpeed's: its pipeline engine runs ZeRO-1 only, sharded
+    gradients would be reduce-scattered for every micro-batch of every stage); interleaved 1F1B needs m a
+    multiple of p (``schedules.interleaved_one_f_one_b``); ZB-H1's bubble formula holds for m >= p."""
     if cand.pp > 1 and cand.zero >= 2:
-        return f"ZeRO-{cand.zero} with pp={cand.pp}: refused, as DeepSpeed refuses ZeRO-2/3 with pipeline parallelism"
+        return ZERO_WITH_PIPELINE.format(stage=cand.zero, extra="")
     if cand.schedule == "interleaved" and (cand.pp == 1 or m % cand.pp or cfg.n_layer < cand.pp * cand.v):
         return f"interleaved v={cand.v} needs pp > 1, m={m} a multiple of pp={cand.pp} and pp x v <= n_layer"
     if cand.schedule == "zb_h1" and m < cand.pp:
@@ -183,8 +189,12 @@ class Assumptions:
       ``--tp-comm-overlap`` with userbuffers, which its H100 weak-scaling runs use, hides much of it);
     * ``ep_overlap``: the fraction of EP's dispatch/combine all-to-all hidden behind compute (DeepSeek-V3's
       DualPipe overlaps them; a plain MoE layer does not: 0);
-    * ``node_limit``: None, tokens go to any expert; M, node-limited routing (each token to at most M nodes,
-      sent once per node and forwarded inside it over NVLink, DeepSeek-V3's M = 4);
+    * ``node_limit``: None, the model's own routing (``GPTConfig.topk_group``, see ``route_node_limit``); M,
+      node-limited routing at M nodes whatever the model says (each token to at most M nodes, sent once per
+      node and forwarded inside it over NVLink, DeepSeek-V3's M = 4);
+    * ``dense_layers``: the first k blocks of an MoE model are dense MLPs of ``d_ff`` (DeepSeek-V3's first 3;
+      ``GPTConfig`` has no field for them, so the planner carries it). Priced in compute, FLOPs and active
+      parameters; the memory and DP bytes still count those blocks as MoE blocks (see ``predict``);
     * ``headroom``: the memory budget's own headroom; ``usable_memory``: the fraction of the GPU the job may use;
     * ``attention_memory``: "flash" (no s x s scores, no dropout) or "paper" (Korthikanti et al. 2022, Table 2).
     """
@@ -199,6 +209,7 @@ class Assumptions:
     tp_overlap: float = 0.0
     ep_overlap: float = 0.0
     node_limit: int | None = None
+    dense_layers: int = 0
     headroom: float = 0.10
     usable_memory: float = 1.0
     attention_memory: Formula = "flash"
@@ -222,6 +233,8 @@ class Assumptions:
         if self.node_limit is not None and (isinstance(self.node_limit, bool) or not isinstance(self.node_limit, int)
                                             or self.node_limit < 1):
             raise ValueError(f"Assumptions.node_limit={self.node_limit!r} must be None or an int >= 1 (nodes)")
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise ValueError(f"Assumptions.dense_layers={self.dense_layers!r} must be an int >= 0 (leading blocks)")
         if self.attention_memory not in ("flash", "paper"):
             raise ValueError(f"Assumptions.attention_memory={self.attention_memory!r}: 'flash' or 'paper'")
 
@@ -363,6 +376,58 @@ def _all_to_all(cl: Cluster, span: tuple[int, int], token_bytes: float, tokens: 
     return max(t_intra, t_inter)
 
 
+# ------------------------------------------------------------------------------------------------ the MoE model
+
+
+def layer_matmul_params(cfg: GPTConfig, dense: bool = False) -> tuple[int, int]:
+    """(dense part, active routed experts): the matmul weights one token meets in one block. Dense block:
+    attention + the MLP of d_ff, no experts. MoE block (DeepSeekMoE, Dai et al. 2024): attention + the router
+    h x E + the shared experts' MLP of n_s f_e, and top_k routed MLPs of f_e = ``expert_d_ff``."""
+    if not cfg.n_expert or dense:
+        return attention_params(cfg) + mlp_params(cfg), 0
+    return (attention_params(cfg) + cfg.d_model * cfg.n_expert + shared_expert_params(cfg),
+            cfg.top_k * mlp_params(cfg, cfg.expert_ffn_dim))
+
+
+def leading_dense(cfg: GPTConfig, dense_layers: int) -> int:
+    """How many of the first blocks are dense: ``dense_layers`` of an MoE model (at most n_layer), 0 otherwise."""
+    return min(dense_layers, cfg.n_layer) if cfg.n_expert else 0
+
+
+def active_params(cfg: GPTConfig, dense_layers: int = 0) -> int:
+    """Matmul weights a token uses: every block's ``layer_matmul_params`` (the first ``dense_layers`` dense) plus
+    the LM head v x h (the real vocabulary): 6 x this per token is the model-FLOPs count of MFU (PaLM)."""
+    d = leading_dense(cfg, dense_layers)
+    return (d * sum(layer_matmul_params(cfg, dense=True)) + (cfg.n_layer - d) * sum(layer_matmul_params(cfg))
+            + cfg.vocab_size * cfg.d_model)
+
+
+def dense_twin(cfg: GPTConfig) -> GPTConfig:
+    """The same model with dense MLPs of d_ff (what a leading dense block of an MoE model is)."""
+    return replace(cfg, n_expert=0, n_shared_expert=0, expert_d_ff=None, n_group=1, topk_group=None,
+                   capacity_factor=None)
+
+
+def rank_dense_layers(cand: Candidate, n_layer: int, dense_layers: int) -> list[int]:
+    """Per pipeline rank, how many of the first ``dense_layers`` blocks it holds (its chunks r, r + p, ...)."""
+    out, start = [0] * cand.pp, 0
+    for j, n in enumerate(cand.split(n_layer)):
+        out[j % cand.pp] += max(0, min(start + n, dense_layers) - start)
+        start += n
+    return out
+
+
+def route_node_limit(cfg: GPTConfig, nodes: int, override: int | None = None) -> int | None:
+    """The most nodes one token's experts lie on (None: no limit). ``override`` (``Assumptions.node_limit``)
+    wins; else the model's node-limited routing: ``topk_group`` = M of ``n_group`` contiguous groups, each group
+    on ceil(nodes / n_group) of the EP group's nodes (the experts are laid out in rank order), so M x that."""
+    if override is not None:
+        return override
+    if not cfg.n_expert or cfg.topk_group is None or cfg.topk_group == cfg.n_group:
+        return None
+    return min(nodes, cfg.topk_group * -(-nodes // cfg.n_group))
+
+
 # ------------------------------------------------------------------------------------------------ predict
 
 
@@ -397,8 +462,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     # forward of one layer on one micro-batch (this rank's 1/(tp cp) share): GEMMs of the dense part and of the
     # active experts, causal attention at its kernel's efficiency, memory-bound kernels moving the saved tensors
     attn = 2 * h * s  # QK^T and AV, 4 h s multiply-add FLOPs per token, halved by the causal mask
-    experts_fwd = 2 * cfg.top_k * mlp_params(cfg) if cfg.n_expert else 0.0
-    dense_fwd = 2 * (attention_params(cfg) + (0 if cfg.n_expert else mlp_params(cfg)) + h * cfg.n_expert)
+    dense_w, experts_w = layer_matmul_params(cfg)
     rate = cl.gpu.peak_flops * assume.gemm_efficiency(rows, h / t)
     rate_e = rate
     if cfg.n_expert:
@@ -406,20 +470,31 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
         rate_e = cl.gpu.peak_flops * assume.gemm_efficiency(expert_rows, h / t)
     tokens_mb = b * s / (t * c)
     attn_mb = tokens_mb * attn / (cl.gpu.peak_flops * assume.attention_efficiency)
-    saved = layer_activation_bytes(pcfg, b, s_local, tp=t, sp=t > 1, formula="adapted", dropout=False)
-    layer_mb = (tokens_mb * (dense_fwd / rate + experts_fwd / rate_e) + attn_mb
+
+    def layer_time(c: GPTConfig, dense_w: int, experts_w: int) -> float:
+        saved = layer_activation_bytes(c, b, s_local, tp=t, sp=t > 1, formula="adapted", dropout=False)
+        return (tokens_mb * 2 * (dense_w / rate + experts_w / rate_e) + attn_mb
                 + assume.elementwise_passes * saved / cl.gpu.mem_bandwidth)
-    recomp = {"none": 0.0, "selective": attn_mb, "full": layer_mb}[cand.recompute]
+
+    layer_mb = layer_time(pcfg, dense_w, experts_w)
+    n_dense = rank_dense_layers(cand, cfg.n_layer, leading_dense(cfg, assume.dense_layers))
+    dense_mb = layer_time(dense_twin(pcfg), *layer_matmul_params(cfg, dense=True)) if any(n_dense) else 0.0
+
+    def fwd_bwd(layer: float) -> float:
+        return 3 * layer + {"none": 0.0, "selective": attn_mb, "full": layer}[cand.recompute]
+
     logits = 4 * rows * pcfg.vocab_size / t  # fp32 logits of this rank's vocabulary slice
     head_mb = tokens_mb * 2 * pcfg.vocab_size * h / rate + assume.elementwise_passes * logits / cl.gpu.mem_bandwidth
     layers = cand.rank_layers(cfg.n_layer)
-    per_rank = [n * (3 * layer_mb + recomp) + (3 * head_mb if r == p - 1 else 0.0) for r, n in enumerate(layers)]
+    per_rank = [(n - d) * fwd_bwd(layer_mb) + d * fwd_bwd(dense_mb) + (3 * head_mb if r == p - 1 else 0.0)
+                for r, (n, d) in enumerate(zip(layers, n_dense, strict=True))]
     slow = max(range(p), key=per_rank.__getitem__)
     t_mb = per_rank[slow]
-    t_fwd_mb = layers[slow] * layer_mb + (head_mb if slow == p - 1 else 0.0)
+    t_fwd_mb = (layers[slow] - n_dense[slow]) * layer_mb + n_dense[slow] * dense_mb + (head_mb if slow == p - 1
+                                                                                         else 0.0)
     t_bwd_mb = t_mb - t_fwd_mb
     compute = m * t_mb
-    n_layers = layers[slow]
+    n_layers, n_moe = layers[slow], layers[slow] - n_dense[slow]
 
     def ranks(*axes: str) -> tuple[int, int]:
         return group_span(shape, axes, gpn)
@@ -438,11 +513,13 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
         ring = 3 * (c - 1) * (link.alpha + kv / link.beta) * n_layers
         cp_s = m * max(0.0, ring - 3 * attn_mb * n_layers)
 
-    # EP: dispatch + combine, forward and backward, of this rank's tokens (s/(cp tp) with SP), ep_overlap hidden
+    # EP: dispatch + combine, forward and backward, of this rank's tokens (s/(cp tp) with SP) in each MoE layer,
+    # ep_overlap hidden
     ep_s = 0.0
     if cand.ep > 1:
-        one = _all_to_all(cl, ranks("ep"), 2 * h, rows / t, cfg.top_k, assume.node_limit)
-        ep_s = (1 - assume.ep_overlap) * m * 4 * n_layers * one
+        span = ranks("ep")
+        one = _all_to_all(cl, span, 2 * h, rows / t, cfg.top_k, route_node_limit(cfg, span[1], assume.node_limit))
+        ep_s = (1 - assume.ep_overlap) * m * 4 * n_moe * one
 
     # PP: the schedule's bubble over the slowest rank's per-micro-batch work; v sends per micro-batch and direction
     pp_s = bubble = 0.0
@@ -481,9 +558,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
                     "dp": dp_s}
     tokens = global_batch * s
     pred.tokens_per_s = tokens / pred.step_s
-    active = 2 * (cfg.n_layer * (attention_params(cfg) + (cfg.top_k if cfg.n_expert else 1) * mlp_params(cfg))
-                  + cfg.vocab_size * h)
-    flops = 3 * (active + cfg.n_layer * attn) * tokens
+    flops = 3 * (2 * active_params(cfg, assume.dense_layers) + cfg.n_layer * attn) * tokens
     peak = cl.world_size * cl.gpu.peak_flops * pred.step_s
     pred.mfu = flops / peak
     pred.mfu_full_attention = (flops + 3 * cfg.n_layer * attn * tokens) / peak

@@ -86,8 +86,12 @@ def _megatron_runs() -> list[PublishedRun]:
 LLAMA3_405B = GPTConfig(name="llama3-405b", vocab_size=128256, seq_len=8192, n_layer=126, n_head=128, n_kv_head=8,
                         d_model=16384, d_ff=53248, mlp="swiglu", norm="rmsnorm", pos="rope", bias=False)
 DEEPSEEK_V3_LIKE = GPTConfig(name="deepseek-v3-like", vocab_size=129280, seq_len=4096, n_layer=61, n_head=128,
-                             d_model=7168, d_ff=2048, mlp="swiglu", norm="rmsnorm", pos="rope", bias=False,
-                             n_expert=256, top_k=9)
+                             d_model=7168, d_ff=18432, mlp="swiglu", norm="rmsnorm", pos="rope", bias=False,
+                             n_expert=256, top_k=8, expert_d_ff=2048, n_shared_expert=1, n_group=8, topk_group=4)
+"""DeepSeek-V3 as its report's Sec. 4.2 gives it: 61 blocks, h 7168, 256 routed experts of 2048 and 1 shared,
+top-8, node-limited to 4 of 8 groups; the first 3 blocks dense MLPs of 18432 (``Assumptions.dense_layers=3``);
+attention as MHA of 128 heads (MLA is not modelled)."""
+DEEPSEEK_V3_DENSE_LAYERS = 3
 MT_NLG_530B = GPTConfig(name="mt-nlg-530b", vocab_size=50257, seq_len=2048, n_layer=105, n_head=128, d_model=20480)
 BLOOM_176B = GPTConfig(name="bloom-176b", vocab_size=250880, seq_len=2048, n_layer=70, n_head=112, d_model=14336,
                        tie_embeddings=True)
@@ -138,10 +142,10 @@ OTHER_RUNS: list[PublishedRun] = [
         "180K H800 GPU hours per trillion tokens: 1e12 / (180e3 x 3600 s) = 1543 tokens/s per GPU x ~2.33e11 "
         "FLOPs per token (6 x 37B active + causal attention) = 0.36 of 989 TFLOP/s", full_attention=False,
         pinned={"zero": 1, "schedule": "zb_h1"}, space={"zero_stages": (1,), "micro_batches": (1,)},
-        assume=Assumptions(ep_overlap=1.0, node_limit=4),
-        gaps="MLA, 1 shared + 8 routed experts (modelled as top-9 of 256), 3 dense leading layers, multi-token "
-             "prediction, FP8 GEMMs and DualPipe (priced as ZB-H1 with fully overlapped all-to-all) are not "
-             "modelled"),
+        assume=Assumptions(ep_overlap=1.0, dense_layers=DEEPSEEK_V3_DENSE_LAYERS),
+        gaps="MLA (modelled as MHA), multi-token prediction, FP8 GEMMs and DualPipe (priced as ZB-H1 with the "
+             "all-to-all fully overlapped) are not modelled; the 3 dense leading blocks are priced in compute and "
+             "FLOPs but held in memory as MoE blocks"),
 ]
 
 

@@ -81,7 +81,7 @@ def test_zero_2_and_3_with_a_pipeline_are_refused_and_priced_per_micro_batch():
     cfg = PRESETS["llama2-7b"]
     cands = list(P.candidates(cfg, 16, 64, 4096, zero_stages=(2, 3), recomputes=("selective",)))
     assert cands and all(c.pp == 1 for c in cands)
-    assert P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=2), 8).startswith("ZeRO-2 with pp=2")
+    assert P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=2), 8).startswith("ZeRO-2 with pipeline parallelism")
     # ZeRO-2's reduce-scatter runs once per micro-batch: more micro-batches, more exposed DP time than ZeRO-1
     cl = P.cluster("pcie-h100-ethernet", 2)
     one, two = (P.predict(cfg, cl, 64, 4096, P.Candidate(dp=16, tp=1, pp=1, zero=z, micro_batch=1))
@@ -302,3 +302,125 @@ def test_predict_names_a_batch_the_candidate_cannot_split():
     with pytest.raises(ValueError, match=r"global batch 10 does not split into dp x micro_batch = 4 x 2"):
         P.predict(PRESETS["llama2-7b"], P.cluster("dgx-h100", 1), 10, 4096, P.Candidate(dp=4, tp=2, pp=1,
                                                                                          micro_batch=2))
+
+
+# ------------------------------------------------------------------------------------------------ MoE model
+
+
+def test_fine_grained_experts_keep_the_active_parameters_and_shared_experts_add_theirs():
+    from course_lib.model import mlp_params
+    from course_lib.planner_model import active_params
+    coarse = GPTConfig(n_layer=4, d_model=64, n_expert=8, top_k=2, d_ff=256, mlp="swiglu", bias=False)
+    fine = coarse.with_(n_expert=32, top_k=8, expert_d_ff=64)  # DeepSeekMoE: m = 4 times more experts of f / 4
+    router = 4 * 64 * (32 - 8)  # the only difference: the router has h x E weights
+    assert active_params(fine) - active_params(coarse) == router
+    shared = fine.with_(n_shared_expert=1)
+    assert active_params(shared) - active_params(fine) == 4 * mlp_params(fine, 64)
+    # a prediction's MFU counts them: same step, more model FLOPs with the shared expert
+    cl, cand = P.cluster("dgx-h100", 1), P.Candidate(dp=8, tp=1, pp=1)
+    assert P.predict(shared, cl, 16, 32, cand).seconds["compute"] > P.predict(fine, cl, 16, 32, cand).seconds["compute"]
+
+
+def test_deepseek_v3_is_described_as_its_report_gives_it():
+    from course_lib.planner_model import active_params
+    from course_lib.planner_published import DEEPSEEK_V3_DENSE_LAYERS, DEEPSEEK_V3_LIKE
+    ds = DEEPSEEK_V3_LIKE
+    assert (ds.n_expert, ds.expert_ffn_dim, ds.n_shared_expert, ds.top_k, ds.n_group, ds.topk_group) == \
+        (256, 2048, 1, 8, 8, 4)
+    # the report (Sec. 4.2): 37B activated parameters per token; here MHA instead of MLA, within 5 %
+    assert active_params(ds, DEEPSEEK_V3_DENSE_LAYERS) == pytest.approx(37e9, rel=0.05)
+
+
+def test_leading_dense_blocks_are_priced_on_the_stage_that_holds_them():
+    from course_lib.planner_model import rank_dense_layers
+    cfg = GPTConfig(n_layer=8, d_model=64, n_expert=8, top_k=2, d_ff=1024, expert_d_ff=64, mlp="swiglu")
+    cand = P.Candidate(dp=4, tp=1, pp=2)
+    assert rank_dense_layers(cand, 8, 3) == [3, 0]
+    assert rank_dense_layers(P.Candidate(dp=2, tp=1, pp=2, schedule="interleaved", v=2), 8, 3) == [2, 1]
+    cl = P.cluster("dgx-h100", 1)
+    moe = P.predict(cfg, cl, 16, 64, cand)
+    dense = P.predict(cfg, cl, 16, 64, cand, P.Assumptions(dense_layers=3))
+    # a dense MLP of 1024 costs more than 2 experts of 64: stage 0 becomes the slow one, more model FLOPs
+    assert dense.seconds["compute"] > moe.seconds["compute"]
+    assert dense.mfu * dense.step_s > moe.mfu * moe.step_s
+    with pytest.raises(ValueError, match="dense_layers"):
+        P.Assumptions(dense_layers=-1)
+
+
+def test_node_limited_routing_comes_from_the_model():
+    from course_lib.planner_model import route_node_limit
+    cfg = PRESETS["mixtral-8x7b"].with_(n_expert=64, top_k=8, n_group=8, topk_group=2)
+    assert route_node_limit(cfg, 8) == 2 and route_node_limit(cfg, 4) == 2 and route_node_limit(cfg, 16) == 4
+    assert route_node_limit(cfg.with_(topk_group=None, n_group=1), 8) is None
+    cl, cand = P.cluster("dgx-h100", 8), P.Candidate(dp=64, tp=1, pp=1, ep=64)
+    limited = P.predict(cfg, cl, 64, 4096, cand)
+    free = P.predict(cfg.with_(topk_group=None, n_group=1), cl, 64, 4096, cand)
+    override = P.predict(cfg.with_(topk_group=None, n_group=1), cl, 64, 4096, cand, P.Assumptions(node_limit=2))
+    assert limited.seconds["ep"] < free.seconds["ep"]
+    assert limited.seconds["ep"] == pytest.approx(override.seconds["ep"])
+
+
+# ------------------------------------------------------------------------------------------------ the library's rules
+
+
+TOY_MOE = GPTConfig(n_layer=4, d_model=64, n_head=4, n_expert=4, top_k=2, aux_loss_coef=0.01)
+
+
+def test_the_zero_pipeline_refusal_is_the_librarys_own():
+    from course_lib.parallel.config import check_composable
+    with pytest.raises(ValueError) as e:
+        check_composable(MeshShape(dp=4, pp=2), GPTConfig(), global_batch=16, microbatches=2, zero_stage=3)
+    assert P.refusal(GPTConfig(), P.Candidate(dp=4, tp=1, pp=2, zero=3), 2).split(";")[0] in str(e.value)
+
+
+class _StubMesh:
+    """What ``share_routing`` asks of a mesh (sizes; no process groups needed to decide the refusal)."""
+
+    def __init__(self, shape: MeshShape) -> None:
+        self.size = shape.size
+
+    def group(self, *axes: str) -> None:
+        return None
+
+    def coord(self, axis: str) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("cfg", [TOY_MOE, TOY_MOE.with_(aux_loss_coef=0.0, capacity_factor=1.0),
+                                 TOY_MOE.with_(aux_loss_coef=0.0, z_loss_coef=0.01)], ids=["aux", "capacity", "z"])
+def test_the_moe_pipeline_refusal_is_share_routings(cfg, monkeypatch):
+    from course_lib.model import GPT
+    from course_lib.parallel import moe_mesh
+    monkeypatch.setattr(moe_mesh.dist, "get_rank", lambda: 0)
+    model = GPT(cfg)
+    for dp, cp, pp, ep in [(1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 2, 1), (2, 1, 1, 1), (2, 1, 2, 2), (4, 1, 1, 2)]:
+        shape = MeshShape(dp=dp, cp=cp, pp=pp, ep=ep)
+        try:
+            moe_mesh.share_routing(model, _StubMesh(shape), microbatches=2, shards_class=lambda *a: None)
+            library = ""
+        except ValueError as e:
+            library = str(e)
+        planner = P.moe_pipeline_refusal(cfg, shape)
+        assert bool(planner) == bool(library), (shape, planner, library)
+
+
+def test_with_library_rules_every_ranked_mesh_is_one_the_library_composes():
+    cl = P.cluster("dgx-h100", 1)
+    ruled = P.plan(TOY_MOE, cl, 16, 32, library_rules=True)
+    free = P.plan(TOY_MOE, cl, 16, 32)
+    assert ruled.ranked and len(ruled.ranked) < len(free.ranked)
+    for p in ruled.ranked:
+        assert P.library_refusal(TOY_MOE, p.candidate, 16, 32) == "", str(p.candidate)
+    # the planner's deliberate differences (the module docstring), e.g. the MoE with its aux loss over dp x pp
+    refused = [P.library_refusal(TOY_MOE, p.candidate, 16, 32) for p in free.ranked]
+    assert any("moe_mesh.share_routing" in r for r in refused)
+    assert {str(p.candidate) for p in ruled.ranked} == {str(p.candidate) for p, r in zip(free.ranked, refused,
+                                                                                          strict=True) if not r}
+
+
+def test_moe_activations_follow_the_experts_hidden_size_not_d_ff():
+    cfg = GPTConfig(n_layer=4, d_model=64, n_expert=8, top_k=2, d_ff=1024, expert_d_ff=64, n_shared_expert=1)
+    cl, cand = P.cluster("dgx-h100", 1), P.Candidate(dp=8, tp=1, pp=1, recompute="none")
+    act = P.predict(cfg, cl, 16, 64, cand).memory["activations"]
+    assert P.predict(cfg.with_(d_ff=4096), cl, 16, 64, cand).memory["activations"] == act  # d_ff: dense blocks
+    assert P.predict(cfg.with_(n_shared_expert=2), cl, 16, 64, cand).memory["activations"] > act
