@@ -8,15 +8,19 @@ store each shard with its place in the global tensor so that any mesh can read i
 shards are simply gathered first.
 
 * ``save_checkpoint`` (every rank calls it: it gathers over the axes that shard what it trains): each rank
-  gathers every parameter and state tensor as the parameter's placements say (``placement.full_tensor``); one
-  rank per pipeline stage (dp = cp = tp = 0) writes them to ``stage<k>.pt``; rank 0 writes the step.
-* ``load_checkpoint`` reads every stage file into one name -> tensor map.
+  gathers every parameter and state tensor as the parameter's placements say (``placement.full_tensor``: TP's
+  slices, ZeRO-3 / FSDP2's dim-0 shards, both nested); experts are named by their global index; each rank
+  writes ``stage<pp>-rank<k>.pt`` with the tensors it is the first copy of (tp = 0 and dp = cp = 0, or edp = 0
+  for an expert; ZeRO-1's state: the rank that owns it); rank 0 writes the step.
+* ``load_checkpoint`` reads every file into one name -> tensor map.
 * Resuming: load the whole parameters into the single-process model *before* ``parallelize`` (tensor
-  parallelism slices the weights it finds, so the new mesh cuts them itself), then ``restore_optimizer`` cuts each
-  state tensor the way its parameter is placed on the new mesh (``placement.shard_like``).
+  parallelism, FSDP2 and EP cut the weights they find, so the new mesh cuts them itself), then
+  ``restore_optimizer`` cuts each state tensor the way its parameter is placed on the new mesh
+  (``placement.shard_like``).
 
-The optimizer must be one replicated over the data-parallel group (``ParallelConfig(zero_stage=0)``); a ZeRO
-run's sharded state has its own resharding checkpoint (``zero_checkpoint``).
+The optimizer: replicated (``zero_stage=0``), ZeRO-1's ``ShardedOptimizer`` (whole parameters per owner) or
+ZeRO-3 / FSDP2's per-parameter shards. ZeRO-2's flat shards cut parameters at arbitrary offsets of one buffer and
+are refused here (``ZERO2_REFUSED``); their own resharding checkpoint is ``zero_checkpoint``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.placement import full_tensor, shard_like
+from course_lib.parallel.placement import axis_group, full_tensor, shard_like, sharded_lists
+from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 
 
 class Parallelized(Protocol):
@@ -46,10 +51,6 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """The per-element optimizer states of AdamW and SGD (shaped like the parameter); ``step`` is a scalar."""
 
 
-def _names(composed: Parallelized) -> dict[int, str]:
-    return {id(p): n for n, p in composed.module.named_parameters()}
-
-
 def _gather(composed: Parallelized, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
     return full_tensor(p, composed.mesh, t).cpu()
 
@@ -58,28 +59,82 @@ def _cut(composed: Parallelized, p: nn.Parameter, full: torch.Tensor) -> torch.T
     return shard_like(full, p, composed.mesh)
 
 
+ZERO2_REFUSED = ("rank {rank}: checkpoints across meshes hold whole tensors per parameter, and ZeRO-2's flat "
+                 "shards cut the parameters at arbitrary offsets of one buffer: train with zero_stage 1 or 3 "
+                 "(the same optimizer-state memory), or save with zero_checkpoint (same-model resharding by "
+                 "offsets)")
+
+
+def _names(composed: Parallelized) -> dict[int, str]:
+    """id(parameter) -> its single-process name: a module list split over an axis (experts) names its local
+    entry i of rank r by the global index r n_local + i (``placement.full_parameters`` does the same)."""
+    names = {id(p): n for n, p in composed.module.named_parameters()}
+    for lname, experts, axis, _ in sharded_lists(composed.module):
+        first = axis_group(composed.mesh, axis)
+        offset = dist.get_rank(first) * len(experts)
+        for i, e in enumerate(experts):
+            for pname, p in e.named_parameters():
+                names[id(p)] = f"{lname}.{offset + i}.{pname}"
+    return names
+
+
+def _writers(composed: Parallelized) -> dict[int, bool]:
+    """id(parameter) -> whether this rank writes it: the first of its copies once gathered (tp = 0 and the
+    first replica: dp = cp = 0 for a dense parameter, edp = 0 for an expert, which ep splits)."""
+    coords = composed.mesh.shape.coords(composed.mesh.rank)
+    in_list = {id(p) for _, m, _, _ in sharded_lists(composed.module) for p in m.parameters()}
+    dense = coords["dp"] == coords["cp"] == coords["tp"] == 0
+    expert = coords["tp"] == coords["edp"] == 0
+    return {id(p): (expert if id(p) in in_list else dense) for p in composed.module.parameters()}
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds the state: ZeRO-1's ``ShardedOptimizer`` keeps it in its local one."""
+    return optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+
+
+def _owns(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> bool:
+    """Whether this rank steps ``p`` (ZeRO-1: the group rank its partition gives it; else always)."""
+    if not isinstance(optimizer, ShardedOptimizer):
+        return True
+    i = next(i for i, q in enumerate(optimizer.params) if q is p)
+    return optimizer.owner[i] == optimizer.rank
+
+
+def _check_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer) -> None:
+    if any(getattr(u, "flat", False) for u in getattr(composed.dp, "units", ())):
+        raise ValueError(ZERO2_REFUSED.format(rank=composed.mesh.rank))
+    if not isinstance(_inner(optimizer), (torch.optim.AdamW, torch.optim.SGD)):
+        raise ValueError(f"rank {composed.mesh.rank}: save_checkpoint takes AdamW or SGD (directly or in ZeRO-1's "
+                         f"ShardedOptimizer), got {type(_inner(optimizer)).__name__}: its state keys are not known")
+
+
 def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, step: int, path: str | Path) -> None:
     """Write the whole parameters and optimizer state of the run after ``step`` steps to folder ``path`` (every
-    rank calls it)."""
-    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD)):
-        raise ValueError(f"save_checkpoint takes the replicated AdamW or SGD of ParallelConfig(zero_stage=0), got "
-                         f"{type(optimizer).__name__}: a ZeRO run's sharded state is zero_checkpoint's")
+    rank calls it: the gathers are collectives). Each rank writes ``stage<pp>-rank<k>.pt`` with the tensors it is the
+    first copy of (``_writers``; ZeRO-1's state: its owner), so the files together hold every name once."""
+    _check_optimizer(composed, optimizer)
     path = Path(path)
-    names = _names(composed)
+    names, writes, inner = _names(composed), _writers(composed), _inner(optimizer)
+    coords = composed.mesh.shape.coords(composed.mesh.rank)
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
     for p in composed.parameters():
-        params[names[id(p)]] = _gather(composed, p, p)
-        state = optimizer.state.get(p, {})
-        states[names[id(p)]] = {k: (_gather(composed, p, v) if k in STATE_KEYS else v.detach().cpu().clone())
-                                for k, v in state.items() if v is not None}
-    shape = composed.mesh.shape
-    coords = shape.coords(composed.mesh.rank)
-    if coords["dp"] == coords["cp"] == coords["tp"] == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save({"params": params, "optimizer": states}, path / f"stage{coords['pp']}.pt")
+        full = _gather(composed, p, p)
+        if writes[id(p)]:
+            params[names[id(p)]] = full
+        if not _owns(optimizer, p):  # ZeRO-1: another dp rank steps p (its tp peers own it alike)
+            continue
+        state = {k: (_gather(composed, p, v) if k in STATE_KEYS else v.detach().cpu().clone())
+                 for k, v in inner.state.get(p, {}).items() if v is not None}
+        if writes[id(p)] or (isinstance(optimizer, ShardedOptimizer) and coords["tp"] == 0):
+            states[names[id(p)]] = state
+    path.mkdir(parents=True, exist_ok=True)
+    if params or states:
+        torch.save({"params": params, "optimizer": states},
+                   path / f"stage{coords['pp']}-rank{composed.mesh.rank}.pt")
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        shape = composed.mesh.shape
         meta = {"step": step, "mesh": {a: getattr(shape, a) for a in ("dp", "cp", "tp", "pp", "ep")},
                 "order": shape.order}
         (path / "meta.json").write_text(json.dumps(meta))
@@ -87,14 +142,15 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
 
 
 def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """(steps done, whole parameters by name, optimizer state by parameter name) from folder ``path``."""
+    """(steps done, whole parameters by name, optimizer state by parameter name) from folder ``path``: the
+    union of its rank files."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
     files = sorted(path.glob("stage*.pt"))
-    if len(files) != meta["mesh"]["pp"]:
-        raise ValueError(f"{path}: {len(files)} stage files for a run with pp = {meta['mesh']['pp']}")
+    if not files:
+        raise ValueError(f"{path}: no stage*.pt files next to meta.json: not a finished checkpoint")
     for f in files:
         part = torch.load(f, weights_only=True)
         params |= part["params"]
@@ -115,8 +171,15 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
 
 def restore_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer,
                       states: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Give each parameter this rank trains its optimizer state, cut for the new mesh like the parameter."""
-    names = _names(composed)
+    """Give each parameter this rank steps its optimizer state, cut for the new mesh like the parameter
+    (``shard_like``: TP's slices, FSDP2's dim-0 shards; experts by global index; ZeRO-1: only its owner)."""
+    names, inner = _names(composed), _inner(optimizer)
     for p in composed.parameters():
-        state = states[names[id(p)]]
-        optimizer.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone()) for k, v in state.items()}
+        if not _owns(optimizer, p):
+            continue
+        name = names[id(p)]
+        if name not in states:
+            raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for {name}: it was "
+                             "written by an older or unfinished save; save it again from the run that wrote it")
+        inner.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone())
+                          for k, v in states[name].items()}
