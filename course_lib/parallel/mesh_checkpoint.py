@@ -10,8 +10,10 @@ shards are simply gathered first.
 * ``save_checkpoint`` (every rank calls it: it gathers over the axes that shard what it trains): each rank
   gathers every parameter and state tensor as the parameter's placements say (``placement.full_tensor``: TP's
   slices, ZeRO-3 / FSDP2's dim-0 shards, both nested); experts are named by their global index; each rank
-  writes ``stage<pp>-rank<k>.pt`` with the tensors it is the first copy of (tp = 0 and dp = cp = 0, or edp = 0
-  for an expert; ZeRO-1's state: the rank that owns it); rank 0 writes the step.
+  writes the tensors it is the first copy of (tp = 0 and dp = cp = 0, or edp = 0 for an expert; ZeRO-1's
+  state: the rank that owns it) -- ``stage<pp>.pt`` from the stage's first rank (every tensor of a replicated
+  run), ``stage<pp>-rank<k>.pt`` from any other (experts, ZeRO-1's owners); rank 0 writes the step. A folder
+  saved to again is emptied of the previous save's files first, so no stale file joins the union on load.
 * ``load_checkpoint`` reads every file into one name -> tensor map.
 * Resuming: load the whole parameters into the single-process model *before* ``parallelize`` (tensor
   parallelism, FSDP2 and EP cut the weights they find, so the new mesh cuts them itself), then
@@ -111,12 +113,16 @@ def _check_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer) -
 
 def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, step: int, path: str | Path) -> None:
     """Write the whole parameters and optimizer state of the run after ``step`` steps to folder ``path`` (every
-    rank calls it: the gathers are collectives). Each rank writes ``stage<pp>-rank<k>.pt`` with the tensors it is the
+    rank calls it: the gathers are collectives). Each rank writes the tensors it is the
     first copy of (``_writers``; ZeRO-1's state: its owner), so the files together hold every name once."""
     _check_optimizer(composed, optimizer)
     path = Path(path)
     names, writes, inner = _names(composed), _writers(composed), _inner(optimizer)
     coords = composed.mesh.shape.coords(composed.mesh.rank)
+    if dist.get_rank() == 0 and path.is_dir():  # a previous save's files (another mesh, other writers)
+        for old in [*path.glob("stage*.pt"), path / "meta.json"]:
+            old.unlink(missing_ok=True)
+    dist.barrier()
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
     for p in composed.parameters():
@@ -131,8 +137,9 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
             states[names[id(p)]] = state
     path.mkdir(parents=True, exist_ok=True)
     if params or states:
-        torch.save({"params": params, "optimizer": states},
-                   path / f"stage{coords['pp']}-rank{composed.mesh.rank}.pt")
+        first = coords["dp"] == coords["cp"] == coords["tp"] == 0  # the stage's dense writer: stage<pp>.pt
+        name = f"stage{coords['pp']}.pt" if first else f"stage{coords['pp']}-rank{composed.mesh.rank}.pt"
+        torch.save({"params": params, "optimizer": states}, path / name)
     if dist.get_rank() == 0:
         shape = composed.mesh.shape
         meta = {"step": step, "mesh": {a: getattr(shape, a) for a in ("dp", "cp", "tp", "pp", "ep")},
