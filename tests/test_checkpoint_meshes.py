@@ -8,7 +8,7 @@ against the single-process baseline at the default tolerance; the arithmetic is 
 (other reduction orders, FSDP's reduce-scatter), so not bitwise. Mutations: the optimizer state
 dropped on resume makes the resumed run another run, and so do the nested cuts applied in reverse order (FSDP
 before TP); experts saved by their local index collide and the resume names what is missing. ZeRO-2's flat
-shards are refused with the error that says what to do instead.
+shards are gathered into their parameters and laid out again.
 
 One launch at 2 ranks (the ZeRO-1 dp 2 save) and one at 4 ranks (every other run); the tests read the cache.
 """
@@ -44,6 +44,8 @@ ROUND_TRIPS = {  # name: (model, mesh that saves, its world size, mesh that resu
                                   ParallelConfig(dp=2, tp=2, zero_stage=3)),
     "fsdp_dp2_tp2_to_zero1_dp4": (CFG, ParallelConfig(dp=2, tp=2, zero_stage=3), 4,
                                   ParallelConfig(dp=4, zero_stage=1)),
+    "zero2_dp2_tp2_to_fsdp_dp4": (CFG, ParallelConfig(dp=2, tp=2, zero_stage=2), 4,
+                                  ParallelConfig(dp=4, zero_stage=3)),
     "ep2_dp2_to_ep4": (MOE, ParallelConfig(dp=4, ep=2), 4, ParallelConfig(dp=4, ep=4)),
     "zero1_dp2_to_dp4": (CFG, ParallelConfig(dp=2, zero_stage=1), 2, ParallelConfig(dp=4, zero_stage=1)),
 }
@@ -160,9 +162,3 @@ def test_experts_saved_by_local_index_are_missing_on_resume() -> None:
     checkpoint lacks experts 2 and 3 and the resume says which."""
     message = _results()["experts_by_local_index"]
     assert "the checkpoint has no" in message and "experts.2" in message, message
-
-
-def test_zero2_checkpoints_are_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"rank 0: .*ZeRO-2's flat shards.*zero_stage 1 or 3"):
-        C.train_parallel(0, 2, CFG, TC4, ParallelConfig(dp=2, zero_stage=2),
-                         checkpoint=C.Checkpointing(save_to=f"{_folder()}/zero2", save_after=1))

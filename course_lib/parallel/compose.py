@@ -64,13 +64,7 @@ from course_lib.parallel.cp_attention import Layout, shard_sequence
 from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
-from course_lib.parallel.mesh_checkpoint import (
-    ZERO2_REFUSED,
-    load_checkpoint,
-    load_parameters,
-    restore_optimizer,
-    save_checkpoint,
-)
+from course_lib.parallel.mesh_checkpoint import load_checkpoint, load_parameters, restore_optimizer, save_checkpoint
 from course_lib.parallel.moe_mesh import share_routing
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
@@ -254,8 +248,8 @@ SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", 
 @dataclass(frozen=True)
 class Checkpointing:
     """Checkpoints of a composed run (``mesh_checkpoint``): ``save_to`` a folder after ``save_after`` steps;
-    ``resume_from`` a folder written at any mesh (the run continues from its step on this mesh). Any form but
-    ZeRO-2 (flat shards, ``ZERO2_REFUSED``): replicated, ZeRO-1, ZeRO-3 / FSDP2 with or without TP, PP, EP."""
+    ``resume_from`` a folder written at any mesh (the run continues from its step on this mesh). Every form:
+    replicated, ZeRO-1, ZeRO-2, ZeRO-3 / FSDP2 with or without TP, PP, EP."""
 
     save_to: str | None = None
     save_after: int | None = None
@@ -289,9 +283,6 @@ def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     ``train_baseline(cfg, tc, accumulation=parallel.accumulation)``."""
     tc, parallel, checkpoint = tc or TrainConfig(), parallel or ParallelConfig(), checkpoint or Checkpointing()
     seams_of("train_parallel", parts)
-    if parallel.zero_stage == 2 and parallel.shape.dp * parallel.shape.cp > 1 and (checkpoint.save_to or
-                                                                                   checkpoint.resume_from):
-        raise ValueError(ZERO2_REFUSED.format(rank=rank))
     mesh = parallel.mesh(mesh_class)
     model = build_model(cfg, tc.seed, model_fn, freeze)
     start, states = 0, None

@@ -20,9 +20,10 @@ shards are simply gathered first.
   ``restore_optimizer`` cuts each state tensor the way its parameter is placed on the new mesh
   (``placement.shard_like``).
 
-The optimizer: replicated (``zero_stage=0``), ZeRO-1's ``ShardedOptimizer`` (whole parameters per owner) or
-ZeRO-3 / FSDP2's per-parameter shards. ZeRO-2's flat shards cut parameters at arbitrary offsets of one buffer and
-are refused here (``ZERO2_REFUSED``); their own resharding checkpoint is ``zero_checkpoint``.
+The optimizer: replicated (``zero_stage=0``), ZeRO-1's ``ShardedOptimizer`` (whole parameters per owner),
+ZeRO-2's flat shards (gathered over dp, cut into their parameters by the unit's layout, and laid out again on
+resume) or ZeRO-3 / FSDP2's per-parameter shards. (``zero_checkpoint`` is the other way: each rank writes only its
+shard, resharded by offsets on load; the same model's units only.)
 """
 
 from __future__ import annotations
@@ -61,12 +62,6 @@ def _cut(composed: Parallelized, p: nn.Parameter, full: torch.Tensor) -> torch.T
     return shard_like(full, p, composed.mesh)
 
 
-ZERO2_REFUSED = ("rank {rank}: checkpoints across meshes hold whole tensors per parameter, and ZeRO-2's flat "
-                 "shards cut the parameters at arbitrary offsets of one buffer: train with zero_stage 1 or 3 "
-                 "(the same optimizer-state memory), or save with zero_checkpoint (same-model resharding by "
-                 "offsets)")
-
-
 def _names(composed: Parallelized) -> dict[int, str]:
     """id(parameter) -> its single-process name: a module list split over an axis (experts) names its local
     entry i of rank r by the global index r n_local + i (``placement.full_parameters`` does the same)."""
@@ -103,9 +98,48 @@ def _owns(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> bool:
     return optimizer.owner[i] == optimizer.rank
 
 
+def _flat_units(composed: Parallelized) -> list[Any]:
+    """ZeRO-2's flat units (one 1-D shard over dp of a buffer holding several parameters); FSDP2's are not."""
+    return [u for u in getattr(getattr(composed, "dp", None), "units", ()) if getattr(u, "flat", False)]
+
+
+def _entries(composed: Parallelized, optimizer: torch.optim.Optimizer
+             ) -> Iterator[tuple[nn.Parameter, torch.Tensor, dict[str, Any] | None]]:
+    """(parameter, its value, its optimizer state or None where another rank steps it), each placed like the
+    parameter (a collective: every rank walks them in the same order). ZeRO-2's flat shards are gathered over
+    dp first and cut into their parameters (``layout.views``): each piece is then placed like its parameter on
+    the other axes (TP's slices); a scalar state (AdamW's step) is the unit's, shared by its parameters."""
+    inner, flat = _inner(optimizer), _flat_units(composed)
+    shards = {id(u.shard) for u in flat}
+    for p in composed.parameters():
+        if id(p) not in shards:
+            yield p, p, (inner.state.get(p, {}) if _owns(optimizer, p) else None)
+    for u in flat:
+        group = {u.axis: u.group}
+        state = inner.state.get(u.shard, {})
+        vectors = {k: u.layout.views(full_tensor(u.shard, group, v)) for k, v in state.items() if k in STATE_KEYS}
+        scalars = {k: v for k, v in state.items() if k not in STATE_KEYS}
+        values = u.layout.views(full_tensor(u.shard, group))
+        for i, p in enumerate(u.params):
+            yield p, values[i], {**scalars, **{k: v[i] for k, v in vectors.items()}}
+
+
+def _restore_flat(composed: Parallelized, inner: torch.optim.Optimizer, u: Any,
+                  states: list[dict[str, torch.Tensor]]) -> None:
+    """A ZeRO-2 unit's state from its parameters' whole ones: each cut like its parameter (TP), laid out in the
+    unit's flat buffer (``layout.views``), this rank's [lo, hi) kept."""
+    lo, hi = u.bounds()
+    state = {k: v.clone() for k, v in states[0].items() if k not in STATE_KEYS}
+    for key in [k for k in states[0] if k in STATE_KEYS]:
+        buf = torch.zeros(u.layout.padded_numel, dtype=u.shard.dtype, device=u.shard.device)
+        for view, p, s in zip(u.layout.views(buf), u.params, states, strict=True):
+            view.copy_(_cut(composed, p, s[key]))
+        state[key] = buf[lo:hi].clone()
+    if state:
+        inner.state[u.shard] = state
+
+
 def _check_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer) -> None:
-    if any(getattr(u, "flat", False) for u in getattr(composed.dp, "units", ())):
-        raise ValueError(ZERO2_REFUSED.format(rank=composed.mesh.rank))
     if not isinstance(_inner(optimizer), (torch.optim.AdamW, torch.optim.SGD)):
         raise ValueError(f"rank {composed.mesh.rank}: save_checkpoint takes AdamW or SGD (directly or in ZeRO-1's "
                          f"ShardedOptimizer), got {type(_inner(optimizer)).__name__}: its state keys are not known")
@@ -117,7 +151,7 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
     first copy of (``_writers``; ZeRO-1's state: its owner), so the files together hold every name once."""
     _check_optimizer(composed, optimizer)
     path = Path(path)
-    names, writes, inner = _names(composed), _writers(composed), _inner(optimizer)
+    names, writes = _names(composed), _writers(composed)
     coords = composed.mesh.shape.coords(composed.mesh.rank)
     if dist.get_rank() == 0 and path.is_dir():  # a previous save's files (another mesh, other writers)
         for old in [*path.glob("stage*.pt"), path / "meta.json"]:
@@ -125,14 +159,14 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
     dist.barrier()
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
-    for p in composed.parameters():
-        full = _gather(composed, p, p)
+    for p, value, state in _entries(composed, optimizer):
+        full = _gather(composed, p, value)
         if writes[id(p)]:
             params[names[id(p)]] = full
-        if not _owns(optimizer, p):  # ZeRO-1: another dp rank steps p (its tp peers own it alike)
+        if state is None:  # ZeRO-1: another dp rank steps p (its tp peers own it alike)
             continue
         state = {k: (_gather(composed, p, v) if k in STATE_KEYS else v.detach().cpu().clone())
-                 for k, v in inner.state.get(p, {}).items() if v is not None}
+                 for k, v in state.items() if v is not None}
         if writes[id(p)] or (isinstance(optimizer, ShardedOptimizer) and coords["tp"] == 0):
             states[names[id(p)]] = state
     path.mkdir(parents=True, exist_ok=True)
@@ -179,14 +213,21 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
 def restore_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer,
                       states: dict[str, dict[str, torch.Tensor]]) -> None:
     """Give each parameter this rank steps its optimizer state, cut for the new mesh like the parameter
-    (``shard_like``: TP's slices, FSDP2's dim-0 shards; experts by global index; ZeRO-1: only its owner)."""
+    (``shard_like``: TP's slices, FSDP2's dim-0 shards; experts by global index; ZeRO-1: only its owner; ZeRO-2:
+    laid out in the flat shard, ``_restore_flat``)."""
     names, inner = _names(composed), _inner(optimizer)
+
+    def state_of(p: nn.Parameter) -> dict[str, torch.Tensor]:
+        if names[id(p)] not in states:
+            raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for {names[id(p)]}:"
+                             " it was written by an unfinished save or for another model; save it again")
+        return states[names[id(p)]]
+
+    flat = _flat_units(composed)
+    shards = {id(u.shard) for u in flat}
     for p in composed.parameters():
-        if not _owns(optimizer, p):
-            continue
-        name = names[id(p)]
-        if name not in states:
-            raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for {name}: it was "
-                             "written by an older or unfinished save; save it again from the run that wrote it")
-        inner.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone())
-                          for k, v in states[name].items()}
+        if id(p) not in shards and _owns(optimizer, p):
+            inner.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone())
+                              for k, v in state_of(p).items()}
+    for u in flat:
+        _restore_flat(composed, inner, u, [state_of(p) for p in u.params])
