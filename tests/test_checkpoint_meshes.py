@@ -5,10 +5,10 @@ Each saving run trains 4 steps and writes its checkpoint after step 2, so it *is
 resumed run trains steps 3-4 on another mesh. AdamW throughout, so the optimizer state (m, v, the step count) must
 come back cut for the new mesh. Equality: ``compare`` with the noise of ``train_baseline``, and the resumed run
 against the single-process baseline at the default tolerance; the arithmetic is not identical across meshes
-(other reduction orders, FSDP's reduce-scatter), so not bitwise. Mutations: the optimizer state
-dropped on resume makes the resumed run another run, and so do the nested cuts applied in reverse order (FSDP
-before TP); experts saved by their local index collide and the resume names what is missing. ZeRO-2's flat
-shards are gathered into their parameters and laid out again.
+(other reduction orders, FSDP's reduce-scatter), so not bitwise. Mutations: the optimizer state dropped on
+resume makes the resumed run another run, and so do the nested cuts applied in reverse order (FSDP before TP)
+and ZeRO-2's flat state taken at offset 0 on every rank; experts saved by their local index collide and the
+resume names what is missing. ZeRO-2's flat shards are gathered into their parameters and laid out again.
 
 One launch at 2 ranks (the ZeRO-1 dp 2 save) and one at 4 ranks (every other run); the tests read the cache.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -42,8 +43,8 @@ LAUNCH_TIMEOUT = 300
 ROUND_TRIPS = {  # name: (model, mesh that saves, its world size, mesh that resumes (4 ranks))
     "zero3_dp4_to_fsdp_dp2_tp2": (CFG, ParallelConfig(dp=4, zero_stage=3), 4,
                                   ParallelConfig(dp=2, tp=2, zero_stage=3)),
-    "fsdp_dp2_tp2_to_zero1_dp4": (CFG, ParallelConfig(dp=2, tp=2, zero_stage=3), 4,
-                                  ParallelConfig(dp=4, zero_stage=1)),
+    "fsdp_dp2_tp2_to_zero2_dp4": (CFG, ParallelConfig(dp=2, tp=2, zero_stage=3), 4,
+                                  ParallelConfig(dp=4, zero_stage=2)),
     "zero2_dp2_tp2_to_fsdp_dp4": (CFG, ParallelConfig(dp=2, tp=2, zero_stage=2), 4,
                                   ParallelConfig(dp=4, zero_stage=3)),
     "ep2_dp2_to_ep4": (MOE, ParallelConfig(dp=4, ep=2), 4, ParallelConfig(dp=4, ep=4)),
@@ -64,6 +65,29 @@ def _cut_in_reverse_order(composed: MC.Parallelized, p: torch.nn.Parameter, full
     for axis, where in reversed(list(placements_of(p).items())):
         set_placement(like, axis, where)
     return shard_like(full, like, composed.mesh)
+
+
+class _FirstShard:
+    """A ZeRO-2 unit that says every rank owns the first shard [0, S) of the flat buffer."""
+
+    def __init__(self, unit: Any) -> None:
+        self._unit = unit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._unit, name)
+
+    def bounds(self) -> tuple[int, int]:
+        return 0, self._unit.layout.shard_numel
+
+
+_RESTORE_FLAT = MC._restore_flat
+
+
+def _restore_first_shard(composed: MC.Parallelized, inner: torch.optim.Optimizer, unit: Any,
+                         states: list[dict[str, torch.Tensor]]) -> None:
+    """Mutation of ``mesh_checkpoint._restore_flat``: every rank's m and v taken from rank 0's range of the flat
+    buffer (the shard's offset forgotten)."""
+    _RESTORE_FLAT(composed, inner, _FirstShard(unit), states)
 
 
 def _save(rank: int, world_size: int, folder: str, names: list[str]) -> dict[str, C.ComposedResult]:
@@ -96,6 +120,10 @@ def _suite4(rank: int, world_size: int, folder: str) -> dict[str, C.ComposedResu
     with mock.patch.object(MC, "_cut", _cut_in_reverse_order):
         out["resumed_cut_in_reverse_order"] = C.train_parallel(rank, world_size, CFG, TC4, fsdp_tp, checkpoint=(
             C.Checkpointing(resume_from=f"{folder}/zero3_dp4_to_fsdp_dp2_tp2")))
+    with mock.patch.object(MC, "_restore_flat", _restore_first_shard):
+        out["resumed_flat_state_at_offset_0"] = C.train_parallel(
+            rank, world_size, CFG, TC4, ROUND_TRIPS["fsdp_dp2_tp2_to_zero2_dp4"][3],
+            checkpoint=C.Checkpointing(resume_from=f"{folder}/fsdp_dp2_tp2_to_zero2_dp4"))
     _drop_optimizer_state(Path(folder) / "zero3_dp4_to_fsdp_dp2_tp2", Path(folder) / "no_optimizer_state", rank)
     out["resumed_no_optimizer_state"] = C.train_parallel(
         rank, world_size, CFG, TC4, ROUND_TRIPS["zero3_dp4_to_fsdp_dp2_tp2"][3],
@@ -149,7 +177,8 @@ def test_resumed_on_another_mesh_equals_the_uninterrupted_run(name: str) -> None
 
 @pytest.mark.parity
 @pytest.mark.parametrize("mutation, name", [("no_optimizer_state", "zero3_dp4_to_fsdp_dp2_tp2"),
-                                            ("cut_in_reverse_order", "zero3_dp4_to_fsdp_dp2_tp2")])
+                                            ("cut_in_reverse_order", "zero3_dp4_to_fsdp_dp2_tp2"),
+                                            ("flat_state_at_offset_0", "fsdp_dp2_tp2_to_zero2_dp4")])
 def test_a_broken_checkpoint_does_not_resume_the_run(mutation: str, name: str) -> None:
     ref = _reference(ROUND_TRIPS[name][0])
     report = compare(_results()[f"uninterrupted_{name}"].from_step(SAVE_AFTER), _results()[f"resumed_{mutation}"],
