@@ -203,8 +203,12 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
     """Copy whole checkpoint parameters into a single-process model (before ``parallelize``)."""
     own = dict(model.named_parameters())
     missing = sorted(n for n, p in own.items() if p.requires_grad and n not in params)
-    if missing:
-        raise ValueError(f"the checkpoint has no {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    unknown = sorted(set(params) - set(own))
+    if missing or unknown:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise ValueError(f"rank {rank}: the checkpoint has no {missing[:4]}{' ...' if len(missing) > 4 else ''}"
+                         f"{f' and unknown {unknown[:4]}' if unknown else ''}: it was written for another model "
+                         "(or by an unfinished save): resume with the GPTConfig that saved it, or save again")
     with torch.no_grad():
         for name, t in params.items():
             own[name].copy_(t)
