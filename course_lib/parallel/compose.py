@@ -248,7 +248,8 @@ SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", 
 @dataclass(frozen=True)
 class Checkpointing:
     """Checkpoints of a composed run (``mesh_checkpoint``): ``save_to`` a folder after ``save_after`` steps;
-    ``resume_from`` a folder written at any mesh (the run continues from its step on this mesh)."""
+    ``resume_from`` a folder written at any mesh (the run continues from its step on this mesh). Every form:
+    replicated, ZeRO-1, ZeRO-2, ZeRO-3 / FSDP2 with or without TP, PP, EP."""
 
     save_to: str | None = None
     save_after: int | None = None
@@ -282,9 +283,6 @@ def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     ``train_baseline(cfg, tc, accumulation=parallel.accumulation)``."""
     tc, parallel, checkpoint = tc or TrainConfig(), parallel or ParallelConfig(), checkpoint or Checkpointing()
     seams_of("train_parallel", parts)
-    if parallel.zero_stage and (checkpoint.save_to or checkpoint.resume_from):
-        raise ValueError(f"checkpoints of train_parallel need zero_stage=0 (a replicated optimizer state), got "
-                         f"zero_stage={parallel.zero_stage}: save with zero_stage=0")
     mesh = parallel.mesh(mesh_class)
     model = build_model(cfg, tc.seed, model_fn, freeze)
     start, states = 0, None

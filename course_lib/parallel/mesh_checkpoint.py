@@ -8,15 +8,22 @@ store each shard with its place in the global tensor so that any mesh can read i
 shards are simply gathered first.
 
 * ``save_checkpoint`` (every rank calls it: it gathers over the axes that shard what it trains): each rank
-  gathers every parameter and state tensor as the parameter's placements say (``placement.full_tensor``); one
-  rank per pipeline stage (dp = cp = tp = 0) writes them to ``stage<k>.pt``; rank 0 writes the step.
-* ``load_checkpoint`` reads every stage file into one name -> tensor map.
+  gathers every parameter and state tensor as the parameter's placements say (``placement.full_tensor``: TP's
+  slices, ZeRO-3 / FSDP2's dim-0 shards, both nested); experts are named by their global index; each rank
+  writes the tensors it is the first copy of (tp = 0 and dp = cp = 0, or edp = 0 for an expert; ZeRO-1's
+  state: the rank that owns it) -- ``stage<pp>.pt`` from the stage's first rank (every tensor of a replicated
+  run), ``stage<pp>-rank<k>.pt`` from any other (experts, ZeRO-1's owners); rank 0 writes the step. A folder
+  saved to again is emptied of the previous save's files first, so no stale file joins the union on load.
+* ``load_checkpoint`` reads every file into one name -> tensor map.
 * Resuming: load the whole parameters into the single-process model *before* ``parallelize`` (tensor
-  parallelism slices the weights it finds, so the new mesh cuts them itself), then ``restore_optimizer`` cuts each
-  state tensor the way its parameter is placed on the new mesh (``placement.shard_like``).
+  parallelism, FSDP2 and EP cut the weights they find, so the new mesh cuts them itself), then
+  ``restore_optimizer`` cuts each state tensor the way its parameter is placed on the new mesh
+  (``placement.shard_like``).
 
-The optimizer must be one replicated over the data-parallel group (``ParallelConfig(zero_stage=0)``); a ZeRO
-run's sharded state has its own resharding checkpoint (``zero_checkpoint``).
+The optimizer: replicated (``zero_stage=0``), ZeRO-1's ``ShardedOptimizer`` (whole parameters per owner),
+ZeRO-2's flat shards (gathered over dp, cut into their parameters by the unit's layout, and laid out again on
+resume) or ZeRO-3 / FSDP2's per-parameter shards. (``zero_checkpoint`` is the other way: each rank writes only its
+shard, resharded by offsets on load; the same model's units only.)
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.placement import full_tensor, shard_like
+from course_lib.parallel.placement import axis_group, full_tensor, shard_like, sharded_lists
+from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 
 
 class Parallelized(Protocol):
@@ -46,10 +54,6 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """The per-element optimizer states of AdamW and SGD (shaped like the parameter); ``step`` is a scalar."""
 
 
-def _names(composed: Parallelized) -> dict[int, str]:
-    return {id(p): n for n, p in composed.module.named_parameters()}
-
-
 def _gather(composed: Parallelized, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
     return full_tensor(p, composed.mesh, t).cpu()
 
@@ -58,28 +62,120 @@ def _cut(composed: Parallelized, p: nn.Parameter, full: torch.Tensor) -> torch.T
     return shard_like(full, p, composed.mesh)
 
 
+def _names(composed: Parallelized) -> dict[int, str]:
+    """id(parameter) -> its single-process name: a module list split over an axis (experts) names its local
+    entry i of rank r by the global index r n_local + i (``placement.full_parameters`` does the same)."""
+    names = {id(p): n for n, p in composed.module.named_parameters()}
+    for lname, experts, axis, _ in sharded_lists(composed.module):
+        first = axis_group(composed.mesh, axis)
+        offset = dist.get_rank(first) * len(experts)
+        for i, e in enumerate(experts):
+            for pname, p in e.named_parameters():
+                names[id(p)] = f"{lname}.{offset + i}.{pname}"
+    return names
+
+
+def _writers(composed: Parallelized) -> dict[int, bool]:
+    """id(parameter) -> whether this rank writes it: the first of its copies once gathered (tp = 0 and the
+    first replica: dp = cp = 0 for a dense parameter, edp = 0 for an expert, which ep splits)."""
+    coords = composed.mesh.shape.coords(composed.mesh.rank)
+    in_list = {id(p) for _, m, _, _ in sharded_lists(composed.module) for p in m.parameters()}
+    dense = coords["dp"] == coords["cp"] == coords["tp"] == 0
+    expert = coords["tp"] == coords["edp"] == 0
+    return {id(p): (expert if id(p) in in_list else dense) for p in composed.module.parameters()}
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds the state: ZeRO-1's ``ShardedOptimizer`` keeps it in its local one."""
+    return optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+
+
+def _owns(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> bool:
+    """Whether this rank steps ``p`` (ZeRO-1: the group rank its partition gives it; else always)."""
+    if not isinstance(optimizer, ShardedOptimizer):
+        return True
+    i = next(i for i, q in enumerate(optimizer.params) if q is p)
+    return optimizer.owner[i] == optimizer.rank
+
+
+def _flat_units(composed: Parallelized) -> list[Any]:
+    """ZeRO-2's flat units (one 1-D shard over dp of a buffer holding several parameters); FSDP2's are not."""
+    return [u for u in getattr(getattr(composed, "dp", None), "units", ()) if getattr(u, "flat", False)]
+
+
+def _entries(composed: Parallelized, optimizer: torch.optim.Optimizer
+             ) -> Iterator[tuple[nn.Parameter, torch.Tensor, dict[str, Any] | None]]:
+    """(parameter, its value, its optimizer state or None where another rank steps it), each placed like the
+    parameter (a collective: every rank walks them in the same order). ZeRO-2's flat shards are gathered over
+    dp first and cut into their parameters (``layout.views``): each piece is then placed like its parameter on
+    the other axes (TP's slices); a scalar state (AdamW's step) is the unit's, shared by its parameters."""
+    inner, flat = _inner(optimizer), _flat_units(composed)
+    shards = {id(u.shard) for u in flat}
+    for p in composed.parameters():
+        if id(p) not in shards:
+            yield p, p, (inner.state.get(p, {}) if _owns(optimizer, p) else None)
+    for u in flat:
+        group = {u.axis: u.group}
+        state = inner.state.get(u.shard, {})
+        vectors = {k: u.layout.views(full_tensor(u.shard, group, v)) for k, v in state.items() if k in STATE_KEYS}
+        scalars = {k: v for k, v in state.items() if k not in STATE_KEYS}
+        values = u.layout.views(full_tensor(u.shard, group))
+        for i, p in enumerate(u.params):
+            yield p, values[i], {**scalars, **{k: v[i] for k, v in vectors.items()}}
+
+
+def _restore_flat(composed: Parallelized, inner: torch.optim.Optimizer, u: Any,
+                  states: list[dict[str, torch.Tensor]]) -> None:
+    """A ZeRO-2 unit's state from its parameters' whole ones: each cut like its parameter (TP), laid out in the
+    unit's flat buffer (``layout.views``), this rank's [lo, hi) kept."""
+    lo, hi = u.bounds()
+    state = {k: v.clone() for k, v in states[0].items() if k not in STATE_KEYS}
+    for key in [k for k in states[0] if k in STATE_KEYS]:
+        buf = torch.zeros(u.layout.padded_numel, dtype=u.shard.dtype, device=u.shard.device)
+        for view, p, s in zip(u.layout.views(buf), u.params, states, strict=True):
+            view.copy_(_cut(composed, p, s[key]))
+        state[key] = buf[lo:hi].clone()
+    if state:
+        inner.state[u.shard] = state
+
+
+def _check_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(_inner(optimizer), (torch.optim.AdamW, torch.optim.SGD)):
+        raise ValueError(f"rank {composed.mesh.rank}: save_checkpoint takes AdamW or SGD (directly or in ZeRO-1's "
+                         f"ShardedOptimizer), got {type(_inner(optimizer)).__name__}: its state keys are not known")
+
+
 def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, step: int, path: str | Path) -> None:
     """Write the whole parameters and optimizer state of the run after ``step`` steps to folder ``path`` (every
-    rank calls it)."""
-    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD)):
-        raise ValueError(f"save_checkpoint takes the replicated AdamW or SGD of ParallelConfig(zero_stage=0), got "
-                         f"{type(optimizer).__name__}: a ZeRO run's sharded state is zero_checkpoint's")
+    rank calls it: the gathers are collectives). Each rank writes the tensors it is the
+    first copy of (``_writers``; ZeRO-1's state: its owner), so the files together hold every name once."""
+    _check_optimizer(composed, optimizer)
     path = Path(path)
-    names = _names(composed)
+    names, writes = _names(composed), _writers(composed)
+    coords = composed.mesh.shape.coords(composed.mesh.rank)
+    if dist.get_rank() == 0 and path.is_dir():  # a previous save's files (another mesh, other writers)
+        for old in [*path.glob("stage*.pt"), path / "meta.json"]:
+            old.unlink(missing_ok=True)
+    dist.barrier()
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
-    for p in composed.parameters():
-        params[names[id(p)]] = _gather(composed, p, p)
-        state = optimizer.state.get(p, {})
-        states[names[id(p)]] = {k: (_gather(composed, p, v) if k in STATE_KEYS else v.detach().cpu().clone())
-                                for k, v in state.items() if v is not None}
-    shape = composed.mesh.shape
-    coords = shape.coords(composed.mesh.rank)
-    if coords["dp"] == coords["cp"] == coords["tp"] == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save({"params": params, "optimizer": states}, path / f"stage{coords['pp']}.pt")
+    for p, value, state in _entries(composed, optimizer):
+        full = _gather(composed, p, value)
+        if writes[id(p)]:
+            params[names[id(p)]] = full
+        if state is None:  # ZeRO-1: another dp rank steps p (its tp peers own it alike)
+            continue
+        state = {k: (_gather(composed, p, v) if k in STATE_KEYS else v.detach().cpu().clone())
+                 for k, v in state.items() if v is not None}
+        if writes[id(p)] or (isinstance(optimizer, ShardedOptimizer) and coords["tp"] == 0):
+            states[names[id(p)]] = state
+    path.mkdir(parents=True, exist_ok=True)
+    if params or states:
+        first = coords["dp"] == coords["cp"] == coords["tp"] == 0  # the stage's dense writer: stage<pp>.pt
+        name = f"stage{coords['pp']}.pt" if first else f"stage{coords['pp']}-rank{composed.mesh.rank}.pt"
+        torch.save({"params": params, "optimizer": states}, path / name)
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        shape = composed.mesh.shape
         meta = {"step": step, "mesh": {a: getattr(shape, a) for a in ("dp", "cp", "tp", "pp", "ep")},
                 "order": shape.order}
         (path / "meta.json").write_text(json.dumps(meta))
@@ -87,14 +183,15 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
 
 
 def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """(steps done, whole parameters by name, optimizer state by parameter name) from folder ``path``."""
+    """(steps done, whole parameters by name, optimizer state by parameter name) from folder ``path``: the
+    union of its rank files."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
     files = sorted(path.glob("stage*.pt"))
-    if len(files) != meta["mesh"]["pp"]:
-        raise ValueError(f"{path}: {len(files)} stage files for a run with pp = {meta['mesh']['pp']}")
+    if not files:
+        raise ValueError(f"{path}: no stage*.pt files next to meta.json: not a finished checkpoint")
     for f in files:
         part = torch.load(f, weights_only=True)
         params |= part["params"]
@@ -106,8 +203,12 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
     """Copy whole checkpoint parameters into a single-process model (before ``parallelize``)."""
     own = dict(model.named_parameters())
     missing = sorted(n for n, p in own.items() if p.requires_grad and n not in params)
-    if missing:
-        raise ValueError(f"the checkpoint has no {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    unknown = sorted(set(params) - set(own))
+    if missing or unknown:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise ValueError(f"rank {rank}: the checkpoint has no {missing[:4]}{' ...' if len(missing) > 4 else ''}"
+                         f"{f' and unknown {unknown[:4]}' if unknown else ''}: it was written for another model "
+                         "(or by an unfinished save): resume with the GPTConfig that saved it, or save again")
     with torch.no_grad():
         for name, t in params.items():
             own[name].copy_(t)
@@ -115,8 +216,22 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
 
 def restore_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer,
                       states: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Give each parameter this rank trains its optimizer state, cut for the new mesh like the parameter."""
-    names = _names(composed)
+    """Give each parameter this rank steps its optimizer state, cut for the new mesh like the parameter
+    (``shard_like``: TP's slices, FSDP2's dim-0 shards; experts by global index; ZeRO-1: only its owner; ZeRO-2:
+    laid out in the flat shard, ``_restore_flat``)."""
+    names, inner = _names(composed), _inner(optimizer)
+
+    def state_of(p: nn.Parameter) -> dict[str, torch.Tensor]:
+        if names[id(p)] not in states:
+            raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for {names[id(p)]}:"
+                             " it was written by an unfinished save or for another model; save it again")
+        return states[names[id(p)]]
+
+    flat = _flat_units(composed)
+    shards = {id(u.shard) for u in flat}
     for p in composed.parameters():
-        state = states[names[id(p)]]
-        optimizer.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone()) for k, v in state.items()}
+        if id(p) not in shards and _owns(optimizer, p):
+            inner.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone())
+                              for k, v in state_of(p).items()}
+    for u in flat:
+        _restore_flat(composed, inner, u, [state_of(p) for p in u.params])
