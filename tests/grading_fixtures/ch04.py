@@ -87,16 +87,46 @@ def sp_bias_before_leave(x, norm_w, w1, b1, w2, b2):
     return _sp(x, norm_w, w1, b1, w2, b2, bias_inside=True)
 
 
-def sp_regions_as_all_reduce(x, norm_w, w1, b1, w2, b2):
-    """Gathers the normed shard outside autograd and leaves with an all-reduce, as without SP: the shard's
-    gradient is missing the other ranks' tokens, and the comm log is plain TP's."""
-    n, r = dist.get_world_size(), dist.get_rank()
+class _LeaveOwnTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _seq(x, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, r = dist.get_world_size(), dist.get_rank()
+        return torch.cat([grad if i == r else torch.zeros_like(grad) for i in range(n)], 1)
+
+
+def sp_leave_backward_zero_pads(x, norm_w, w1, b1, w2, b2):
+    """g's backward puts this rank's gradient at its own tokens and zeros elsewhere, instead of all-gathering:
+    every rank's partial sum fed every token, so each needs every token's gradient."""
     normed = F.rms_norm(x, (x.shape[-1],), _SumGrad.apply(norm_w, 1.0), eps=1e-5)
-    full = _seq(normed, True)
-    full = full + (torch.cat([normed if i == r else torch.zeros_like(normed) for i in range(n)], 1)
-                   - torch.cat([normed.detach() if i == r else torch.zeros_like(normed) for i in range(n)], 1))
-    y = tp.reduce_from_tensor_parallel_region(F.linear(F.gelu(F.linear(full, w1, b1)), w2))
-    return y.chunk(n, 1)[r] + _SumGrad.apply(b2, 1.0)
+    h = F.gelu(F.linear(_Enter.apply(normed, True), w1, b1))
+    return _LeaveOwnTokens.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
+
+
+class _EnterAndFc1(torch.autograd.Function):
+    """g-bar and fc1 in one, saving only the s/t shard (Megatron-LM's form): the shard is gathered again in
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return F.linear(_seq(x, True), w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        full = _seq(x, True)
+        return _seq(grad @ w, False), grad.flatten(0, 1).t() @ full.flatten(0, 1), grad.sum((0, 1))
+
+
+def sp_regathers_in_backward(x, norm_w, w1, b1, w2, b2):
+    """Right, and the memory-saving way: fc1 keeps the shard and re-gathers it in backward (two all-gathers)."""
+    normed = F.rms_norm(x, (x.shape[-1],), _SumGrad.apply(norm_w, 1.0), eps=1e-5)
+    h = F.gelu(_EnterAndFc1.apply(normed, w1, b1))
+    return _Leave.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
 
 
 class _Buggy(torch.autograd.Function):
@@ -182,9 +212,12 @@ def ce_without_the_global_max(logits, targets):
     return ((s + (sa - s.detach())).log() - (tl + (ta - tl.detach()))).mean()
 
 
+RIGHT = {"sp_region": [sp_regathers_in_backward]}
+"""Correct answers other than the solution's: each must score full marks."""
+
 WRONG = {
     "sp_region": [sp_forgets_replicated_grads, sp_averages_replicated_grads, sp_gbar_backward_slices,
-                  sp_bias_before_leave, sp_regions_as_all_reduce],
+                  sp_bias_before_leave, sp_leave_backward_zero_pads],
     "copy_to_region": [f_without_backward_all_reduce, f_averages_instead_of_sums, f_all_reduces_forward_too],
     "tp_mlp": [mlp_bias_added_on_every_rank, mlp_without_f],
     "vocab_parallel_cross_entropy": [ce_gathers_the_logits, ce_without_the_global_max],

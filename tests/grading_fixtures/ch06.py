@@ -269,7 +269,15 @@ def ulysses_repeats_kv_first(q, k, v):
     return _ulysses(q, k, v, repeat_kv=True)
 
 
-RIGHT = {"ring_step": [ring_step_by_hand]}
+def ulysses_kv_in_one_exchange(q, k, v):
+    """Right: k and v stacked into one all-to-all (three each way instead of four, the same bytes)."""
+    qh = _Resplit.apply(q, 2, 1, True).transpose(1, 2)
+    kh, vh = _Resplit.apply(torch.stack((k, v), 1), 3, 2, True).transpose(2, 3).unbind(1)
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    return _Resplit.apply(out.transpose(1, 2), 1, 2, True)
+
+
+RIGHT = {"ring_step": [ring_step_by_hand], "ulysses_attention": [ulysses_kv_in_one_exchange]}
 """Correct answers other than the solution's: each must score full marks."""
 
 WRONG = {
