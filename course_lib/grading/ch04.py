@@ -1,7 +1,12 @@
 """Chapter 04 — tensor parallelism. Every exercise runs the learner's code on real gloo ranks.
 
-1. ``reduce_from_region(x)``: Megatron's g, all-reduce (sum over the ranks) forward, identity backward, through
-   ``course_lib.comm`` (one logged all-reduce forward, none backward); ``x`` itself is not modified.
+1. ``sp_region(x, norm_w, w1, b1, w2, b2)``: a sequence-parallel region (Korthikanti et al. 2022) on real ranks:
+   x is this rank's sequence shard [b, s/t, h]; RMSNorm on the shard (replicated ``norm_w``), g-bar (all-gather
+   along the sequence forward, reduce-scatter backward), the column -> row GELU MLP from this rank's shards, g
+   (reduce-scatter forward, all-gather backward), then the replicated ``b2`` on the shard. The replicated
+   parameters' gradients (``norm_w``, ``b2``) are all-reduced over the ranks in backward (forgetting it leaves
+   each rank with its own tokens' gradient: the copies drift apart). Checked: output shard, every gradient, the
+   comm log (a second backward all-gather, re-gathering a saved shard as the library does, is allowed).
 2. ``copy_to_region(x)`` (find the bug): Megatron's f, identity forward, all-reduce of the gradient backward. The
    colleague's version averages the gradient over the ranks (divides by t, as DP would); the fixed one sums it.
 3. ``tp_mlp(x, w1, b1, w2, b2)``: a GELU MLP column -> row from this rank's shards (``w1`` [f/t, h] rows of fc1,
@@ -47,7 +52,100 @@ def _ops(log: comm.CommLog) -> list[tuple[str, int]]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 1-2. g and f
+# 1. a sequence-parallel region
+
+
+def _sp_reference(h: int, seed: int) -> dict[str, torch.Tensor]:
+    mlp = _mlp_reference(h, seed)
+    return {"norm_w": 1.0 + 0.1 * _rand((h,), seed + 9), "w1": mlp.fc1.weight.detach(), "b1": mlp.fc1.bias.detach(),
+            "w2": mlp.fc2.weight.detach(), "b2": mlp.fc2.bias.detach()}
+
+
+def sp_reference_forward(x: torch.Tensor, norm_w: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
+                         w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """One process: ``GeLU(RMSNorm(x) W1^T + b1) W2^T + b2``, RMSNorm with eps 1e-5 over the last dim."""
+    return F.linear(F.gelu(F.linear(F.rms_norm(x, (x.shape[-1],), norm_w, eps=1e-5), w1, b1)), w2, b2)
+
+
+def _sp_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple[int, int, int],
+                seed: int) -> dict[str, Any]:
+    ref = _sp_reference(shape[-1], seed)
+    shards = [ref["norm_w"], ref["w1"].chunk(world_size, 0)[rank], ref["b1"].chunk(world_size)[rank],
+              ref["w2"].chunk(world_size, 1)[rank], ref["b2"]]
+    params = [s.clone().requires_grad_(True) for s in shards]
+    x = _rand(shape, seed + 1).chunk(world_size, 1)[rank].clone().requires_grad_(True)
+    upstream = _rand(shape, seed + 2).chunk(world_size, 1)[rank]
+    with comm.recording() as fwd:
+        out = fn(x, *params)
+    if not isinstance(out, torch.Tensor):
+        return {"type": type(out).__name__}
+    if tuple(out.shape) != tuple(x.shape):
+        return {"type": f"Tensor of shape {tuple(out.shape)}, expected this rank's shard {tuple(x.shape)}"}
+    with comm.recording() as bwd:
+        out.backward(upstream)
+    return {"type": "Tensor", "out": out.detach().clone(), "x_grad": x.grad, "grads": [p.grad for p in params],
+            "fwd": _ops(fwd), "bwd": _ops(bwd)}
+
+
+def _sp_comm_problem(fwd: list[tuple[str, int]], bwd: list[tuple[str, int]], full: int, h: int) -> str:
+    """'' when the comm log is an SP region's: forward one all-gather and one reduce-scatter of the full activation;
+    backward one reduce-scatter, one or two all-gathers (the second: re-gathering a saved shard) and all-reduces
+    of the two replicated parameters' gradients (2h fp32 values, in one call or two); else what is wrong."""
+    if sorted(fwd) != [("all_gather", full), ("reduce_scatter", full)]:
+        return (f"forward: expected one all-gather (g-bar) and one reduce-scatter (g) of the whole [b, s, h] "
+                f"activation ({full} B) through course_lib.comm, got {fwd}")
+    gathers = [op for op in bwd if op == ("all_gather", full)]
+    scatters = [op for op in bwd if op == ("reduce_scatter", full)]
+    reduced = [b for op, b in bwd if op == "all_reduce"]
+    if len(scatters) != 1 or len(gathers) not in (1, 2) or sum(reduced) != 2 * h * 4 or \
+            len(gathers) + len(scatters) + len(reduced) != len(bwd):
+        return (f"backward: expected one reduce-scatter and one all-gather of {full} B (a second all-gather if you "
+                f"re-gather a saved shard) and all-reduces of {2 * h * 4} B in all (the replicated parameters' "
+                f"gradients), got {bwd}")
+    return ""
+
+
+def check_sp_region(fn: Callable, world_size: int = 2, shape: tuple[int, int, int] = (2, 8, 16), seed: int = 0,
+                    timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    def body() -> str:
+        if shape[1] % world_size:
+            raise ValueError(f"check_sp_region: the sequence length {shape[1]} must divide by {world_size} ranks")
+        results = _launch(_sp_on_rank, world_size, fn, tuple(shape), seed, timeout=timeout)
+        ref = _sp_reference(shape[-1], seed)
+        params = {k: v.clone().requires_grad_(True) for k, v in ref.items()}
+        x = _rand(shape, seed + 1).requires_grad_(True)
+        out = sp_reference_forward(x, **params)
+        out.backward(_rand(shape, seed + 2))
+        names = ["norm_w", "w1", "b1", "w2", "b2"]
+        full_grads = [params[k].grad for k in names]
+        full = x.numel() * 4
+        for r, res in enumerate(results):
+            if res["type"] != "Tensor":
+                raise CheckFailed(f"rank {r}: sp_region must return a torch.Tensor, got {res['type']}")
+            tol = {"rtol": 1e-4, "atol": 1e-5}
+            expect_close(res["out"], out.detach().chunk(world_size, 1)[r], f"rank {r}: output vs tokens "
+                         f"[{r} s/t, {r + 1} s/t) of the single-process block", **tol)
+            if res["x_grad"] is None:
+                raise CheckFailed(f"rank {r}: x.grad is None: the output must depend on x through autograd")
+            expect_close(res["x_grad"], x.grad.chunk(world_size, 1)[r], f"rank {r}: gradient of this rank's "
+                         "sequence shard x", **tol)
+            for name, g, want in zip(names, res["grads"], full_grads, strict=True):
+                want = want.chunk(world_size, 0)[r] if name in ("w1", "b1") else \
+                    want.chunk(world_size, 1)[r] if name == "w2" else want
+                if g is None:
+                    raise CheckFailed(f"rank {r}: {name} got no gradient")
+                replicated = " (replicated: every rank must end with the gradient of all s tokens)" \
+                    if name in ("norm_w", "b2") else ""
+                expect_close(g, want, f"rank {r}: gradient of {name} vs one process's{replicated}", **tol)
+            problem = _sp_comm_problem(res["fwd"], res["bwd"], full, shape[-1])
+            if problem:
+                raise CheckFailed(f"rank {r}: {problem}")
+        return f"{world_size} ranks, x {tuple(shape)}: output, every gradient and the comm log of an SP region"
+    return run_check("sp_region", body)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. f (find the bug)
 
 
 def _region_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple[int, ...],
@@ -65,8 +163,10 @@ def _region_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: t
             "x_after": x.detach().clone(), "x_before": before, "fwd": _ops(fwd), "bwd": _ops(bwd)}
 
 
-def _check_region(name: str, fn: Callable, kind: str, world_size: int, shape: tuple[int, ...], seed: int,
-                  timeout: float) -> CheckResult:
+def check_copy_to_region(fn: Callable, world_size: int = 2, shape: tuple[int, ...] = (2, 3, 4), seed: int = 0,
+                         timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    name = "copy_to_region"
+
     def body() -> str:
         results = _launch(_region_on_rank, world_size, fn, tuple(shape), seed, timeout=timeout)
         xs = [_rand(shape, seed + r) for r in range(world_size)]
@@ -80,30 +180,14 @@ def _check_region(name: str, fn: Callable, kind: str, world_size: int, shape: tu
             if res["grad"] is None:
                 raise CheckFailed(f"rank {r}: x.grad is None after backward: the output must stay connected to x "
                                   "(a torch.autograd.Function)")
-            if kind == "g":
-                expect_close(res["out"], sum(xs), f"rank {r}: forward of g = the sum of x over {world_size} ranks")
-                expect_close(res["grad"], ups[r], f"rank {r}: backward of g = the upstream gradient, unchanged")
-                expected_fwd, expected_bwd = [("all_reduce", nbytes)], []
-            else:
-                expect_close(res["out"], xs[r], f"rank {r}: forward of f = x, unchanged")
-                expect_close(res["grad"], sum(ups), f"rank {r}: backward of f = the sum of the upstream gradients "
-                             f"over {world_size} ranks (each rank's shard used the same x)")
-                expected_fwd, expected_bwd = [], [("all_reduce", nbytes)]
-            if res["fwd"] != expected_fwd or res["bwd"] != expected_bwd:
-                raise CheckFailed(f"rank {r}: communication through course_lib.comm: expected forward {expected_fwd} "
-                                  f"and backward {expected_bwd}, got {res['fwd']} and {res['bwd']}")
+            expect_close(res["out"], xs[r], f"rank {r}: forward of f = x, unchanged")
+            expect_close(res["grad"], sum(ups), f"rank {r}: backward of f = the sum of the upstream gradients "
+                         f"over {world_size} ranks (each rank's shard used the same x)")
+            if res["fwd"] != [] or res["bwd"] != [("all_reduce", nbytes)]:
+                raise CheckFailed(f"rank {r}: communication through course_lib.comm: expected forward [] "
+                                  f"and backward {[('all_reduce', nbytes)]}, got {res['fwd']} and {res['bwd']}")
         return f"{world_size} ranks, shape {tuple(shape)}: forward, backward and the comm log correct"
     return run_check(name, body)
-
-
-def check_reduce_from_region(fn: Callable, world_size: int = 2, shape: tuple[int, ...] = (2, 3, 4), seed: int = 0,
-                             timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    return _check_region("reduce_from_region", fn, "g", world_size, shape, seed, timeout)
-
-
-def check_copy_to_region(fn: Callable, world_size: int = 2, shape: tuple[int, ...] = (2, 3, 4), seed: int = 0,
-                         timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    return _check_region("copy_to_region", fn, "f", world_size, shape, seed, timeout)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,11 +309,21 @@ def check_vocab_parallel_cross_entropy(fn: Callable, world_size: int = 2, n: int
     return run_check("vocab_parallel_cross_entropy", body)
 
 
+SP_OFF_LIMITS = (
+    *(f"course_lib.parallel.tp_comm.{name}" for name in (
+        "GatherFromSequenceParallelRegion", "ReduceScatterToSequenceParallelRegion",
+        "ScatterToSequenceParallelRegion", "SequenceParallelLinears", "sequence_parallel_linears",
+        "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+        "scatter_to_sequence_parallel_region", "all_gather_along", "reduce_scatter_along")),
+    "course_lib.parallel.tp_layers.enter_tp_region", "course_lib.parallel.tp_layers.leave_tp_region",
+    "course_lib.parallel.tp_layers.TensorParallelMLP")
+"""The library's SP region pieces: the exercise's answer."""
+
 EXERCISES = [
-    Exercise("reduce_from_region", "g: all-reduce forward, identity backward", 2, "reduce_from_region",
-             check_reduce_from_region, hidden=[{"world_size": 4, "shape": (3, 5), "seed": 2}],
-             off_limits=("course_lib.parallel.tp_comm.ReduceFromTensorParallelRegion",
-                         "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
+    Exercise("sp_region", "A sequence-parallel region on ranks", 4, "sp_region", check_sp_region,
+             hidden=[{"world_size": 4, "shape": (1, 8, 16), "seed": 2},
+                     {"world_size": 2, "shape": (3, 4, 8), "seed": 7}],
+             off_limits=SP_OFF_LIMITS),
     Exercise("copy_to_region", "Find the bug: f's backward, averaged", 2, "copy_to_region",
              check_copy_to_region, hidden=[{"world_size": 4, "shape": (4, 2, 2), "seed": 3}],
              off_limits=("course_lib.parallel.tp_comm.CopyToTensorParallelRegion",

@@ -9,6 +9,12 @@
    positions, merge, return the received block. Checked by running cp steps against full attention.
 4. Find the bug: a ``BlockAttention`` subclass whose block backward recomputes P with the block's own softmax
    instead of the whole row's lse (right on one rank, wrong on two); the fix writes ``backward`` itself.
+5. ``ulysses_attention(q, k, v)``: DeepSpeed-Ulysses (Jacobs et al. 2023) on real ranks: q [b, s/cp, H, d], k and
+   v [b, s/cp, H_kv, d] (rank r's contiguous tokens), an all-to-all to head-sharded [b, s, H/cp, d] (rank r keeps
+   heads [r H/cp, (r+1) H/cp) of every token, K/V heads the same way), causal attention over the whole sequence
+   (GQA: query head j reads K/V head j // (H / H_kv)), and an all-to-all back to [b, s/cp, H, d]. Checked: the
+   output shard and q, k, v's gradients against full attention, and only all-to-alls through ``course_lib.comm``
+   moving (2H + 2H_kv) b (s/cp) d fp32 values each way (forward and backward).
 """
 
 from __future__ import annotations
@@ -263,6 +269,76 @@ def check_fixed_kernel(kernel_cls: Any, world_size: int = 2, seq: int = 16, seed
     return run_check("fixed_kernel", body)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# 5. Ulysses
+
+
+def _ulysses_inputs(b: int, seq: int, heads: int, kv_heads: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, seq, n, 4, generator=g) for n in (heads, kv_heads, kv_heads)]
+
+
+def _ulysses_on_rank(rank: int, world_size: int, fn: Callable, b: int, seq: int, heads: int, kv_heads: int,
+                     seed: int) -> dict[str, Any]:
+    from course_lib import comm
+
+    local = [t.chunk(world_size, 1)[rank].clone().requires_grad_(True)
+             for t in _ulysses_inputs(b, seq, heads, kv_heads, seed)]
+    upstream = torch.randn(b, seq, heads, 4, generator=torch.Generator().manual_seed(seed + 1))
+    with comm.recording() as fwd:
+        out = fn(*local)
+    if not isinstance(out, torch.Tensor) or out.shape != local[0].shape:
+        return {"type": f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}"}
+    with comm.recording() as bwd:
+        out.backward(upstream.chunk(world_size, 1)[rank])
+    return {"type": "Tensor", "out": out.detach().clone(), "grads": [t.grad for t in local],
+            "fwd": [(r.op, r.tensor_bytes) for r in fwd.records], "bwd": [(r.op, r.tensor_bytes) for r in bwd.records]}
+
+
+def ulysses_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the whole sequence in the [b, s, H, d] layout (GQA: K/V heads repeated)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    return out.transpose(1, 2)
+
+
+def check_ulysses_attention(fn: Callable, world_size: int = 2, b: int = 2, seq: int = 8, heads: int = 4,
+                            kv_heads: int = 4, seed: int = 0) -> CheckResult:
+    def body() -> str:
+        if heads % world_size or kv_heads % world_size or seq % world_size:
+            raise ValueError(f"check_ulysses_attention: cp={world_size} must divide the heads ({heads}), the K/V "
+                             f"heads ({kv_heads}) and the sequence ({seq})")
+        results = _launch(_ulysses_on_rank, world_size, fn, b, seq, heads, kv_heads, seed, timeout=60)
+        full = [t.clone().requires_grad_(True) for t in _ulysses_inputs(b, seq, heads, kv_heads, seed)]
+        ref = ulysses_reference(*full)
+        ref.backward(torch.randn(b, seq, heads, 4, generator=torch.Generator().manual_seed(seed + 1)))
+        n = b * (seq // world_size) * 4 * 4  # bytes of one head of a sequence shard: b (s/cp) d fp32 values
+        want_bytes = (2 * heads + 2 * kv_heads) * n
+        tol = {"rtol": 1e-4, "atol": 1e-5}  # fp32 softmax and products over <= 16 keys, summed in another order
+        for r, res in enumerate(results):
+            if res["type"] != "Tensor":
+                raise CheckFailed(f"rank {r}: ulysses_attention must return a tensor shaped like q "
+                                  f"[b, s/cp, H, d], got {res['type']}")
+            expect_close(res["out"], ref.detach().chunk(world_size, 1)[r], f"rank {r}: output vs tokens "
+                         f"[{r} s/cp, {r + 1} s/cp) of full causal attention", **tol)
+            for name, got, t in zip("qkv", res["grads"], full, strict=True):
+                if got is None:
+                    raise CheckFailed(f"rank {r}: {name}.grad is None: the exchange must stay inside autograd "
+                                      "(an all-to-all's backward is the inverse all-to-all)")
+                expect_close(got, t.grad.chunk(world_size, 1)[r], f"rank {r}: gradient of this rank's {name} "
+                             "shard", **tol)
+            for when in ("fwd", "bwd"):
+                ops = res[when]
+                if any(op != "all_to_all" for op, _ in ops) or sum(nb for _, nb in ops) != want_bytes:
+                    raise CheckFailed(f"rank {r}, {'forward' if when == 'fwd' else 'backward'}: expected only "
+                                      f"all-to-alls through course_lib.comm, {want_bytes} B in all (q, k, v and the "
+                                      f"output, {2 * heads + 2 * kv_heads} heads of a shard), got {ops}")
+        return (f"cp={world_size}, b={b}, {seq} tokens, {heads} heads ({kv_heads} K/V): output and gradients equal "
+                "full attention, all-to-alls only")
+    return run_check("ulysses_attention", body)
+
+
 EXERCISES = [
     Exercise("merge_partials", "Merge two partial attention results by log-sum-exp", 3, "merge_partials",
              check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}],
@@ -283,6 +359,12 @@ EXERCISES = [
     Exercise("fixed_kernel", "Find the bug: the ring backward's probabilities", 3, "FixedKernel", check_fixed_kernel,
              hidden=[{"world_size": 4, "seq": 24, "seed": 4}],
              off_limits=("course_lib.parallel.cp_attention.BlockAttention.backward",)),
+    Exercise("ulysses_attention", "Ulysses: re-split by heads with all-to-alls", 4, "ulysses_attention",
+             check_ulysses_attention,
+             hidden=[{"world_size": 4, "b": 1, "seq": 8, "heads": 8, "kv_heads": 4, "seed": 3},
+                     {"world_size": 2, "b": 3, "seq": 6, "heads": 4, "kv_heads": 2, "seed": 5}],
+             off_limits=("course_lib.parallel.cp_ulysses", *(f"course_lib.parallel.cp_ulysses.{name}" for name in (
+                 "AllToAll", "UlyssesExchange", "ulysses_attention", "_all_to_all")))),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

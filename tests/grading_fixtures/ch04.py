@@ -14,31 +14,119 @@ from course_lib.parallel import tp
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class _GAllReducesBackward(torch.autograd.Function):
+def _seq(x, gather):
+    n = dist.get_world_size()
+    front = x.movedim(1, 0).contiguous()
+    out = torch.empty((front.shape[0] * n if gather else front.shape[0] // n, *front.shape[1:]))
+    (comm.all_gather if gather else comm.reduce_scatter)(out, front)
+    return out.movedim(0, 1)
+
+
+class _Enter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        out = x.detach().clone()
-        comm.all_reduce(out)
-        return out
+    def forward(ctx, x, reduce_back):
+        ctx.reduce_back = reduce_back
+        return _seq(x, True)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
+        if ctx.reduce_back:
+            return _seq(grad, False), None
+        return grad.chunk(dist.get_world_size(), 1)[dist.get_rank()].contiguous(), None
+
+
+class _Leave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _seq(x, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq(grad, True)
+
+
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, scale):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
         comm.all_reduce(grad)
-        return grad
+        return grad * ctx.scale, None
 
 
-def g_all_reduces_backward_too(x):
-    """Sums the gradient again in backward: t x too large."""
-    return _GAllReducesBackward.apply(x)
+def _sp(x, norm_w, w1, b1, w2, b2, sync=True, scale=1.0, reduce_back=True, bias_inside=False):
+    if sync:
+        norm_w, b2 = _SumGrad.apply(norm_w, scale), _SumGrad.apply(b2, scale)
+    h = F.gelu(F.linear(_Enter.apply(F.rms_norm(x, (x.shape[-1],), norm_w, eps=1e-5), reduce_back), w1, b1))
+    if bias_inside:
+        return _Leave.apply(F.linear(h, w2, b2))
+    return _Leave.apply(F.linear(h, w2)) + b2
 
 
-def g_outside_autograd(x):
-    """A bare dist.all_reduce in place: the input is modified and autograd never sees the sum."""
-    out = x * 1.0
-    with torch.no_grad():
-        dist.all_reduce(out)
-    return out
+def sp_forgets_replicated_grads(x, norm_w, w1, b1, w2, b2):
+    """The bug SP brings: norm_w's and b2's gradients stay this rank's tokens' (the replicas drift apart)."""
+    return _sp(x, norm_w, w1, b1, w2, b2, sync=False)
+
+
+def sp_averages_replicated_grads(x, norm_w, w1, b1, w2, b2):
+    """All-reduces the replicated gradients and divides by t, as data parallelism would."""
+    return _sp(x, norm_w, w1, b1, w2, b2, scale=1.0 / dist.get_world_size())
+
+
+def sp_gbar_backward_slices(x, norm_w, w1, b1, w2, b2):
+    """g-bar's backward keeps this rank's slice of its own gradient instead of reduce-scattering the ranks'."""
+    return _sp(x, norm_w, w1, b1, w2, b2, reduce_back=False)
+
+
+def sp_bias_before_leave(x, norm_w, w1, b1, w2, b2):
+    """Adds b2 before the reduce-scatter: the bias is summed t times."""
+    return _sp(x, norm_w, w1, b1, w2, b2, bias_inside=True)
+
+
+class _LeaveOwnTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _seq(x, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, r = dist.get_world_size(), dist.get_rank()
+        return torch.cat([grad if i == r else torch.zeros_like(grad) for i in range(n)], 1)
+
+
+def sp_leave_backward_zero_pads(x, norm_w, w1, b1, w2, b2):
+    """g's backward puts this rank's gradient at its own tokens and zeros elsewhere, instead of all-gathering:
+    every rank's partial sum fed every token, so each needs every token's gradient."""
+    normed = F.rms_norm(x, (x.shape[-1],), _SumGrad.apply(norm_w, 1.0), eps=1e-5)
+    h = F.gelu(F.linear(_Enter.apply(normed, True), w1, b1))
+    return _LeaveOwnTokens.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
+
+
+class _EnterAndFc1(torch.autograd.Function):
+    """g-bar and fc1 in one, saving only the s/t shard (Megatron-LM's form): the shard is gathered again in
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return F.linear(_seq(x, True), w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        full = _seq(x, True)
+        return _seq(grad @ w, False), grad.flatten(0, 1).t() @ full.flatten(0, 1), grad.sum((0, 1))
+
+
+def sp_regathers_in_backward(x, norm_w, w1, b1, w2, b2):
+    """Right, and the memory-saving way: fc1 keeps the shard and re-gathers it in backward (two all-gathers)."""
+    normed = F.rms_norm(x, (x.shape[-1],), _SumGrad.apply(norm_w, 1.0), eps=1e-5)
+    h = F.gelu(_EnterAndFc1.apply(normed, w1, b1))
+    return _Leave.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
 
 
 class _Buggy(torch.autograd.Function):
@@ -124,8 +212,12 @@ def ce_without_the_global_max(logits, targets):
     return ((s + (sa - s.detach())).log() - (tl + (ta - tl.detach()))).mean()
 
 
+RIGHT = {"sp_region": [sp_regathers_in_backward]}
+"""Correct answers other than the solution's: each must score full marks."""
+
 WRONG = {
-    "reduce_from_region": [g_all_reduces_backward_too, g_outside_autograd],
+    "sp_region": [sp_forgets_replicated_grads, sp_averages_replicated_grads, sp_gbar_backward_slices,
+                  sp_bias_before_leave, sp_leave_backward_zero_pads],
     "copy_to_region": [f_without_backward_all_reduce, f_averages_instead_of_sums, f_all_reduces_forward_too],
     "tp_mlp": [mlp_bias_added_on_every_rank, mlp_without_f],
     "vocab_parallel_cross_entropy": [ce_gathers_the_logits, ce_without_the_global_max],

@@ -205,7 +205,79 @@ def ring_step_by_hand(q, q_pos, kv, kv_pos, out, lse, group=None):
     return out, lse, incoming
 
 
-RIGHT = {"ring_step": [ring_step_by_hand]}
+def _exchange(x, split_dim, cat_dim, fold=True):
+    n = dist.get_world_size()
+    send = torch.stack(x.chunk(n, split_dim)).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send)
+    if fold:
+        return torch.cat(recv.unbind(0), cat_dim)
+    shape = list(x.shape)
+    shape[split_dim] //= n
+    shape[cat_dim] *= n
+    return recv.reshape(shape)  # blocks of dim 0 poured into cat_dim's place without moving them there
+
+
+class _Resplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, fold):
+        ctx.args = (split_dim, cat_dim, fold)
+        return _exchange(x, split_dim, cat_dim, fold)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim, fold = ctx.args
+        return _exchange(grad.contiguous(), cat_dim, split_dim, fold), None, None, None
+
+
+def _ulysses(q, k, v, causal=True, fold=True, repeat_kv=False):
+    if repeat_kv:
+        k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
+    qh, kh, vh = (_Resplit.apply(t, 2, 1, fold).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True)
+    return _Resplit.apply(out.transpose(1, 2), 1, 2, fold)
+
+
+def ulysses_local_only(q, k, v):
+    """No exchange: causal attention over this rank's own tokens only (the earlier tokens are never seen)."""
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def ulysses_not_causal(q, k, v):
+    """The re-split is right, the mask is forgotten: every query sees the later tokens too."""
+    return _ulysses(q, k, v, causal=False)
+
+
+def ulysses_reshape_instead_of_concatenate(q, k, v):
+    """Reshapes the received [cp, b, s/cp, ...] blocks straight to [b, s, ...]: right for b = 1 only (the batch
+    and the ranks' blocks get mixed)."""
+    return _ulysses(q, k, v, fold=False)
+
+
+def ulysses_exchange_outside_autograd(q, k, v):
+    """All-to-alls on plain tensors: the output is cut off from q, k, v (no backward exchange)."""
+    with torch.no_grad():
+        qh, kh, vh = (_exchange(t, 2, 1).transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        return _exchange(out.transpose(1, 2), 1, 2)
+
+
+def ulysses_repeats_kv_first(q, k, v):
+    """Repeats the K/V heads to H before the exchange: right values, but (H - H_kv) heads too many on the wire."""
+    return _ulysses(q, k, v, repeat_kv=True)
+
+
+def ulysses_kv_in_one_exchange(q, k, v):
+    """Right: k and v stacked into one all-to-all (three each way instead of four, the same bytes)."""
+    qh = _Resplit.apply(q, 2, 1, True).transpose(1, 2)
+    kh, vh = _Resplit.apply(torch.stack((k, v), 1), 3, 2, True).transpose(2, 3).unbind(1)
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    return _Resplit.apply(out.transpose(1, 2), 1, 2, True)
+
+
+RIGHT = {"ring_step": [ring_step_by_hand], "ulysses_attention": [ulysses_kv_in_one_exchange]}
 """Correct answers other than the solution's: each must score full marks."""
 
 WRONG = {
@@ -214,4 +286,6 @@ WRONG = {
     "ring_step": [ring_step_local_mask, ring_step_returns_own_block, ring_step_group_ranks_as_peers,
                   ring_step_waits_first, ring_step_attends_masked_blocks],
     "fixed_kernel": [KeepsTheBlockSoftmax, ForgetsDelta, ForgetsTheScale, StillStale, ForwardMaskOnly],
+    "ulysses_attention": [ulysses_local_only, ulysses_not_causal, ulysses_reshape_instead_of_concatenate,
+                          ulysses_exchange_outside_autograd, ulysses_repeats_kv_first],
 }
