@@ -7,7 +7,9 @@ from course_lib.collectives import ring_reduce_scatter as library_rs
 from course_lib.memory import kv_cache_bytes as library_kv
 from course_lib.mesh import MeshShape
 from course_lib.parallel import cp_attention as ca
+from course_lib.parallel import cp_ulysses
 from course_lib.parallel import dp as dp_lib
+from course_lib.parallel.tp_comm import sequence_parallel_linears
 from course_lib.schedules import one_f_one_b
 
 
@@ -74,6 +76,19 @@ def assign_buckets_from_dp(sizes, cap):
     return dp_lib.assign_buckets([__import__("torch").empty(s) for s in sizes], cap)
 
 
+def ulysses_by_the_library(q, k, v):
+    """The library's Ulysses attention, with the global positions it needs."""
+    import torch
+    return cp_ulysses.ulysses_attention(q, k, v, torch.arange(q.shape[1]))
+
+
+def sp_region_by_the_librarys_linears(x, norm_w, w1, b1, w2, b2):
+    """The library's sequence-parallel linears do the region's all-gather and its backward."""
+    import torch.nn.functional as F
+    (hidden,) = sequence_parallel_linears(F.rms_norm(x, (x.shape[-1],), norm_w), [(w1, b1)], None)
+    return F.linear(F.gelu(hidden), w2) + b2
+
+
 CASES = {
     ("05", "zb_h1_schedule"): [zb_h1_by_full_path, zb_h1_through_a_helper],
     ("05", "one_f_one_b_order"): [one_f_one_b_imported],
@@ -84,4 +99,6 @@ CASES = {
     ("01", "ring_reduce_scatter"): [ring_reduce_scatter_renamed],
     ("00", "kv_cache_bytes"): [kv_cache_bytes_from_memory],
     ("02", "assign_buckets"): [assign_buckets_from_dp],
+    ("06", "ulysses_attention"): [ulysses_by_the_library],
+    ("04", "sp_region"): [sp_region_by_the_librarys_linears],
 }
