@@ -1,4 +1,5 @@
-"""``docs/teaching.md``'s chapter table from what it describes: each chapter's exercises and points from the
+"""The chapter table of the teacher's guide (``teaching.md`` in the course's docs folder, which the learners'
+handout leaves out) from what it describes: each chapter's exercises and points from the
 grader's registry (``course_lib.grading.chNN.EXERCISES``), the Run All times from the notebooks' own execution
 timestamps (the chapter's, and its solution's for the exercise column).
 
