@@ -1,8 +1,8 @@
 """The caller of a launch killed on a machine whose CPUs are all busy: its ranks, forkserver and multiprocessing's
 resource tracker must be gone within 2 s of the caller's death, whatever the launch was doing. The clock starts
 when the caller is dead, not when the signal is sent: the caller's own exit (the kernel unmapping its torch) is
-not the launcher's to speed up, and on a machine busier than ``LOAD`` (the load average lags) it once took more
-than 2 s by itself.
+not the launcher's to speed up. The callers die by the signal's default action, whatever the test was started
+under (`nohup` leaves SIGHUP ignored in every child, and the caller would never die).
 
 Before the fix, a caller killed while its forkserver was still importing torch (the first seconds of the first
 launch; 10 to 40 s at load 10-20 on 2 cores) left the forkserver importing on, and the resource tracker waiting
@@ -53,6 +53,8 @@ def spin(rank, world_size, where):
         pass
 
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the callers
+for sig in (signal.SIGHUP, signal.SIGTERM):  # a caller's usual disposition (`nohup` would have SIGHUP ignored)
+    signal.signal(sig, signal.SIG_DFL)
 for folder in iter(sys.stdin.readline, ""):
     pid = os.fork()
     if pid == 0:
