@@ -25,7 +25,8 @@ at toy scale (``library_refusal``: ``parallel.config.check_composable`` and the 
 ``parallel.moe_mesh.share_routing``); that is what chapter 08 runs end to end. By default the planner plans real
 clusters and differs, deliberately, where the library's limits are teaching limits and not the hardware's:
 
-* ZeRO-2/3 with a pipeline: the same rule and message in both (``ZERO_WITH_PIPELINE``), always applied;
+* ZeRO-2 with a pipeline: the same rule and message in both (``ZERO_WITH_PIPELINE``), always applied; ZeRO-3
+  with a pipeline: the library composes it, the planner leaves it out (not priced in that form yet);
 * divisibility (``MeshShape.validate``): the same, except that stages may hold unequal block counts
   (``pp_layers.ends_split``, which ``train_pp(split=...)`` cuts; the composed ``parallelize`` cuts equal stages
   only, so ``library_rules`` asks for pp x v dividing n_layer) and the vocabulary is padded to 128 x tp as

@@ -153,12 +153,16 @@ class Candidate:
 
 def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
     """Why the search leaves ``cand`` out ("" when it does not): combinations the libraries refuse or the
-    schedule cannot run. ZeRO-2/3 with a pipeline: the course library's own rule and message
-    (``parallel.config.ZERO_WITH_PIPELINE``, DeepSpeed's: its pipeline engine runs ZeRO-1 only, sharded
-    gradients would be reduce-scattered for every micro-batch of every stage); interleaved 1F1B needs m a
+    schedule cannot run. ZeRO-2 with a pipeline: the course library's own rule and message
+    (``parallel.config.ZERO_WITH_PIPELINE``); ZeRO-3 with a pipeline: the library composes it
+    (``parallel.pp_fsdp``: gradients accumulated unsharded on the stage, one reduce-scatter per step), which
+    these prices (sharded gradients, collectives per micro-batch) do not model yet; interleaved 1F1B needs m a
     multiple of p (``schedules.interleaved_one_f_one_b``); ZB-H1's bubble formula holds for m >= p."""
-    if cand.pp > 1 and cand.zero >= 2:
-        return ZERO_WITH_PIPELINE.format(stage=cand.zero, extra="")
+    if cand.pp > 1 and cand.zero == 2:
+        return ZERO_WITH_PIPELINE
+    if cand.pp > 1 and cand.zero == 3:
+        return ("ZeRO-3 with pipeline parallelism is left out by the planner: the library composes it (gradients "
+                "accumulated unsharded per stage, one reduce-scatter per step), which this model does not price")
     if cand.schedule == "interleaved" and (cand.pp == 1 or m % cand.pp or cfg.n_layer < cand.pp * cand.v):
         return f"interleaved v={cand.v} needs pp > 1, m={m} a multiple of pp={cand.pp} and pp x v <= n_layer"
     if cand.schedule == "zb_h1" and m < cand.pp:

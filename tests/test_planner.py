@@ -369,8 +369,8 @@ TOY_MOE = GPTConfig(n_layer=4, d_model=64, n_head=4, n_expert=4, top_k=2, aux_lo
 def test_the_zero_pipeline_refusal_is_the_librarys_own():
     from course_lib.parallel.config import check_composable
     with pytest.raises(ValueError) as e:
-        check_composable(MeshShape(dp=4, pp=2), GPTConfig(), global_batch=16, microbatches=2, zero_stage=3)
-    assert P.refusal(GPTConfig(), P.Candidate(dp=4, tp=1, pp=2, zero=3), 2).split(";")[0] in str(e.value)
+        check_composable(MeshShape(dp=4, pp=2), GPTConfig(), global_batch=16, microbatches=2, zero_stage=2)
+    assert P.refusal(GPTConfig(), P.Candidate(dp=4, tp=1, pp=2, zero=2), 2).split(";")[0] in str(e.value)
 
 
 class _StubMesh:

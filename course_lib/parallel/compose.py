@@ -31,8 +31,11 @@ One step, per rank: this dp rank's rows (``train_loop``), then its cp share of t
 ``finish_gradient_sync``: the data-parallel average first, then the sums of the gradients placed ``Partial()``
 (TP's, over tp; both are sums of the same gradients over different groups, so they commute).
 
-What this composition refuses, with the reason: ZeRO-2/3 with a pipeline (DeepSpeed's rule:
-``config.ZERO_WITH_PIPELINE``), EP with TP, PP or CP (expert tensor parallelism; ``ep.py``'s).
+With a pipeline, ZeRO-3 shards each stage (``pp_fsdp``: the schedule's actions gather the shards, ``REDUCE_GRAD``
+reduce-scatters the gradients accumulated over the micro-batches once): torchtitan's FSDP x TP x PP.
+
+What this composition refuses, with the reason: ZeRO-2 with a pipeline (``config.ZERO_WITH_PIPELINE``: it would
+save nothing over ZeRO-1 there), EP with TP, PP or CP (expert tensor parallelism; ``ep.py``'s).
 
 Checked (tests/test_compose.py, tests/test_compose_pairs.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP,
 TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP match one process
@@ -179,7 +182,7 @@ class Parallelized(ParallelWrapper):
         for part in (self.pipe, self.dp):
             if part is not None:
                 part.finish_gradient_sync()
-        if isinstance(self.dp, FSDP2DataParallel):
+        if isinstance(self.dp, FSDP2DataParallel) or (self.pipe is not None and self.pipe.sharding is not None):
             return
         if isinstance(self.dp, ZeroDataParallel):
             T.reduce_partial_flat(self.dp.units, self.mesh)

@@ -22,11 +22,14 @@ from course_lib.parallel.cp import Algorithm
 from course_lib.parallel.cp_attention import Layout
 from course_lib.schedules import Schedule
 
-ZERO_WITH_PIPELINE = ("ZeRO-{stage} with pipeline parallelism is refused, as DeepSpeed's PipelineEngine refuses "
-                      "ZeRO stage >= 2 (Rajbhandari et al., 'ZeRO'; DeepSpeed's pipeline docs): sharded gradients "
-                      "would be reduce-scattered after every micro-batch's backward, m times per step{extra}; use "
-                      "zero_stage=1 (the optimizer state sharded over dp+cp) with pp > 1")
-"""Why ZeRO-2/3 and a pipeline do not compose here, and the source (``check_composable``, ``transforms``)."""
+ZERO_WITH_PIPELINE = ("ZeRO-2 with pipeline parallelism is refused: a stage's gradients are complete only after its "
+                      "last micro-batch, so they accumulate unsharded on the stage (torch.distributed.pipelining's "
+                      "FSDP rule), which leaves ZeRO-2 nothing to save over ZeRO-1; sharding them after every "
+                      "micro-batch would reduce-scatter m times per step (why DeepSpeed's PipelineEngine refuses "
+                      "ZeRO >= 2); use zero_stage=1 (the optimizer state sharded over dp+cp) or zero_stage=3 "
+                      "(FSDP2: the weights sharded too, gathered per stage by the schedule) with pp > 1")
+"""Why ZeRO-2 and a pipeline do not compose here, and the source (``check_composable``, ``transforms``;
+ZeRO-3 composes: ``pp_fsdp``)."""
 
 
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
@@ -37,9 +40,8 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
     shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
                    sp=sequence_parallel)
     unsupported = []
-    if shape.pp > 1 and zero_stage >= 2:
-        unsupported.append(ZERO_WITH_PIPELINE.format(stage=zero_stage, extra=" and every weight re-gathered for "
-                                                     "every micro-batch" if zero_stage == 3 else ""))
+    if shape.pp > 1 and zero_stage == 2:
+        unsupported.append(ZERO_WITH_PIPELINE)
     if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
         unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
                            "use ep x dp")
@@ -55,8 +57,8 @@ class ParallelConfig:
       ``tp-cp-ep-dp-pp`` by default): ``shape`` is their ``MeshShape``, ``mesh()`` builds the ``Mesh``;
     * ``zero_stage``: 0, the optimizer is replicated (gradients averaged by the data-parallel step); 1, a
       ``ShardedOptimizer`` partitions its state over dp x cp; 2, gradients reduce-scattered too (the flat
-      ``ZeroDataParallel``); 3, the parameters as well (FSDP2's per-parameter shards, on top of TP's); 2 and 3
-      refuse a pipeline (``transforms.ZERO_WITH_PIPELINE``);
+      ``ZeroDataParallel``); 3, the parameters as well (FSDP2's per-parameter shards, on top of TP's; with a
+      pipeline the schedule gathers them per stage, ``pp_fsdp``); 2 refuses a pipeline (``ZERO_WITH_PIPELINE``);
     * ``sequence_parallel`` (with tp), ``cp_layout`` / ``cp_algorithm`` (with cp), ``schedule``,
       ``microbatches`` and ``v`` (with pp): ``options()``, the keywords ``parallelize`` takes;
     * ``accumulation``: micro-batches per optimizer step of each data-parallel rank (without a pipeline).

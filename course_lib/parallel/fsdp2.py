@@ -311,6 +311,31 @@ class PerParameterUnit(FlatParamUnit):
         pass
 
 
+def partial_shards(units: Sequence[PerParameterUnit], has_mesh: bool, owner: str) -> dict[str, list[nn.Parameter]]:
+    """Axis -> the shards whose gradient is partial over it (recorded ``Partial()`` there: GQA's replicated K/V,
+    a norm under sequence parallelism). Without a mesh there is no group to sum them over: a ``ValueError``."""
+    partial: dict[str, list[nn.Parameter]] = {}
+    for unit in units:
+        for name, s in zip(unit.layout.names, unit.shards, strict=True):
+            for axis in (a for a, where in placements_of(s).items() if isinstance(where, Partial)):
+                if not has_mesh:
+                    raise ValueError(f"rank {dist.get_rank()}: {name!r} has a partial gradient over axis {axis!r}; "
+                                     f"pass mesh= so that {owner} can sum it over that axis's group")
+                partial.setdefault(axis, []).append(s)
+    return partial
+
+
+def sum_partial_shards(partial: dict[str, list[nn.Parameter]], mesh: Any) -> None:
+    """Sum the partial gradient shards over their axis's group (``mesh.group(axis)``): one all-reduce per axis,
+    in one flat buffer; a shard without a gradient counts as zeros, so that every rank sends the same bytes."""
+    for axis, shards in partial.items():
+        grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in shards]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group=mesh.group(axis))
+        for s, g in zip(shards, flat.split([g.numel() for g in grads]), strict=True):
+            s.grad = g.view_as(s)
+
+
 class FSDP2DataParallel(ZeroDataParallel):
     """ZeRO-3 / FSDP with per-parameter dim-0 shards (``PerParameterUnit``), FSDP2's contract: the module's
     parameters are the shards, the optimizer is built on ``model.parameters()``. ``param_dtype`` /
@@ -336,25 +361,12 @@ class FSDP2DataParallel(ZeroDataParallel):
         for unit in self.units:
             unit.reduce_dtype = reduce_dtype
         mesh = kwargs.get("mesh")
-        self.partial: dict[str, list[nn.Parameter]] = {}  # axis -> the shards whose gradient is partial over it
-        for unit in self.units:
-            for name, s in zip(unit.layout.names, unit.shards, strict=True):
-                for axis in (a for a, where in placements_of(s).items() if isinstance(where, Partial)):
-                    if mesh is None:
-                        raise ValueError(f"rank {dist.get_rank()}: {name!r} has a partial gradient over axis {axis!r}; "
-                                         "pass mesh= so that FSDP2DataParallel can sum it over that axis's group")
-                    self.partial.setdefault(axis, []).append(s)
+        self.partial = partial_shards(self.units, mesh is not None, type(self).__name__)
         self._mesh = mesh
 
     def finish_gradient_sync(self) -> None:
-        """Sum the partial gradient shards over their axis (one all-reduce per axis, in one flat buffer; a shard
-        without a gradient counts as zeros, so that every rank sends the same bytes)."""
-        for axis, shards in self.partial.items():
-            grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in shards]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, group=self._mesh.group(axis))
-            for s, g in zip(shards, flat.split([g.numel() for g in grads]), strict=True):
-                s.grad = g.view_as(s)
+        """Sum the partial gradient shards over their axis (``sum_partial_shards``)."""
+        sum_partial_shards(self.partial, self._mesh)
 
     def remove_hooks(self) -> None:
         """Remove every hook and give the module full fp32 parameters again (a collective: the master shards

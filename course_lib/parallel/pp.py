@@ -60,6 +60,7 @@ from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.parallel.placement import merge_parameters
 from course_lib.parallel.pp_balance import LayerCosts, balance_stages, measure_layer_costs, stage_costs
 from course_lib.parallel.pp_executor import LossFn, PipelineExecutor, StepRecord, TimedAction
+from course_lib.parallel.pp_fsdp import StageSharding
 from course_lib.parallel.pp_split import backward_input, backward_weight
 from course_lib.parallel.pp_stages import (
     SCHEDULES,
@@ -109,12 +110,18 @@ class PipelineParallel(ParallelWrapper):
     pass outside it reduces the accumulated sum). Seams: ``place_grad_reduce`` (where the action goes) and the
     executor's ``reduce_grad``.
 
+    Pipeline + ZeRO-3 / FSDP2 (``enable_sharding``, ``pp_fsdp``): the stages' parameters become their shards
+    over ``grad_group``, the executor gathers them around each compute action, the full gradients accumulate
+    over the micro-batches and ``REDUCE_GRAD`` reduce-scatters them once per step (torch's pipelining runs
+    FSDP the same way). Seam: ``sharding_class``.
+
     ``sequence_shards``: the messages hold 1 / sequence_shards of each row's tokens (tp, when the stages are
     tensor- and sequence-parallel: Korthikanti et al. 2022 send the sequence-sharded hidden state between
     stages, s/tp tokens per message).
     """
 
     axes = ("pp",)
+    sharding_class: type[StageSharding] = StageSharding
 
     def __init__(self, module: nn.Module | PipelineParts, *, mesh: HasGroups | None = None,
                  group: comm.Group = None, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,
@@ -136,6 +143,7 @@ class PipelineParallel(ParallelWrapper):
         by_index = {int(k): st for k, st in self.stages.items()}
         self.parts = parts
         self.grad_group: comm.Group = None
+        self.sharding: StageSharding | None = None  # ZeRO-3 of the stages (enable_sharding)
         self._pending: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []  # (params, flat, work) per stage
         self.executor = executor_class(by_index, self.plan, self.rank, self.group, loss_fn, emulate)
         self.executor.sequence_shards = sequence_shards
@@ -156,6 +164,29 @@ class PipelineParallel(ParallelWrapper):
         broadcast_from_first(self.stages, grad_group)
         self.executor.grad_reduce = self._launch_grad_reduce
 
+    def enable_sharding(self, grad_group: comm.Group, *, mesh: HasGroups | None = None, axis: str = "dp",
+                        reshard_after_forward: bool = False) -> StageSharding:
+        """ZeRO-3 / FSDP2 of the stages over ``grad_group`` (``pp_fsdp``): the stages' parameters become their
+        dim-0 shards (``sharding_class``), gathered and freed around the schedule's compute actions, and each
+        stage's accumulated full gradients reduce-scattered once, by its ``REDUCE_GRAD`` action. ``mesh`` /
+        ``axis``: the groups of the partial gradients and the key the shards are recorded on."""
+        if self.grad_group is not None:
+            raise ValueError("the pipeline already reduces its gradients over a data-parallel group")
+        require_member(grad_group, type(self).__name__)
+        self.grad_group = grad_group
+        self.plan = dataclasses.replace(self.plan, actions=self.place_grad_reduce(self.plan.actions))
+        self.executor.plan, self.executor.actions = self.plan, self.plan.actions[self.rank]
+        self.sharding = self.sharding_class({int(k): st for k, st in self.stages.items()}, grad_group, mesh=mesh,
+                                            axis=axis, reshard_after_forward=reshard_after_forward)
+        self.executor.engine = self.sharding
+        self.executor.grad_reduce = self._sharded_reduce
+        return self.sharding
+
+    def _sharded_reduce(self, stage: int) -> None:
+        assert self.sharding is not None
+        self.sharding.sync = self._require_sync
+        self.sharding.reduce(stage)
+
     def place_grad_reduce(self, actions: Schedule) -> Schedule:
         """The schedule with its ``REDUCE_GRAD`` actions (a seam: a test puts them in the wrong place)."""
         return S.add_grad_reduce(actions)
@@ -168,7 +199,10 @@ class PipelineParallel(ParallelWrapper):
         self._pending.append((params, flat, comm.all_reduce(flat, group=self.grad_group, async_op=True)))
 
     def finish_gradient_sync(self) -> None:
-        """Wait for the stages' gradient all-reduces (started by ``REDUCE_GRAD``) and write back the averages."""
+        """Wait for the stages' gradient all-reduces (started by ``REDUCE_GRAD``) and write back the averages;
+        sharded stages (``enable_sharding``): sum the partial gradient shards over their axis."""
+        if self.sharding is not None:
+            self.sharding.finish_gradient_sync()
         n = dist.get_world_size(self.grad_group) if self.grad_group is not None else 1
         for params, flat, work in self._pending:
             work.wait()

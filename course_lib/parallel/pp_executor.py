@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,9 +37,17 @@ from course_lib.parallel.pp_split import backward_input, backward_weight
 from course_lib.parallel.pp_stages import PipelinePlan, Stage
 from course_lib.schedules import Action, Kind
 
-__all__ = ["LossFn", "PipelineExecutor", "StepRecord", "TimedAction"]
+__all__ = ["LossFn", "PipelineExecutor", "StageEngine", "StepRecord", "TimedAction"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StageEngine(Protocol):
+    """What the executor calls around each compute action of a stage (``pp_fsdp.StageSharding``)."""
+
+    def before(self, action: Action) -> None: ...
+
+    def after(self, action: Action) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,9 @@ class PipelineExecutor:
         between TP regions is sequence-sharded, so a stage sends its s/tp tokens, a tp-th of the traffic)."""
         self.grad_reduce: Callable[[int], None] | None = None
         """What ``REDUCE_GRAD`` of a stage calls (``PipelineParallel`` sets it when it has a ``grad_group``)."""
+        self.engine: StageEngine | None = None
+        """What runs around each compute action (``pp_fsdp.StageSharding``: gather the stage's shards before,
+        free them after), set by ``PipelineParallel.enable_sharding``."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
@@ -142,8 +153,12 @@ class PipelineExecutor:
                         timed[q] = TimedAction(actions[q], start, time.perf_counter())
             wait = self._wait_inputs(a)
             start = time.perf_counter()
+            if self.engine is not None:
+                self.engine.before(a)
             {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
              Kind.W: self._backward_weight}[a.kind](a, micro)
+            if self.engine is not None:
+                self.engine.after(a)
             self._sleep(a.kind)
             timed[i] = TimedAction(a, start, time.perf_counter(), wait)
         timeline = [timed[i] for i in range(len(actions))]

@@ -27,10 +27,13 @@ built:
      again, recorded ``Shard(0)`` on ``"dp"`` (or ``"dp+cp"``) after what TP recorded -- torchtitan's
      FSDP + TP "2D".
 
-   Refused, with the reason and its source: ZeRO-2 and ZeRO-3 with a pipeline. DeepSpeed's ``PipelineEngine``
-   asserts ZeRO stage < 2: sharded gradients would be reduce-scattered after every micro-batch's backward (m
-   reduce-scatters per step instead of one all-reduce), and a stage-3 pipeline would re-gather every weight for
-   every micro-batch; ZeRO-1 partitions only the optimizer state and composes with everything.
+   With a pipeline, ``zero=3`` shards each stage's parameters the same way (``pipe.enable_sharding``,
+   ``pp_fsdp``): the schedule's actions gather them, the full gradients accumulate over the micro-batches and
+   the stage's ``REDUCE_GRAD`` reduce-scatters them once per step (``torch.distributed.pipelining`` with
+   ``fully_shard``, torchtitan's FSDP x TP x PP). Refused, with the reason: ZeRO-2 with a pipeline
+   (``ZERO_WITH_PIPELINE``): the accumulated gradients are unsharded until the last micro-batch anyway, so it
+   would save nothing over ZeRO-1, and sharding them per micro-batch costs m reduce-scatters per step (the
+   reason DeepSpeed's ``PipelineEngine`` asserts ZeRO stage < 2).
 """
 
 from __future__ import annotations
@@ -106,10 +109,12 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, *, zero: int = 0, pipe: Pi
         return None
     group = mesh.group("dp", "cp")
     if pipe is not None:
-        if zero >= 2:
-            extra = " and every weight re-gathered for every micro-batch" if zero == 3 else ""
-            raise ValueError(ZERO_WITH_PIPELINE.format(stage=zero, extra=extra))
-        pipe.enable_grad_reduce(group)
+        if zero == 2:
+            raise ValueError(ZERO_WITH_PIPELINE)
+        if zero == 3:
+            pipe.enable_sharding(group, mesh=mesh, axis="dp+cp" if mesh.size("cp") > 1 else "dp")
+        else:
+            pipe.enable_grad_reduce(group)
         return None
     if zero == 3:
         return fsdp_class(model, mesh=mesh)
