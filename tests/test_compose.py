@@ -324,12 +324,15 @@ def _check(shape: MeshShape, **kw: object) -> None:
 
 
 @pytest.mark.parametrize("shape,kw,words", [
-    (MeshShape(pp=2, dp=2), {"zero_stage": 2}, "ZeRO-2 with pipeline parallelism is refused, as DeepSpeed"),
-    (MeshShape(pp=2, dp=2), {"zero_stage": 3}, "every weight re-gathered for every micro-batch"),
+    (MeshShape(pp=2, dp=2), {"zero_stage": 2}, "ZeRO-2 with pipeline parallelism is refused: a stage's gradients"),
 ])
 def test_unsupported_combination_is_named(shape: MeshShape, kw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         _check(shape, **kw)
+
+
+def test_zero_3_with_a_pipeline_composes() -> None:
+    _check(MeshShape(pp=2, dp=2), zero_stage=3, global_batch=8, microbatches=2)  # pp_fsdp: no refusal
 
 
 def test_expert_parallel_with_tensor_parallel_is_refused() -> None:

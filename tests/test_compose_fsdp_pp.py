@@ -9,7 +9,8 @@ its cached results; the 8-rank dp 2 x tp 2 x pp 2 runs (with and without SP) are
 the baseline measures against its own float64 run), and every copy of a parameter -- its dp shards after the
 gather, its TP ranks -- bit-for-bit equal with the same losses on every rank (``merge_composed`` raises
 otherwise). Mutations: the gradients reduce-scattered after every micro-batch and overwritten (only the last one
-counts), the reduction skipped at the last micro-batch, the first micro-batch's full gradients dropped.
+counts), the reduction skipped at the last micro-batch, the first micro-batch's full gradients dropped, and
+ZB-H1's ``REDUCE_GRAD`` placed before the pending W passes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from course_lib.parallel.loop import train_loop
 from course_lib.parallel.pp import PipelineParallel
 from course_lib.parallel.pp_fsdp import StageSharding
 from course_lib.train import TrainConfig, TrainResult, compare, make_optimizer, train_baseline
+from tests.test_compose import ReduceBeforeLastW  # REDUCE_GRAD after the last I: the W passes missed
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -157,9 +159,13 @@ def _inspect(rank: int, sharding: type[StageSharding]) -> dict[str, Any]:
     except ValueError as e:
         again = str(e)
     units = [u for us in pipe.sharding.units.values() for u in us]
-    return {"shapes": shapes, "placements": {n: P.placements_of(p) for n, p in held.items()},
+    gathered = sum(w.untyped_storage().nbytes() for u in units for w in u.params)
+    placements = {n: P.placements_of(p) for n, p in held.items()}
+    composed.remove_hooks()  # full parameters back in the stages: the whole parameters, by the model's names
+    restored = {n: tuple(p.shape) for st in pipe.stages.values() for n, p in st.named_parameters()}
+    return {"restored": restored == full, "shapes": shapes, "placements": placements,
             "stepped": all(id(p) in stepped for p in held.values()) and len(stepped) == len(held),
-            "gathered_bytes": sum(w.untyped_storage().nbytes() for u in units for w in u.params),
+            "gathered_bytes": gathered,
             "events": Counter(pipe.sharding.events), "units": [u.name for u in units], "again": again,
             "micro": pipe.plan.m, "full": full}
 
@@ -171,6 +177,8 @@ def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
     for name, sharding in {**VARIANTS_4, **MUTATIONS_4}.items():
         out[name] = C.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["1f1b"],
                                      pipeline_class=_pipeline(sharding))
+    out["zb_h1_reduce_before_last_w"] = C.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["zb_h1"],
+                                                         pipeline_class=ReduceBeforeLastW)
     out["inspect"] = _inspect(rank, StageSharding)
     out["inspect_reshard"] = _inspect(rank, ReshardAfterForward)
     out["inspect_every_microbatch"] = _inspect(rank, ReduceEveryMicrobatch)
@@ -235,7 +243,7 @@ def test_fsdp_x_tp_x_pp_matches_one_process_at_8_ranks(name: str) -> None:
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("name", sorted(MUTATIONS_4))
+@pytest.mark.parametrize("name", [*sorted(MUTATIONS_4), "zb_h1_reduce_before_last_w"])
 def test_mutation_fails(name: str) -> None:
     assert _outcome(_results()[name]) != "PASS", f"the broken variant {name} still matches one process"
 
@@ -254,6 +262,7 @@ def test_each_module_parameter_is_its_shard_after_the_step() -> None:
         assert set(rank["shapes"]) == set(rank["full"]) and len(rank["full"]) > 0
         assert rank["stepped"]
         assert rank["gathered_bytes"] == 0
+        assert rank["restored"]  # remove_hooks: whole parameters again
 
 
 def test_one_all_gather_and_one_reduce_scatter_per_unit_and_step() -> None:

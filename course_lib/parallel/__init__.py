@@ -11,7 +11,8 @@
 * ``pp``        pipeline parallelism (the ``PipelineParallel`` wrapper, schedules run on real ranks, ``train_pp``),
   ``pp_stages`` the plan and the stages, ``pp_executor`` the executor of one rank's actions, ``pp_split`` the
   I/W backward split, ``pp_balance`` stage balancing from measured costs (the layer-split rule they share with
-  ``memory`` is ``course_lib.pp_layers``)
+  ``memory`` is ``course_lib.pp_layers``), ``pp_fsdp`` ZeRO-3 / FSDP2 of the stages driven by the schedule's
+  actions (gradients accumulated over the micro-batches, one reduce-scatter per step)
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
 * ``placement`` where each parameter lives on every mesh axis (``Replicate``, ``Shard(dim)``, ``Partial``, recorded
   by each transform) and the generic functions that read it: whole parameters, gradient-norm clipping with each

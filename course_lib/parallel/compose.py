@@ -38,7 +38,8 @@ What this composition refuses, with the reason: ZeRO-2 with a pipeline (``config
 save nothing over ZeRO-1 there), EP with TP, PP or CP (expert tensor parallelism; ``ep.py``'s).
 
 Checked (tests/test_compose.py, tests/test_compose_pairs.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP,
-TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP match one process
+TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP match one process (FSDP2 x PP and
+FSDP2 x TP x PP: tests/test_compose_fsdp_pp.py)
 (``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order, the DP
 average over the wrong group, the pipeline's gradient reduction skipped or misplaced, a first stage at
 chunk-local positions, ZeRO-3 of a TP weight recorded on the wrong dim, partial gradients summed twice or not at

@@ -98,8 +98,9 @@ class PipelineParallel(ParallelWrapper):
     (forwards and backwards interleave, so a pipeline has no separate forward); it returns the mean micro-batch
     loss on the last stage's rank (0.0 elsewhere; ``reduce_losses`` broadcasts the last stage's). The pipeline
     accumulates its own micro-batches, so on its own ``no_sync`` has nothing to hold back and
-    ``finish_gradient_sync`` / ``after_step`` are no-ops; ``remove_hooks`` has none to remove. Seam: the
-    executor's ``scale_loss`` (``executor_class``, a ``PipelineExecutor`` subclass).
+    ``finish_gradient_sync`` / ``after_step`` are no-ops; ``remove_hooks`` has none to remove (sharded stages:
+    it puts full parameters back). Seam: the executor's ``scale_loss`` (``executor_class``, a
+    ``PipelineExecutor`` subclass).
 
     Pipeline + data parallelism: with ``grad_group`` (the data-parallel group of this pipeline rank, e.g.
     ``mesh.group("dp", "cp")``), each stage's gradients are averaged over that group by the schedule's own
@@ -210,6 +211,14 @@ class PipelineParallel(ParallelWrapper):
             for q, chunk in zip(params, flat.split([q.numel() for q in params]), strict=True):
                 q.grad = chunk.view_as(q)
         self._pending.clear()
+
+    def remove_hooks(self) -> None:
+        """Sharded stages (``enable_sharding``): full parameters back in the stages (a collective over
+        ``grad_group``); the executor no longer gathers."""
+        if self.sharding is not None:
+            self.sharding.restore_full()
+            self.executor.engine = None
+        super().remove_hooks()
 
     def message_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The shape of one hidden state per token, from the first part on one row of ``x`` (every rank holds

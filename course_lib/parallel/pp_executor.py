@@ -18,7 +18,9 @@ point-to-point traffic, which is what buys its v times smaller bubble.
 Each compute action (F, B, and the split backward's I and W of ``pp_split``) records its start, end and the time
 it waited for its input (``TimedAction``); ``emulate=(t_f, t_b, t_w)`` makes each action also sleep that long (the
 emulated-device mode for timing lessons on a small CPU). ``pp_stages`` builds the plan and the stages,
-``course_lib.parallel.pp`` wraps them (``PipelineParallel``) and trains (``train_pp``).
+``course_lib.parallel.pp`` wraps them (``PipelineParallel``) and trains (``train_pp``). Under ZeRO-3 an ``engine``
+(``pp_fsdp.StageSharding``) runs before and after each compute action: it gathers the stage's shards and frees
+them, as the schedule's actions say, and ``REDUCE_GRAD`` reduce-scatters the accumulated gradients.
 """
 
 from __future__ import annotations

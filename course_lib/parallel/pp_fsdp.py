@@ -26,19 +26,21 @@ Here the executor calls ``before(action)`` / ``after(action)`` around each compu
 at ``REDUCE_GRAD``: the schedule (data: each rank's action list) drives the engine, whatever the schedule.
 
 Trade-off, per pipeline rank holding Ψ_s parameters of its stages, N data-parallel ranks, V = Ψ_s x 4 bytes
-(fp32), m micro-batches, ring collectives (``zero``'s table)::
+(fp32), m micro-batches, ring collectives (``zero``'s table), AdamW (8 bytes of state per parameter)::
 
-                               traffic per step                 model states during the step (fp32, AdamW)
-    ZeRO-1 x PP                (N-1)/N V RS + (N-1)/N V AG       4 Ψ_s weights + 4 Ψ_s grads + 8 Ψ_s / N
-    ZeRO-3 x PP, keep gathered (N-1)/N V AG + (N-1)/N V RS       4 Ψ_s + 4 Ψ_s while it runs; 4 Ψ_s / N + 8 Ψ_s / N
-                                                                 between steps (weights and Adam sharded)
-    ZeRO-3 x PP, reshard       about (m + 1) (N-1)/N V AG + RS  4 Ψ_s / N weights + the gathered stage only
-                                                                 during an action; 4 Ψ_s grads accumulated
+    form                         dp traffic per step                model states per rank
+    ZeRO-1 x PP (this library)   all-reduce 2 (N-1)/N V + the       4 Ψ_s weights + 4 Ψ_s grads + 8 Ψ_s / N
+                                 owners' broadcast (N-1)/N V
+    ZeRO-3 x PP, kept gathered   all-gather (N-1)/N V +             during the step ZeRO-1's + the 4 Ψ_s / N shards
+                                 reduce-scatter (N-1)/N V           (weights gathered, gradients whole); between
+                                                                    steps 4 Ψ_s / N + 8 Ψ_s / N (+ 4 Ψ_s / N grads)
+    ZeRO-3 x PP, reshard after F about (m + 1) all-gathers + one    the weights gathered except from each F to the
+                                 reduce-scatter                     next B; 4 Ψ_s grads from the first B on
 
 The accumulation is what makes the unsharded gradients unavoidable during the step: sharding them after each
 micro-batch would cost m reduce-scatters (ZeRO-2's saving, bought with m x the gradient traffic). So under a
 pipeline ZeRO-3 saves the weights' and the optimizer's memory, not the gradients'; ZeRO-2 would save nothing
-over ZeRO-1 and is refused (``config.ZERO2_WITH_PIPELINE``).
+over ZeRO-1 and is refused (``config.ZERO_WITH_PIPELINE``).
 
 Units: one per block of each stage (``fully_shard(block)``) and one for the rest of a stage (embeddings on the
 first, final norm and head on the last), each a ``fsdp2.PerParameterUnit``: the module's parameters *are* the
@@ -136,3 +138,10 @@ class StageSharding:
         """After the step's schedule: the partial gradient shards summed over their axis (TP's)."""
         if self.sync:
             sum_partial_shards(self.partial, self.mesh)
+
+    def restore_full(self) -> None:
+        """Give the stages full fp32 parameters again (a collective: the master shards are all-gathered), so that
+        they run on their own with the current weights; the engine is spent."""
+        for units in self.units.values():
+            for unit in units:
+                unit.restore_full()

@@ -79,6 +79,9 @@ the sharded checkpoints in ``zero_checkpoint``, the byte accounting (``model_sta
 ``comm_bytes_per_step``) in ``zero_accounting``, PyTorch's ``fully_shard`` as the oracle in ``fsdp_torch``; all
 are importable from here.
 
+Under a pipeline the hooks cannot tell the m micro-batches' backwards apart: ``pp_fsdp`` runs the same units
+from the schedule's actions instead (gathered per stage, gradients accumulated, one reduce-scatter per step).
+
 Left out compared with FSDP2/DeepSpeed: meta-device initialisation (here every rank builds the full model once,
 then shards it), CUDA streams and rate limiting (CPU gloo runs collectives on its own threads), CPU offload,
 hybrid sharding (HSDP).
