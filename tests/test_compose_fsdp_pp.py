@@ -160,13 +160,13 @@ def _inspect(rank: int, sharding: type[StageSharding]) -> dict[str, Any]:
         again = str(e)
     units = [u for us in pipe.sharding.units.values() for u in us]
     gathered = sum(w.untyped_storage().nbytes() for u in units for w in u.params)
-    placements = {n: P.placements_of(p) for n, p in held.items()}
+    placements, events = {n: P.placements_of(p) for n, p in held.items()}, Counter(pipe.sharding.events)
     composed.remove_hooks()  # full parameters back in the stages: the whole parameters, by the model's names
     restored = {n: tuple(p.shape) for st in pipe.stages.values() for n, p in st.named_parameters()}
     return {"restored": restored == full, "shapes": shapes, "placements": placements,
             "stepped": all(id(p) in stepped for p in held.values()) and len(stepped) == len(held),
             "gathered_bytes": gathered,
-            "events": Counter(pipe.sharding.events), "units": [u.name for u in units], "again": again,
+            "events": events, "units": [u.name for u in units], "again": again,
             "micro": pipe.plan.m, "full": full}
 
 
