@@ -313,11 +313,32 @@ FALSE_ALARM = 1e-3
 given check always gives the same verdict)."""
 
 
+def target_and_draft(vocab: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distributions of the target p [k + 1, vocab] and the draft q [k, vocab] (float64), far apart enough
+    that proposals are rejected often."""
+    p = torch.softmax(1.5 * torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(1.5 * torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
+    return p, q
+
+
+def emitted_counts(rule: Callable, p: torch.Tensor, q: torch.Tensor, n: int,
+                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw k proposals from q and apply ``rule(p, q, drafts, g)``, n times: how often each token came out first,
+    and second (emitted only when the first proposal was kept), to test against p[0] and p[1]."""
+    first, second = torch.zeros(p.shape[1], dtype=torch.float64), torch.zeros(p.shape[1], dtype=torch.float64)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(q.shape[0])]
+        out = rule(p, q, drafts, g)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second
+
+
 def check_verify_sampled(fn: Callable, n: int = 4000, vocab: int = 4, k: int = 2, seed: int = 0) -> CheckResult:
     def body() -> str:
         g = torch.Generator().manual_seed(seed)
-        p = torch.softmax(1.5 * torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
-        q = torch.softmax(1.5 * torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
+        p, q = target_and_draft(vocab, k, g)
         same = fn(p, p[:k].clone(), list(range(k)), torch.Generator().manual_seed(seed))
         if not isinstance(same, list) or len(same) != k + 1 or same[:k] != list(range(k)):
             raise CheckFailed(f"with q equal to p every proposal must be kept and a bonus token drawn from p[k]: "
@@ -329,13 +350,7 @@ def check_verify_sampled(fn: Callable, n: int = 4000, vocab: int = 4, k: int = 2
         if not isinstance(out, list) or len(out) != 1 or out[0] == 0:
             raise CheckFailed(f"a proposal the target gives probability 0 must be rejected and replaced by a draw from "
                               f"norm(max(0, p - q)) (never that token): got {out!r} for proposals {[0] * k}")
-        first, second = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
-        for _ in range(n):
-            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
-            out = fn(p, q, drafts, g)
-            first[out[0]] += 1
-            if len(out) > 1:
-                second[out[1]] += 1
+        first, second = emitted_counts(fn, p, q, n, g)
         for name, counts, target in (("first", first, p[0]), ("second", second, p[1])):
             pv = chi2_pvalue(counts, target)
             if pv < FALSE_ALARM:
