@@ -51,35 +51,28 @@ def test_the_verify_check_accepts_the_rejection_rule_and_rejects_its_bugs():
         assert not result.ok, wrong.__name__
 
 
-def _step(model, cache, tokens, start, rope_from_zero):
-    """A cached step with the right mask and GQA; ``rope_from_zero`` rotates q and k at positions 0 .. n-1 of the
-    step instead of start .. start+n-1 (the classic cached-RoPE bug)."""
+def test_the_paged_decode_reference_reads_what_the_librarys_paged_cache_wrote():
+    """The check's reference (position by position through the table) against the library's PagedKVCache: three
+    sequences grown turn by turn (their blocks interleaved in the pool), one decode query each."""
     import torch
-    import torch.nn.functional as F
 
-    from course_lib.model import apply_rope, rope_cos_sin
+    from course_lib.model import GPTConfig
+    from course_lib.serving.paged import PagedKVCache
 
-    n, d = tokens.numel(), model.config.head_dim
-    pos = torch.arange(start, start + n)
-    x = model.tok_emb(tokens) + (model.pos_emb(pos) if model.pos_emb is not None else 0)
-    for layer, blk in enumerate(model.blocks):
-        a, h = blk.attn, blk.norm1(x)
-        q, k, v = (p(h).view(n, -1, d).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj))
-        if a.rope:
-            cos, sin = rope_cos_sin(0, d, positions=torch.arange(n) if rope_from_zero else pos)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, 0, start, k, v)
-        k, v = cache.read(layer, 0, start + n)
-        rep = q.shape[0] // k.shape[0]
-        mask = torch.arange(start + n)[None, :] <= pos[:, None]
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0),
-                                           attn_mask=mask)
-        x = x + a.o_proj(y.transpose(0, 1).reshape(n, -1))
-        x = x + blk.mlp(blk.norm2(x))
-    return model.lm_head(model.norm_f(x[-1]))
-
-
-def test_the_step_check_needs_rope_at_absolute_positions():
-    assert ch09.check_step_logits(functools.partial(_step, rope_from_zero=False)).ok
-    result = ch09.check_step_logits(functools.partial(_step, rope_from_zero=True))
-    assert not result.ok and "rope-gqa model" in result.message
+    cfg = GPTConfig(seq_len=32, n_head=4, n_kv_head=2, d_model=32)
+    cache, lens, g = PagedKVCache(cfg, n_blocks=12, block_size=4), [6, 1, 11], torch.Generator().manual_seed(0)
+    for step in range(max(lens)):
+        for seq, n in enumerate(lens):
+            if step < n:
+                assert cache.reserve(seq, step + 1)
+                cache.write(0, seq, step, torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g))
+    tables = torch.zeros(3, 3, dtype=torch.long)
+    for seq, table in cache.block_tables.items():
+        tables[seq, :len(table)] = torch.tensor(table)
+    q = torch.randn(3, 4, 8, generator=g)
+    got = ch09._paged_attention(q, cache.k[0], cache.v[0], tables, torch.tensor(lens))
+    for seq, n in enumerate(lens):
+        k, v = cache.read(0, seq, n)
+        want = torch.nn.functional.scaled_dot_product_attention(q[seq][:, None], k.repeat_interleave(2, 0),
+                                                                v.repeat_interleave(2, 0))[:, 0]
+        torch.testing.assert_close(got[seq], want)

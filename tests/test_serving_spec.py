@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.grading.ch09 import chi2_pvalue
+from course_lib.grading.ch09 import chi2_pvalue, emitted_counts, target_and_draft
 from course_lib.model import GPT, GPTConfig
 from course_lib.serving import speculative
 from course_lib.serving.engine import generate_uncached
@@ -18,6 +18,7 @@ from course_lib.serving.speculative import (
     expected_tokens_per_verification,
     speculative_generate,
 )
+from tests.grading_fixtures.ch09 import verify_ratio_upside_down, verify_residual_from_p
 
 CONFIGS = {
     "mha-learned": GPTConfig(seq_len=48, n_layer=4),
@@ -103,49 +104,18 @@ def test_a_mismatched_draft_is_named():
 
 
 def _rule_pvalues(rule, n: int = 20000, vocab: int = 4, k: int = 2, seed: int = 0) -> tuple[float, float]:
-    """Draw k proposals from q, apply ``rule``; p-values of the first emitted token against p[0] and of the second
-    (emitted only when the first proposal was kept) against p[1]."""
+    """p-values of the first emitted token against p[0] and of the second against p[1] (the grader's sampling)."""
     g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(1.5 * torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
-    q = torch.softmax(1.5 * torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
-    first, second = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
-    for _ in range(n):
-        drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
-        out = rule(p, q, drafts, g)
-        first[out[0]] += 1
-        if len(out) > 1:
-            second[out[1]] += 1
+    p, q = target_and_draft(vocab, k, g)
+    first, second = emitted_counts(rule, p, q, n, g)
     return chi2_pvalue(first, p[0]), chi2_pvalue(second, p[1])
-
-
-def _accept_by_q_over_p(p, q, drafts, g):
-    """Mutation: the acceptance ratio upside down, min(1, q/p)."""
-    return _rule_with(p, q, drafts, g, accept=lambda pi, qi: min(1.0, qi / pi), residual=lambda pi, qi: pi - qi)
-
-
-def _residual_from_p(p, q, drafts, g):
-    """Mutation: after a rejection, draw from the target's p instead of norm(max(0, p - q))."""
-    return _rule_with(p, q, drafts, g, accept=lambda pi, qi: min(1.0, pi / qi), residual=lambda pi, qi: pi)
-
-
-def _rule_with(p, q, drafts, g, accept, residual):
-    out = []
-    for i, x in enumerate(drafts):
-        if float(torch.rand((), generator=g)) < accept(float(p[i, x]), float(q[i, x])):
-            out.append(x)
-            continue
-        r = residual(p[i], q[i]).clamp(min=0)
-        out.append(int(torch.multinomial(r / r.sum(), 1, generator=g)))
-        return out
-    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=g)))
-    return out
 
 
 def test_rejection_sampling_emits_the_targets_distribution():
     assert min(_rule_pvalues(accept_sampled)) > ALPHA
 
 
-@pytest.mark.parametrize("mutant", [_accept_by_q_over_p, _residual_from_p])
+@pytest.mark.parametrize("mutant", [verify_ratio_upside_down, verify_residual_from_p])
 def test_mutations_of_the_rejection_rule_are_caught(mutant):
     assert min(_rule_pvalues(mutant)) < ALPHA
 

@@ -1,8 +1,9 @@
 """Chapter 07 — mixture of experts and expert parallelism.
 
-1. ``top_k_with_capacity(logits, k, capacity_factor)``: top-k experts per token (decreasing score), Mixtral's
-   weights (softmax over the k selected logits) and which assignments the capacity C = ceil(cf T k / E) keeps,
-   queued in token order (``course_lib.model.expert_positions``).
+1. ``batch_priority_routing(logits, k, capacity_factor)``: top-k experts per token (decreasing score) and which
+   assignments the capacity C = ceil(cf T k / E) keeps when the queues fill by priority, not by position (V-MoE's
+   batch-priority routing, Riquelme et al. 2021): round by round (every first choice, then every second), within
+   a round by decreasing max router probability, ties to the earlier token.
 2. ``dispatch(x, expert, n_expert)`` on real ranks: send each row of ``x`` to the rank holding its expert
    (E/world contiguous experts per rank) with a count exchange and one uneven ``all_to_all_single``; return the rows
    received (by source rank, then by expert) and the counts [world, E/world].
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.grading import core
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, run_check
+from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import GPTConfig, MoE, expert_capacity, expert_positions
 from course_lib.parallel.ep import kept_counts
 
@@ -67,37 +69,89 @@ def _expect_same(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 1. top-k with capacity
+# 1. batch-priority routing under capacity
 
 
-def reference_top_k_with_capacity(logits: torch.Tensor, k: int,
-                                  capacity_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    top, chosen = logits.topk(k, dim=-1)
-    cap = expert_capacity(capacity_factor, logits.shape[0], k, logits.shape[1])
-    return chosen, top.softmax(-1), expert_positions(chosen, logits.shape[1]) < cap
+def _queues(logits: torch.Tensor, k: int, capacity_factor: float, *, by_priority: bool = True,
+            rounds: bool = True, priority: str = "probability") -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, keep) with the queues filled in the order the keywords say; the defaults are the specification
+    (the others name a learner's mistake)."""
+    T, E = logits.shape
+    chosen = logits.topk(k, dim=-1).indices
+    score = logits.softmax(-1).amax(-1) if priority == "probability" else logits.amax(-1)
+    tokens = sorted(range(T), key=lambda t: (-float(score[t]), t)) if by_priority else list(range(T))
+    order = [(t, j) for j in range(k) for t in tokens] if rounds else [(t, j) for t in tokens for j in range(k)]
+    cap = expert_capacity(capacity_factor, T, k, E)
+    fill, keep = [0] * E, torch.zeros(T, k, dtype=torch.bool)
+    for t, j in order:
+        e = int(chosen[t, j])
+        if fill[e] < cap:
+            keep[t, j], fill[e] = True, fill[e] + 1
+    return chosen, keep
 
 
-def check_top_k_with_capacity(fn: Callable, cases: tuple[tuple[int, int, int, float], ...] = ((12, 4, 2, 1.0),),
-                              seed: int = 0) -> CheckResult:
+def reference_batch_priority_routing(logits: torch.Tensor, k: int,
+                                     capacity_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-priority routing (Riquelme et al. 2021, "Scaling Vision with Sparse Mixture of Experts", V-MoE): the
+    queues of the experts fill round by round (every token's first choice, then every second choice, ...), within
+    a round by decreasing priority max_e softmax(logits_t)_e (ties: the earlier token); keep when position < C."""
+    return _queues(logits, k, capacity_factor)
+
+
+_MISTAKES = (
+    ({"by_priority": False, "rounds": False}, "the queues filled token after token (the chapter's rule): batch "
+                                              "priority fills them round by round, by decreasing priority"),
+    ({"by_priority": False}, "each round's queue filled in token order: batch priority fills it by decreasing "
+                             "priority"),
+    ({"rounds": False}, "a token's second choice went before other tokens' first choices: every first choice is "
+                        "queued before any second choice"),
+    ({"priority": "logit"}, "the priority was the largest logit: it is the largest router probability (the softmax "
+                            "over all E logits), which a token with close competitors has lower"),
+)
+
+
+def _diagnosis(keep: torch.Tensor, logits: torch.Tensor, k: int, capacity_factor: float) -> str:
+    for kw, why in _MISTAKES:
+        if torch.equal(keep, _queues(logits, k, capacity_factor, **kw)[1]):
+            return f"; your keep is what you get when {why}"
+    T, E = logits.shape
+    chosen, cap = logits.topk(k, dim=-1).indices, expert_capacity(capacity_factor, T, k, E)
+    kept = torch.bincount(chosen[keep], minlength=E)
+    if int(kept.max()) < cap <= int(torch.bincount(chosen.reshape(-1), minlength=E).max()):
+        return f"; no expert kept more than {int(kept.max())} of its C = ceil(cf T k / E) = {cap} slots"
+    return ""
+
+
+def _router_logits(T: int, E: int, repeat: int, seed: int) -> torch.Tensor:
+    """A skewed router (drops happen), each distinct row used ``repeat`` times (equal priorities)."""
+    g = torch.Generator().manual_seed(seed * 7 + T)
+    base = torch.randn(math.ceil(T / repeat), E, generator=g) * 1.5 + torch.linspace(1.5, 0, E)
+    return base[torch.arange(T) % base.shape[0]].contiguous()
+
+
+def check_batch_priority_routing(fn: Callable, cases: tuple[tuple[int, int, int, float], ...] = ((16, 4, 2, 0.75),),
+                                 repeat: int = 1, seed: int = 0) -> CheckResult:
+    """``fn(logits, k, capacity_factor)`` must return (chosen [T, k] int64, keep [T, k] bool), the
+    reference's."""
     def body() -> str:
         for T, E, k, cf in cases:
-            g = torch.Generator().manual_seed(seed * 7 + T)
-            logits = torch.randn(T, E, generator=g) + torch.linspace(1.5, 0, E)  # a skewed router: drops happen
+            logits = _router_logits(T, E, repeat, seed)
             got = fn(logits.clone(), k, cf)
-            if not isinstance(got, tuple) or len(got) != 3:
-                raise CheckFailed("top_k_with_capacity must return a tuple (chosen, weights, keep)")
-            want = reference_top_k_with_capacity(logits, k, cf)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise CheckFailed("batch_priority_routing must return a tuple (chosen, keep)")
+            chosen, want = reference_batch_priority_routing(logits, k, cf)
             what = f"(T={T}, E={E}, k={k}, cf={cf}, C={expert_capacity(cf, T, k, E)})"
-            _expect_same(_tensor(got[0], f"chosen {what}", (T, k), torch.long), want[0], f"chosen {what}")
-            expect_close(_tensor(got[1], f"weights {what}", (T, k), logits.dtype), want[1], f"weights {what}")
-            keep = _tensor(got[2], f"keep {what}", (T, k), torch.bool)
-            if not torch.equal(keep, want[2]):
-                t, j = (keep != want[2]).nonzero()[0].tolist()
-                raise CheckFailed(f"keep {what}: token {t}, choice {j} (expert {int(want[0][t, j])}) should be "
-                                  f"{'kept' if want[2][t, j] else 'dropped'}; the queue of an expert fills in token "
-                                  f"order, a token's first choice before its second")
-        return f"{_count(len(cases), 'routing')} correct"
-    return run_check("top_k_with_capacity", body)
+            _expect_same(_tensor(got[0], f"chosen {what}", (T, k), torch.long), chosen, f"chosen {what}")
+            keep = _tensor(got[1], f"keep {what}", (T, k), torch.bool)
+            if not torch.equal(keep, want):
+                t, j = (keep != want).nonzero()[0].tolist()
+                p = logits.softmax(-1).amax(-1)
+                ties = " (a tie: the earlier token goes first)" if int((p == p[t]).sum()) > 1 else ""
+                raise CheckFailed(f"keep {what}: token {t} (priority {float(p[t]):.4f}{ties}), choice {j} (expert "
+                                  f"{int(chosen[t, j])}) should be {'kept' if want[t, j] else 'dropped'}"
+                                  f"{_diagnosis(keep, logits, k, cf)}")
+        return f"{_count(len(cases), 'routing')} correct, the queues filled by priority"
+    return run_check("batch_priority_routing", body)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -337,9 +391,11 @@ def check_expert_bias(fn: Callable, world_size: int = 2, rows: tuple[int, ...] =
 
 
 EXERCISES = [
-    Exercise("top_k_with_capacity", "Top-k routing with capacity", 3, "top_k_with_capacity",
-             check_top_k_with_capacity,
-             hidden=[{"cases": ((32, 8, 2, 1.25), (10, 4, 1, 0.5), (9, 3, 3, 1.0), (7, 5, 2, 0.1)), "seed": 1}]),
+    Exercise("batch_priority_routing", "Batch-priority routing under capacity", 3, "batch_priority_routing",
+             check_batch_priority_routing,
+             hidden=[{"cases": ((32, 8, 2, 1.25), (10, 4, 1, 0.5), (9, 3, 3, 1.0), (7, 5, 2, 0.1)), "seed": 1},
+                     {"cases": ((12, 4, 2, 0.75), (16, 8, 2, 1.0)), "repeat": 3, "seed": 2}],
+             off_limits=("course_lib.model.expert_positions",)),
     Exercise("dispatch", "Count exchange and uneven all-to-all dispatch", 4, "dispatch", check_dispatch,
              hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "seed": 1},
                      {"world_size": 2, "rows": (0, 4), "n_expert": 2, "seed": 2}]),
@@ -356,3 +412,6 @@ EXERCISES = [
              hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "rate": 1e-2, "seed": 1},
                      {"world_size": 2, "rows": (0, 5), "n_expert": 2, "top_k": 1, "seed": 2}]),
 ]
+
+
+guard_visible_checks(globals(), EXERCISES)

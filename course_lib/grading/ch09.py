@@ -7,10 +7,10 @@
 3. ``request_metrics(arrival_s, token_times)``: TTFT, the inter-token gaps, TPOT and end-to-end latency.
 4. ``tp_kv_heads(rank, t, n_head, n_kv)``: the KV heads a rank of a t-way TP group holds (replicated when t > n_kv),
    checked by running tensor-parallel decode on real ranks against one rank.
-5. ``step_logits(model, cache, tokens, start)`` (find the bug, then go further): a cached forward step whose decode
-   went wrong because ``is_causal=True`` aligns the causal mask top-left; the fixed step must also serve a RoPE +
-   grouped-query-attention model (rotations at the absolute positions, K/V heads shared), which the chapter's
-   ``forward_cached`` does not.
+5. ``paged_decode(q, k_pool, v_pool, block_tables, seq_lens)`` (find the bug): one decode step of a batch over a
+   paged KV cache, vLLM's PagedAttention (Kwon et al. 2023): each sequence's query attends over its first
+   seq_lens[b] positions, gathered from the pool's blocks through its block table (a padded [B, max_blocks]
+   tensor); the colleague's version is right only while every sequence fits in one block.
 6. ``schedule_step(running, waiting, token_budget, max_batch, free_blocks, block_size)``: one step of a
    continuous-batching scheduler with chunked prefill and preemption: decodes first, then running prefills, then
    waiting requests (first come first served), all under a token budget, the batch limit and the free KV blocks;
@@ -35,12 +35,12 @@ from course_lib.grading.core import (
     Exercise,
     expect_close,
     expect_equal,
+    guard_visible_checks,
     launch_check,
     run_check,
 )
 from course_lib.model import GPT, GPTConfig
-from course_lib.serving.engine import generate, generate_uncached
-from course_lib.serving.kv_cache import ContiguousKVCache
+from course_lib.serving.engine import generate
 from course_lib.serving.tp_decode import TPDecodeEngine, kv_heads_of, tp_generate
 
 GRADER_PARAMETERS = {"seed": 1}
@@ -159,46 +159,79 @@ def check_tp_kv_heads(fn: Callable, t: int = 2, n_head: int = 4, n_kv: int = 2, 
     return run_check("tp_kv_heads", body)
 
 
-STEP_CONFIGS = {"learned": GPTConfig(seq_len=32, n_layer=2),
-                "rope-gqa": GPTConfig(seq_len=32, n_layer=2, n_kv_head=2, pos="rope")}
-"""The step must serve the chapter's model (learned positions, 4 K/V heads) and a Llama-style one (RoPE, 2 K/V
-heads shared by 4 query heads), which the chapter's ``forward_cached`` does not."""
+def _paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, *, sorted_table: bool = False, tail: bool = False,
+                     tiled: bool = False, before_new: bool = False) -> torch.Tensor:
+    """Decode attention of each sequence's query over its cached positions, gathered one by one from the pool
+    (position p of sequence b at block block_tables[b, p // bs], offset p % bs, Kwon et al. 2023). The keywords
+    are a learner's mistakes: blocks in id order, the whole last block attended, GQA heads tiled, the new token's
+    own position left out."""
+    bs, rep = k_pool.shape[2], q.shape[1] // k_pool.shape[1]
+    out = []
+    for b, n in enumerate(seq_lens.tolist()):
+        n_blocks = math.ceil(n / bs)
+        table = block_tables[b, :n_blocks].sort().values if sorted_table else block_tables[b, :n_blocks]
+        pos = torch.arange(n_blocks * bs if tail else n - before_new)
+        k, v = (pool[table[pos // bs], :, pos % bs].transpose(0, 1) for pool in (k_pool, v_pool))
+        k, v = (k.repeat(rep, 1, 1), v.repeat(rep, 1, 1)) if tiled else (k, v)
+        out.append(_full_attention(q[b][:, None], k, v)[:, 0])
+    return torch.stack(out)
 
 
-def check_step_logits(fn: Callable, prompt_lens: tuple[int, ...] = (1, 6), new: int = 6, chunk: int = 3,
-                      seed: int = 0, configs: tuple[str, ...] = ("learned", "rope-gqa")) -> CheckResult:
+_PAGED_MISTAKES = (
+    ({"sorted_table": True}, "what you get reading its blocks in the order of their ids: the table's order is the "
+                             "sequence's order (blocks come from the free list in any order)"),
+    ({"tail": True}, "what you get attending to every slot of its last block: the slots past seq_len hold what an "
+                     "earlier sequence left there (blocks are reused, never cleared)"),
+    ({"tiled": True}, "what you get giving query head h the K/V head h % H_kv: a K/V head serves H / H_kv "
+                      "consecutive query heads"),
+    ({"before_new": True}, "what you get leaving out the new token's own position: seq_lens counts it"),
+)
+
+
+def _paged_inputs(lens: tuple[int, ...], n_head: int, n_kv: int, block_size: int, n_free: int,
+                  seed: int) -> tuple[torch.Tensor, ...]:
+    """A pool of random blocks (every slot holds something, as after earlier sequences); each sequence's blocks
+    drawn from a shuffled free list and never in increasing id order (as once the free list has churned); the
+    tables padded with the pool's last block."""
+    g = torch.Generator().manual_seed(seed)
+    d, need = 8, [math.ceil(n / block_size) for n in lens]
+    n_blocks = sum(need) + n_free
+    free = torch.randperm(n_blocks, generator=g).tolist()
+    tables = torch.full((len(lens), max(need)), n_blocks - 1)
+    for b, m in enumerate(need):
+        mine = sorted(free.pop() for _ in range(m))
+        tables[b, :m] = torch.tensor(mine[1:2] + mine[:1] + mine[2:])  # the first two out of order
+    pools = [torch.randn(n_blocks, n_kv, block_size, d, generator=g) for _ in range(2)]
+    return torch.randn(len(lens), n_head, d, generator=g), *pools, tables, torch.tensor(lens)
+
+
+def check_paged_decode(fn: Callable, lens: tuple[int, ...] = (6, 1, 12, 3), n_head: int = 4, n_kv: int = 2,
+                       block_size: int = 4, seed: int = 0) -> CheckResult:
+    """``fn(q [B, H, d], k_pool, v_pool [n_blocks, H_kv, bs, d], block_tables [B, max_blocks], seq_lens [B])``
+    must return [B, H, d]: each sequence's decode attention over its first seq_lens[b] cached positions."""
     def body() -> str:
-        for name in configs:
-            cfg = STEP_CONFIGS[name]
-            model = GPT(cfg, seed=seed).eval()
-            g = torch.Generator().manual_seed(seed)
-            for n in prompt_lens:
-                prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
-                cache = ContiguousKVCache(cfg, 1, n + new)
-                cache.reserve(0, n + new)
-                with torch.no_grad():
-                    logits, out = fn(model, cache, prompt, 0), []
-                    for i in range(new):
-                        if not isinstance(logits, torch.Tensor) or logits.shape != (cfg.vocab_size,):
-                            raise CheckFailed(f"step_logits must return the last token's logits [vocab], got "
-                                              f"{getattr(logits, 'shape', type(logits).__name__)}")
-                        out.append(int(logits.argmax()))
-                        logits = fn(model, cache, torch.tensor(out[-1:]), n + i)
-                expect_equal(out, generate_uncached(model, prompt, new),
-                             f"{name} model: greedy tokens after a {n}-token prompt")
-            # chunked prefill: several new tokens after cached ones (start > 0 and n > 1)
-            prompt = torch.randint(0, cfg.vocab_size, (2 * chunk + 1,), generator=g)
-            cache = ContiguousKVCache(cfg, 1, prompt.numel())
-            cache.reserve(0, prompt.numel())
-            with torch.no_grad():
-                fn(model, cache, prompt[:chunk], 0)
-                got = fn(model, cache, prompt[chunk:], chunk)
-                ref = model(prompt[None])[0, -1]
-            expect_close(got, ref, f"{name} model: logits after a {chunk}-token chunk then a {chunk + 1}-token chunk",
-                         rtol=1e-4, atol=1e-5)
-        return (f"decode after prompts of {list(prompt_lens)} tokens and chunked prefill match the uncached model "
-                f"({', '.join(configs)})")
-    return run_check("step_logits", body)
+        q, kp, vp, tables, seq_lens = _paged_inputs(lens, n_head, n_kv, block_size, 3, seed)
+        got = fn(q.clone(), kp.clone(), vp.clone(), tables.clone(), seq_lens.clone())
+        want = _paged_attention(q, kp, vp, tables, seq_lens)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            raise CheckFailed(f"paged_decode must return [B, H, d] = {list(want.shape)}, got "
+                              f"{list(getattr(got, 'shape', [])) or type(got).__name__}")
+        bad = [b for b in range(len(lens)) if not torch.allclose(got[b], want[b], rtol=1e-4, atol=1e-5)]
+        if bad:
+            b = bad[0]
+            right = [f"{lens[i]} ({math.ceil(lens[i] / block_size)} block{'s' * (lens[i] > block_size)})"
+                     for i in range(len(lens)) if i not in bad]
+            why = next((w for kw, w in _PAGED_MISTAKES
+                        if torch.allclose(got[b], _paged_attention(q, kp, vp, tables, seq_lens, **kw)[b], rtol=1e-4,
+                                          atol=1e-5)), "")
+            blocks = tables[b, :math.ceil(lens[b] / block_size)].tolist()
+            raise CheckFailed(f"sequence {b} (seq_len {lens[b]}, its blocks {blocks} of {block_size} slots; "
+                              f"H={n_head}, H_kv={n_kv}): wrong output"
+                              f"{f', {why}' if why else ''}; right for seq_lens {', '.join(right) or 'none'}, "
+                              f"wrong for {', '.join(str(lens[i]) for i in bad)}")
+        return f"{len(lens)} sequences right (seq_lens {list(lens)}, blocks of {block_size}, H={n_head}, H_kv={n_kv})"
+    return run_check("paged_decode", body)
 
 
 def _schedule_step_reference(running: list[tuple[int, int, int, int]], waiting: list[tuple[int, int]],
@@ -280,11 +313,32 @@ FALSE_ALARM = 1e-3
 given check always gives the same verdict)."""
 
 
+def target_and_draft(vocab: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distributions of the target p [k + 1, vocab] and the draft q [k, vocab] (float64), far apart enough
+    that proposals are rejected often."""
+    p = torch.softmax(1.5 * torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(1.5 * torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
+    return p, q
+
+
+def emitted_counts(rule: Callable, p: torch.Tensor, q: torch.Tensor, n: int,
+                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw k proposals from q and apply ``rule(p, q, drafts, g)``, n times: how often each token came out first,
+    and second (emitted only when the first proposal was kept), to test against p[0] and p[1]."""
+    first, second = torch.zeros(p.shape[1], dtype=torch.float64), torch.zeros(p.shape[1], dtype=torch.float64)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(q.shape[0])]
+        out = rule(p, q, drafts, g)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second
+
+
 def check_verify_sampled(fn: Callable, n: int = 4000, vocab: int = 4, k: int = 2, seed: int = 0) -> CheckResult:
     def body() -> str:
         g = torch.Generator().manual_seed(seed)
-        p = torch.softmax(1.5 * torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
-        q = torch.softmax(1.5 * torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
+        p, q = target_and_draft(vocab, k, g)
         same = fn(p, p[:k].clone(), list(range(k)), torch.Generator().manual_seed(seed))
         if not isinstance(same, list) or len(same) != k + 1 or same[:k] != list(range(k)):
             raise CheckFailed(f"with q equal to p every proposal must be kept and a bonus token drawn from p[k]: "
@@ -296,13 +350,7 @@ def check_verify_sampled(fn: Callable, n: int = 4000, vocab: int = 4, k: int = 2
         if not isinstance(out, list) or len(out) != 1 or out[0] == 0:
             raise CheckFailed(f"a proposal the target gives probability 0 must be rejected and replaced by a draw from "
                               f"norm(max(0, p - q)) (never that token): got {out!r} for proposals {[0] * k}")
-        first, second = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
-        for _ in range(n):
-            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
-            out = fn(p, q, drafts, g)
-            first[out[0]] += 1
-            if len(out) > 1:
-                second[out[1]] += 1
+        first, second = emitted_counts(fn, p, q, n, g)
         for name, counts, target in (("first", first, p[0]), ("second", second, p[1])):
             pv = chi2_pvalue(counts, target)
             if pv < FALSE_ALARM:
@@ -330,8 +378,12 @@ EXERCISES = [
              check_tp_kv_heads,
              hidden=[{"t": 4, "n_head": 4, "n_kv": 2}, {"t": 2, "n_head": 4, "n_kv": 1},
                      {"t": 4, "n_head": 8, "n_kv": 8, "seed": 1}]),
-    Exercise("step_logits", "Find the bug: a cached step that decodes wrong", 3, "step_logits", check_step_logits,
-             hidden=[{"prompt_lens": (2, 9), "new": 5, "chunk": 4, "seed": 2}]),
+    Exercise("paged_decode", "Find the bug: batched decode over a paged KV cache", 3, "paged_decode",
+             check_paged_decode,
+             hidden=[{"lens": (9, 16, 2, 17, 1), "n_head": 8, "n_kv": 2, "block_size": 8, "seed": 1},
+                     {"lens": (5, 3), "n_head": 4, "n_kv": 1, "block_size": 2, "seed": 2},
+                     {"lens": (33,), "n_head": 6, "n_kv": 6, "block_size": 16, "seed": 3}],
+             off_limits=("course_lib.serving.paged.PagedKVCache.read", "course_lib.serving.paged.PagedKVCache._where")),
     Exercise("schedule_step", "A continuous-batching scheduler step: chunked prefill and preemption", 5,
              "schedule_step", check_schedule_step,
              hidden=[{"cases": (
@@ -342,3 +394,6 @@ EXERCISES = [
     Exercise("verify_sampled", "Speculative sampling: the verification step's rejection rule", 4, "verify_sampled",
              check_verify_sampled, hidden=[{"vocab": 6, "k": 3, "seed": 1}]),
 ]
+
+
+guard_visible_checks(globals(), EXERCISES)

@@ -60,6 +60,18 @@ def plot_schedule(result: ServeResult, *, max_requests: int = 24, title: str = "
     return fig
 
 
+def _finish(fig: Figure, xlabel: str, ylabel: str, title: str, *, legend: bool = True) -> Figure:
+    """The ending the line plots below share: axis labels, a small title and legend, a tight layout."""
+    ax = fig.axes[0]
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if legend:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def plot_roofline(peak_flops: float, mem_bandwidth: float, points: Mapping[str, tuple[float, float]], *,
                   title: str) -> Figure:
     """log-log roofline: min(peak, I x bandwidth), and ``points`` {label: (intensity FLOP/byte, FLOP/s)}."""
@@ -75,12 +87,7 @@ def plot_roofline(peak_flops: float, mem_bandwidth: float, points: Mapping[str, 
                " FLOP/B")
     for k, (label, (i, f)) in enumerate(points.items()):
         ax.loglog(i, f, "o", label=label, color=f"C{k}")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("FLOP/s")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "arithmetic intensity (FLOP / byte)", "FLOP/s", title)
 
 
 def plot_decode_throughput(batches: list[int], series: Mapping[str, list[float]], *, title: str) -> Figure:
@@ -90,12 +97,7 @@ def plot_decode_throughput(batches: list[int], series: Mapping[str, list[float]]
     ax = fig.add_subplot()
     for k, (label, ys) in enumerate(series.items()):
         ax.loglog(batches, ys, "o-" if "measured" in label else "--", label=label, color=f"C{k}")
-    ax.set_xlabel("batch (sequences decoding together)")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "batch (sequences decoding together)", "output tokens / s", title)
 
 
 def plot_budget_sweep(points: Mapping[str, tuple[float, float]], *, title: str) -> Figure:
@@ -106,11 +108,7 @@ def plot_budget_sweep(points: Mapping[str, tuple[float, float]], *, title: str) 
     ax.plot(xs, ys, "o-", color="C0")
     for label, x, y in zip(points, xs, ys, strict=True):
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("TTFT p99 (ms)")
-    ax.set_ylabel("ITL p99 (ms)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "TTFT p99 (ms)", "ITL p99 (ms)", title, legend=False)
 
 
 class ServingBudgetPanel(ControlPanel):

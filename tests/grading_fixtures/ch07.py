@@ -12,32 +12,71 @@ import torch.nn.functional as F
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _positions(chosen, E):
-    mask = F.one_hot(chosen.reshape(-1), E)
-    return (mask.cumsum(0) - 1).gather(1, chosen.reshape(-1, 1)).view_as(chosen)
+def _keep(chosen, order, E, capacity, rounds=True):
+    """keep [T, k]: the queues filled token by token in ``order``, round by round (or a token's k choices at once)."""
+    T, k = chosen.shape
+    queue = chosen[order].T.reshape(-1) if rounds else chosen[order].reshape(-1)
+    place = (F.one_hot(queue, E).cumsum(0) - 1).gather(1, queue[:, None])[:, 0]
+    keep = torch.empty(T, k, dtype=torch.bool)
+    keep[order] = (place.view(k, T).T if rounds else place.view(T, k)) < capacity
+    return keep
 
 
-def capacity_floor(logits, k, capacity_factor):
-    """floor instead of ceil: one slot short whenever cf*T*k/E is not an integer."""
-    T, E = logits.shape
-    top, chosen = logits.topk(k, dim=-1)
-    return chosen, top.softmax(-1), _positions(chosen, E) < math.floor(capacity_factor * T * k / E)
+def _by_priority(logits):
+    return logits.softmax(-1).amax(-1).sort(descending=True, stable=True).indices
 
 
-def slot_major_queue(logits, k, capacity_factor):
-    """Queues every first choice before any second choice (GShard's priority), not token order."""
-    T, E = logits.shape
-    top, chosen = logits.topk(k, dim=-1)
-    pos = _positions(chosen.T.contiguous(), E).T
-    return chosen, top.softmax(-1), pos < math.ceil(capacity_factor * T * k / E)
-
-
-def softmax_over_all_experts(logits, k, capacity_factor):
-    """Weights from the softmax over all E logits (not renormalised over the k selected)."""
+def bpr_token_order(logits, k, capacity_factor):
+    """The chapter's queue (token after token, a token's choices together): no priority at all."""
     T, E = logits.shape
     chosen = logits.topk(k, dim=-1).indices
-    weights = logits.softmax(-1).gather(1, chosen)
-    return chosen, weights, _positions(chosen, E) < math.ceil(capacity_factor * T * k / E)
+    return chosen, _keep(chosen, torch.arange(T), E, math.ceil(capacity_factor * T * k / E), rounds=False)
+
+
+def bpr_token_major(logits, k, capacity_factor):
+    """Tokens by priority, but each token's k choices queued together: a second choice beats others' first."""
+    T, E = logits.shape
+    chosen = logits.topk(k, dim=-1).indices
+    return chosen, _keep(chosen, _by_priority(logits), E, math.ceil(capacity_factor * T * k / E), rounds=False)
+
+
+def bpr_priority_by_logit(logits, k, capacity_factor):
+    """The priority is the top logit, not the top router probability."""
+    T, E = logits.shape
+    chosen = logits.topk(k, dim=-1).indices
+    order = logits.amax(-1).sort(descending=True, stable=True).indices
+    return chosen, _keep(chosen, order, E, math.ceil(capacity_factor * T * k / E))
+
+
+def bpr_capacity_floor(logits, k, capacity_factor):
+    """floor instead of ceil: one slot short whenever cf*T*k/E is not an integer."""
+    T, E = logits.shape
+    chosen = logits.topk(k, dim=-1).indices
+    return chosen, _keep(chosen, _by_priority(logits), E, math.floor(capacity_factor * T * k / E))
+
+
+def bpr_unstable_ties(logits, k, capacity_factor):
+    """Equal priorities in reverse token order (the later token first)."""
+    T, E = logits.shape
+    chosen = logits.topk(k, dim=-1).indices
+    rev = torch.arange(T - 1, -1, -1)
+    order = rev[logits[rev].softmax(-1).amax(-1).sort(descending=True, stable=True).indices]
+    return chosen, _keep(chosen, order, E, math.ceil(capacity_factor * T * k / E))
+
+
+def bpr_by_counting(logits, k, capacity_factor):
+    """Right: the specification's loops, slot counters per expert."""
+    T, E = logits.shape
+    chosen = logits.topk(k, dim=-1).indices.tolist()
+    p = logits.softmax(-1).amax(-1).tolist()
+    tokens = sorted(range(T), key=lambda t: (-p[t], t))
+    left, keep = [math.ceil(capacity_factor * T * k / E)] * E, torch.zeros(T, k, dtype=torch.bool)
+    for j in range(k):
+        for t in tokens:
+            if left[chosen[t][j]] > 0:
+                left[chosen[t][j]] -= 1
+                keep[t, j] = True
+    return torch.tensor(chosen), keep
 
 
 def unsorted_rows(x, expert, n_expert):
@@ -144,10 +183,12 @@ def bias_averaged_over_ranks(bias, chosen, rate):
 
 
 WRONG = {
-    "top_k_with_capacity": [capacity_floor, slot_major_queue, softmax_over_all_experts],
+    "batch_priority_routing": [bpr_token_order, bpr_token_major, bpr_priority_by_logit, bpr_capacity_floor,
+                               bpr_unstable_ties],
     "dispatch": [unsorted_rows, counts_not_exchanged],
     "combine": [combine_in_dispatch_order, combine_without_weights, combine_by_all_gather],
     "load_balancing_loss": [f_not_divided_by_k, without_e_factor],
     "kept_counts": [inclusive_offset, no_cap_per_rank],
     "update_expert_bias": [bias_from_local_counts, bias_sign_flipped, bias_averaged_over_ranks],
 }
+RIGHT = {"batch_priority_routing": [bpr_by_counting]}

@@ -83,38 +83,54 @@ def kv_heads_round_robin(rank, t, n_head, n_kv):
     return [rank % n_kv] if t >= n_kv else list(range(rank * (n_kv // t), (rank + 1) * (n_kv // t)))
 
 
-def step_causal_only_at_start(model, cache, tokens, start):
-    """is_causal only for the first chunk, no mask afterwards: decode is right, a later chunk of several tokens
-    sees its own future."""
-    n, d = tokens.numel(), model.config.head_dim
-    pos = torch.arange(start, start + n)
-    x = model.tok_emb(tokens) + model.pos_emb(pos)
-    for layer, blk in enumerate(model.blocks):
-        a, h = blk.attn, blk.norm1(x)
-        q, k, v = (p(h).view(n, -1, d).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj))
-        cache.write(layer, 0, start, k, v)
-        k, v = cache.read(layer, 0, start + n)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0)
-        x = x + a.o_proj(y.transpose(0, 1).reshape(n, -1))
-        x = x + blk.mlp(blk.norm2(x))
-    return model.lm_head(model.norm_f(x[-1]))
+def _paged(q, k_pool, v_pool, block_tables, seq_lens, *, transpose=True, newest=True):
+    B, H, d = q.shape
+    n_kv = k_pool.shape[1]
+    k, v = (p[block_tables].transpose(1, 2) if transpose else p[block_tables] for p in (k_pool, v_pool))
+    k, v = (t.reshape(B, n_kv, -1, d).repeat_interleave(H // n_kv, 1) for t in (k, v))
+    mask = torch.arange(k.shape[2]) < (seq_lens if newest else seq_lens - 1)[:, None]
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None])[:, :, 0]
 
 
-def step_position_from_zero(model, cache, tokens, start):
-    """Positions counted from 0 in every step (the cache offset forgotten for the position embedding)."""
-    n, d = tokens.numel(), model.config.head_dim
-    pos = torch.arange(start, start + n)
-    x = model.tok_emb(tokens) + model.pos_emb(torch.arange(n))
-    for layer, blk in enumerate(model.blocks):
-        a, h = blk.attn, blk.norm1(x)
-        q, k, v = (p(h).view(n, -1, d).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj))
-        cache.write(layer, 0, start, k, v)
-        k, v = cache.read(layer, 0, start + n)
-        mask = torch.arange(start + n)[None, :] <= pos[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + a.o_proj(y.transpose(0, 1).reshape(n, -1))
-        x = x + blk.mlp(blk.norm2(x))
-    return model.lm_head(model.norm_f(x[-1]))
+def paged_blocks_reshaped_as_heads(q, k_pool, v_pool, block_tables, seq_lens):
+    """The colleague's: [B, max_blocks, H_kv, bs, d] reshaped to [B, H_kv, max_blocks * bs, d] without moving the
+    heads first: right only while max_blocks is 1."""
+    return _paged(q, k_pool, v_pool, block_tables, seq_lens, transpose=False)
+
+
+def paged_without_the_new_token(q, k_pool, v_pool, block_tables, seq_lens):
+    """Mask off by one: the query does not see its own key (seq_lens taken as the positions before it)."""
+    return _paged(q, k_pool, v_pool, block_tables, seq_lens, newest=False)
+
+
+def paged_whole_last_block(q, k_pool, v_pool, block_tables, seq_lens):
+    """No mask past seq_len: attends to the stale slots of the last block (and to the padding's blocks)."""
+    n = (seq_lens + k_pool.shape[2] - 1) // k_pool.shape[2] * k_pool.shape[2]  # whole blocks
+    return _paged(q, k_pool, v_pool, block_tables, n)
+
+
+def paged_gqa_tiled(q, k_pool, v_pool, block_tables, seq_lens):
+    """K/V heads tiled (query head h gets K/V head h % H_kv) instead of each serving consecutive query heads."""
+    B, H, d = q.shape
+    n_kv = k_pool.shape[1]
+    k, v = (p[block_tables].transpose(1, 2).reshape(B, n_kv, -1, d).repeat(1, H // n_kv, 1, 1)
+            for p in (k_pool, v_pool))
+    mask = torch.arange(k.shape[2]) < seq_lens[:, None]
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None])[:, :, 0]
+
+
+def paged_by_positions(q, k_pool, v_pool, block_tables, seq_lens):
+    """Right: sequence by sequence, each position looked up in the table, the softmax written out."""
+    bs, rep = k_pool.shape[2], q.shape[1] // k_pool.shape[1]
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(seq_lens[b]))
+        blocks, slots = block_tables[b, pos // bs], pos % bs
+        k = k_pool[blocks, :, slots].repeat_interleave(rep, 1)  # [n, H, d]
+        v = v_pool[blocks, :, slots].repeat_interleave(rep, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) / q.shape[-1] ** 0.5, -1)
+        out[b] = torch.einsum("hn,nhd->hd", w, v)
+    return out
 
 
 def _schedule(running, waiting, token_budget, max_batch, free_blocks, block_size, *, decodes_first=True,
@@ -210,7 +226,9 @@ WRONG = {
     "reserve_blocks": [reserve_partial, reserve_floor],
     "request_metrics": [metrics_ttft_from_first_gap, metrics_tpot_over_n],
     "tp_kv_heads": [kv_heads_like_queries, kv_heads_round_robin],
-    "step_logits": [step_causal_only_at_start, step_position_from_zero],
+    "paged_decode": [paged_blocks_reshaped_as_heads, paged_without_the_new_token, paged_whole_last_block,
+                     paged_gqa_tiled],
     "schedule_step": [schedule_running_order, schedule_skips_the_head, schedule_preempts_the_oldest],
     "verify_sampled": [verify_ratio_upside_down, verify_residual_from_p, verify_no_bonus],
 }
+RIGHT = {"paged_decode": [paged_by_positions]}

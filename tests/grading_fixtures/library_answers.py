@@ -6,11 +6,13 @@ from course_lib import schedules as S
 from course_lib.collectives import ring_reduce_scatter as library_rs
 from course_lib.memory import kv_cache_bytes as library_kv
 from course_lib.mesh import MeshShape
+from course_lib.model import expert_positions
 from course_lib.parallel import cp_attention as ca
 from course_lib.parallel import cp_ulysses
 from course_lib.parallel import dp as dp_lib
 from course_lib.parallel.tp_comm import sequence_parallel_linears
 from course_lib.schedules import one_f_one_b
+from course_lib.serving.paged import PagedKVCache
 
 
 def zb_h1_by_full_path(p, m):
@@ -89,6 +91,34 @@ def sp_region_by_the_librarys_linears(x, norm_w, w1, b1, w2, b2):
     return F.linear(F.gelu(hidden), w2) + b2
 
 
+def bpr_by_the_chapters_queue(logits, k, capacity_factor):
+    """The chapter's token-order queue, fed the priority order: the library writes the queue."""
+    import math
+    T, E = logits.shape
+    chosen = logits.topk(k, dim=-1).indices
+    order = logits.softmax(-1).amax(-1).sort(descending=True, stable=True).indices
+    keep = chosen.new_empty(T, k, dtype=bool)
+    keep[order] = (expert_positions(chosen[order].T.contiguous(), E) < math.ceil(capacity_factor * T * k / E)).T
+    return chosen, keep
+
+
+def paged_decode_by_the_caches_read(q, k_pool, v_pool, block_tables, seq_lens):
+    """PagedKVCache.read on a stand-in cache: the library gathers each sequence's positions from its table."""
+    import math
+    import types
+
+    import torch
+    bs, rep = k_pool.shape[2], q.shape[1] // k_pool.shape[1]
+    cache = types.SimpleNamespace(block_tables=dict(enumerate(block_tables.tolist())), k=k_pool[None],
+                                  v=v_pool[None], n_kv_heads=k_pool.shape[1], head_dim=q.shape[2], device="cpu",
+                                  blocks_for=lambda n: math.ceil(n / bs))
+    out = []
+    for b, n in enumerate(seq_lens.tolist()):
+        k, v = (t.repeat_interleave(rep, 0) for t in PagedKVCache.read(cache, 0, b, n))
+        w = torch.softmax(torch.einsum("hd,hnd->hn", q[b], k) / q.shape[2] ** 0.5, -1)
+        out.append(torch.einsum("hn,hnd->hd", w, v))
+    return torch.stack(out)
+
 CASES = {
     ("05", "zb_h1_schedule"): [zb_h1_by_full_path, zb_h1_through_a_helper],
     ("05", "one_f_one_b_order"): [one_f_one_b_imported],
@@ -101,4 +131,6 @@ CASES = {
     ("02", "assign_buckets"): [assign_buckets_from_dp],
     ("06", "ulysses_attention"): [ulysses_by_the_library],
     ("04", "sp_region"): [sp_region_by_the_librarys_linears],
+    ("07", "batch_priority_routing"): [bpr_by_the_chapters_queue],
+    ("09", "paged_decode"): [paged_decode_by_the_caches_read],
 }
