@@ -7,7 +7,7 @@ from course_lib.collectives import ring_reduce_scatter as library_rs
 from course_lib.memory import kv_cache_bytes as library_kv
 from course_lib.mesh import MeshShape
 from course_lib.parallel import cp_attention as ca
-from course_lib.parallel import cp_ulysses
+from course_lib.parallel import cp_ulysses, tp_layers
 from course_lib.parallel import dp as dp_lib
 from course_lib.parallel.tp_comm import sequence_parallel_linears
 from course_lib.schedules import one_f_one_b
@@ -89,6 +89,18 @@ def sp_region_by_the_librarys_linears(x, norm_w, w1, b1, w2, b2):
     return F.linear(F.gelu(hidden), w2) + b2
 
 
+def embedding_by_the_librarys_layer(ids, weight):
+    """The library's VocabParallelEmbedding around this rank's rows."""
+    import torch
+    layer = tp_layers.VocabParallelEmbedding(torch.nn.Embedding(weight.shape[0] * 2, weight.shape[1]))
+    layer.weight = torch.nn.Parameter(weight)
+    return layer(ids)
+
+
+class AttentionInheritsTheLibrarys(tp_layers.TensorParallelAttention):
+    """An off-limits class subclassed: its forward is the library's."""
+
+
 CASES = {
     ("05", "zb_h1_schedule"): [zb_h1_by_full_path, zb_h1_through_a_helper],
     ("05", "one_f_one_b_order"): [one_f_one_b_imported],
@@ -101,4 +113,6 @@ CASES = {
     ("02", "assign_buckets"): [assign_buckets_from_dp],
     ("06", "ulysses_attention"): [ulysses_by_the_library],
     ("04", "sp_region"): [sp_region_by_the_librarys_linears],
+    ("04", "vocab_parallel_embedding"): [embedding_by_the_librarys_layer],
+    ("04", "gqa_attention"): [AttentionInheritsTheLibrarys],
 }
