@@ -282,9 +282,9 @@ COPIED_SHARE = 0.6
 """Above this share of copied tokens a solution block is the chapter's code with other names."""
 MIN_TOKENS = 15
 """Shorter blocks (a one-line formula) are not measured: any right answer shares most of its tokens."""
-NOT_YET_REWRITTEN = {("04", "CopyToRegion"), ("05", "pipeline_step")}
-"""Known copies, to be rewritten as steps beyond their chapter (issue 26): the test fails when one more appears,
-and when one of these is fixed (remove it here)."""
+NOT_YET_REWRITTEN: set[tuple[str, str]] = set()
+"""Known copies of a chapter's code left to rewrite (none since every exercise became a step beyond its chapter):
+the test fails when one appears."""
 
 
 def _tokens(source: str) -> list[str]:

@@ -7,13 +7,15 @@
    parameters' gradients (``norm_w``, ``b2``) are all-reduced over the ranks in backward (forgetting it leaves
    each rank with its own tokens' gradient: the copies drift apart). Checked: output shard, every gradient, the
    comm log (a second backward all-gather, re-gathering a saved shard as the library does, is allowed).
-2. ``copy_to_region(x)`` (find the bug): Megatron's f, identity forward, all-reduce of the gradient backward. The
-   colleague's version averages the gradient over the ranks (divides by t, as DP would); the fixed one sums it.
-3. ``tp_mlp(x, w1, b1, w2, b2)``: a GELU MLP column -> row from this rank's shards (``w1`` [f/t, h] rows of fc1,
-   ``b1`` its slice of fc1's bias, ``w2`` [h, f/t] columns of fc2, ``b2`` fc2's whole bias, added once), with f in
-   and g out (the library's ``tp.copy_to_tensor_parallel_region`` / ``tp.reduce_from_tensor_parallel_region`` or
-   the learner's own). Checked: output, input gradient, every shard's gradient vs the matching slice of one
-   process, and one all-reduce of b*s*h each way.
+2. ``vocab_parallel_embedding(ids, weight)``: Megatron-LM's ``VocabParallelEmbedding`` on ranks: ``weight`` holds rows
+   [r V/t, (r+1) V/t) of the table; ids outside the shard look up nothing (masked to zero), one all-reduce (g) of
+   the b*s*h output forward, nothing backward (the output's gradient is the same on every rank). Checked: the
+   output, the shard's gradient vs its rows of one process's, the comm log; the ids include every shard edge.
+3. ``gqa_attention(x, wq, wk, wv, wo, n_head=, n_kv_head=)``: causal grouped-query attention (Ainslie et al.
+   2023) split by heads, f in and g out; the K/V heads placed as Megatron-LM does (``kv_heads_of_rank``: split
+   when t divides n_kv_head, else each head replicated on t / n_kv ranks). A replicated head's gradient is summed
+   over the ranks that hold it (a group of t / n_kv, not all t). Checked: output, input and every shard's
+   gradient vs one process, and the comm log (group sizes included).
 4. ``vocab_parallel_cross_entropy(logits, targets)``: mean cross-entropy from this rank's vocabulary shard
    [..., V/t] (rank r holds columns [r V/t, (r+1) V/t)); exactly three ``comm.all_reduce`` calls of b*s fp32
    values forward (max, target logit, sum of exponentials) and no gathered logits; stable for logits x 1000;
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from course_lib import comm
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
-from course_lib.model import MLP, GPTConfig
+from course_lib.model import MLP, Attention, GPTConfig
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 40.0
@@ -53,6 +55,15 @@ def _ops(log: comm.CommLog) -> list[tuple[str, int]]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # 1. a sequence-parallel region
+
+
+def _mlp_reference(d_model: int, seed: int) -> MLP:
+    torch.manual_seed(seed)
+    mlp = MLP(GPTConfig(d_model=d_model, n_head=1))
+    with torch.no_grad():
+        mlp.fc1.bias.copy_(_rand(tuple(mlp.fc1.bias.shape), seed + 7) * 0.1)
+        mlp.fc2.bias.copy_(_rand(tuple(mlp.fc2.bias.shape), seed + 8) * 0.1)
+    return mlp
 
 
 def _sp_reference(h: int, seed: int) -> dict[str, torch.Tensor]:
@@ -145,115 +156,187 @@ def check_sp_region(fn: Callable, world_size: int = 2, shape: tuple[int, int, in
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 2. f (find the bug)
+# 2. a vocabulary-parallel embedding
 
 
-def _region_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple[int, ...],
-                    seed: int) -> dict[str, Any]:
-    x = _rand(shape, seed + rank).requires_grad_(True)
-    before = x.detach().clone()
-    upstream = _rand(shape, seed + 100 + rank)
+def _emb_inputs(vocab: int, h: int, ids_shape: tuple[int, ...], world_size: int,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The table [V, h], ids [*ids_shape] whose first entries are the shard edges (0, V-1, r V/t and r V/t - 1:
+    where an off-by-one in the mask shows), and the output's gradient (the same on every rank)."""
+    table = _rand((vocab, h), seed)
+    ids = torch.randint(0, vocab, ids_shape, generator=torch.Generator().manual_seed(seed + 1))
+    n = vocab // world_size
+    edges = [0, vocab - 1, *(e for r in range(1, world_size) for e in (r * n - 1, r * n))]
+    flat = ids.view(-1)
+    flat[:min(len(edges), flat.numel())] = torch.tensor(edges[:flat.numel()])
+    return table, ids, _rand((*ids_shape, h), seed + 2)
+
+
+def _emb_on_rank(rank: int, world_size: int, fn: Callable[..., Any], vocab: int, h: int,
+                 ids_shape: tuple[int, ...], seed: int) -> dict[str, Any]:
+    table, ids, upstream = _emb_inputs(vocab, h, ids_shape, world_size, seed)
+    weight = table.chunk(world_size)[rank].clone().requires_grad_(True)
+    given = ids.clone()
     with comm.recording() as fwd:
-        out = fn(x)
+        out = fn(given, weight)
     if not isinstance(out, torch.Tensor):
         return {"type": type(out).__name__}
+    if tuple(out.shape) != (*ids_shape, h):
+        return {"type": f"Tensor of shape {tuple(out.shape)}, expected {(*ids_shape, h)}"}
     with comm.recording() as bwd:
         out.backward(upstream)
-    return {"type": "Tensor", "out": out.detach().clone(), "grad": None if x.grad is None else x.grad.clone(),
-            "x_after": x.detach().clone(), "x_before": before, "fwd": _ops(fwd), "bwd": _ops(bwd)}
+    return {"type": "Tensor", "out": out.detach().clone(), "grad": weight.grad, "ids_kept": torch.equal(given, ids),
+            "fwd": _ops(fwd), "bwd": _ops(bwd)}
 
 
-def check_copy_to_region(fn: Callable, world_size: int = 2, shape: tuple[int, ...] = (2, 3, 4), seed: int = 0,
-                         timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    name = "copy_to_region"
-
+def check_vocab_parallel_embedding(fn: Callable, world_size: int = 2, vocab: int = 16, h: int = 8,
+                                   ids_shape: tuple[int, ...] = (2, 5), seed: int = 0,
+                                   timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """``fn(ids, weight)`` on ranks, ``weight`` rows [r V/t, (r+1) V/t) of the table: the full embedding on every
+    rank, the shard's gradient = its rows of one process's, one all-reduce of b*s*h fp32 forward, none backward."""
     def body() -> str:
-        results = _launch(_region_on_rank, world_size, fn, tuple(shape), seed, timeout=timeout)
-        xs = [_rand(shape, seed + r) for r in range(world_size)]
-        ups = [_rand(shape, seed + 100 + r) for r in range(world_size)]
-        nbytes = xs[0].numel() * 4
+        if vocab % world_size:
+            raise ValueError(f"check_vocab_parallel_embedding: the vocabulary {vocab} must divide by {world_size}")
+        results = _launch(_emb_on_rank, world_size, fn, vocab, h, tuple(ids_shape), seed, timeout=timeout)
+        table, ids, upstream = _emb_inputs(vocab, h, tuple(ids_shape), world_size, seed)
+        full = table.clone().requires_grad_(True)
+        want = F.embedding(ids, full)
+        want.backward(upstream)
+        nbytes = want.numel() * 4
+        n = vocab // world_size
         for r, res in enumerate(results):
             if res["type"] != "Tensor":
-                raise CheckFailed(f"rank {r}: {name}(x) must return a torch.Tensor, got {res['type']}")
-            if not torch.equal(res["x_after"], res["x_before"]):
-                raise CheckFailed(f"rank {r}: {name} modified its input x in place: work on a copy")
+                raise CheckFailed(f"rank {r}: vocab_parallel_embedding must return a torch.Tensor, got {res['type']}")
+            if not res["ids_kept"]:
+                raise CheckFailed(f"rank {r}: the ids were modified in place: shift and mask a copy")
+            expect_close(res["out"], want.detach(), f"rank {r}: output vs one process's embedding of all ids (ids "
+                         f"outside [{r * n}, {(r + 1) * n}) must contribute nothing on rank {r})")
             if res["grad"] is None:
-                raise CheckFailed(f"rank {r}: x.grad is None after backward: the output must stay connected to x "
-                                  "(a torch.autograd.Function)")
-            expect_close(res["out"], xs[r], f"rank {r}: forward of f = x, unchanged")
-            expect_close(res["grad"], sum(ups), f"rank {r}: backward of f = the sum of the upstream gradients "
-                         f"over {world_size} ranks (each rank's shard used the same x)")
-            if res["fwd"] != [] or res["bwd"] != [("all_reduce", nbytes)]:
-                raise CheckFailed(f"rank {r}: communication through course_lib.comm: expected forward [] "
-                                  f"and backward {[('all_reduce', nbytes)]}, got {res['fwd']} and {res['bwd']}")
-        return f"{world_size} ranks, shape {tuple(shape)}: forward, backward and the comm log correct"
-    return run_check(name, body)
+                raise CheckFailed(f"rank {r}: the weight shard got no gradient: the output must depend on it "
+                                  "through autograd")
+            expect_close(res["grad"], full.grad.chunk(world_size)[r], f"rank {r}: gradient of the shard vs rows "
+                         f"[{r * n}, {(r + 1) * n}) of one process's (the output's gradient is already the same on "
+                         "every rank: nothing to sum in backward)")
+            if res["fwd"] != [("all_reduce", nbytes)] or res["bwd"] != []:
+                raise CheckFailed(f"rank {r}: expected one all-reduce of the [b, s, h] output ({nbytes} B) forward "
+                                  f"and nothing backward, through course_lib.comm (the table is never gathered), "
+                                  f"got forward {res['fwd']}, backward {res['bwd']}")
+        return (f"{world_size} ranks, vocabulary {vocab} (shard edges included), ids {tuple(ids_shape)}: output, "
+                f"shard gradients, one all-reduce of {nbytes} B")
+    return run_check("vocab_parallel_embedding", body)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3. the TP MLP
+# 3. tensor-parallel attention with grouped-query K/V heads
 
 
-def _mlp_reference(d_model: int, seed: int) -> MLP:
+def kv_heads_of_rank(n_kv_head: int, t: int, rank: int) -> range:
+    """The K/V heads rank ``rank`` of ``t`` holds (Megatron-LM's placement): heads [r n_kv/t, (r+1) n_kv/t) when t
+    divides n_kv_head; when n_kv_head divides t, head r // (t / n_kv), each head replicated on t / n_kv ranks."""
+    if n_kv_head % t == 0:
+        per = n_kv_head // t
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (t // n_kv_head)
+    return range(head, head + 1)
+
+
+def _gqa_reference(h: int, n_head: int, n_kv_head: int, seq: int, seed: int) -> Attention:
     torch.manual_seed(seed)
-    mlp = MLP(GPTConfig(d_model=d_model, n_head=1))
-    with torch.no_grad():
-        mlp.fc1.bias.copy_(_rand(tuple(mlp.fc1.bias.shape), seed + 7) * 0.1)
-        mlp.fc2.bias.copy_(_rand(tuple(mlp.fc2.bias.shape), seed + 8) * 0.1)
-    return mlp
+    return Attention(GPTConfig(d_model=h, n_head=n_head, n_kv_head=n_kv_head, seq_len=seq, bias=False))
 
 
-def _mlp_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple[int, int, int],
-                 seed: int) -> dict[str, Any]:
-    mlp = _mlp_reference(shape[-1], seed)
-    shards = [mlp.fc1.weight.detach().chunk(world_size, 0)[rank], mlp.fc1.bias.detach().chunk(world_size)[rank],
-              mlp.fc2.weight.detach().chunk(world_size, 1)[rank], mlp.fc2.bias.detach()]
-    params = [s.clone().requires_grad_(True) for s in shards]
+def _gqa_shards(ref: Attention, t: int, rank: int, grads: bool = False) -> list[torch.Tensor]:
+    """Rank ``rank``'s [wq, wk, wv, wo] (or their gradients): its query heads' rows of q_proj and columns of
+    o_proj, and the rows of its K/V heads in k_proj and v_proj."""
+    d, nq = ref.head_dim, ref.n_head // t
+    kv = kv_heads_of_rank(ref.n_kv_head, t, rank)
+    q_rows, kv_rows = slice(rank * nq * d, (rank + 1) * nq * d), slice(kv.start * d, kv.stop * d)
+    get = (lambda m: m.weight.grad) if grads else (lambda m: m.weight.detach())
+    return [get(ref.q_proj)[q_rows], get(ref.k_proj)[kv_rows], get(ref.v_proj)[kv_rows], get(ref.o_proj)[:, q_rows]]
+
+
+def _gqa_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple[int, int, int], n_head: int,
+                 n_kv_head: int, seed: int) -> dict[str, Any]:
+    ref = _gqa_reference(shape[-1], n_head, n_kv_head, shape[1], seed)
+    params = [s.clone().requires_grad_(True) for s in _gqa_shards(ref, world_size, rank)]
     x = _rand(shape, seed + 1).requires_grad_(True)
     with comm.recording() as fwd:
-        out = fn(x, *params)
+        out = fn(x, *params, n_head=n_head, n_kv_head=n_kv_head)
     if not isinstance(out, torch.Tensor):
         return {"type": type(out).__name__}
     if tuple(out.shape) != tuple(shape):
         return {"type": f"Tensor of shape {tuple(out.shape)}, expected {tuple(shape)}"}
     with comm.recording() as bwd:
-        (out * _rand(tuple(shape), seed + 2)).sum().backward()
-    return {"type": "Tensor", "out": out.detach().clone(), "x_grad": x.grad,
-            "grads": [p.grad for p in params], "fwd": _ops(fwd), "bwd": _ops(bwd)}
+        out.backward(_rand(shape, seed + 2))
+    return {"type": "Tensor", "out": out.detach().clone(), "x_grad": x.grad, "grads": [p.grad for p in params],
+            "fwd": [(r.op, r.tensor_bytes, r.group_size) for r in fwd.records],
+            "bwd": [(r.op, r.tensor_bytes, r.group_size) for r in bwd.records]}
 
 
-def check_tp_mlp(fn: Callable, world_size: int = 2, shape: tuple[int, int, int] = (2, 8, 32), seed: int = 0,
-                 timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+def _gqa_comm_problem(fwd: list[tuple[str, int, int]], bwd: list[tuple[str, int, int]], t: int, full: int,
+                      kv_bytes: int, replicas: int) -> str:
+    """'' when forward is one all-reduce of the output over the t ranks (g) and backward one of the input's
+    gradient (f) plus, for replicated K/V heads, all-reduces of the K/V gradients (in one call or two) over the
+    ``replicas`` ranks that hold the same heads; else what is wrong."""
+    if fwd != [("all_reduce", full, t)]:
+        return f"forward: expected one all-reduce of the [b, s, h] output ({full} B) over the {t} ranks, got {fwd}"
+    rest = [c for c in bwd if c != ("all_reduce", full, t)]
+    kv = [(b, n) for op, b, n in rest if op == "all_reduce"]
+    if len(bwd) - len(rest) != 1:
+        return f"backward: expected one all-reduce of the input's gradient ({full} B) over the {t} ranks, got {bwd}"
+    if replicas == 1:
+        return "" if not rest else (f"backward: each K/V head lives on one rank here (t divides n_kv_head): its "
+                                    f"gradient is complete, nothing to sum; got {rest} besides f's all-reduce")
+    if len(kv) != len(rest) or sum(b for b, _ in kv) != kv_bytes or any(n != replicas for _, n in kv):
+        return (f"backward: the K/V gradients ({kv_bytes} B in all) must be summed over the {replicas} ranks that "
+                f"hold the same K/V head (a group of {replicas}, not the {t} ranks); got {rest} (op, bytes, group "
+                "size) besides f's all-reduce")
+    return ""
+
+
+def check_gqa_attention(fn: Callable, world_size: int = 4, n_head: int = 4, n_kv_head: int = 2,
+                        shape: tuple[int, int, int] = (2, 8, 16), seed: int = 0,
+                        timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """``fn(x, wq, wk, wv, wo, n_head=, n_kv_head=)`` on ranks: causal GQA attention, query heads split over the
+    ranks, K/V heads placed by ``kv_heads_of_rank``; output, every gradient and the comm log vs one process."""
     def body() -> str:
-        results = _launch(_mlp_on_rank, world_size, fn, tuple(shape), seed, timeout=timeout)
-        ref = _mlp_reference(shape[-1], seed)
+        if n_head % world_size or n_head % n_kv_head or (n_kv_head % world_size and world_size % n_kv_head):
+            raise ValueError(f"check_gqa_attention: needs t={world_size} dividing n_head={n_head}, n_kv_head="
+                             f"{n_kv_head} dividing n_head, and t and n_kv_head dividing one another")
+        results = _launch(_gqa_on_rank, world_size, fn, tuple(shape), n_head, n_kv_head, seed, timeout=timeout)
+        ref = _gqa_reference(shape[-1], n_head, n_kv_head, shape[1], seed)
         x = _rand(shape, seed + 1).requires_grad_(True)
         out = ref(x)
-        (out * _rand(shape, seed + 2)).sum().backward()
-        full = [ref.fc1.weight.grad, ref.fc1.bias.grad, ref.fc2.weight.grad, ref.fc2.bias.grad]
-        names = ["w1 (fc1 rows)", "b1 (fc1 bias slice)", "w2 (fc2 columns)", "b2 (fc2 bias)"]
-        nbytes = x.numel() * 4
+        out.backward(_rand(shape, seed + 2))
+        replicas = max(1, world_size // n_kv_head)
+        kv_bytes = 2 * ref.head_dim * shape[-1] * 4
+        tol = {"rtol": 1e-4, "atol": 1e-5}
         for r, res in enumerate(results):
             if res["type"] != "Tensor":
-                raise CheckFailed(f"rank {r}: tp_mlp must return a torch.Tensor, got {res['type']}")
-            expect_close(res["out"], out.detach(), f"rank {r}: tp_mlp output vs the single-process MLP", rtol=1e-4,
-                         atol=1e-6)
+                raise CheckFailed(f"rank {r}: gqa_attention must return a torch.Tensor, got {res['type']}")
+            expect_close(res["out"], out.detach(), f"rank {r}: output vs one process's attention", **tol)
+            problem = _gqa_comm_problem(res["fwd"], res["bwd"], world_size, x.numel() * 4, kv_bytes, replicas)
+            if problem:
+                raise CheckFailed(f"rank {r}: {problem}")
             if res["x_grad"] is None:
                 raise CheckFailed(f"rank {r}: x.grad is None: the output must depend on x through autograd")
-            expect_close(res["x_grad"], x.grad, f"rank {r}: input gradient (did f all-reduce it in backward?)",
-                         rtol=1e-4, atol=1e-6)
-            for i, (name, g) in enumerate(zip(names, res["grads"], strict=True)):
-                want = full[i].chunk(world_size, 0)[r] if i < 2 else full[i].chunk(world_size, 1)[r] if i == 2 \
-                    else full[i]
+            expect_close(res["x_grad"], x.grad, f"rank {r}: gradient of x (every rank's heads read x)", **tol)
+            heads = kv_heads_of_rank(n_kv_head, world_size, r)
+            holders = [q for q in range(world_size) if kv_heads_of_rank(n_kv_head, world_size, q) == heads]
+            names = ["wq (its query heads of q_proj)", "wk (its K/V heads of k_proj)", "wv (its K/V heads of v_proj)",
+                     "wo (its query heads of o_proj)"]
+            for i, (name, g, want) in enumerate(zip(names, res["grads"], _gqa_shards(ref, world_size, r, True),
+                                                    strict=True)):
                 if g is None:
                     raise CheckFailed(f"rank {r}: {name} got no gradient")
-                expect_close(g, want, f"rank {r}: gradient of {name} vs the slice of one process's gradient",
-                             rtol=1e-4, atol=1e-6)
-            if res["fwd"] != [("all_reduce", nbytes)] or res["bwd"] != [("all_reduce", nbytes)]:
-                raise CheckFailed(f"rank {r}: expected one all-reduce of {nbytes} B forward (g) and one backward (f) "
-                                  f"through course_lib.comm, got forward {res['fwd']}, backward {res['bwd']}")
-        return f"{world_size} ranks, x {tuple(shape)}: output, input and shard gradients match one process"
-    return run_check("tp_mlp", body)
+                shared = f" (K/V heads {list(heads)} are held by ranks {holders}: each rank's gradient covers only " \
+                    "its own query heads; the head's gradient is their sum)" if i in (1, 2) and replicas > 1 else ""
+                expect_close(g, want, f"rank {r}: gradient of {name} vs one process's{shared}", **tol)
+        how = f"each K/V head on {replicas} ranks" if replicas > 1 else f"{n_kv_head // world_size} K/V heads a rank"
+        return (f"{world_size} ranks, {n_head} query heads, {n_kv_head} K/V heads ({how}), x {tuple(shape)}: output, "
+                "every gradient and the comm log")
+    return run_check("gqa_attention", body)
+
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -324,15 +407,16 @@ EXERCISES = [
              hidden=[{"world_size": 4, "shape": (1, 8, 16), "seed": 2},
                      {"world_size": 2, "shape": (3, 4, 8), "seed": 7}],
              off_limits=SP_OFF_LIMITS),
-    Exercise("copy_to_region", "Find the bug: f's backward, averaged", 2, "copy_to_region",
-             check_copy_to_region, hidden=[{"world_size": 4, "shape": (4, 2, 2), "seed": 3}],
-             off_limits=("course_lib.parallel.tp_comm.CopyToTensorParallelRegion",
-                         "course_lib.parallel.tp_comm.copy_to_tensor_parallel_region")),
-    Exercise("tp_mlp", "A column-parallel then row-parallel MLP", 3, "tp_mlp", check_tp_mlp,
-             hidden=[{"world_size": 4, "shape": (1, 4, 16), "seed": 4}],
-             off_limits=("course_lib.parallel.tp_layers.TensorParallelMLP",
-                         "course_lib.parallel.tp_layers.ColumnParallelLinear",
-                         "course_lib.parallel.tp_layers.RowParallelLinear")),
+    Exercise("vocab_parallel_embedding", "A vocabulary-parallel embedding on ranks", 3, "vocab_parallel_embedding",
+             check_vocab_parallel_embedding,
+             hidden=[{"world_size": 4, "vocab": 32, "h": 4, "ids_shape": (3, 4), "seed": 3},
+                     {"world_size": 2, "vocab": 6, "h": 3, "ids_shape": (1, 7), "seed": 8}],
+             off_limits=("course_lib.parallel.tp_layers.VocabParallelEmbedding",)),
+    Exercise("gqa_attention", "TP attention with GQA: where the K/V heads go", 4, "gqa_attention",
+             check_gqa_attention,
+             hidden=[{"world_size": 4, "n_head": 8, "n_kv_head": 1, "shape": (1, 6, 16), "seed": 4},
+                     {"world_size": 2, "n_head": 12, "n_kv_head": 6, "shape": (2, 4, 24), "seed": 9}],
+             off_limits=("course_lib.parallel.tp_layers.TensorParallelAttention",)),
     Exercise("vocab_parallel_cross_entropy", "Vocab-parallel cross-entropy", 3, "vocab_parallel_cross_entropy",
              check_vocab_parallel_cross_entropy,
              hidden=[{"world_size": 4, "n": 12, "vocab": 32, "scale": 1000.0, "seed": 5},

@@ -1,4 +1,4 @@
-"""Chapter 05 — pipeline parallelism: a schedule, two steps on real ranks, and a bug to find in one of them.
+"""Chapter 05 — pipeline parallelism: two schedules, two steps on real ranks, and a bug to find in one of them.
 
 1. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
    2021), as strings "F3" / "B3", checked against ``course_lib.schedules.one_f_one_b``.
@@ -6,14 +6,16 @@
    ``Action`` per rank, backward split in I and W. Any schedule is accepted that ``schedules.validate`` accepts, uses
    I and W (no B), and, simulated with F = I = W = 1, has ZB-H1's bubble (p-1)/(3m+p-1) with at most min(p, m)
    micro-batches in flight per rank (1F1B's memory): the library's order is one of several.
-3. ``pipeline_step(stage, x, y, m)``: one training step of a two-stage 1F1B pipeline on real ranks with point-to-point
-   messages. Checked against the single-process gradients of the batch mean, and on the wire: every message is one
-   float32 [b, s, h] activation (forward) or its gradient (backward), m each way, and each rank's sends and receives
-   come in the order of 1F1B's actions (rank 0 sends at F, receives at B; rank 1 the other way round). Collectives
-   are refused: a pipeline only talks to its neighbour.
-4. ``gpipe_step(stage, x, y, m)``: find the bug in a colleague's GPipe step on the same two ranks (the last stage
+3. ``deep_pipeline_step(stage, x, y, m)``: one training step of a p-stage 1F1B pipeline (p = 3 visible, 2 and 4
+   hidden, m < p included) on real ranks with point-to-point messages: the middle ranks receive and send both ways.
+   Checked against the single-process gradients of the batch mean, and on the wire: every message is one float32
+   [b, s, h] activation (forward) or its gradient (backward), and each rank's (send|recv, peer) sequence follows
+   1F1B's actions (``expected_messages``: at F receive from r-1, send to r+1; at B receive from r+1, send to r-1).
+   Collectives are refused: a pipeline only talks to its neighbours.
+4. ``gpipe_step(stage, x, y, m)``: find the bug in a colleague's GPipe step on two ranks (the last stage
    divides each micro-batch loss by the micro-batch's rows b instead of by m, so the gradients of *both* stages are
-   m/b times too large) and fix it; the same check as 3 with GPipe's order (all forwards, then all backwards).
+   m/b times too large) and fix it; the same check as 3 on p = 2 with GPipe's order (all forwards, then all
+   backwards).
 5. ``shape_that_hides_the_bug()``: a (batch, m), m >= 2, for which the colleague's step of 4 passes parity: the
    bug is a factor m/b, invisible exactly when b = batch / m = m, i.e. batch = m^2 (the notebook also runs the
    colleague's step on the shape, on ranks, to show it).
@@ -95,36 +97,39 @@ def check_zb_h1_schedule(fn: Callable, cases: tuple[tuple[int, int], ...] = ((4,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The pipeline step, on two ranks
+# Pipeline steps on real ranks
 
-_CFG = GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, bias=False)
+_CFG = GPTConfig(n_layer=4, d_model=16, n_head=2, seq_len=8, bias=False)
+"""Four blocks: up to four stages of at least one block each."""
 
 
-def _p2p_log(log: list[tuple[str, int, str]]) -> contextlib.AbstractContextManager[None]:
-    """Record (send|recv, bytes, dtype) of every point-to-point message; refuse every collective."""
+def _p2p_log(log: list[tuple[str, int, str, int]]) -> contextlib.AbstractContextManager[None]:
+    """Record (send|recv, bytes, dtype, peer rank) of every point-to-point message; refuse every collective."""
     def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if name not in core.PG_POINT_TO_POINT:
-            return core.refusal(RefusedCollective, "a pipeline stage only talks to its neighbour with point-to-point "
+            return core.refusal(RefusedCollective, "a pipeline stage only talks to its neighbours with point-to-point "
                                 "messages (dist.isend / dist.irecv); it called a collective")
 
-        def logged(self: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        def logged(self: Any, tensors: list[torch.Tensor], peer: int, *args: Any, **kwargs: Any) -> Any:
             for t in tensors:
-                log.append((name, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch.")))
-            return original(self, tensors, *args, **kwargs)
+                log.append((name, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."), peer))
+            return original(self, tensors, peer, *args, **kwargs)
         return logged
     return core.patch_process_group((*core.PG_POINT_TO_POINT, *core.PG_COLLECTIVES), wrap)
 
 
-def _stage(rank: int, seed: int) -> pp.Stage:
-    return pp.Stage(GPT(_CFG, seed=seed), rank, 2, pp.stage_layers(pp.layer_split(_CFG.n_layer, 2))[rank])
+def _stage(rank: int, p: int, seed: int) -> pp.Stage:
+    """Stage ``rank`` of ``p``, the first stages one block longer where p does not divide the blocks (3: 2, 1, 1)."""
+    split = [_CFG.n_layer // p + (i < _CFG.n_layer % p) for i in range(p)]
+    return pp.Stage(GPT(_CFG, seed=seed), rank, p, pp.stage_layers(pp.layer_split(_CFG.n_layer, p, split))[rank])
 
 
 def _pipeline_on_rank(rank: int, world_size: int, fn: Callable[..., Any], m: int, batch: int,
                       seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
-    stage = _stage(rank, seed)
+    stage = _stage(rank, world_size, seed)
     x, y = global_batch(seed, batch, _CFG.seq_len, seed)
-    log: list[tuple[str, int, str]] = []
+    log: list[tuple[str, int, str, int]] = []
     with _p2p_log(log):
         losses = fn(stage, x, y, m)
     grads = {n: (q.grad.detach().clone() if q.grad is not None else None) for n, q in stage.named_parameters()}
@@ -132,37 +137,50 @@ def _pipeline_on_rank(rank: int, world_size: int, fn: Callable[..., Any], m: int
 
 
 _launch = functools.partial(
-    core.launch_check, hang_hint=": a receive with no matching send (rank 0 sends at F and receives at B; rank 1 "
-    "receives at F and sends at B), or a message of another shape?", guard_errors=("RefusedCollective",))
+    core.launch_check, hang_hint=": a receive with no matching send (rank r receives from r-1 and sends to r+1 at "
+    "F, receives from r+1 and sends to r-1 at B), a message of another shape, or two neighbours each blocked in a "
+    "send to the other (gloo's dist.send returns only once the peer has posted the matching receive: use dist.isend "
+    "and wait for the sends at the end)?", guard_errors=("RefusedCollective",))
 
 
-def _check_two_stage_step(name: str, fn: Callable[..., Any], schedule: Callable[[int, int], schedules.Schedule],
-                          label: str, m: int, batch: int, seed: int, timeout: float) -> CheckResult:
-    """Two ranks run ``fn(stage, x, y, m)``; the gradients of both stages must be those of ``lm_loss`` on the full
-    batch in one process; rank 1 returns the m unscaled micro-batch losses (Python floats), rank 0 []; every message
-    is float32 [b, s, h]; each rank's message sequence follows its compute actions in ``schedule(2, m)``."""
+def expected_messages(schedule: schedules.Schedule, p: int, rank: int) -> list[tuple[str, int]]:
+    """(send|recv, peer) of rank ``rank``'s messages, in the order of its compute actions: at F it receives the
+    activation from rank - 1 (none on the first) and sends its output to rank + 1 (none on the last); at B it
+    receives the output's gradient from rank + 1 (none on the last) and sends its input's gradient to rank - 1."""
+    out: list[tuple[str, int]] = []
+    for a in (a for a in schedule[rank] if a.is_compute):
+        before, after = (rank - 1, rank + 1) if a.kind is schedules.Kind.F else (rank + 1, rank - 1)
+        out += [("recv", before)] if 0 <= before < p else []
+        out += [("send", after)] if 0 <= after < p else []
+    return out
+
+
+def _check_step(name: str, fn: Callable[..., Any], schedule: Callable[[int, int], schedules.Schedule], label: str,
+                p: int, m: int, batch: int, seed: int, timeout: float) -> CheckResult:
+    """p ranks run ``fn(stage, x, y, m)``; the gradients of every stage must be those of ``lm_loss`` on the full
+    batch in one process; the last rank returns the m unscaled micro-batch losses (Python floats), the others [];
+    every message is float32 [b, s, h]; each rank's messages are ``expected_messages(schedule(p, m), p, rank)``."""
     def body() -> str:
         if batch % m:
             raise ValueError(f"the check needs batch ({batch}) divisible by m ({m})")
-        results = _launch(_pipeline_on_rank, 2, fn, m, batch, seed, timeout=timeout)
+        results = _launch(_pipeline_on_rank, p, fn, m, batch, seed, timeout=timeout)
         x, y = global_batch(seed, batch, _CFG.seq_len, seed)
         ref = GPT(_CFG, seed=seed)
         lm_loss(ref(x), y).backward()
         ref_grads = {n: q.grad for n, q in ref.named_parameters()}
         micro = [lm_loss(ref(xj), yj).item() for xj, yj in zip(x.chunk(m), y.chunk(m), strict=True)]
         nbytes = (batch // m) * _CFG.seq_len * _CFG.d_model * 4
+        sched = schedule(p, m)
         for r, res in enumerate(results):
-            order = [a for a in schedule(2, m)[r] if a.is_compute]
-            sends_at = "F" if r == 0 else "B"
-            expected = [("send" if a.kind.value == sends_at else "recv") for a in order]
-            got = [op for op, _, _ in res["log"]]
+            expected = expected_messages(sched, p, r)
+            got = [(op, peer) for op, _, _, peer in res["log"]]
             if got != expected:
                 i = next((i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
                          min(len(got), len(expected)))
-                raise CheckFailed(f"rank {r}: its messages in order were {got}; {label}'s actions "
-                                  f"{[str(a) for a in order]} give {expected} (rank {r} sends at {sends_at}); first "
-                                  f"difference at message {i}")
-            for op, size, dtype in res["log"]:
+                order = [str(a) for a in sched[r] if a.is_compute]
+                raise CheckFailed(f"rank {r} of {p}: its messages (op, peer) in order were {got}; {label}'s actions "
+                                  f"{order} give {expected}; first difference at message {i}")
+            for op, size, dtype, _ in res["log"]:
                 if size != nbytes or dtype != "float32":
                     raise CheckFailed(f"rank {r}: a {op} of {size:,} bytes ({dtype}); every message is one float32 "
                                       f"[b, s, h] = [{batch // m}, {_CFG.seq_len}, {_CFG.d_model}] tensor, "
@@ -170,34 +188,37 @@ def _check_two_stage_step(name: str, fn: Callable[..., Any], schedule: Callable[
             for pname, g in res["grads"].items():
                 if g is None:
                     raise CheckFailed(f"rank {r}: {pname}.grad is None after the step")
-                expect_close(g, ref_grads[pname], f"rank {r}'s gradient of {pname} (m={m}, batch={batch}; the "
-                             "gradient of the full-batch mean loss)", rtol=1e-4, atol=1e-6)
-        losses0, losses1 = results[0]["losses"], results[1]["losses"]
-        if losses0 != []:
-            raise CheckFailed(f"rank 0 must return [] (the losses live on the last stage), got {losses0!r}")
-        if not isinstance(losses1, list) or not all(type(v) is float for v in losses1) or len(losses1) != m:
-            raise CheckFailed(f"rank 1 must return a list of {m} Python floats (each micro-batch's unscaled mean loss, "
-                              f"loss.item()), got {losses1!r}")
-        for j, (got_loss, want) in enumerate(zip(losses1, micro, strict=True)):
+                expect_close(g, ref_grads[pname], f"rank {r}'s gradient of {pname} (p={p}, m={m}, batch={batch}; "
+                             "the gradient of the full-batch mean loss)", rtol=1e-4, atol=1e-6)
+        for r, res in enumerate(results[:-1]):
+            if res["losses"] != []:
+                raise CheckFailed(f"rank {r} must return [] (the losses live on the last stage), got "
+                                  f"{res['losses']!r}")
+        last = results[-1]["losses"]
+        if not isinstance(last, list) or not all(type(v) is float for v in last) or len(last) != m:
+            raise CheckFailed(f"rank {p - 1} (the last) must return a list of {m} Python floats (each micro-batch's "
+                              f"unscaled mean loss, loss.item()), got {last!r}")
+        for j, (got_loss, want) in enumerate(zip(last, micro, strict=True)):
             if abs(got_loss - want) > 1e-5 * max(1.0, abs(want)):
-                raise CheckFailed(f"rank 1's loss of micro-batch {j}: expected {want:.6f} (unscaled), got "
+                raise CheckFailed(f"rank {p - 1}'s loss of micro-batch {j}: expected {want:.6f} (unscaled), got "
                                   f"{got_loss:.6f}")
-        return (f"m={m}, batch={batch}: gradients of both stages right, {2 * m} messages of {nbytes:,} B in {label} "
-                "order")
+        sent = sum(op == "send" for r in range(p) for op, _ in expected_messages(sched, p, r))
+        return (f"p={p}, m={m}, batch={batch}: gradients of every stage right, {sent} messages of {nbytes:,} B in "
+                f"{label} order")
     return run_check(name, body)
 
 
-def check_pipeline_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: int = 0,
-                        timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """``fn(stage, x, y, m)`` on two ranks in 1F1B's order: full-batch gradients, m float32 [b, s, h] messages each
-    way, unscaled losses on rank 1."""
-    return _check_two_stage_step("pipeline_step", fn, schedules.one_f_one_b, "1F1B", m, batch, seed, timeout)
+def check_deep_pipeline_step(fn: Callable[..., Any], p: int = 3, m: int = 4, batch: int = 8, seed: int = 0,
+                             timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """``fn(stage, x, y, m)`` on p ranks in 1F1B's order: full-batch gradients, float32 [b, s, h] messages to and
+    from both neighbours, unscaled losses on the last rank."""
+    return _check_step("deep_pipeline_step", fn, schedules.one_f_one_b, "1F1B", p, m, batch, seed, timeout)
 
 
 def check_gpipe_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: int = 0,
                      timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """The same as ``check_pipeline_step`` in GPipe's order (all m forwards, then all m backwards)."""
-    return _check_two_stage_step("gpipe_step", fn, schedules.gpipe, "GPipe", m, batch, seed, timeout)
+    """Two ranks in GPipe's order (all m forwards, then all m backwards), checked as ``check_deep_pipeline_step``."""
+    return _check_step("gpipe_step", fn, schedules.gpipe, "GPipe", 2, m, batch, seed, timeout)
 
 
 def check_shape_that_hides_the_bug(fn: Callable[[], tuple[int, int]]) -> CheckResult:
@@ -230,6 +251,12 @@ def check_colleague_on_shape(colleague: Callable[..., Any], shape_fn: Callable[[
     return run_check("the colleague's step on your shape", body)
 
 
+PIPELINE_OFF_LIMITS = ("course_lib.parallel.pp.PipelineParallel", "course_lib.parallel.pp.TorchPipeline",
+                       "course_lib.parallel.pp.train_pp", "course_lib.parallel.pp_executor.PipelineExecutor",
+                       "torch.distributed.pipelining.Schedule1F1B", "torch.distributed.pipelining.ScheduleGPipe",
+                       "torch.distributed.pipelining.PipelineStage")
+"""The library's pipeline runners, and PyTorch's: each runs the whole step."""
+
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
              hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}],
@@ -237,16 +264,14 @@ EXERCISES = [
     Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
              check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}],
              off_limits=("course_lib.schedules.zb_h1",)),
-    Exercise("pipeline_step", "One 1F1B step on two real ranks", 5, "pipeline_step", check_pipeline_step,
-             hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 1, "batch": 2, "seed": 2},
-                     {"m": 8, "batch": 8, "seed": 3}],
-             off_limits=("course_lib.parallel.pp.PipelineParallel",
-                         "course_lib.parallel.pp_executor.PipelineExecutor")),
+    Exercise("deep_pipeline_step", "One 1F1B step on p real ranks: the middle ranks", 5, "deep_pipeline_step",
+             check_deep_pipeline_step,
+             hidden=[{"p": 4, "m": 2, "batch": 6, "seed": 1}, {"p": 2, "m": 3, "batch": 6, "seed": 3}],
+             off_limits=PIPELINE_OFF_LIMITS),
     Exercise("gpipe_step", "Find the bug: a GPipe step on two real ranks", 4, "gpipe_step", check_gpipe_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
                      {"m": 4, "batch": 12, "seed": 3}, {"m": 3, "batch": 6, "seed": 4}],
-             off_limits=("course_lib.parallel.pp.PipelineParallel",
-                         "course_lib.parallel.pp_executor.PipelineExecutor")),
+             off_limits=PIPELINE_OFF_LIMITS),
     Exercise("shape_that_hides_the_bug", "Predict: the shape where the colleague's bug passes", 2,
              "shape_that_hides_the_bug", check_shape_that_hides_the_bug),
 ]

@@ -129,68 +129,154 @@ def sp_regathers_in_backward(x, norm_w, w1, b1, w2, b2):
     return _Leave.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
 
 
-class _Buggy(torch.autograd.Function):
+def _emb_rows(ids, weight, mask=True, hi_inclusive=False):
+    n = weight.shape[0]
+    local = ids - dist.get_rank() * n
+    rows = F.embedding(local.clamp(0, n - 1), weight)
+    if not mask:
+        return rows
+    outside = (local < 0) | ((local > n) if hi_inclusive else (local >= n))
+    return rows * ~outside.unsqueeze(-1)
+
+
+def emb_clamps_without_masking(ids, weight):
+    """Clamps the shifted ids into the shard but never zeroes the foreign ones: every rank adds an edge row."""
+    return tp.reduce_from_tensor_parallel_region(_emb_rows(ids, weight, mask=False))
+
+
+def emb_ids_modulo_shard(ids, weight):
+    """Looks up ids % (V/t) on every rank: each rank adds a row, whether the id is its own or not."""
+    return tp.reduce_from_tensor_parallel_region(F.embedding(ids % weight.shape[0], weight))
+
+
+def emb_mask_off_by_one(ids, weight):
+    """Treats local id V/t as inside the shard: the first id of the next shard is also looked up here."""
+    return tp.reduce_from_tensor_parallel_region(_emb_rows(ids, weight, hi_inclusive=True))
+
+
+def emb_sums_the_gradient_too(ids, weight):
+    """g, then f: an all-reduce backward as well, so the shard's gradient is t times one process's."""
+    return tp.copy_to_tensor_parallel_region(tp.reduce_from_tensor_parallel_region(_emb_rows(ids, weight)))
+
+
+def emb_gathers_the_table(ids, weight):
+    """Right values and gradients, but all-gathers the whole V x h table to look the ids up."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    table = torch.empty((n * weight.shape[0], weight.shape[1]))
+    comm.all_gather(table, weight.detach().contiguous())
+    parts = list(table.chunk(n))
+    parts[r] = weight
+    return F.embedding(ids, torch.cat(parts))
+
+
+class _MaskedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def f_without_backward_all_reduce(x):
-    """The bug of the exercise, unchanged."""
-    return _Buggy.apply(x)
-
-
-class _FAveraged(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        comm.all_reduce(grad)
-        return grad / dist.get_world_size()
-
-
-def f_averages_instead_of_sums(x):
-    """The colleague's f as given: divides by t, as data parallelism would (the ranks used the same X, their
-    gradients add up)."""
-    return _FAveraged.apply(x)
-
-
-class _FBothWays(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        out = x.detach().clone()
+    def forward(ctx, ids, weight):
+        n = weight.shape[0]
+        local = ids - dist.get_rank() * n
+        inside = (local >= 0) & (local < n)
+        out = torch.zeros((*ids.shape, weight.shape[1]))
+        out[inside] = weight[local[inside]]
         comm.all_reduce(out)
+        ctx.save_for_backward(local, inside)
+        ctx.rows = n
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        comm.all_reduce(grad)
-        return grad
+        local, inside = ctx.saved_tensors
+        dw = torch.zeros((ctx.rows, grad.shape[-1])).index_add_(0, local[inside], grad[inside])
+        return None, dw
 
 
-def f_all_reduces_forward_too(x):
-    """Sums in forward as well: f's forward is the identity (X is already the same on every rank)."""
-    return _FBothWays.apply(x)
+def emb_as_one_function(ids, weight):
+    """Right: one autograd.Function, boolean indexing forward, index_add of the gradient rows backward."""
+    return _MaskedLookup.apply(ids, weight)
 
 
-def mlp_bias_added_on_every_rank(x, w1, b1, w2, b2):
-    """Adds b2 before g: the bias is summed t times."""
-    h = F.gelu(F.linear(tp.copy_to_tensor_parallel_region(x), w1, b1))
-    return tp.reduce_from_tensor_parallel_region(F.linear(h, w2, b2))
+class _SumOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
-def mlp_without_f(x, w1, b1, w2, b2):
-    """No f: the input gradient stays this rank's partial sum."""
-    h = F.gelu(F.linear(x, w1, b1))
-    return tp.reduce_from_tensor_parallel_region(F.linear(h, w2)) + b2
+class _SumBothOver(torch.autograd.Function):
+    """Both K/V gradients in one all-reduce (coalesced)."""
+
+    @staticmethod
+    def forward(ctx, wk, wv, group):
+        ctx.group, ctx.n = group, wk.numel()
+        return wk.view_as(wk), wv.view_as(wv)
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        flat = torch.cat([gk.reshape(-1), gv.reshape(-1)])
+        comm.all_reduce(flat, group=ctx.group)
+        return flat[:ctx.n].view_as(gk), flat[ctx.n:].view_as(gv), None
+
+
+def _holders(n_kv_head):
+    t, r = dist.get_world_size(), dist.get_rank()
+    if n_kv_head % t == 0:
+        return None
+    per = t // n_kv_head
+    return [dist.new_group(list(range(k * per, (k + 1) * per))) for k in range(n_kv_head)][r // per]
+
+
+def _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="holders", interleave=False, f=True):
+    t, r = dist.get_world_size(), dist.get_rank()
+    b, s, h = x.shape
+    d = h // n_head
+    group = _holders(n_kv_head)
+    if group is not None and reduce == "holders":
+        wk, wv = _SumOver.apply(wk, group), _SumOver.apply(wv, group)
+    elif group is not None and reduce == "coalesced":
+        wk, wv = _SumBothOver.apply(wk, wv, group)
+    elif group is not None and reduce == "world":
+        wk, wv = _SumOver.apply(wk, None), _SumOver.apply(wv, None)
+    if f:
+        x = tp.copy_to_tensor_parallel_region(x)
+    q, k, v = (F.linear(x, w).view(b, s, -1, d).transpose(1, 2) for w in (wq, wk, wv))
+    q_heads = torch.arange(q.shape[1]) + r * q.shape[1]
+    if interleave:
+        reads = torch.arange(q.shape[1]) % k.shape[1]
+    else:
+        first = r * k.shape[1] if n_kv_head % t == 0 else r // (t // n_kv_head)
+        reads = q_heads // (n_head // n_kv_head) - first
+    y = F.scaled_dot_product_attention(q, k.index_select(1, reads), v.index_select(1, reads), is_causal=True)
+    return tp.reduce_from_tensor_parallel_region(F.linear(y.transpose(1, 2).reshape(b, s, -1), wo))
+
+
+def gqa_kv_grads_not_summed(x, wq, wk, wv, wo, n_head, n_kv_head):
+    """A replicated K/V head keeps each rank's own share of its gradient: the copies step apart."""
+    return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="none")
+
+
+def gqa_kv_grads_summed_over_all_ranks(x, wq, wk, wv, wo, n_head, n_kv_head):
+    """Sums the K/V gradients over all t ranks: adds the gradients of other heads to this one."""
+    return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="world")
+
+
+def gqa_heads_interleaved(x, wq, wk, wv, wo, n_head, n_kv_head):
+    """Local query head i reads local K/V head i % n_kv_local: groups are contiguous (q // (n_head / n_kv))."""
+    return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, interleave=True)
+
+
+def gqa_without_f(x, wq, wk, wv, wo, n_head, n_kv_head):
+    """No f before the projections: x's gradient stays this rank's heads' share."""
+    return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, f=False)
+
+
+def gqa_coalesced_kv_reduce(x, wq, wk, wv, wo, n_head, n_kv_head):
+    """Right: both K/V gradients summed over the holders in one all-reduce."""
+    return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="coalesced")
 
 
 def ce_gathers_the_logits(logits, targets):
@@ -212,13 +298,16 @@ def ce_without_the_global_max(logits, targets):
     return ((s + (sa - s.detach())).log() - (tl + (ta - tl.detach()))).mean()
 
 
-RIGHT = {"sp_region": [sp_regathers_in_backward]}
+RIGHT = {"sp_region": [sp_regathers_in_backward], "vocab_parallel_embedding": [emb_as_one_function],
+         "gqa_attention": [gqa_coalesced_kv_reduce]}
 """Correct answers other than the solution's: each must score full marks."""
 
 WRONG = {
     "sp_region": [sp_forgets_replicated_grads, sp_averages_replicated_grads, sp_gbar_backward_slices,
                   sp_bias_before_leave, sp_leave_backward_zero_pads],
-    "copy_to_region": [f_without_backward_all_reduce, f_averages_instead_of_sums, f_all_reduces_forward_too],
-    "tp_mlp": [mlp_bias_added_on_every_rank, mlp_without_f],
+    "vocab_parallel_embedding": [emb_clamps_without_masking, emb_ids_modulo_shard, emb_mask_off_by_one,
+                                 emb_sums_the_gradient_too, emb_gathers_the_table],
+    "gqa_attention": [gqa_kv_grads_not_summed, gqa_kv_grads_summed_over_all_ranks, gqa_heads_interleaved,
+                      gqa_without_f],
     "vocab_parallel_cross_entropy": [ce_gathers_the_logits, ce_without_the_global_max],
 }

@@ -84,21 +84,82 @@ def _two_stage_step(stage, x, y, m, schedule, loss_scale):
     return losses
 
 
-def step_gpipe_order(stage, x, y, m):
-    """All forwards, then all backwards: right gradients, but not 1F1B (m activations held)."""
-    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / m)
+def _deep_step(stage, x, y, m, schedule=one_f_one_b, scale=True, echo=False, blocking=False, by_rows=False):
+    """A p-stage step running ``schedule(p, m)``'s compute actions."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    xs, ys, shape = x.chunk(m), y.chunk(m), _h_shape(stage, x, m)
+    ins, outs, sends, losses = {}, {}, [], []
+
+    def send(t, dst):
+        if blocking:
+            dist.send(t, dst=dst)
+        else:
+            sends.append(dist.isend(t, dst=dst))
+
+    def recv(src):
+        t = torch.empty(shape)
+        if blocking:
+            dist.recv(t, src=src)
+        else:
+            dist.irecv(t, src=src).wait()
+        return t
+
+    for a in [a for a in schedule(p, m)[rank] if a.is_compute]:
+        j = a.microbatch
+        if a.kind is Kind.F:
+            h = xs[j] if rank == 0 else recv(rank - 1).requires_grad_(True)
+            out = stage(h)
+            if rank == p - 1:
+                loss = lm_loss(out, ys[j])
+                losses.append(loss.item())
+                out = loss * (x.shape[0] // m) / x.shape[0] if by_rows else loss / m if scale else loss
+            else:
+                send(out.detach(), rank + 1)
+            ins[j], outs[j] = h, out
+        else:
+            g = None if rank == p - 1 else recv(rank + 1)
+            torch.autograd.backward(outs.pop(j), g)
+            h = ins.pop(j)
+            if rank > 0:
+                send(g if echo and g is not None else h.grad, rank - 1)
+    for w in sends:
+        w.wait()
+    return losses
 
 
-def step_without_loss_scale(stage, x, y, m):
-    """1F1B order, but each micro-batch back-propagates its full mean loss (m x too large)."""
-    return _two_stage_step(stage, x, y, m, one_f_one_b, lambda loss: loss)
+def deep_step_gpipe_order(stage, x, y, m):
+    """All forwards, then all backwards: right gradients, but GPipe's order (m activations held), not 1F1B's."""
+    return _deep_step(stage, x, y, m, schedule=gpipe)
 
 
-def step_with_all_reduce(stage, x, y, m):
-    """Sums the full-batch losses with an all-reduce: a collective the pipeline must not use."""
+def deep_step_without_loss_scale(stage, x, y, m):
+    """Each micro-batch back-propagates its full mean loss: every stage's gradients m x too large."""
+    return _deep_step(stage, x, y, m, scale=False)
+
+
+def deep_step_middle_echoes_the_gradient(stage, x, y, m):
+    """A middle rank passes back the gradient it received (of its output) instead of its input's gradient: right
+    shape, but its own blocks are skipped in the chain rule."""
+    return _deep_step(stage, x, y, m, echo=True)
+
+
+def deep_step_with_all_reduce(stage, x, y, m):
+    """Averages the losses with an all-reduce: a collective the pipeline must not use."""
     t = torch.zeros(1)
     dist.all_reduce(t)
-    return []
+    return _deep_step(stage, x, y, m)
+
+
+def deep_step_blocking_messages(stage, x, y, m):
+    """Blocking dist.send / dist.recv in 1F1B's order: deadlocks on gloo. In the steady state rank 1 sends micro-batch
+    j+1's activation to rank 2 while rank 2 sends micro-batch j's gradient to rank 1; gloo's send returns only once
+    the peer has posted the matching receive, so each waits for the other."""
+    return _deep_step(stage, x, y, m, blocking=True)
+
+
+def deep_step_scaled_by_rows(stage, x, y, m):
+    """Right: each micro-batch mean weighted by its rows over the batch's (b / batch = 1 / m)."""
+    return _deep_step(stage, x, y, m, by_rows=True)
 
 
 def gpipe_divided_by_rows(stage, x, y, m):
@@ -136,10 +197,14 @@ def hides_when_batch_equals_m():
     return 4, 4
 
 
+RIGHT = {"deep_pipeline_step": [deep_step_scaled_by_rows]}
+"""Correct answers other than the solution's: each must score full marks."""
+
 WRONG = {
     "one_f_one_b_order": [warmup_off_by_one, all_forwards_then_backwards],
     "zb_h1_schedule": [split_backward_without_delay, all_weight_gradients_at_the_end, weight_before_input],
-    "pipeline_step": [step_gpipe_order, step_without_loss_scale, step_with_all_reduce],
+    "deep_pipeline_step": [deep_step_gpipe_order, deep_step_without_loss_scale, deep_step_middle_echoes_the_gradient,
+                           deep_step_with_all_reduce, deep_step_blocking_messages],
     "gpipe_step": [gpipe_divided_by_rows, gpipe_without_loss_scale, gpipe_fixed_but_in_1f1b_order],
     "shape_that_hides_the_bug": [hides_with_the_chapter_shape, hides_with_one_micro_batch, hides_with_floats,
                                  hides_when_batch_equals_m],
