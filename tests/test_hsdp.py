@@ -12,7 +12,10 @@ faster one, so the shard groups are {0, 1}, {2, 3} and the replicate groups {0, 
 * the module's parameters and gradient shards equal PyTorch's ``fully_shard`` on that 2-D ``DeviceMesh``
   (gloo), names, shapes, dtypes and values bit for bit, fp32 and bf16 (both reduce-scatter over the shard group,
   then all-reduce over the replicate group; the means divide by powers of two, exact), and our placements
-  ``{"dp_replicate": R, "dp_shard": S(0)}`` read as DTensor's ``(Replicate(), Shard(0))``.
+  ``{"dp_replicate": R, "dp_shard": S(0)}`` read as DTensor's ``(Replicate(), Shard(0))``;
+* a checkpoint saved by HSDP after step 1 (``mesh_checkpoint``, through the placements) resumes on HSDP and on
+  ZeRO-2 over dp 4, equal to the uninterrupted run and to the baseline;
+* HSDP x TP (8 ranks, slow): dp_replicate 2 x dp_shard 2 x tp 2 matches the baseline.
 
 Mutations that go red: the all-reduce over the replicas skipped (replicas drift, the baseline is missed); the
 shards reduce-scattered over the whole dp group instead of the shard group (the gradient summed over the wrong
@@ -23,6 +26,7 @@ over all four ranks, so the baseline cannot tell, but every shard differs from `
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -31,19 +35,21 @@ from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.mesh import Mesh, MeshError, MeshShape
 from course_lib.model import GPT, GPTConfig, lm_loss
-from course_lib.parallel.compose import merge_composed, train_parallel
+from course_lib.parallel.compose import Checkpointing, merge_composed, train_parallel
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
 from course_lib.parallel.placement import Replicate, Shard, describe, merge_parameters, placements_of
 from course_lib.parallel.transforms import apply_data_parallel
 from course_lib.parallel.zero_unit import default_units
 from course_lib.train import NOISE_MULTIPLE, Fp32Noise, TrainResult, compare, make_optimizer, train_baseline
-from tests.test_zero_fsdp2 import ADAMW, CFG, DTYPES, _local, mismatches
+from tests.test_zero_fsdp2 import ADAMW, CFG, CFG_2D, DTYPES, _local, mismatches
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 HSDP = {"dp": 4, "dp_replicate": 2}
 AXES = ("dp_replicate", "dp_shard")
+SAVE_AFTER = 1
+RESUME_ON = {"hsdp": ParallelConfig(**HSDP, zero_stage=3), "zero2_dp4": ParallelConfig(dp=4, zero_stage=2)}
 
 
 class SkipsReplicaAllReduce(PerParameterUnit):
@@ -127,7 +133,7 @@ def _refused_device_mesh() -> str:
     return ""
 
 
-def _suite(rank, world_size):
+def _suite(rank, world_size, folder):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = Mesh(**HSDP)
@@ -137,7 +143,11 @@ def _suite(rank, world_size):
             "torch_groups": {a: dmesh[a].mesh.tolist() for a in AXES},  # this rank's group in each
             "our_device_mesh": ours_dmesh.mesh.tolist(),
             "refused_device_mesh": _refused_device_mesh()}
-    runs["composed"] = train_parallel(rank, world_size, CFG, ADAMW, ParallelConfig(**HSDP, zero_stage=3))
+    runs["composed"] = train_parallel(rank, world_size, CFG, ADAMW, ParallelConfig(**HSDP, zero_stage=3),
+                                      checkpoint=Checkpointing(save_to=folder, save_after=SAVE_AFTER))
+    for name, other in RESUME_ON.items():
+        runs["resumed", name] = train_parallel(rank, world_size, CFG, ADAMW, other,
+                                               checkpoint=Checkpointing(resume_from=folder))
     for name, dtype in DTYPES.items():
         if name == "fp16":
             continue
@@ -152,7 +162,7 @@ def _suite(rank, world_size):
 
 @functools.cache
 def suite():
-    return launch(_suite, 4, timeout=400)
+    return launch(_suite, 4, tempfile.mkdtemp(prefix="hsdp-ckpt-"), timeout=400)
 
 
 @functools.cache
@@ -222,6 +232,17 @@ def test_hsdp_matches_the_baseline_and_its_replicas_agree():
     assert [r.group for r in per_step if r.op == "all_reduce"] == ["dp_replicate"] * units
 
 
+@pytest.mark.parametrize("name", RESUME_ON)
+def test_a_checkpoint_saved_by_hsdp_resumes_on_hsdp_and_on_another_mesh(name):
+    """Saved through the placements (each shard gathered over dp_shard, written by the first replica), cut
+    again by the new mesh's placements on resume."""
+    resumed = merge_composed([r["resumed", name] for r in suite()])
+    ref = baseline()
+    assert compare(merge_composed([r["composed"] for r in suite()]).from_step(SAVE_AFTER), resumed,
+                   noise=ref.noise).ok
+    assert compare(ref.from_step(SAVE_AFTER), resumed).ok
+
+
 def test_hsdp_in_bf16_matches_the_baseline_within_the_bf16_noise():
     results, ref = suite(), baseline()
     for kind in ("ours", "fsdp_1d"):
@@ -275,3 +296,20 @@ def test_groups_with_the_wrong_stride_differ_from_fully_shard():
     # ... but rank 1 holds shard 0 where PyTorch's rank 1 holds shard 1 (and rank 2 the reverse)
     for rank in (1, 2):
         assert mismatches(results[rank]["wrong_stride"], results[rank]["fully_shard", "fp32"]), rank
+
+
+# ---------------------------------------------------------------------------------------------- HSDP x TP
+
+
+def _hsdp_tp(rank, world_size):
+    return train_parallel(rank, world_size, CFG_2D, ADAMW, ParallelConfig(**HSDP, tp=2, zero_stage=3))
+
+
+@pytest.mark.slow
+def test_hsdp_on_a_tensor_parallel_model_matches_the_baseline():
+    """dp_replicate 2 x dp_shard 2 x tp 2: each TP shard cut again over dp_shard, its GQA K/V gradients
+    (``Partial`` on tp) summed over tp after the dp_shard reduce-scatter and the dp_replicate all-reduce."""
+    results = launch(_hsdp_tp, 8, timeout=400)
+    assert results[0].coords["dp_shard"] == 0 and results[2].coords["dp_shard"] == 1
+    report = compare(train_baseline(CFG_2D, ADAMW), merge_composed(results))
+    assert report.ok, report
