@@ -15,7 +15,7 @@ faster one, so the shard groups are {0, 1}, {2, 3} and the replicate groups {0, 
   ``{"dp_replicate": R, "dp_shard": S(0)}`` read as DTensor's ``(Replicate(), Shard(0))``;
 * a checkpoint saved by HSDP after step 1 (``mesh_checkpoint``, through the placements) resumes on HSDP and on
   ZeRO-2 over dp 4, equal to the uninterrupted run and to the baseline;
-* HSDP x TP (8 ranks, slow): dp_replicate 2 x dp_shard 2 x tp 2 matches the baseline.
+* HSDP x TP and HSDP x CP (8 ranks, slow): dp_replicate 2 x dp_shard 2 x (tp 2 | cp 2) match the baseline.
 
 Mutations that go red: the all-reduce over the replicas skipped (replicas drift, the baseline is missed); the
 shards reduce-scattered over the whole dp group instead of the shard group (the gradient summed over the wrong
@@ -301,15 +301,22 @@ def test_groups_with_the_wrong_stride_differ_from_fully_shard():
 # ---------------------------------------------------------------------------------------------- HSDP x TP
 
 
-def _hsdp_tp(rank, world_size):
-    return train_parallel(rank, world_size, CFG_2D, ADAMW, ParallelConfig(**HSDP, tp=2, zero_stage=3))
+CFG_CP = GPTConfig(bias=False, n_layer=2, d_model=32, n_head=4, seq_len=16)  # zig-zag: seq_len % (2 cp) == 0
+WITH_OTHER_AXIS = {"tp": (CFG_2D, {"tp": 2}), "cp": (CFG_CP, {"cp": 2})}
+
+
+def _hsdp_with(rank, world_size, cfg, degrees):
+    return train_parallel(rank, world_size, cfg, ADAMW, ParallelConfig(**HSDP, **degrees, zero_stage=3))
 
 
 @pytest.mark.slow
-def test_hsdp_on_a_tensor_parallel_model_matches_the_baseline():
-    """dp_replicate 2 x dp_shard 2 x tp 2: each TP shard cut again over dp_shard, its GQA K/V gradients
-    (``Partial`` on tp) summed over tp after the dp_shard reduce-scatter and the dp_replicate all-reduce."""
-    results = launch(_hsdp_tp, 8, timeout=400)
-    assert results[0].coords["dp_shard"] == 0 and results[2].coords["dp_shard"] == 1
-    report = compare(train_baseline(CFG_2D, ADAMW), merge_composed(results))
+@pytest.mark.parametrize("axis", WITH_OTHER_AXIS)
+def test_hsdp_with_tensor_or_context_parallelism_matches_the_baseline(axis):
+    """dp_replicate 2 x dp_shard 2 x (tp 2 | cp 2), 8 ranks. TP: each TP shard cut again over dp_shard, its GQA
+    K/V gradients (``Partial`` on tp) summed over tp after the dp_shard reduce-scatter and the dp_replicate
+    all-reduce. CP: the shards live on dp_shard x cp (torchtitan's dp_shard_cp), recorded "dp_shard+cp"."""
+    cfg, degrees = WITH_OTHER_AXIS[axis]
+    results = launch(_hsdp_with, 8, cfg, degrees, timeout=400)
+    assert [r.coords["dp_shard"] for r in results[:4]] == [0, 0, 1, 1]  # tp or cp fastest, then dp_shard
+    report = compare(train_baseline(cfg, ADAMW), merge_composed(results))
     assert report.ok, report
