@@ -16,6 +16,18 @@ parallelism: the dense parameters' gradients are averaged over ``("dp", "cp")`` 
 Megatron's distributed optimizer and torchtitan's ``dp_shard_cp``), the experts' over ``"edp"``; tokens travel
 between experts over ``"ep"``.
 
+**Hybrid sharded data parallelism** (HSDP; PyTorch's ``fully_shard`` on a 2-D ``DeviceMesh``
+("replicate", "shard"), torchtitan's ``dp_replicate`` x ``dp_shard``) splits the dp axis in two:
+``dp = dp_replicate x dp_shard``. FSDP shards over the ``dp_shard`` ranks (those with the same replicate index)
+and the shards are replicated over the ``dp_replicate`` ranks (those with the same shard index). As in torchtitan
+(mesh dims ``pp, dp_replicate, dp_shard, cp, tp``, slowest first) the shard index is the faster one:
+
+    dp_coord = dp_shard_coord + dp_shard * dp_replicate_coord
+
+so a shard group is dp_shard consecutive dp coordinates (on one node when the dp stride allows) and a replicate
+group strides by dp_shard. ``dp_replicate`` = 1 (the default) is plain FSDP: the ``"dp_shard"`` group is the dp
+group. The sub-axes are dense axes: ``group_ranks(r, "dp_shard", "cp")`` is torchtitan's ``dp_shard_cp``.
+
 ``MeshShape`` is the arithmetic alone (no processes: the estimator, the planner and the figures use it);
 ``Mesh`` is that shape inside a running job, with one ``torch.distributed`` process group per set of axes,
 each named in the comm log by its axes ("tp", "dp+cp"). Groups are plain ``new_group`` groups rather than a
@@ -38,8 +50,9 @@ from course_lib.model import GPTConfig
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("tp", "ep", "edp", "pp")
+DP_SUB_AXES = ("dp_replicate", "dp_shard")  # HSDP: dp = dp_replicate x dp_shard, dp_shard the faster
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-_LABEL_ORDER = ("dp", "cp", "tp", "pp", "ep", "edp")  # how group names read in the comm log: "dp+cp"
+_LABEL_ORDER = ("dp", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "edp")  # group names in the comm log
 
 
 class MeshError(ValueError):
@@ -67,10 +80,11 @@ class MeshShape:
     pp: int = 1
     ep: int = 1
     order: str = DEFAULT_ORDER
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("dp", "cp", "tp", "pp", "ep"):
+        for name in ("dp", "cp", "tp", "pp", "ep", "dp_replicate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r}: every degree must be an int >= 1")
@@ -80,6 +94,10 @@ class MeshShape:
                             f"(fastest first, e.g. {DEFAULT_ORDER!r})")
         if problems:
             raise MeshError(problems)
+        if self.dp % self.dp_replicate:
+            raise MeshError([f"dp_replicate={self.dp_replicate} does not divide dp={self.dp}: HSDP replicates over "
+                             f"dp_replicate ranks and shards over dp / dp_replicate (choose dp_replicate in "
+                             f"{divisors(self.dp)}, or dp a multiple of {self.dp_replicate})"])
         if (self.dp * self.cp) % self.ep:
             raise MeshError([f"ep={self.ep} must divide dp x cp = {self.dp * self.cp}: experts are spread over the "
                              f"data-parallel ranks (choose ep in {divisors(self.dp * self.cp)})"])
@@ -95,6 +113,11 @@ class MeshShape:
         """How many times each expert is replicated: dp x cp / ep."""
         return self.dp * self.cp // self.ep
 
+    @property
+    def dp_shard(self) -> int:
+        """The ranks FSDP shards over inside dp (HSDP: dp / dp_replicate; plain FSDP: dp)."""
+        return self.dp // self.dp_replicate
+
     def size(self, *axes: str) -> int:
         """Ranks in one group over ``axes`` (the product of their degrees)."""
         return math.prod(self._degree(a) for a in self._check_axes(axes))
@@ -105,7 +128,8 @@ class MeshShape:
         return tuple(a for a in self.order.split("-") if a != "ep")
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank`` on every axis, the expert ones (ep, edp) included."""
+        """Coordinates of ``rank`` on every axis, the expert ones (ep, edp) included, and with dp_replicate > 1
+        the HSDP sub-axes (dp_replicate, dp_shard)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
         c, rest = {}, rank
@@ -113,6 +137,8 @@ class MeshShape:
             rest, c[axis] = divmod(rest, self._degree(axis))
         i = self._data_index(c)
         c["ep"], c["edp"] = i % self.ep, i // self.ep
+        if self.dp_replicate > 1:
+            c["dp_replicate"], c["dp_shard"] = divmod(c["dp"], self.dp_shard)
         return c
 
     def rank_of(self, **coords: int) -> int:
@@ -132,6 +158,12 @@ class MeshShape:
     def group_ranks(self, rank: int, *axes: str) -> list[int]:
         """The ranks in ``rank``'s group over ``axes``: those whose other coordinates equal ``rank``'s."""
         axes = self._check_axes(axes)
+        subs = [a for a in axes if a in DP_SUB_AXES]
+        if subs:  # the dp group's ranks whose other sub-coordinate equals rank's
+            fixed = next(iter(set(DP_SUB_AXES) - set(subs)), None)
+            same = [r for r in self.group_ranks(rank, "dp", *(a for a in axes if a not in DP_SUB_AXES))
+                    if fixed is None or self._sub_coord(r, fixed) == self._sub_coord(rank, fixed)]
+            return same
         system, mine = self._system(axes), self.coords(rank)
         varying = [a for a in self._axis_order(system) if a in axes]  # fastest first: ranks come out in order
         ranks = []
@@ -253,12 +285,20 @@ class MeshShape:
     def _degree(self, axis: str) -> int:
         return self.edp if axis == "edp" else getattr(self, axis)
 
+    def _sub_coord(self, rank: int, axis: str) -> int:
+        """``rank``'s coordinate on an HSDP sub-axis (defined for dp_replicate = 1 too: the shard index is dp's)."""
+        replicate, shard = divmod(self.coords(rank)["dp"], self.dp_shard)
+        return replicate if axis == "dp_replicate" else shard
+
     def _check_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
         if not axes:
             raise ValueError("name at least one axis")
-        unknown = [a for a in axes if a not in (*DENSE_AXES, "ep", "edp")]
+        unknown = [a for a in axes if a not in (*DENSE_AXES, "ep", "edp", *DP_SUB_AXES)]
         if unknown:
-            raise ValueError(f"unknown axes {unknown}: the mesh has {(*DENSE_AXES, 'ep', 'edp')}")
+            raise ValueError(f"unknown axes {unknown}: the mesh has {(*DENSE_AXES, 'ep', 'edp', *DP_SUB_AXES)}")
+        if "dp" in axes and set(axes) & set(DP_SUB_AXES):
+            raise ValueError(f"axes {list(axes)}: dp already holds dp_replicate x dp_shard; name dp or its "
+                             f"sub-axes, not both")
         self._system(axes)
         return tuple(dict.fromkeys(axes))
 
@@ -266,7 +306,7 @@ class MeshShape:
     def _system(axes: tuple[str, ...]) -> tuple[str, ...]:
         """Dense axes (tp, cp, dp, pp) and expert axes (tp, ep, edp, pp) are two readings of the same ranks;
         a group is taken in one of them."""
-        if set(axes) <= set(DENSE_AXES):
+        if set(axes) <= {*DENSE_AXES, *DP_SUB_AXES}:
             return DENSE_AXES
         if set(axes) <= set(EXPERT_AXES):
             return EXPERT_AXES
@@ -283,16 +323,17 @@ class Mesh:
     """A ``MeshShape`` inside a running job: this rank's coordinates and one process group per set of axes.
 
     Build it on every rank after ``init_process_group`` (``launch`` does that), with the same arguments:
-    ``mesh = Mesh(dp=2, tp=2)``. Groups are created here, on every rank in the same order (``new_group`` is
-    collective over the world); sets of axes that split the ranks the same way share one group.
+    ``mesh = Mesh(dp=2, tp=2)``; HSDP: ``Mesh(dp=4, dp_replicate=2)``, then ``mesh.group("dp_shard")`` (FSDP's)
+    and ``mesh.group("dp_replicate")`` (the replicas'). Groups are created here, on every rank in the same order
+    (``new_group`` is collective over the world); sets of axes that split the ranks the same way share one group.
     """
 
     def __init__(self, dp: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
-                 order: str = DEFAULT_ORDER) -> None:
+                 order: str = DEFAULT_ORDER, dp_replicate: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Mesh needs torch.distributed: build it inside a launched rank "
                                "(course_lib.launch or torchrun); MeshShape does the arithmetic without processes")
-        self.shape = MeshShape(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, order=order)
+        self.shape = MeshShape(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, order=order, dp_replicate=dp_replicate)
         self.shape.validate(world_size=dist.get_world_size())
         self.rank = dist.get_rank()
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
@@ -309,13 +350,16 @@ class Mesh:
             self._groups[axes] = by_label[label]
 
     def label(self, *axes: str) -> str:
-        """The name of the group over ``axes`` in the comm log: its axes of degree > 1 ("dp+cp"), or "self"."""
-        axes = self.shape._check_axes(axes)
-        return "+".join(a for a in _LABEL_ORDER if a in axes and self.shape.size(a) > 1) or "self"
+        """The name of the group over ``axes`` in the comm log: its axes of degree > 1 ("dp+cp"), or "self".
+        An HSDP sub-axis that is all of dp (the other of degree 1) is named "dp": the same group."""
+        s = self.shape
+        axes = tuple("dp" if a in DP_SUB_AXES and s.size(a) == s.dp else a for a in s._check_axes(axes))
+        return "+".join(a for a in _LABEL_ORDER if a in axes and s.size(a) > 1) or "self"
 
     def _axis_sets(self) -> list[tuple[str, ...]]:
         sets = [s for n in range(1, 5) for s in itertools.combinations(DENSE_AXES, n)]
         sets += [("ep",), ("edp",), ("tp", "ep"), ("ep", "edp")]
+        sets += [("dp_replicate",), ("dp_shard",), ("dp_shard", "cp")]  # HSDP (the dp group when dp_replicate=1)
         return sets
 
     def group(self, *axes: str) -> dist.ProcessGroup:
@@ -344,14 +388,21 @@ class Mesh:
     def device_mesh(self, *axes: str, device_type: str | None = None):
         """PyTorch's ``DeviceMesh`` of the same grid (dense axes, slowest first as DeviceMesh wants), or its
         sub-mesh over ``axes``, for the native references (DTensor ``parallelize_module``, ``fully_shard``).
-        Collective: every rank calls it with the same arguments."""
+        With dp_replicate > 1 its dp dimension is two, ``("dp_replicate", "dp_shard")``: ``fully_shard`` on
+        ``device_mesh("dp_replicate", "dp_shard")`` is PyTorch's HSDP. Collective: every rank calls it with the
+        same arguments."""
         from torch.distributed.device_mesh import DeviceMesh
 
         from course_lib.launch import device
 
-        if not set(axes) <= set(DENSE_AXES):
-            raise ValueError(f"device_mesh takes dense axes {DENSE_AXES}, got {list(axes)}")
-        names = tuple(reversed(self.shape.dense_order))
+        hsdp = self.shape.dp_replicate > 1
+        known = (*DENSE_AXES, *DP_SUB_AXES) if hsdp else DENSE_AXES
+        if not set(axes) <= set(known) or (hsdp and "dp" in axes):
+            raise ValueError(f"device_mesh takes dense axes {tuple(a for a in known if not hsdp or a != 'dp')}, got "
+                             f"{list(axes)}" + (" (with dp_replicate > 1 dp is dp_replicate x dp_shard)" if hsdp
+                                                else ""))
+        names = tuple(x for a in reversed(self.shape.dense_order) for x in (DP_SUB_AXES if hsdp and a == "dp"
+                                                                             else (a,)))
         grid = torch.empty([self.shape.size(a) for a in names], dtype=torch.int64)
         for r in range(self.world_size):
             c = self.shape.coords(r)
@@ -361,5 +412,6 @@ class Mesh:
 
     def __repr__(self) -> str:
         s = self.shape
+        hsdp = f", dp_replicate={s.dp_replicate}" if s.dp_replicate > 1 else ""
         return (f"Mesh(rank={self.rank}, dp={s.dp}, cp={s.cp}, tp={s.tp}, pp={s.pp}, ep={s.ep}, "
-                f"order={s.order!r}, coords={s.coords(self.rank)})")
+                f"order={s.order!r}{hsdp}, coords={s.coords(self.rank)})")

@@ -32,6 +32,12 @@ ZERO_WITH_PIPELINE = ("ZeRO-2 with pipeline parallelism is refused: a stage's gr
 ZeRO-3 composes: ``pp_fsdp``)."""
 
 
+HSDP_NEEDS_FSDP = ("dp_replicate={replicate} is hybrid sharding (HSDP): FSDP2's shards (zero_stage=3) over dp_shard, "
+                   "replicated over dp_replicate; with zero_stage={stage} nothing is sharded that could be "
+                   "replicated: use zero_stage=3, or dp_replicate=1")
+"""Why ``dp_replicate`` > 1 needs ZeRO-3 (``check_composable``, ``transforms.apply_data_parallel``)."""
+
+
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
                      = None, microbatches: int = 1, v: int = 1, zero_stage: int = 0) -> None:
     """Raise ``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError``
@@ -42,6 +48,8 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
     unsupported = []
     if shape.pp > 1 and zero_stage == 2:
         unsupported.append(ZERO_WITH_PIPELINE)
+    if shape.dp_replicate > 1 and zero_stage != 3:
+        unsupported.append(HSDP_NEEDS_FSDP.format(replicate=shape.dp_replicate, stage=zero_stage))
     if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
         unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
                            "use ep x dp")
@@ -55,6 +63,8 @@ class ParallelConfig:
 
     * degrees ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` and their ``order`` (fastest first, Megatron's
       ``tp-cp-ep-dp-pp`` by default): ``shape`` is their ``MeshShape``, ``mesh()`` builds the ``Mesh``;
+    * ``dp_replicate`` (torchtitan's name): HSDP, dp = dp_replicate x dp_shard; with ``zero_stage=3`` FSDP2
+      shards over dp_shard and replicates over dp_replicate (``course_lib.mesh``'s rank layout). 1: plain FSDP;
     * ``zero_stage``: 0, the optimizer is replicated (gradients averaged by the data-parallel step); 1, a
       ``ShardedOptimizer`` partitions its state over dp x cp; 2, gradients reduce-scattered too (the flat
       ``ZeroDataParallel``); 3, the parameters as well (FSDP2's per-parameter shards, on top of TP's; with a
@@ -78,6 +88,7 @@ class ParallelConfig:
     microbatches: int = 2
     v: int = 1
     accumulation: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         self.shape  # noqa: B018 -- MeshShape refuses a bad degree or order, with its messages
@@ -90,7 +101,8 @@ class ParallelConfig:
     @property
     def shape(self) -> MeshShape:
         """The degrees and their order as a ``MeshShape`` (rank <-> coordinates, groups, ``validate``)."""
-        return MeshShape(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, order=self.order)
+        return MeshShape(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, order=self.order,
+                         dp_replicate=self.dp_replicate)
 
     @property
     def world_size(self) -> int:
@@ -100,7 +112,8 @@ class ParallelConfig:
     def mesh(self, mesh_class: type[Mesh] = Mesh) -> Mesh:
         """The ``Mesh`` of these degrees on the running ranks (a collective: every rank builds it).
         ``mesh_class`` is a seam for tests (a mesh that builds its groups wrong)."""
-        return mesh_class(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, order=self.order)
+        return mesh_class(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, order=self.order,
+                          dp_replicate=self.dp_replicate)
 
     def options(self) -> dict[str, Any]:
         """The keywords of ``parallelize`` / ``Parallelized`` this configuration sets."""

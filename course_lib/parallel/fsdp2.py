@@ -43,6 +43,14 @@ gradients up first; either way the reduced shard is cast to fp32 for the optimiz
 division by N after the sum in fp32 and bf16 (whose range holds the sum); in fp16 it is split into a division
 before and one after the sum (``divide_factors``), as FSDP2 does against fp16's overflow.
 
+**HSDP** (hybrid sharding; PyTorch's ``fully_shard`` on a 2-D mesh, placements ``(Replicate(), Shard(0))``):
+on a mesh with ``dp_replicate`` = R > 1 the shards live on the ``dp_shard`` group (S = dp / R ranks; with
+``cp`` too, "dp_shard+cp") and are replicated over the ``dp_replicate`` group. The gradient of a unit is
+reduce-scattered over the shard group, then its shard all-reduced over the replicate group, and divided by
+S x R: the mean over all dp x cp ranks, on 1/S of the bytes for the cross-replica (often cross-node) step
+(FSDP2's ``foreach_reduce``: pre-divide, reduce-scatter, all-reduce, post-divide). Recorded placements:
+``{"dp_replicate": Replicate(), "dp_shard": Shard(0)}``, DTensor's order.
+
 ``PerParameterUnit`` is a ``zero`` unit of this kind (stage 3), run by the same hook engine:
 ``FSDP2DataParallel`` is ``ZeroDataParallel`` with these units.
 """
@@ -59,7 +67,15 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.parallel.contract import ParallelWrapper
-from course_lib.parallel.placement import Partial, Shard, copy_placements, placements_of, set_placement
+from course_lib.parallel.placement import (
+    Partial,
+    Replicate,
+    Shard,
+    clear_placement,
+    copy_placements,
+    placements_of,
+    set_placement,
+)
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.parallel.zero_unit import FlatLayout, FlatParamUnit, UnitState
 
@@ -109,6 +125,9 @@ class PerParameterUnit(FlatParamUnit):
         self.reduce_dtype: torch.dtype | None = None  # None: reduce in param_dtype (MixedPrecisionPolicy's default)
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shard_rank = self.rank
+        self.replicate_group: comm.Group = None  # HSDP: the replicas of this rank's shards (set_replicate)
+        self.replicas = 1
+        self._placed: tuple[str, ...] = ()  # the axes record_placements wrote
         self.events = events if events is not None else []
         self.device = named_params[0][1].device
         originals = [p for _, p in named_params]
@@ -142,13 +161,23 @@ class PerParameterUnit(FlatParamUnit):
         self.state = UnitState.UNSHARDED
         self.reshard()  # frees the full weights and registers the shards in the module
 
-    def record_placements(self, axis: str) -> None:
+    def record_placements(self, axis: str, replicate_axis: str | None = None) -> None:
         """Record every shard ``Shard(0, size=d0)`` on ``axis`` (the key of the group it is sharded over: "dp",
         or "dp+cp" when context-parallel ranks shard with it), on top of what other axes recorded: a TP shard
-        [d0/t, ...] is cut again on its dim 0 (``placement``: the records nest in order)."""
-        self.axis = axis
+        [d0/t, ...] is cut again on its dim 0 (``placement``: the records nest in order). HSDP:
+        ``Replicate()`` on ``replicate_axis`` first, as DTensor's ``(Replicate(), Shard(0))``. Called again, it
+        replaces its own earlier records."""
         for shard, shape in zip(self.shards, self.shapes, strict=True):
+            for old in self._placed:
+                clear_placement(shard, old)
+            if replicate_axis is not None:
+                set_placement(shard, replicate_axis, Replicate())
             set_placement(shard, axis, Shard(0, shape[0]))
+        self.axis, self._placed = axis, (axis,) if replicate_axis is None else (replicate_axis, axis)
+
+    def set_replicate(self, group: comm.Group) -> None:
+        """HSDP: the shards are replicated over ``group``; the reduced gradient shard is all-reduced over it."""
+        self.replicate_group, self.replicas = group, dist.get_world_size(group)
 
     def _slots(self, p: nn.Parameter) -> list[tuple[nn.Module, str]]:
         """Every (submodule, attribute) of the unit's module that registers ``p`` (a tied weight has several)."""
@@ -168,10 +197,11 @@ class PerParameterUnit(FlatParamUnit):
 
     def divide_factors(self, dtype: torch.dtype) -> tuple[int, int]:
         """(pre, post): the summed gradient is divided by ``pre`` before the reduce-scatter and by ``post`` after,
-        pre x post = N (the mean over the ranks: each rank's loss is the mean over its B/N rows). fp32 and bf16:
+        pre x post = N (the mean over the ranks: each rank's loss is the mean over its B/N rows; HSDP: N = S x R,
+        every data-parallel rank, FSDP2's ``data_parallel_size``). fp32 and bf16:
         (1, N); fp16: pre the power of two nearest sqrt(N) from below, so that neither the sum overflows nor
         the pre-divided gradients underflow (FSDP2's ``_get_gradient_divide_factors``)."""
-        n = self.world_size
+        n = self.world_size * self.replicas
         if dtype != torch.float16:
             return 1, n
         pre = 1
@@ -270,8 +300,9 @@ class PerParameterUnit(FlatParamUnit):
 
     def reduce_gradients(self) -> torch.Tensor:
         """Copy-in: chunk r of every full gradient into rank r's segment of an [N, S] buffer in the reduce dtype
-        (zero padding rows; zeros for a parameter without a gradient); reduce-scatter (sum); divide by N
-        (``divide_factors``). Returns this rank's S reduced elements in fp32, chunk i for shard i."""
+        (zero padding rows; zeros for a parameter without a gradient); reduce-scatter (sum) over the shard
+        group; HSDP: all-reduce (sum) of the shard over the replicate group; divide by N (``divide_factors``).
+        Returns this rank's S reduced elements in fp32, chunk i for shard i."""
         n, dtype = self.world_size, self.reduce_dtype or self.param_dtype
         buf = torch.zeros(n, self.segment, dtype=dtype, device=self.device)
         for i, p in enumerate(self.params):
@@ -288,10 +319,17 @@ class PerParameterUnit(FlatParamUnit):
         out = torch.empty(self.segment, dtype=dtype, device=self.device)
         comm.reduce_scatter(out, buf.view(-1), group=self.group)
         self.events.append(("reduce_scatter", self.name))
+        if self.replicas > 1:
+            self.all_reduce_replicas(out)
         if post != 1:
             out.div_(post)
         self.reduced = True
         return out.float()  # the master dtype (no copy in fp32)
+
+    def all_reduce_replicas(self, out: torch.Tensor) -> None:
+        """HSDP's second step (a seam): sum the reduce-scattered shard over the replicas of this rank's shard."""
+        comm.all_reduce(out, group=self.replicate_group)
+        self.events.append(("all_reduce", self.name))
 
     def accept_shard_grad(self, g: torch.Tensor) -> None:
         """Give shard i its gradient: chunk i of ``g``, viewed in the shard's shape (added under accumulation)."""
@@ -346,7 +384,12 @@ class FSDP2DataParallel(ZeroDataParallel):
     ``mesh``'s dp group) every local tensor is sharded again on dim 0, and a parameter recorded ``Partial()`` on
     an axis (a replicated weight whose gradient is each TP rank's share: GQA's K/V, a norm under sequence
     parallelism) has its gradient shard summed over that axis's group in ``finish_gradient_sync`` -- after the
-    dp reduce-scatter, on 1/N of the bytes (both are sums, so the order does not matter)."""
+    dp reduce-scatter, on 1/N of the bytes (both are sums, so the order does not matter).
+
+    HSDP (module docstring): on a ``mesh`` with ``dp_replicate`` > 1 the wrapper's ``group`` is the shard group
+    (``mesh.group("dp_shard", "cp")``, torchtitan's ``dp_shard_cp``) and ``replicate_group`` the replicas'
+    (``mesh.group("dp_replicate")``); ``broadcast`` then also copies the first replica's shards to the others,
+    and ``reduce_losses`` averages over both groups."""
 
     unit_class = PerParameterUnit
 
@@ -356,13 +399,38 @@ class FSDP2DataParallel(ZeroDataParallel):
             raise ValueError(f"per-parameter sharding is ZeRO stage 3 (FSDP); got stage={stage}")
         if reduce_dtype not in (None, *MIXED_DTYPES):
             raise ValueError(f"reduce_dtype must be None or one of {MIXED_DTYPES}, got {reduce_dtype}")
+        mesh = kwargs.get("mesh")
+        hybrid = mesh is not None and hasattr(mesh, "size") and mesh.size("dp_replicate") > 1
+        if hybrid:
+            self.axes = ("dp_shard", "cp")  # the group the shards live on (ParallelWrapper resolves it)
         super().__init__(module, 3, **kwargs)
         self.reduce_dtype = reduce_dtype
         for unit in self.units:
             unit.reduce_dtype = reduce_dtype
-        mesh = kwargs.get("mesh")
+        self.replicate_group: comm.Group = None
+        if hybrid:
+            self._hybrid(mesh, kwargs.get("broadcast", True))
         self.partial = partial_shards(self.units, mesh is not None, type(self).__name__)
         self._mesh = mesh
+
+    def _hybrid(self, mesh: Any, broadcast: bool) -> None:
+        """HSDP: every unit's shards replicated over ``mesh.group("dp_replicate")``, recorded so."""
+        self.replicate_group = mesh.group("dp_replicate")
+        self.axis = "dp_shard+cp" if mesh.size("cp") > 1 else "dp_shard"
+        for unit in self.units:
+            unit.set_replicate(self.replicate_group)
+            unit.record_placements(self.axis, "dp_replicate")
+            if broadcast:  # the shard groups agree with their first rank; now the replicas with the first's
+                for pad in unit.padded:
+                    comm.broadcast(pad, comm.global_rank(self.replicate_group, 0), group=self.replicate_group)
+
+    def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """The mean over the shard group, then (HSDP) over the replicas: every data-parallel rank's."""
+        losses = super().reduce_losses(local)
+        if self.replicate_group is None:
+            return losses
+        comm.all_reduce(losses, group=self.replicate_group)
+        return losses / dist.get_world_size(self.replicate_group)
 
     def finish_gradient_sync(self) -> None:
         """Sum the partial gradient shards over their axis (``sum_partial_shards``)."""

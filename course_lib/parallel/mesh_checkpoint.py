@@ -9,7 +9,8 @@ shards are simply gathered first.
 
 * ``save_checkpoint`` (every rank calls it: it gathers over the axes that shard what it trains): each rank
   gathers every parameter and state tensor as the parameter's placements say (``placement.full_tensor``: TP's
-  slices, ZeRO-3 / FSDP2's dim-0 shards, both nested); experts are named by their global index; each rank
+  slices, ZeRO-3 / FSDP2's dim-0 shards, both nested; HSDP's over ``dp_shard`` only, its replicas being
+  equal); experts are named by their global index; each rank
   writes the tensors it is the first copy of (tp = 0 and dp = cp = 0, or edp = 0 for an expert; ZeRO-1's
   state: the rank that owns it) -- ``stage<pp>.pt`` from the stage's first rank (every tensor of a replicated
   run), ``stage<pp>-rank<k>.pt`` from any other (experts, ZeRO-1's owners); rank 0 writes the step. A folder

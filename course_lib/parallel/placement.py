@@ -20,7 +20,9 @@ merge checkpoints) read only these records. An axis a parameter has no record fo
 
 Several records on one parameter nest in the order they were made: ZeRO-3 of a tensor-parallel weight shards the
 TP shard again (``{"tp": Shard(0), "dp": Shard(0)}``: this rank's rows of its TP rows); ``full_tensor`` undoes
-them last first, ``shard_like`` applies them first first. An axis key names one process group: a mesh axis
+them last first, ``shard_like`` applies them first first. HSDP records an explicit ``Replicate()`` before the
+shard, as DTensor's ``(Replicate(), Shard(0))`` on a 2-D mesh: ``{"dp_replicate": Replicate(), "dp_shard":
+Shard(0)}``. An axis key names one process group: a mesh axis
 (``"tp"``) or several joined by ``+`` (``"dp+cp"``, the group ``mesh.group("dp", "cp")``).
 
 Two ways of holding only part of a model are not a tensor's placement, and are said so:
@@ -123,6 +125,12 @@ def set_placement(p: Placed, axis: str, where: Placement) -> None:
     if isinstance(old, Shard) and isinstance(where, Shard) and old != where:
         raise ValueError(f"axis {axis!r} already shards this parameter as {old}; it cannot also be {where}")
     table[axis] = where
+
+
+def clear_placement(p: Placed, axis: str) -> None:
+    """Forget ``p``'s record on ``axis`` (it is ``Replicate()`` there again): for a wrapper that places its own
+    tensors anew (FSDP2's shards moved from "dp" to HSDP's "dp_shard")."""
+    getattr(p, _ATTR, {}).pop(axis, None)
 
 
 def copy_placements(src: Placed, dst: Placed) -> None:

@@ -25,7 +25,11 @@ built:
      so the ``Partial`` segments of it are summed over tp after the reduce-scatter (``reduce_partial_flat``);
    * ``zero=3``: FSDP2's per-parameter form (``fsdp2.FSDP2DataParallel``): each local tensor cut on dim 0
      again, recorded ``Shard(0)`` on ``"dp"`` (or ``"dp+cp"``) after what TP recorded -- torchtitan's
-     FSDP + TP "2D".
+     FSDP + TP "2D". On a mesh with ``dp_replicate`` > 1 this is HSDP: the shards live on ``"dp_shard"``
+     (``"dp_shard+cp"``) and are replicated over ``"dp_replicate"`` (reduce-scatter, then all-reduce of the
+     shard). The split is the mesh's (``ParallelConfig(dp_replicate=)``, torchtitan's ``dp_replicate`` x
+     ``dp_shard``), not a keyword here: the groups and the rank layout must be built with the mesh, on every
+     rank, before any transform runs.
 
    With a pipeline, ``zero=3`` shards each stage's parameters the same way (``pipe.enable_sharding``,
    ``pp_fsdp``): the schedule's actions gather them, the full gradients accumulate over the micro-batches and
@@ -47,7 +51,7 @@ from course_lib import comm
 from course_lib.mesh import Mesh
 from course_lib.model import GPT
 from course_lib.parallel import placement as P
-from course_lib.parallel.config import ZERO_WITH_PIPELINE
+from course_lib.parallel.config import HSDP_NEEDS_FSDP, ZERO_WITH_PIPELINE
 from course_lib.parallel.cp import apply_cp
 from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.ep import ExpertParallel
@@ -105,6 +109,8 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, *, zero: int = 0, pipe: Pi
     average over."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero}: the ZeRO stages are 0, 1, 2 and 3")
+    if mesh.size("dp_replicate") > 1 and zero != 3:
+        raise ValueError(HSDP_NEEDS_FSDP.format(replicate=mesh.size("dp_replicate"), stage=zero))
     if mesh.size("dp", "cp") == 1:
         return None
     group = mesh.group("dp", "cp")
