@@ -211,7 +211,8 @@ def test_bad_splits_and_stages_are_refused_with_the_fix():
             ParallelConfig(**HSDP, zero_stage=stage).validate(CFG)
         with pytest.raises(ValueError, match=r"use zero_stage=3, or dp_replicate=1"):
             apply_data_parallel(GPT(CFG), MeshShape(**HSDP), zero=stage)  # refused before any group is needed
-    with pytest.raises(ValueError, match="ZeRO-3 with pipeline parallelism is refused"):
+    with pytest.raises(ValueError, match=r"dp_replicate=2 \(HSDP\) with pipeline parallelism is not built here: .* "
+                                         r"use dp_replicate=1 \(FSDP over dp\) with pp > 1"):
         check_composable(MeshShape(dp=4, dp_replicate=2, pp=2), GPTConfig(n_layer=2), zero_stage=3)
     with pytest.raises(ValueError, match="dp already holds dp_replicate x dp_shard"):
         MeshShape(**HSDP).group_ranks(0, "dp", "dp_shard")

@@ -37,6 +37,11 @@ HSDP_NEEDS_FSDP = ("dp_replicate={replicate} is hybrid sharding (HSDP): FSDP2's 
                    "replicated: use zero_stage=3, or dp_replicate=1")
 """Why ``dp_replicate`` > 1 needs ZeRO-3 (``check_composable``, ``transforms.apply_data_parallel``)."""
 
+HSDP_WITH_PIPELINE = ("dp_replicate={replicate} (HSDP) with pipeline parallelism is not built here: a pipeline "
+                      "stage's FSDP shards (pp_fsdp) live on the whole dp group, with no replica all-reduce; use "
+                      "dp_replicate=1 (FSDP over dp) with pp > 1, or pp=1 for HSDP")
+"""Why HSDP and a pipeline do not compose here (``check_composable``, ``transforms.apply_data_parallel``)."""
+
 
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
                      = None, microbatches: int = 1, v: int = 1, zero_stage: int = 0) -> None:
@@ -50,6 +55,8 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
         unsupported.append(ZERO_WITH_PIPELINE)
     if shape.dp_replicate > 1 and zero_stage != 3:
         unsupported.append(HSDP_NEEDS_FSDP.format(replicate=shape.dp_replicate, stage=zero_stage))
+    if shape.dp_replicate > 1 and shape.pp > 1:
+        unsupported.append(HSDP_WITH_PIPELINE.format(replicate=shape.dp_replicate))
     if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
         unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
                            "use ep x dp")

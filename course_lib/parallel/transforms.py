@@ -51,7 +51,7 @@ from course_lib import comm
 from course_lib.mesh import Mesh
 from course_lib.model import GPT
 from course_lib.parallel import placement as P
-from course_lib.parallel.config import HSDP_NEEDS_FSDP, ZERO_WITH_PIPELINE
+from course_lib.parallel.config import HSDP_NEEDS_FSDP, HSDP_WITH_PIPELINE, ZERO_WITH_PIPELINE
 from course_lib.parallel.cp import apply_cp
 from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.ep import ExpertParallel
@@ -117,6 +117,8 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, *, zero: int = 0, pipe: Pi
     if pipe is not None:
         if zero == 2:
             raise ValueError(ZERO_WITH_PIPELINE)
+        if mesh.size("dp_replicate") > 1:
+            raise ValueError(HSDP_WITH_PIPELINE.format(replicate=mesh.size("dp_replicate")))
         if zero == 3:
             pipe.enable_sharding(group, mesh=mesh, axis="dp+cp" if mesh.size("cp") > 1 else "dp")
         else:
