@@ -51,13 +51,20 @@ PRODUCTION_MESHES: tuple[MeshRun, ...] = (
     MeshRun("TP x CP x PP + SP", ParallelConfig(tp=2, cp=2, pp=2, sequence_parallel=True),
             "Llama 3 405B's 128K-context phase: TP 8 x CP 16 x PP 16 x DP 8 + SP (Llama Team, 'The Llama 3 Herd "
             "of Models', 2024, Sec. 3.3.2)",
-            "every degree 2, DP 1; 4 blocks, 32-token sequences"),
+            "every degree 2 and DP 1, on 8 ranks; the tiny GPT: 4 blocks, 16-token sequences"),
     MeshRun("FSDP2 x TP x CP + SP", ParallelConfig(dp=2, tp=2, cp=2, zero_stage=3, sequence_parallel=True),
             "torchtitan's long-context shape: FSDP2 (dp_shard) x TP x CP + SP (Liang et al., 'TorchTitan', "
             "2024, Sec. 3)",
-            "every degree 2; 4 blocks, 32-token sequences"),
+            "every degree 2, on 8 ranks; the tiny GPT: 4 blocks, 16-token sequences"),
 )
 """Meshes of published runs, trained in one 8-rank launch in chapter 08 (extend with one ``MeshRun`` each)."""
+
+
+def describe(parallel: ParallelConfig) -> str:
+    """The mesh in words: its degrees above 1, the ZeRO stage and SP ("tp 2 x cp 2 x pp 2 + SP")."""
+    axes = " x ".join(f"{a} {getattr(parallel, a)}" for a in ("dp", "tp", "cp", "pp", "ep") if getattr(parallel, a) > 1)
+    return (axes or "one rank") + (f", ZeRO-{parallel.zero_stage}" if parallel.zero_stage else "") + (
+        " + SP" if parallel.sequence_parallel else "")
 
 
 def candidate_of(parallel: ParallelConfig, global_batch: int) -> Candidate:
