@@ -19,6 +19,8 @@
    interleaved and ZB-H1 schedules (with and without transfers), then on 4 real ranks: ``train_parallel`` on
    ``ParallelConfig(dp=2, pp=2, schedule="zb_h1")`` with a ``PipelineParallel`` whose ``place_grad_reduce`` is the
    learner's function, against one process (``train_baseline``).
+7. ``place_parameter(name, shape, n_layer, parallel)``: where a parameter lives on a mesh and what its gradient
+   needs (``ch08_placement``), checked on 4 real ranks against the placements the library's transforms record.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import torch.distributed as dist
 from course_lib import hardware, planner
 from course_lib import schedules as S
 from course_lib.data import global_batch, shard
-from course_lib.grading import core
+from course_lib.grading import ch08_placement, core
+from course_lib.grading.ch08_placement import LAUNCH_TIMEOUT_S, check_place_parameter
 from course_lib.grading.core import (
     CheckFailed,
     CheckResult,
@@ -54,7 +57,6 @@ from course_lib.schedules import Action, Kind
 from course_lib.train import TrainConfig, compare, train_baseline
 
 GRADER_PARAMETERS = {"seed": 1}
-LAUNCH_TIMEOUT_S = 40.0
 
 CONSTRAINTS = ("heads", "kv_heads", "ffn", "vocab", "layers", "sequence", "batch")
 """The names ``mesh_problems`` returns, one per constraint of ``MeshShape.validate`` (world size aside)."""
@@ -506,6 +508,9 @@ EXERCISES = [
              hidden=[{"cases": (("gpipe", 4, 4, 1), ("zb_h1", 2, 3, 1), ("interleaved", 4, 8, 2), ("zb_h1", 3, 6, 1)),
                       "ranks": (("zb_h1", 4, 1),)}],
              off_limits=("course_lib.schedules.add_grad_reduce",)),
+    Exercise("place_parameter", "Where a parameter lives on a mesh, and what its gradient needs", 4,
+             "place_parameter", check_place_parameter, hidden=[ch08_placement.HIDDEN],
+             off_limits=ch08_placement.OFF_LIMITS),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -9,6 +9,7 @@ from course_lib.mesh import MeshShape
 from course_lib.parallel import cp_attention as ca
 from course_lib.parallel import cp_ulysses
 from course_lib.parallel import dp as dp_lib
+from course_lib.parallel import placement as placement_lib
 from course_lib.parallel.tp_comm import sequence_parallel_linears
 from course_lib.schedules import one_f_one_b
 
@@ -89,6 +90,14 @@ def sp_region_by_the_librarys_linears(x, norm_w, w1, b1, w2, b2):
     return F.linear(F.gelu(hidden), w2) + b2
 
 
+def place_parameter_from_the_records(name, shape, n_layer, parallel):
+    """Reads the library's placement records of a model built on the mesh instead of deriving them."""
+    from course_lib.model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=n_layer), seed=0)
+    return {"placements": {a: str(w) for a, w in placement_lib.placements_of(model.get_parameter(name)).items()},
+            "stage": 0, "local_shape": tuple(shape), "grad": []}
+
+
 CASES = {
     ("05", "zb_h1_schedule"): [zb_h1_by_full_path, zb_h1_through_a_helper],
     ("05", "one_f_one_b_order"): [one_f_one_b_imported],
@@ -101,4 +110,5 @@ CASES = {
     ("02", "assign_buckets"): [assign_buckets_from_dp],
     ("06", "ulysses_attention"): [ulysses_by_the_library],
     ("04", "sp_region"): [sp_region_by_the_librarys_linears],
+    ("08", "place_parameter"): [place_parameter_from_the_records],
 }
