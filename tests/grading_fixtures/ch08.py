@@ -263,6 +263,59 @@ def reduce_in_place(schedule):
         actions[:] = new
     return schedule
 
+
+def _place(name, shape, n_layer, parallel, *, sp_partial=True, data_group=None, stage_rule="runs", ceil=True,
+           zero3_grad="reduce_scatter_mean"):
+    """A right ``place_parameter`` with one of the knobs turned to a plausible mistake."""
+    module = name.split(".")[-2]
+    local, placements = list(shape), {}
+    if parallel.tp > 1:
+        dim = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "fc1": 0, "tok_emb": 0, "lm_head": 0, "o_proj": 1, "fc2": 1}
+        if module in dim:
+            placements["tp"] = f"S({dim[module]})"
+            local[dim[module]] //= parallel.tp
+        elif parallel.sequence_parallel and sp_partial:
+            placements["tp"] = "P"
+    group = data_group or ("dp+cp" if parallel.cp > 1 else "dp")
+    ranks = parallel.dp if data_group == "dp" else parallel.dp * parallel.cp
+    if parallel.zero_stage == 3 and ranks > 1:
+        placements[group] = "S(0)"
+        local[0] = math.ceil(local[0] / ranks) if ceil else local[0] // ranks
+    if name.startswith("blocks."):
+        block = int(name.split(".")[1])
+        stage = block % parallel.pp if stage_rule == "modulo" else block // (n_layer // parallel.pp)
+    else:
+        stage = 0 if module in ("tok_emb", "pos_emb") else parallel.pp - 1
+    grad = [("all_reduce_sum", axis) for axis, where in placements.items() if where == "P"]
+    if parallel.dp * parallel.cp > 1:
+        grad.append((zero3_grad if group in placements else "all_reduce_mean", group))
+    return {"placements": placements, "stage": stage, "local_shape": tuple(local), "grad": grad}
+
+
+def place_sp_norms_replicated(name, shape, n_layer, parallel):
+    """Under SP the norms are still R on tp: their gradients are never summed over the TP ranks' tokens."""
+    return _place(name, shape, n_layer, parallel, sp_partial=False)
+
+
+def place_zero3_over_dp_only(name, shape, n_layer, parallel):
+    """ZeRO-3 over the dp group alone, even with cp > 1 (the cp ranks hold the same weights: they shard too)."""
+    return _place(name, shape, n_layer, parallel, data_group="dp")
+
+
+def place_stages_round_robin(name, shape, n_layer, parallel):
+    """Block i on stage i mod pp, as if every stage were interleaved."""
+    return _place(name, shape, n_layer, parallel, stage_rule="modulo")
+
+
+def place_shard_rows_rounded_down(name, shape, n_layer, parallel):
+    """A dim-0 shard of n rows over N ranks is n // N rows: the padded vocabulary row is lost."""
+    return _place(name, shape, n_layer, parallel, ceil=False)
+
+
+def place_zero3_gradient_all_reduced(name, shape, n_layer, parallel):
+    """A ZeRO-3 shard's gradient all-reduced (each rank would then hold the whole gradient of a shard it lacks)."""
+    return _place(name, shape, n_layer, parallel, zero3_grad="all_reduce_mean")
+
 WRONG = {
     "coords_of": [coords_slowest_first, coords_default_order, coords_counts_ep],
     "group_of": [group_fixes_the_wrong_axes, group_by_stride],
@@ -275,4 +328,6 @@ WRONG = {
                              average_over_hard_coded_groups],
     "add_grad_reduce": [reduce_after_last_i, reduce_once_per_rank, reduce_after_every_weight_pass,
                         reduce_at_the_end, reduce_as_tuples, reduce_kind_as_a_string, reduce_in_place],
+    "place_parameter": [place_sp_norms_replicated, place_zero3_over_dp_only, place_stages_round_robin,
+                        place_shard_rows_rounded_down, place_zero3_gradient_all_reduced],
 }

@@ -10,6 +10,7 @@ from course_lib.model import expert_positions
 from course_lib.parallel import cp_attention as ca
 from course_lib.parallel import cp_ulysses, tp_layers
 from course_lib.parallel import dp as dp_lib
+from course_lib.parallel import placement as placement_lib
 from course_lib.parallel.tp_comm import sequence_parallel_linears
 from course_lib.schedules import one_f_one_b
 from course_lib.serving.paged import PagedKVCache
@@ -128,6 +129,12 @@ def embedding_by_the_librarys_layer(ids, weight):
 
 class AttentionInheritsTheLibrarys(tp_layers.TensorParallelAttention):
     """An off-limits class subclassed: its forward is the library's."""
+def place_parameter_from_the_records(name, shape, n_layer, parallel):
+    """Reads the library's placement records of a model built on the mesh instead of deriving them."""
+    from course_lib.model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=n_layer), seed=0)
+    return {"placements": {a: str(w) for a, w in placement_lib.placements_of(model.get_parameter(name)).items()},
+            "stage": 0, "local_shape": tuple(shape), "grad": []}
 
 
 CASES = {
@@ -146,4 +153,5 @@ CASES = {
     ("09", "paged_decode"): [paged_decode_by_the_caches_read],
     ("04", "vocab_parallel_embedding"): [embedding_by_the_librarys_layer],
     ("04", "gqa_attention"): [AttentionInheritsTheLibrarys],
+    ("08", "place_parameter"): [place_parameter_from_the_records],
 }
