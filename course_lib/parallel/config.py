@@ -28,6 +28,31 @@ ZERO_WITH_PIPELINE = ("ZeRO-{stage} with pipeline parallelism is refused, as Dee
                       "zero_stage=1 (the optimizer state sharded over dp+cp) with pp > 1")
 """Why ZeRO-2/3 and a pipeline do not compose here, and the source (``check_composable``, ``transforms``)."""
 
+EP_REFUSALS = {
+    "zero": ("ep > 1 with ZeRO-{stage}: the flat (ZeRO-2) or per-parameter (ZeRO-3) shards over dp x cp would "
+             "mix the different experts the ep ranks hold in the same slot; Megatron shards the experts over the "
+             "expert-data-parallel group instead: use zero_stage=1 (the experts' optimizer state partitioned over "
+             "edp, the dense one over dp x cp)"),
+    "sp": ("ep > 1 with sequence_parallel: the MoE layers would see s/tp tokens per tp rank (another token order "
+           "for the capacity queues, partial router gradients over tp); use sequence_parallel=False with ep"),
+    "cp_capacity": ("ep > 1 with cp = {cp} and capacity_factor={cf}: the capacity queues follow the single-process "
+                    "token order, which the cp layout interleaves over the cp ranks; use capacity_factor=None "
+                    "(dropless) with cp, or cp = 1"),
+}
+"""The expert-parallel combinations ``check_composable`` refuses, each with its reason and fix (``ep_mesh``)."""
+
+
+def routing_refusal(shape: MeshShape, capacity: bool, load_balancing: bool) -> str:
+    """Why an MoE with ``capacity`` or the ``load_balancing`` loss cannot be pipelined on ``shape`` ("" when it
+    can): dp x cp > 1 with pp > 1 gives no micro-batch of one process (``moe_mesh``'s docstring)."""
+    if shape.pp == 1 or shape.dp * shape.cp == 1 or not (capacity or load_balancing):
+        return ""
+    return (f"an MoE with capacity or the load-balancing loss cannot run with dp x cp = {shape.dp * shape.cp} and "
+            f"pp = {shape.pp}: the pipeline cuts each data-parallel rank's rows into its own micro-batches, and "
+            f"their union over the dp ranks is no micro-batch of one process, so capacity and f_i would differ from "
+            f"train_baseline's. Use dp = 1 with the pipeline (so ep = 1), or capacity_factor=None and "
+            f"aux_loss_coef=0 (the z-loss composes)")
+
 
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
                      = None, microbatches: int = 1, v: int = 1, zero_stage: int = 0) -> None:
@@ -40,9 +65,16 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
     if shape.pp > 1 and zero_stage >= 2:
         unsupported.append(ZERO_WITH_PIPELINE.format(stage=zero_stage, extra=" and every weight re-gathered for "
                                                      "every micro-batch" if zero_stage == 3 else ""))
-    if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
-        unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
-                           "use ep x dp")
+    if shape.ep > 1:
+        if zero_stage >= 2:
+            unsupported.append(EP_REFUSALS["zero"].format(stage=zero_stage))
+        if sequence_parallel:
+            unsupported.append(EP_REFUSALS["sp"])
+        if shape.cp > 1 and cfg.capacity_factor is not None:
+            unsupported.append(EP_REFUSALS["cp_capacity"].format(cp=shape.cp, cf=cfg.capacity_factor))
+        routing = routing_refusal(shape, cfg.capacity_factor is not None, bool(cfg.aux_loss_coef))
+        if routing:
+            unsupported.append(routing)
     if unsupported:
         raise ValueError("cannot compose this mesh: " + "; ".join(unsupported))
 

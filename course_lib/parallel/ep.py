@@ -48,7 +48,7 @@ Production versions of the same steps: Megatron-Core's ``MoEAlltoAllTokenDispatc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,7 +183,8 @@ class ExpertParallelMoE(MoE):
         self.step_routed = torch.zeros(self.n_expert, dtype=torch.long)  # routed (before capacity), the same
         self.aux_loss: torch.Tensor | None = None
         self.stats: EPRoutingStats | None = None
-        self.shards, self.backward_scale, self.reported = None, None, []  # its own exchange; not pipelined
+        # its own count exchange (no ``shards``); ``backward_scale``: set by ``moe_mesh.share_routing`` under a pipeline
+        self.shards, self.backward_scale, self.reported = None, None, []
 
     # -- seams ------------------------------------------------------------------------------------------------
 
@@ -249,7 +250,7 @@ class ExpertParallelMoE(MoE):
         n_tokens = int(counts.sum()) // k
         cap = self.capacity(n_tokens)
         keep = self.keep_mask(r.chosen, counts, cap)
-        self.aux_loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
+        loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
 
         token, slot = keep.nonzero(as_tuple=True)  # token order
         expert = r.chosen[token, slot]
@@ -284,7 +285,7 @@ class ExpertParallelMoE(MoE):
         self.stats = EPRoutingStats(counts.sum(0).tolist(), total_kept.tolist(), int(counts.sum() - kept.sum()),
                                     routing_entropy(r.probs.detach()), lg.sent_bytes("all_to_all"),
                                     lg.seconds("all_to_all"), *self.group_traffic(token, expert, flat.shape[0]))
-        return out.view_as(x)
+        return self.attach_router_loss(out.view_as(x), loss)
 
 
 class TorchAllToAllMoE(ExpertParallelMoE):
@@ -373,6 +374,13 @@ class ExpertParallel(ParallelWrapper):
                 if expert_dp_group is not None:
                     for p in self.expert_params:
                         comm.broadcast(p.detach(), group_ranks(expert_dp_group)[0], group=expert_dp_group)
+
+    def hold(self, params: Iterable[nn.Parameter]) -> None:
+        """Reduce only the gradients of ``params`` from now on: a pipeline rank's stages (``ep_mesh``); the other
+        stages' parameters are trained on other ranks."""
+        held = {id(p) for p in params}
+        self.dense_params = [p for p in self.dense_params if id(p) in held]
+        self.expert_params = [p for p in self.expert_params if id(p) in held]
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The LM loss of this rank's rows plus the router losses of the forward (``moe_aux_loss``), as

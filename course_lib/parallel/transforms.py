@@ -70,11 +70,11 @@ def apply_tp(model: GPT, mesh: Mesh, plan: Mapping[str, Style] | None = None, *,
     return tp_class(model, mesh=mesh, plan=plan, sequence_parallel=sequence_parallel)
 
 
-def apply_ep(model: GPT, mesh: Mesh) -> ExpertParallel | None:
+def apply_ep(model: GPT, mesh: Mesh, *, ep_class: type[ExpertParallel] = ExpertParallel) -> ExpertParallel | None:
     """Expert parallelism over ``mesh.group("ep")`` (``ExpertParallel``: E/ep experts per MoE layer, the module
-    list recorded ``Shard(0)`` on "ep", expert gradients summed over "edp", dense ones averaged over dp x cp).
-    None when ep = 1."""
-    return ExpertParallel(model, mesh=mesh) if mesh.size("ep") > 1 else None
+    list recorded ``Shard(0)`` on "ep", expert gradients summed over "edp", dense ones averaged over dp x cp;
+    with the other axes: ``ep_mesh``). None when ep = 1."""
+    return ep_class(model, mesh=mesh) if mesh.size("ep") > 1 else None
 
 
 def apply_pp(model: GPT, mesh: Mesh, *, schedule: str | Schedule = "1f1b", microbatches: int = 2, v: int = 1,
