@@ -42,13 +42,14 @@ EP_REFUSALS = {
 """The expert-parallel combinations ``check_composable`` refuses, each with its reason and fix (``ep_mesh``)."""
 
 
-def routing_refusal(shape: MeshShape, capacity: bool, load_balancing: bool) -> str:
-    """Why an MoE with ``capacity`` or the ``load_balancing`` loss cannot be pipelined on ``shape`` ("" when it
-    can): dp x cp > 1 with pp > 1 gives no micro-batch of one process (``moe_mesh``'s docstring)."""
-    if shape.pp == 1 or shape.dp * shape.cp == 1 or not (capacity or load_balancing):
+def routing_refusal(dp_cp: int, pp: int, capacity: bool, load_balancing: bool) -> str:
+    """Why an MoE with ``capacity`` or the ``load_balancing`` loss cannot be pipelined over ``pp`` stages with
+    ``dp_cp`` = dp x cp ("" when it can): both > 1 give no micro-batch of one process (``moe_mesh``'s
+    docstring)."""
+    if pp == 1 or dp_cp == 1 or not (capacity or load_balancing):
         return ""
-    return (f"an MoE with capacity or the load-balancing loss cannot run with dp x cp = {shape.dp * shape.cp} and "
-            f"pp = {shape.pp}: the pipeline cuts each data-parallel rank's rows into its own micro-batches, and "
+    return (f"an MoE with capacity or the load-balancing loss cannot run with dp x cp = {dp_cp} and "
+            f"pp = {pp}: the pipeline cuts each data-parallel rank's rows into its own micro-batches, and "
             f"their union over the dp ranks is no micro-batch of one process, so capacity and f_i would differ from "
             f"train_baseline's. Use dp = 1 with the pipeline (so ep = 1), or capacity_factor=None and "
             f"aux_loss_coef=0 (the z-loss composes)")
@@ -72,7 +73,8 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
             unsupported.append(EP_REFUSALS["sp"])
         if shape.cp > 1 and cfg.capacity_factor is not None:
             unsupported.append(EP_REFUSALS["cp_capacity"].format(cp=shape.cp, cf=cfg.capacity_factor))
-        routing = routing_refusal(shape, cfg.capacity_factor is not None, bool(cfg.aux_loss_coef))
+        routing = routing_refusal(shape.dp * shape.cp, shape.pp, cfg.capacity_factor is not None,
+                                  bool(cfg.aux_loss_coef))
         if routing:
             unsupported.append(routing)
     if unsupported:

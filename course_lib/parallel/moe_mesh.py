@@ -54,7 +54,6 @@ from course_lib.mesh import Mesh
 from course_lib.model import MoE
 from course_lib.parallel.config import routing_refusal
 from course_lib.parallel.cp_attention import Layout, positions
-from course_lib.parallel.ep import ExpertParallelMoE
 
 
 @dataclass
@@ -137,15 +136,16 @@ def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
     """Make every MoE layer of ``model`` route as on one process on ``mesh`` (the module docstring): their
     ``shards`` over dp x cp (not for ``ExpertParallelMoE`` layers, which exchange their counts themselves) and,
     with a pipeline of ``microbatches`` = m, their router losses back-propagated with weight 1/m. None for a
-    model without MoE, or with expert-parallel layers and no pipeline (``ExpertParallel`` adds their losses).
-    ``ValueError`` for dp x cp > 1 with pp > 1 and a batch-wide router term (``config.routing_refusal``)."""
+    model without MoE, or with ep > 1 and no pipeline (``ExpertParallel`` adds their losses). ``ValueError`` for
+    dp x cp > 1 with pp > 1 and a batch-wide router term (``config.routing_refusal``; with ep > 1 the same rule
+    is ``config.check_composable``'s, checked before the layers are built)."""
     layers = moe_layers(model)
     pipelined = microbatches is not None and mesh.size("pp") > 1
-    expert_parallel = any(isinstance(m, ExpertParallelMoE) for m in layers)
+    expert_parallel = mesh.size("ep") > 1
     if not layers or (expert_parallel and not pipelined):
         return None
-    why = routing_refusal(mesh.shape, any(m.capacity_factor is not None for m in layers),
-                          any(m.aux_loss_coef for m in layers)) if pipelined else ""
+    why = routing_refusal(mesh.size("dp", "cp"), mesh.size("pp"), any(m.capacity_factor is not None for m in layers),
+                          any(m.aux_loss_coef for m in layers)) if pipelined and not expert_parallel else ""
     if why:
         raise ValueError(f"rank {dist.get_rank()}: {why}")
     size = mesh.size("dp", "cp")
