@@ -38,12 +38,14 @@ What this composition refuses, with the reason: ZeRO-2/3 with a pipeline (DeepSp
 (``config.EP_REFUSALS``); an MoE's capacity or load-balancing loss under a pipeline with dp x cp > 1
 (``moe_mesh``).
 
-Checked (tests/test_compose.py, tests/test_compose_pairs.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP,
-TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP match one process
-(``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order, the DP
-average over the wrong group, the pipeline's gradient reduction skipped or misplaced, a first stage at
+Checked (tests/test_compose.py, tests/test_compose_pairs.py, tests/test_compose_ep.py): DP x TP x PP (2 x 2 x 2
+on 8 ranks), DP x CP, TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP, EP x PP (+
+ZeRO-1; 1F1B, ZB-H1, interleaved), EP x TP, EP x CP, PP x EP x ZeRO-1 and DP x TP x PP x EP on 8 ranks match one
+process (``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order, the
+DP average over the wrong group, the pipeline's gradient reduction skipped or misplaced, a first stage at
 chunk-local positions, ZeRO-3 of a TP weight recorded on the wrong dim, partial gradients summed twice or not at
-all) fail.
+all, expert gradients over dp x cp instead of edp, experts chosen by the tp coordinate or by their local index,
+ZeRO-1 of the experts over dp x cp) fail.
 """
 
 from __future__ import annotations

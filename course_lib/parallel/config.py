@@ -58,7 +58,9 @@ def routing_refusal(dp_cp: int, pp: int, capacity: bool, load_balancing: bool) -
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
                      = None, microbatches: int = 1, v: int = 1, zero_stage: int = 0) -> None:
     """Raise ``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError``
-    for a combination this composition does not build (see ``course_lib.parallel.compose``)."""
+    for a combination this composition does not build (see ``course_lib.parallel.compose``): ZeRO-2/3 with a
+    pipeline; with ep > 1 the ``EP_REFUSALS`` and ``routing_refusal`` (expert parallelism itself composes with
+    tp, pp and cp: ``parallel.ep_mesh``)."""
     micro = global_batch // (shape.dp * microbatches) if global_batch and shape.pp > 1 else 1
     shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
                    sp=sequence_parallel)
@@ -88,7 +90,8 @@ class ParallelConfig:
     * degrees ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` and their ``order`` (fastest first, Megatron's
       ``tp-cp-ep-dp-pp`` by default): ``shape`` is their ``MeshShape``, ``mesh()`` builds the ``Mesh``;
     * ``zero_stage``: 0, the optimizer is replicated (gradients averaged by the data-parallel step); 1, a
-      ``ShardedOptimizer`` partitions its state over dp x cp; 2, gradients reduce-scattered too (the flat
+      ``ShardedOptimizer`` partitions its state over dp x cp (with ep > 1 the experts' over edp:
+      ``ep_mesh.ExpertShardedOptimizer``); 2, gradients reduce-scattered too (the flat
       ``ZeroDataParallel``); 3, the parameters as well (FSDP2's per-parameter shards, on top of TP's); 2 and 3
       refuse a pipeline (``transforms.ZERO_WITH_PIPELINE``);
     * ``sequence_parallel`` (with tp), ``cp_layout`` / ``cp_algorithm`` (with cp), ``schedule``,

@@ -33,7 +33,8 @@ gradient to the experts, so an expert's gradient is the *sum* over the ep ranks'
 norms, embeddings, router) is replicated on all W = ep x dp ranks and averaged over them as data parallelism;
 the experts are replicated over the dp ranks that hold the same shard and summed over those, then both are
 divided by W: the gradient of the mean loss over the global batch. An expert that no token of the whole batch
-reached keeps ``.grad = None`` (as on one process, where the optimizer then skips it).
+reached keeps ``.grad = None`` (as on one process, where the optimizer then skips it). With tensor, pipeline or
+context parallelism as well, every group is the one of this rank's (tp, pp) coordinate (``ep_mesh``).
 
 The auxiliary losses under data parallelism and accumulation ("per global micro-batch"): f_i and the mean P_i
 are over every token of one forward across all the ranks (f_i from the count exchange; each rank sums its own

@@ -12,7 +12,7 @@ built:
 2. ``apply_cp(model, group, layout=, algorithm=)`` (``cp.apply_cp``): attention over the cp ring and the tokens'
    global positions, inside the model (pre-hooks on the model and its position embedding), no wrapper;
 3. ``apply_ep(model, mesh)``: a mixture-of-experts model keeps E/ep experts per layer (``ExpertParallel``, whose
-   dense data-parallel average it also is);
+   dense data-parallel average it also is; with the other axes: ``ep_mesh``);
 4. ``apply_pp(model, mesh, ...)``: the (transformed) model is cut into this rank's stages;
 5. ``apply_data_parallel(model, mesh, zero=, pipe=)``: last, because it must see exactly the parameters this rank
    trains. It reads the placements and shards on top of them, over the group ``"dp+cp"`` (CP ranks hold other
