@@ -8,8 +8,7 @@ so both of ZeRO-1's partitions (dense over dp x cp, experts over edp) are real; 
 ``dp4_pp2_ep2_zero1`` is the shape of DeepSeek-V3's run (PP x EP x ZeRO-1, no TP) at toy scale and
 ``dp2_tp2_pp2_ep2`` every axis but CP. Router terms: the z-loss under the pipeline (capacity and the
 load-balancing loss are refused there with dp > 1, ``moe_mesh``); capacity (assignments dropped), the
-load-balancing loss and the z-loss under TP; the load-balancing loss and the z-loss under CP (capacity refused
-there).
+load-balancing loss and the z-loss under TP and under CP.
 
 One launch at 4 ranks runs every case in turn (AdamW, 2 steps, global batch 8 x 16 tokens); the tests read its
 cached results. Parity: ``train_baseline`` (with ``accumulation=m`` for the pipeline's m = 2 micro-batches)
@@ -54,7 +53,7 @@ PARITY_4 = {  # name: (model, the ParallelConfig of a 4-rank run)
     "dp2_pp2_ep2_interleaved": (MOE.with_(n_layer=4), ParallelConfig(dp=2, pp=2, ep=2, schedule="interleaved", v=2)),
     "dp4_ep2_zero1": (ROUTED, ParallelConfig(dp=4, ep=2, zero_stage=1)),
     "dp2_tp2_ep2": (ROUTED, ParallelConfig(dp=2, tp=2, ep=2)),
-    "dp2_cp2_ep2": (BALANCED, ParallelConfig(dp=2, cp=2, ep=2)),
+    "dp2_cp2_ep2": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2)),
 }
 
 PRODUCTION_8 = {  # DeepSeek-V3's shape (PP x EP x ZeRO-1, no TP), and every axis but CP at once
@@ -97,6 +96,18 @@ class LocallyIndexedMoE(ExpertParallelMoE):
         P.set_placement(self.experts, "ep", P.Shard(0, size=self.n_expert))
 
 
+class BatchOrderQueuesMoE(ExpertParallelMoE):
+    """Capacity queues in the ranks' batch order under context parallelism (no token-order gather): each cp
+    rank's tokens queued as if its chunk were a contiguous block of the row."""
+
+    shards = property(lambda self: None, lambda self, value: None)
+
+
+class BatchOrderQueues(ExpertParallel):
+    def __init__(self, module: nn.Module, **kw: Any) -> None:
+        super().__init__(module, layer_class=BatchOrderQueuesMoE, **kw)
+
+
 class ExpertsIndexedLocally(ExpertParallel):
     def __init__(self, module: nn.Module, **kw: Any) -> None:
         super().__init__(module, layer_class=LocallyIndexedMoE, **kw)
@@ -115,6 +126,7 @@ MUTATIONS_4 = {  # name: (model, ParallelConfig, seams, what to patch)
                                  None),
     "stage_experts_indexed_locally": (MOE, ParallelConfig(dp=2, pp=2, ep=2), dict(ep_class=ExpertsIndexedLocally),
                                       None),
+    "cp_capacity_in_batch_order": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2), dict(ep_class=BatchOrderQueues), None),
     "zero1_experts_over_dp": (ROUTED, ParallelConfig(dp=4, ep=2, zero_stage=1), {}, _zero1_over_dp),
 }
 
@@ -245,11 +257,6 @@ def test_expert_parallel_with_zero_2_or_3_is_refused(kw: dict, words: str) -> No
 def test_expert_parallel_with_sequence_parallel_is_refused() -> None:
     with pytest.raises(ValueError, match=r"ep > 1 with sequence_parallel: the MoE layers would see s/tp tokens"):
         ParallelConfig(dp=2, tp=2, ep=2, sequence_parallel=True).validate(MOE, global_batch=8)
-
-
-def test_expert_parallel_with_cp_and_capacity_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"ep > 1 with cp = 2 and capacity_factor=1.0: .*use capacity_factor=None"):
-        ParallelConfig(dp=2, cp=2, ep=2).validate(ROUTED, global_batch=8)
 
 
 @pytest.mark.parametrize("cfg", [ROUTED, BALANCED], ids=["capacity", "load_balancing"])

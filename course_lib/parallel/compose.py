@@ -34,9 +34,8 @@ One step, per rank: this dp rank's rows (``train_loop``), then its cp share of t
 (TP's, over tp; both are sums of the same gradients over different groups, so they commute).
 
 What this composition refuses, with the reason: ZeRO-2/3 with a pipeline (DeepSpeed's rule:
-``config.ZERO_WITH_PIPELINE``); with EP, ZeRO-2/3, sequence parallelism and capacity with CP
-(``config.EP_REFUSALS``); an MoE's capacity or load-balancing loss under a pipeline with dp x cp > 1
-(``moe_mesh``).
+``config.ZERO_WITH_PIPELINE``); with EP, ZeRO-2/3 and sequence parallelism (``config.EP_REFUSALS``); an
+MoE's capacity or load-balancing loss under a pipeline with dp x cp > 1 (``moe_mesh``).
 
 Checked (tests/test_compose.py, tests/test_compose_pairs.py, tests/test_compose_ep.py): DP x TP x PP (2 x 2 x 2
 on 8 ranks), DP x CP, TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP, EP x PP (+

@@ -35,9 +35,6 @@ EP_REFUSALS = {
              "edp, the dense one over dp x cp)"),
     "sp": ("ep > 1 with sequence_parallel: the MoE layers would see s/tp tokens per tp rank (another token order "
            "for the capacity queues, partial router gradients over tp); use sequence_parallel=False with ep"),
-    "cp_capacity": ("ep > 1 with cp = {cp} and capacity_factor={cf}: the capacity queues follow the single-process "
-                    "token order, which the cp layout interleaves over the cp ranks; use capacity_factor=None "
-                    "(dropless) with cp, or cp = 1"),
 }
 """The expert-parallel combinations ``check_composable`` refuses, each with its reason and fix (``ep_mesh``)."""
 
@@ -73,8 +70,6 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
             unsupported.append(EP_REFUSALS["zero"].format(stage=zero_stage))
         if sequence_parallel:
             unsupported.append(EP_REFUSALS["sp"])
-        if shape.cp > 1 and cfg.capacity_factor is not None:
-            unsupported.append(EP_REFUSALS["cp_capacity"].format(cp=shape.cp, cf=cfg.capacity_factor))
         routing = routing_refusal(shape.dp * shape.cp, shape.pp, cfg.capacity_factor is not None,
                                   bool(cfg.aux_loss_coef))
         if routing:

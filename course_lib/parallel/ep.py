@@ -202,6 +202,19 @@ class ExpertParallelMoE(MoE):
             return torch.ones_like(chosen, dtype=torch.bool)
         return expert_positions(chosen, self.n_expert, counts[:self.batch_rank].sum(0)) < capacity
 
+    def token_order_keep(self, chosen: torch.Tensor, lead: tuple[int, ...], capacity: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under context parallelism the ranks' batch order is not the token order (the layout interleaves each
+        row's positions over the cp ranks): the queues run on every rank's choices gathered in single-process
+        token order (``shards``, a ``moe_mesh.RoutingShards`` over the same group as the counts). Returns this
+        rank's keep mask [T_r, k] and every rank's kept counts per expert [W, E]."""
+        every, index, owner = self.shards.gather_with_owners(chosen.view(*lead, self.top_k))
+        keep_all = expert_positions(every, self.n_expert) < capacity
+        kept = torch.zeros(self.batch_size, self.n_expert, dtype=torch.long, device=chosen.device)
+        rows = owner[:, None].expand_as(every)[keep_all]
+        kept.index_put_((rows, every[keep_all]), torch.ones_like(rows), accumulate=True)
+        return keep_all[index], kept
+
     def expert_owner(self, expert: torch.Tensor) -> torch.Tensor:
         """The ep rank holding each expert id: e // (E / ep)."""
         return expert // self.n_local
@@ -250,7 +263,10 @@ class ExpertParallelMoE(MoE):
         counts = self.exchange_counts(torch.bincount(r.chosen.reshape(-1), minlength=E))  # [W, E]
         n_tokens = int(counts.sum()) // k
         cap = self.capacity(n_tokens)
-        keep = self.keep_mask(r.chosen, counts, cap)
+        if self.shards is not None and cap is not None:
+            keep, kept = self.token_order_keep(r.chosen, tuple(x.shape[:-1]), cap)
+        else:
+            keep, kept = self.keep_mask(r.chosen, counts, cap), kept_counts(counts, cap)
         loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
 
         token, slot = keep.nonzero(as_tuple=True)  # token order
@@ -265,7 +281,6 @@ class ExpertParallelMoE(MoE):
         announced = torch.empty(E, dtype=torch.long, device=dev)
         comm.all_to_all(announced, torch.cat(per_dest), group=self.ep_group)
         recv_counts = announced.view(self.ep_size, self.n_local)
-        kept = kept_counts(counts, cap)
         expected = kept[self.peer_pos][:, self.expert_ids].to(dev)
         if not torch.equal(recv_counts, expected):
             raise RuntimeError(

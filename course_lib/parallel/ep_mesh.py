@@ -22,8 +22,9 @@ an MoE layer travel over ``"ep"`` (the all-to-alls of ``ExpertParallelMoE``), an
   refused (the MoE would see s/tp tokens per rank: another batch order for the queues and router partial sums).
 * **CP**: the cp ranks hold other tokens of the same rows: for the experts they are data-parallel ranks like dp
   (ep divides dp x cp). Dropless routing and the load-balancing loss (f_i from the exchanged counts, a sum) are
-  unchanged; capacity is refused, because its queues follow the single-process token order, which the layout
-  interleaves over the cp ranks.
+  unchanged; capacity queues follow the single-process token order, which the layout interleaves over the cp
+  ranks, so with capacity every rank's choices are gathered in that order (``ExpertParallelMoE.token_order_keep``,
+  through ``moe_mesh.RoutingShards``) and the kept counts of every rank taken from there.
 * **ZeRO-1** (``ExpertShardedOptimizer``): Megatron's distributed optimizer keeps the expert parameters in their
   own buffers, sharded over the expert-data-parallel group: here the dense parameters' optimizer state is
   partitioned over dp x cp and the experts' over edp (one ``ShardedOptimizer`` each; with edp = 1 each rank

@@ -80,17 +80,24 @@ class RoutingShards:
         """Every rank's expert choices of the micro-batch in single-process token order ([N, k]) and where this
         rank's tokens are in it (``model.TokenShards``). The gathered indices must be exactly 0..N-1: ranks that
         disagree on the rows or the layout raise instead of training on a wrong queue."""
+        every, index, _ = self.gather_with_owners(chosen)
+        return every, index
+
+    def gather_with_owners(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``gather`` plus, per token in that order, the rank of ``group`` that holds it ([N]): what an
+        expert-parallel layer needs to count each rank's kept assignments (``ExpertParallelMoE``)."""
         rows, tokens, k = chosen.shape
         index = self.token_index(rows, tokens, chosen.device)
         mine = torch.cat([index[:, None], chosen.reshape(-1, k)], dim=1).contiguous()
         every = mine.new_empty((self.size * mine.shape[0], k + 1))
         comm.all_gather(every, mine, group=self.group)
-        every = every[torch.argsort(every[:, 0])]
+        order = torch.argsort(every[:, 0])
+        every = every[order]
         if not torch.equal(every[:, 0], torch.arange(every.shape[0], device=every.device)):
             raise RuntimeError(f"rank {dist.get_rank()}: the ranks of this micro-batch do not hold disjoint shares "
                                f"of it (token indices {every[:, 0].tolist()[:8]}...): they must agree on dp "
                                f"rank, cp rank and layout")
-        return every[:, 1:], index
+        return every[:, 1:], index, order // mine.shape[0]
 
 
 @dataclass
@@ -142,7 +149,7 @@ def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
     layers = moe_layers(model)
     pipelined = microbatches is not None and mesh.size("pp") > 1
     expert_parallel = mesh.size("ep") > 1
-    if not layers or (expert_parallel and not pipelined):
+    if not layers or (expert_parallel and not pipelined and mesh.size("cp") == 1):
         return None
     why = routing_refusal(mesh.size("dp", "cp"), mesh.size("pp"), any(m.capacity_factor is not None for m in layers),
                           any(m.aux_loss_coef for m in layers)) if pipelined and not expert_parallel else ""
@@ -150,8 +157,8 @@ def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
         raise ValueError(f"rank {dist.get_rank()}: {why}")
     size = mesh.size("dp", "cp")
     data_group = mesh.group("dp", "cp") if size > 1 else None
-    for layer in layers:
-        if size > 1 and not expert_parallel:
+    for layer in layers:  # expert-parallel layers need the token order only for capacity with cp
+        if size > 1 and (not expert_parallel or (mesh.size("cp") > 1 and layer.capacity_factor is not None)):
             layer.shards = shards_class(data_group, size, mesh.coord("dp"), mesh.size("cp"), mesh.coord("cp"),
                                         cp_layout)
         if pipelined:
