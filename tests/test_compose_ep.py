@@ -53,7 +53,8 @@ PARITY_4 = {  # name: (model, the ParallelConfig of a 4-rank run)
     "dp2_pp2_ep2_interleaved": (MOE.with_(n_layer=4), ParallelConfig(dp=2, pp=2, ep=2, schedule="interleaved", v=2)),
     "dp4_ep2_zero1": (ROUTED, ParallelConfig(dp=4, ep=2, zero_stage=1)),
     "dp2_tp2_ep2": (ROUTED, ParallelConfig(dp=2, tp=2, ep=2)),
-    "dp2_cp2_ep2": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2)),
+    "dp2_cp2_ep2": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2)),  # the ep pairs are cp pairs (cp before dp)
+    "dp2_cp2_ep2_ep_over_dp": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2, order="dp-cp-ep-tp-pp")),  # dp pairs
 }
 
 PRODUCTION_8 = {  # DeepSeek-V3's shape (PP x EP x ZeRO-1, no TP), and every axis but CP at once
