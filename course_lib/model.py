@@ -419,7 +419,8 @@ class MoE(nn.Module):
       kept in ``reported`` for the step's loss.
 
     Public seams a variant overrides: ``router_logits``, ``route``, ``capacity``, ``expert_fractions``,
-    ``select_experts``, ``load_balancing_loss``, ``batch_routing``, ``add_shared``, ``router_loss_in_backward``.
+    ``select_experts``, ``load_balancing_loss``, ``batch_routing``, ``add_shared``, ``router_loss_in_backward``,
+    ``attach_router_loss``.
     """
 
     def __init__(self, c: GPTConfig) -> None:
@@ -547,7 +548,12 @@ class MoE(nn.Module):
                 out.index_add_(0, token, r.weights[token, slot, None] * expert(flat[token]))
         self.stats = RoutingStats(counts.tolist(), kept.tolist(), int(counts.sum() - kept.sum()),
                                   routing_entropy(r.probs.detach()))
-        out = self.add_shared(out, flat).view_as(x)
+        return self.attach_router_loss(self.add_shared(out, flat).view_as(x), loss)
+
+    def attach_router_loss(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """The layer's output, its router ``loss`` either kept in ``aux_loss`` for ``moe_aux_loss`` (one process,
+        data parallelism) or, under a pipeline (``backward_scale`` set), back-propagated through ``out``
+        (``router_loss_in_backward``)."""
         if self.backward_scale is None or not (self.aux_loss_coef or self.z_loss_coef):
             self.aux_loss = loss
             return out

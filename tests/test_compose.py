@@ -335,9 +335,10 @@ def test_zero_3_with_a_pipeline_composes() -> None:
     _check(MeshShape(pp=2, dp=2), zero_stage=3, global_batch=8, microbatches=2)  # pp_fsdp: no refusal
 
 
-def test_expert_parallel_with_tensor_parallel_is_refused() -> None:
-    with pytest.raises(ValueError, match="ep > 1 with tp"):
-        C.check_composable(MeshShape(dp=2, tp=2, ep=2), MOE)
+def test_expert_parallel_with_sequence_parallel_is_refused() -> None:
+    C.check_composable(MeshShape(dp=2, tp=2, ep=2), MOE)  # EP x TP composes (tests/test_compose_ep.py)
+    with pytest.raises(ValueError, match="ep > 1 with sequence_parallel"):
+        C.check_composable(MeshShape(dp=2, tp=2, ep=2), MOE, sequence_parallel=True)
 
 
 def test_mesh_that_does_not_divide_the_model_names_the_constraint() -> None:

@@ -12,7 +12,9 @@ one torchtitan's ``parallelize_llama`` applies and Megatron-LM builds its model 
    over the cp ring (a TP layer's ``context``, or a ``cp.CPAttention``) and the position embedding reads the
    tokens' global positions. The sequence is split, not the weights: every parameter ``Replicate()`` on cp.
 3. **EP** over ``mesh.group("ep")`` (``apply_ep``): a mixture-of-experts model keeps E/ep experts per layer
-   (``ExpertParallel``, which also averages the dense gradients over dp x cp and the experts' over ``edp``).
+   (``ExpertParallel``, which also averages the dense gradients over dp x cp and the experts' over ``edp``,
+   with a pipeline for this rank's stages only; ZeRO-1 partitions the experts' state over ``edp``: ``ep_mesh``).
+   Under TP the MoE layers are not in the plan (``ep_mesh.tp_plan``: no expert tensor parallelism).
 4. **PP** over ``mesh.group("pp")`` (``apply_pp``): whatever 1-3 made of the model is cut into stages; the first
    stage embeds the tokens at their CP positions, and under SP the messages are the sequence-sharded hidden
    states (s/tp tokens).
@@ -35,15 +37,20 @@ With a pipeline, ZeRO-3 shards each stage (``pp_fsdp``: the schedule's actions g
 reduce-scatters the gradients accumulated over the micro-batches once): torchtitan's FSDP x TP x PP.
 
 What this composition refuses, with the reason: ZeRO-2 with a pipeline (``config.ZERO_WITH_PIPELINE``: it would
-save nothing over ZeRO-1 there), EP with TP, PP or CP (expert tensor parallelism; ``ep.py``'s).
+save nothing over ZeRO-1 there); HSDP with a pipeline (``config.HSDP_WITH_PIPELINE``); with EP, ZeRO-2/3 and
+sequence parallelism (``config.EP_REFUSALS``); an MoE's capacity or load-balancing loss under a pipeline with
+dp x cp > 1 (``moe_mesh``).
 
-Checked (tests/test_compose.py, tests/test_compose_pairs.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP,
-TP x CP, EP x DP, ZeRO-2/3 x TP (with SP), FSDP2 x CP, PP x CP, PP x TP + SP match one process (FSDP2 x PP and
-FSDP2 x TP x PP: tests/test_compose_fsdp_pp.py)
-(``train_baseline``) in losses and every parameter; mutations (groups built in the wrong axis order, the DP
-average over the wrong group, the pipeline's gradient reduction skipped or misplaced, a first stage at
+Checked (tests/test_compose.py, tests/test_compose_pairs.py, tests/test_compose_ep.py, tests/test_compose_fsdp_pp.py,
+tests/test_hsdp.py): DP x TP x PP (2 x 2 x 2 on 8 ranks), DP x CP, TP x CP, EP x DP, ZeRO-2/3 x TP (with SP),
+FSDP2 x CP, PP x CP, PP x TP + SP, FSDP2 x PP (1F1B, GPipe, ZB-H1, interleaved), FSDP2 x TP x PP (+ SP) on 8 ranks,
+HSDP (x TP, x CP), EP x PP (+ ZeRO-1; 1F1B, ZB-H1, interleaved), EP x TP, EP x CP, PP x EP x ZeRO-1 and
+DP x TP x PP x EP on 8 ranks match one process (``train_baseline``) in losses and every parameter; mutations
+(groups built in the wrong axis order, the DP average over the wrong group, the pipeline's gradient reduction
+skipped or misplaced, a first stage at
 chunk-local positions, ZeRO-3 of a TP weight recorded on the wrong dim, partial gradients summed twice or not at
-all) fail.
+all, expert gradients over dp x cp instead of edp, experts chosen by the tp coordinate or by their local index,
+ZeRO-1 of the experts over dp x cp) fail.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ from course_lib.parallel.contract import LossFn, ParallelWrapper
 from course_lib.parallel.cp import Algorithm, CPContext
 from course_lib.parallel.cp_attention import Layout, shard_sequence
 from course_lib.parallel.dp import DataParallel
+from course_lib.parallel.ep import ExpertParallel
+from course_lib.parallel.ep_mesh import ExpertShardedOptimizer, tp_plan
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.mesh_checkpoint import load_checkpoint, load_parameters, restore_optimizer, save_checkpoint
@@ -100,23 +109,27 @@ class Parallelized(ParallelWrapper):
                  executor_class: type[PipelineExecutor] = PipelineExecutor,
                  data_parallel_class: type[DataParallel] = DataParallel,
                  fsdp_class: type[FSDP2DataParallel] = FSDP2DataParallel,
-                 cp_context_class: type[CPContext] = CPContext) -> None:
+                 cp_context_class: type[CPContext] = CPContext,
+                 ep_class: type[ExpertParallel] = ExpertParallel) -> None:
         super().__init__(model, mesh=mesh)
         self.batch_wide_loss = model.config.n_expert > 0  # the router losses: micro-batches cut globally first
         check_composable(mesh.shape, model.config, sequence_parallel=sequence_parallel, global_batch=global_batch,
                          microbatches=microbatches, v=v, zero_stage=zero_stage)
         self.mesh, self.zero_stage = mesh, zero_stage
         # The axes, each an in-place transform of the same model (transforms' docstring), in this order:
-        self.tp = T.apply_tp(model, mesh, sequence_parallel=sequence_parallel, tp_class=tp_class)
+        self.tp = T.apply_tp(model, mesh, tp_plan(model.config), sequence_parallel=sequence_parallel,
+                             tp_class=tp_class)
         self.cp = (T.apply_cp(model, mesh.group("cp"), layout=cp_layout, algorithm=cp_algorithm,
                               context_class=cp_context_class) if mesh.size("cp") > 1 else None)
+        self.ep = T.apply_ep(model, mesh, ep_class=ep_class)
         # MoE routing as on one process over dp x cp, router losses per pipeline stage (moe_mesh's docstring).
         self.routing = share_routing(model, mesh, cp_layout=cp_layout,
                                      microbatches=microbatches if mesh.size("pp") > 1 else None)
-        self.ep = T.apply_ep(model, mesh)
         self.pipe = T.apply_pp(model, mesh, schedule=schedule, microbatches=microbatches, v=v,
                                global_batch=global_batch, loss_fn=self.loss, sequence_parallel=sequence_parallel,
                                pipeline_class=pipeline_class, executor_class=executor_class)
+        if self.ep is not None and self.pipe is not None:  # the experts' wrapper reduces this rank's stages
+            self.ep.hold(self.pipe.parameters())
         self.dp = self.ep or T.apply_data_parallel(model, mesh, zero=zero_stage, pipe=self.pipe,
                                                    data_parallel_class=data_parallel_class, fsdp_class=fsdp_class)
         self.body: nn.Module = self.dp if self.dp is not None else model
@@ -203,8 +216,14 @@ class Parallelized(ParallelWrapper):
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
         """The global-batch mean per step: the pipeline's (broadcast from the last stage, then averaged over
-        dp x cp), or the mean over dp x cp of the ranks' token means (equal token counts)."""
-        losses = self.pipe.reduce_losses(local) if self.pipe is not None else super().reduce_losses(local)
+        dp x cp: by the pipeline, or here when the experts' wrapper reduces the gradients instead of the
+        pipeline), or the mean over dp x cp of the ranks' token means (equal token counts)."""
+        if self.pipe is None:
+            losses = super().reduce_losses(local)
+        else:
+            losses = self.pipe.reduce_losses(local)
+            if self.ep is not None:
+                losses = super().reduce_losses(losses)
         return self.routing.add_stage_losses(losses) if self.routing is not None else losses
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -245,7 +264,8 @@ class ComposedResult(TrainResult):
     timeline: list[StepTime] = field(default_factory=list, repr=False)
 
 
-SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", "fsdp_class", "cp_context_class")
+SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", "fsdp_class", "cp_context_class",
+         "ep_class")
 """The keywords of ``Parallelized`` that swap a part's class (variants, tests, the grader)."""
 
 
@@ -253,7 +273,8 @@ SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", 
 class Checkpointing:
     """Checkpoints of a composed run (``mesh_checkpoint``): ``save_to`` a folder after ``save_after`` steps;
     ``resume_from`` a folder written at any mesh (the run continues from its step on this mesh). Every form:
-    replicated, ZeRO-1, ZeRO-2, ZeRO-3 / FSDP2 with or without TP, PP, EP."""
+    replicated, ZeRO-1, ZeRO-2, ZeRO-3 / FSDP2 with or without TP, PP, EP (but not ZeRO-1 with EP, whose two
+    partitions ``save_checkpoint`` refuses)."""
 
     save_to: str | None = None
     save_after: int | None = None
@@ -298,9 +319,11 @@ def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
     if parallel.zero_stage == 1 and mesh.size("dp", "cp") > 1:
         opt_cls, kwargs = ((torch.optim.SGD, {"lr": tc.lr, "momentum": tc.momentum}) if tc.optimizer == "sgd"
                            else (torch.optim.AdamW, {"lr": tc.lr}))
-        optimizer: torch.optim.Optimizer = ShardedOptimizer(params, opt_cls, group=mesh.group("dp", "cp"),
-                                                            average_gradients=False, broadcast=False,
-                                                            weight_decay=tc.weight_decay, foreach=False, **kwargs)
+        kwargs |= {"weight_decay": tc.weight_decay, "foreach": False}
+        optimizer: torch.optim.Optimizer = (
+            ExpertShardedOptimizer(params, composed.ep, mesh, opt_cls, **kwargs) if composed.ep is not None
+            else ShardedOptimizer(params, opt_cls, group=mesh.group("dp", "cp"), average_gradients=False,
+                                  broadcast=False, **kwargs))
     else:
         optimizer = make_optimizer(params, tc)
     if states is not None:

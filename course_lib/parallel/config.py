@@ -42,11 +42,36 @@ HSDP_WITH_PIPELINE = ("dp_replicate={replicate} (HSDP) with pipeline parallelism
                       "dp_replicate=1 (FSDP over dp) with pp > 1, or pp=1 for HSDP")
 """Why HSDP and a pipeline do not compose here (``check_composable``, ``transforms.apply_data_parallel``)."""
 
+EP_REFUSALS = {
+    "zero": ("ep > 1 with ZeRO-{stage}: the flat (ZeRO-2) or per-parameter (ZeRO-3) shards over dp x cp would "
+             "mix the different experts the ep ranks hold in the same slot; Megatron shards the experts over the "
+             "expert-data-parallel group instead: use zero_stage=1 (the experts' optimizer state partitioned over "
+             "edp, the dense one over dp x cp)"),
+    "sp": ("ep > 1 with sequence_parallel: the MoE layers would see s/tp tokens per tp rank (another token order "
+           "for the capacity queues, partial router gradients over tp); use sequence_parallel=False with ep"),
+}
+"""The expert-parallel combinations ``check_composable`` refuses, each with its reason and fix (``ep_mesh``)."""
+
+
+def routing_refusal(dp_cp: int, pp: int, capacity: bool, load_balancing: bool) -> str:
+    """Why an MoE with ``capacity`` or the ``load_balancing`` loss cannot be pipelined over ``pp`` stages with
+    ``dp_cp`` = dp x cp ("" when it can): both > 1 give no micro-batch of one process (``moe_mesh``'s
+    docstring)."""
+    if pp == 1 or dp_cp == 1 or not (capacity or load_balancing):
+        return ""
+    return (f"an MoE with capacity or the load-balancing loss cannot run with dp x cp = {dp_cp} and "
+            f"pp = {pp}: the pipeline cuts each data-parallel rank's rows into its own micro-batches, and "
+            f"their union over the dp ranks is no micro-batch of one process, so capacity and f_i would differ from "
+            f"train_baseline's. Use dp = 1 with the pipeline (so ep = 1), or capacity_factor=None and "
+            f"aux_loss_coef=0 (the z-loss composes)")
+
 
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False, global_batch: int | None
                      = None, microbatches: int = 1, v: int = 1, zero_stage: int = 0) -> None:
     """Raise ``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError``
-    for a combination this composition does not build (see ``course_lib.parallel.compose``)."""
+    for a combination this composition does not build (see ``course_lib.parallel.compose``): ZeRO-2/3 with a
+    pipeline; with ep > 1 the ``EP_REFUSALS`` and ``routing_refusal`` (expert parallelism itself composes with
+    tp, pp and cp: ``parallel.ep_mesh``)."""
     micro = global_batch // (shape.dp * microbatches) if global_batch and shape.pp > 1 else 1
     shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
                    sp=sequence_parallel)
@@ -57,9 +82,15 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
         unsupported.append(HSDP_NEEDS_FSDP.format(replicate=shape.dp_replicate, stage=zero_stage))
     if shape.dp_replicate > 1 and shape.pp > 1:
         unsupported.append(HSDP_WITH_PIPELINE.format(replicate=shape.dp_replicate))
-    if shape.ep > 1 and (shape.tp > 1 or shape.pp > 1 or shape.cp > 1):
-        unsupported.append("ep > 1 with tp, pp or cp > 1: experts are not tensor-parallel or pipelined here; "
-                           "use ep x dp")
+    if shape.ep > 1:
+        if zero_stage >= 2:
+            unsupported.append(EP_REFUSALS["zero"].format(stage=zero_stage))
+        if sequence_parallel:
+            unsupported.append(EP_REFUSALS["sp"])
+        routing = routing_refusal(shape.dp * shape.cp, shape.pp, cfg.capacity_factor is not None,
+                                  bool(cfg.aux_loss_coef))
+        if routing:
+            unsupported.append(routing)
     if unsupported:
         raise ValueError("cannot compose this mesh: " + "; ".join(unsupported))
 
@@ -73,9 +104,10 @@ class ParallelConfig:
     * ``dp_replicate`` (torchtitan's name): HSDP, dp = dp_replicate x dp_shard; with ``zero_stage=3`` FSDP2
       shards over dp_shard and replicates over dp_replicate (``course_lib.mesh``'s rank layout). 1: plain FSDP;
     * ``zero_stage``: 0, the optimizer is replicated (gradients averaged by the data-parallel step); 1, a
-      ``ShardedOptimizer`` partitions its state over dp x cp; 2, gradients reduce-scattered too (the flat
-      ``ZeroDataParallel``); 3, the parameters as well (FSDP2's per-parameter shards, on top of TP's; with a
-      pipeline the schedule gathers them per stage, ``pp_fsdp``); 2 refuses a pipeline (``ZERO_WITH_PIPELINE``);
+      ``ShardedOptimizer`` partitions its state over dp x cp (with ep > 1 the experts' over edp:
+      ``ep_mesh.ExpertShardedOptimizer``); 2, gradients reduce-scattered too (the flat ``ZeroDataParallel``); 3,
+      the parameters as well (FSDP2's per-parameter shards, on top of TP's; with a pipeline the schedule gathers
+      them per stage, ``pp_fsdp``); 2 refuses a pipeline (``ZERO_WITH_PIPELINE``);
     * ``sequence_parallel`` (with tp), ``cp_layout`` / ``cp_algorithm`` (with cp), ``schedule``,
       ``microbatches`` and ``v`` (with pp): ``options()``, the keywords ``parallelize`` takes;
     * ``accumulation``: micro-batches per optimizer step of each data-parallel rank (without a pipeline).

@@ -33,7 +33,8 @@ gradient to the experts, so an expert's gradient is the *sum* over the ep ranks'
 norms, embeddings, router) is replicated on all W = ep x dp ranks and averaged over them as data parallelism;
 the experts are replicated over the dp ranks that hold the same shard and summed over those, then both are
 divided by W: the gradient of the mean loss over the global batch. An expert that no token of the whole batch
-reached keeps ``.grad = None`` (as on one process, where the optimizer then skips it).
+reached keeps ``.grad = None`` (as on one process, where the optimizer then skips it). With tensor, pipeline or
+context parallelism as well, every group is the one of this rank's (tp, pp) coordinate (``ep_mesh``).
 
 The auxiliary losses under data parallelism and accumulation ("per global micro-batch"): f_i and the mean P_i
 are over every token of one forward across all the ranks (f_i from the count exchange; each rank sums its own
@@ -48,7 +49,7 @@ Production versions of the same steps: Megatron-Core's ``MoEAlltoAllTokenDispatc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,7 +184,8 @@ class ExpertParallelMoE(MoE):
         self.step_routed = torch.zeros(self.n_expert, dtype=torch.long)  # routed (before capacity), the same
         self.aux_loss: torch.Tensor | None = None
         self.stats: EPRoutingStats | None = None
-        self.shards, self.backward_scale, self.reported = None, None, []  # its own exchange; not pipelined
+        # its own count exchange (no ``shards``); ``backward_scale``: set by ``moe_mesh.share_routing`` under a pipeline
+        self.shards, self.backward_scale, self.reported = None, None, []
 
     # -- seams ------------------------------------------------------------------------------------------------
 
@@ -199,6 +201,19 @@ class ExpertParallelMoE(MoE):
         if capacity is None:
             return torch.ones_like(chosen, dtype=torch.bool)
         return expert_positions(chosen, self.n_expert, counts[:self.batch_rank].sum(0)) < capacity
+
+    def token_order_keep(self, chosen: torch.Tensor, lead: tuple[int, ...], capacity: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under context parallelism the ranks' batch order is not the token order (the layout interleaves each
+        row's positions over the cp ranks): the queues run on every rank's choices gathered in single-process
+        token order (``shards``, a ``moe_mesh.RoutingShards`` over the same group as the counts). Returns this
+        rank's keep mask [T_r, k] and every rank's kept counts per expert [W, E]."""
+        every, index, owner = self.shards.gather_with_owners(chosen.view(*lead, self.top_k))
+        keep_all = expert_positions(every, self.n_expert) < capacity
+        kept = torch.zeros(self.batch_size, self.n_expert, dtype=torch.long, device=chosen.device)
+        rows = owner[:, None].expand_as(every)[keep_all]
+        kept.index_put_((rows, every[keep_all]), torch.ones_like(rows), accumulate=True)
+        return keep_all[index], kept
 
     def expert_owner(self, expert: torch.Tensor) -> torch.Tensor:
         """The ep rank holding each expert id: e // (E / ep)."""
@@ -248,8 +263,11 @@ class ExpertParallelMoE(MoE):
         counts = self.exchange_counts(torch.bincount(r.chosen.reshape(-1), minlength=E))  # [W, E]
         n_tokens = int(counts.sum()) // k
         cap = self.capacity(n_tokens)
-        keep = self.keep_mask(r.chosen, counts, cap)
-        self.aux_loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
+        if self.shards is not None and cap is not None:
+            keep, kept = self.token_order_keep(r.chosen, tuple(x.shape[:-1]), cap)
+        else:
+            keep, kept = self.keep_mask(r.chosen, counts, cap), kept_counts(counts, cap)
+        loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
 
         token, slot = keep.nonzero(as_tuple=True)  # token order
         expert = r.chosen[token, slot]
@@ -263,7 +281,6 @@ class ExpertParallelMoE(MoE):
         announced = torch.empty(E, dtype=torch.long, device=dev)
         comm.all_to_all(announced, torch.cat(per_dest), group=self.ep_group)
         recv_counts = announced.view(self.ep_size, self.n_local)
-        kept = kept_counts(counts, cap)
         expected = kept[self.peer_pos][:, self.expert_ids].to(dev)
         if not torch.equal(recv_counts, expected):
             raise RuntimeError(
@@ -284,7 +301,7 @@ class ExpertParallelMoE(MoE):
         self.stats = EPRoutingStats(counts.sum(0).tolist(), total_kept.tolist(), int(counts.sum() - kept.sum()),
                                     routing_entropy(r.probs.detach()), lg.sent_bytes("all_to_all"),
                                     lg.seconds("all_to_all"), *self.group_traffic(token, expert, flat.shape[0]))
-        return out.view_as(x)
+        return self.attach_router_loss(out.view_as(x), loss)
 
 
 class TorchAllToAllMoE(ExpertParallelMoE):
@@ -373,6 +390,13 @@ class ExpertParallel(ParallelWrapper):
                 if expert_dp_group is not None:
                     for p in self.expert_params:
                         comm.broadcast(p.detach(), group_ranks(expert_dp_group)[0], group=expert_dp_group)
+
+    def hold(self, params: Iterable[nn.Parameter]) -> None:
+        """Reduce only the gradients of ``params`` from now on: a pipeline rank's stages (``ep_mesh``); the other
+        stages' parameters are trained on other ranks."""
+        held = {id(p) for p in params}
+        self.dense_params = [p for p in self.dense_params if id(p) in held]
+        self.expert_params = [p for p in self.expert_params if id(p) in held]
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The LM loss of this rank's rows plus the router losses of the forward (``moe_aux_loss``), as

@@ -19,7 +19,8 @@ course's parity checks exist to exclude. Who shares a micro-batch:
   ``reduce_losses`` take) is the micro-batch's loss (``MoE.router_loss``). Nothing is exchanged when neither
   capacity nor f_i is needed.
 * tensor-parallel ranks see the same tokens: the same routing, nothing to exchange.
-* expert-parallel ranks: ``ExpertParallelMoE`` exchanges its counts itself (over the same dense group).
+* expert-parallel ranks: ``ExpertParallelMoE`` exchanges its counts itself (over the same dense group); under
+  a pipeline its router loss back-propagates through its output like any stage's (below).
 * pipeline stages see the same micro-batch one after another, each with its own MoE layers. Only the last stage
   computes a loss, so each layer's router loss is back-propagated through the layer's own output
   (``MoE.backward_scale``, Megatron-Core's ``MoEAuxLossAutoScaler``) with the weight the pipeline gives each
@@ -27,15 +28,17 @@ course's parity checks exist to exclude. Who shares a micro-batch:
   sum over the pp group, a mean over dp x cp). The micro-batch is the pipeline's: the semantics of
   ``train_baseline(cfg, tc, accumulation=m)``.
 
-Refused (``share_routing`` raises): dp > 1 with pp > 1 when capacity or the load-balancing loss is on -- the loop
-gives each data-parallel rank its contiguous rows and the pipeline cuts those into m pieces, so the union of the
-dp ranks' j-th pipeline micro-batches is not the j-th piece of the batch, and no single-process run has that
-micro-batch (the fix: give dp rank r the rows cat_j shard(piece_j, r, dp); the z-loss alone composes).
+Refused (``share_routing`` raises, and ``config.check_composable`` with ``config.routing_refusal``): dp x cp > 1
+with pp > 1 when capacity or the load-balancing loss is on, with or without expert parallelism (whose ep ranks
+are dp x cp ranks) -- the loop gives each data-parallel rank its contiguous rows and the pipeline cuts those into
+m pieces, so the union of the dp ranks' j-th pipeline micro-batches is not the j-th piece of the batch, and no
+single-process run has that micro-batch (the fix: give dp rank r the rows cat_j shard(piece_j, r, dp); the
+z-loss alone composes).
 
 What a composed wrapper calls (``compose.Parallelized``): ``routing = share_routing(model, mesh, cp_layout=...,
-microbatches=m if pp > 1 else None)`` once, on the unwrapped model, before the pipeline cuts it; and in
-``reduce_losses``, after the pipeline's or data parallelism's reduction, ``routing.add_stage_losses(losses)``
-when ``routing`` is not None.
+microbatches=m if pp > 1 else None)`` once, after expert parallelism replaced its layers and before the
+pipeline cuts the model; and in ``reduce_losses``, after the pipeline's or data parallelism's reduction,
+``routing.add_stage_losses(losses)`` when ``routing`` is not None.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ from torch import nn
 from course_lib import comm
 from course_lib.mesh import Mesh
 from course_lib.model import MoE
+from course_lib.parallel.config import routing_refusal
 from course_lib.parallel.cp_attention import Layout, positions
-from course_lib.parallel.ep import ExpertParallelMoE
 
 
 @dataclass
@@ -77,17 +80,24 @@ class RoutingShards:
         """Every rank's expert choices of the micro-batch in single-process token order ([N, k]) and where this
         rank's tokens are in it (``model.TokenShards``). The gathered indices must be exactly 0..N-1: ranks that
         disagree on the rows or the layout raise instead of training on a wrong queue."""
+        every, index, _ = self.gather_with_owners(chosen)
+        return every, index
+
+    def gather_with_owners(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``gather`` plus, per token in that order, the rank of ``group`` that holds it ([N]): what an
+        expert-parallel layer needs to count each rank's kept assignments (``ExpertParallelMoE``)."""
         rows, tokens, k = chosen.shape
         index = self.token_index(rows, tokens, chosen.device)
         mine = torch.cat([index[:, None], chosen.reshape(-1, k)], dim=1).contiguous()
         every = mine.new_empty((self.size * mine.shape[0], k + 1))
         comm.all_gather(every, mine, group=self.group)
-        every = every[torch.argsort(every[:, 0])]
+        order = torch.argsort(every[:, 0])
+        every = every[order]
         if not torch.equal(every[:, 0], torch.arange(every.shape[0], device=every.device)):
             raise RuntimeError(f"rank {dist.get_rank()}: the ranks of this micro-batch do not hold disjoint shares "
                                f"of it (token indices {every[:, 0].tolist()[:8]}...): they must agree on dp "
                                f"rank, cp rank and layout")
-        return every[:, 1:], index
+        return every[:, 1:], index, order // mine.shape[0]
 
 
 @dataclass
@@ -124,32 +134,31 @@ class MeshRouting:
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
-    """The single-process MoE layers of ``model`` (not the expert-parallel ones, which exchange their own)."""
-    return [m for m in model.modules() if isinstance(m, MoE) and not isinstance(m, ExpertParallelMoE)]
+    """The MoE layers of ``model``, single-process and expert-parallel ones."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag", microbatches: int | None = None,
                   shards_class: type[RoutingShards] = RoutingShards) -> MeshRouting | None:
     """Make every MoE layer of ``model`` route as on one process on ``mesh`` (the module docstring): their
-    ``shards`` over dp x cp and, with a pipeline of ``microbatches`` = m, their router losses back-propagated
-    with weight 1/m. None for a model without MoE or with ep > 1 (``ExpertParallel`` does its own exchange).
-    ``ValueError`` for dp > 1 with pp > 1 and a batch-wide router term (capacity or load-balancing loss)."""
+    ``shards`` over dp x cp (not for ``ExpertParallelMoE`` layers, which exchange their counts themselves) and,
+    with a pipeline of ``microbatches`` = m, their router losses back-propagated with weight 1/m. None for a
+    model without MoE, or with ep > 1 and no pipeline (``ExpertParallel`` adds their losses). ``ValueError`` for
+    dp x cp > 1 with pp > 1 and a batch-wide router term (``config.routing_refusal``; with ep > 1 the same rule
+    is ``config.check_composable``'s, checked before the layers are built)."""
     layers = moe_layers(model)
-    if not layers or mesh.size("ep") > 1:
-        return None
     pipelined = microbatches is not None and mesh.size("pp") > 1
-    batch_wide = any(m.capacity_factor is not None or m.aux_loss_coef for m in layers)
-    if pipelined and batch_wide and mesh.size("dp", "cp") > 1:
-        raise ValueError(
-            f"rank {dist.get_rank()}: an MoE with capacity or the load-balancing loss cannot run with dp x cp = "
-            f"{mesh.size('dp', 'cp')} and pp = {mesh.size('pp')}: the pipeline cuts each data-parallel rank's "
-            f"rows into its own micro-batches, and their union over the dp ranks is no micro-batch of one "
-            f"process, so capacity and f_i would differ from train_baseline's. Use dp = 1 with the pipeline, or "
-            f"capacity_factor=None and aux_loss_coef=0 (the z-loss composes)")
+    expert_parallel = mesh.size("ep") > 1
+    if not layers or (expert_parallel and not pipelined and mesh.size("cp") == 1):
+        return None
+    why = routing_refusal(mesh.size("dp", "cp"), mesh.size("pp"), any(m.capacity_factor is not None for m in layers),
+                          any(m.aux_loss_coef for m in layers)) if pipelined and not expert_parallel else ""
+    if why:
+        raise ValueError(f"rank {dist.get_rank()}: {why}")
     size = mesh.size("dp", "cp")
     data_group = mesh.group("dp", "cp") if size > 1 else None
-    for layer in layers:
-        if size > 1:
+    for layer in layers:  # expert-parallel layers need the token order only for capacity with cp
+        if size > 1 and (not expert_parallel or (mesh.size("cp") > 1 and layer.capacity_factor is not None)):
             layer.shards = shards_class(data_group, size, mesh.coord("dp"), mesh.size("cp"), mesh.coord("cp"),
                                         cp_layout)
         if pipelined:

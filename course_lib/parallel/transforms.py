@@ -12,7 +12,7 @@ built:
 2. ``apply_cp(model, group, layout=, algorithm=)`` (``cp.apply_cp``): attention over the cp ring and the tokens'
    global positions, inside the model (pre-hooks on the model and its position embedding), no wrapper;
 3. ``apply_ep(model, mesh)``: a mixture-of-experts model keeps E/ep experts per layer (``ExpertParallel``, whose
-   dense data-parallel average it also is);
+   dense data-parallel average it also is; with the other axes: ``ep_mesh``);
 4. ``apply_pp(model, mesh, ...)``: the (transformed) model is cut into this rank's stages;
 5. ``apply_data_parallel(model, mesh, zero=, pipe=)``: last, because it must see exactly the parameters this rank
    trains. It reads the placements and shards on top of them, over the group ``"dp+cp"`` (CP ranks hold other
@@ -77,11 +77,11 @@ def apply_tp(model: GPT, mesh: Mesh, plan: Mapping[str, Style] | None = None, *,
     return tp_class(model, mesh=mesh, plan=plan, sequence_parallel=sequence_parallel)
 
 
-def apply_ep(model: GPT, mesh: Mesh) -> ExpertParallel | None:
+def apply_ep(model: GPT, mesh: Mesh, *, ep_class: type[ExpertParallel] = ExpertParallel) -> ExpertParallel | None:
     """Expert parallelism over ``mesh.group("ep")`` (``ExpertParallel``: E/ep experts per MoE layer, the module
-    list recorded ``Shard(0)`` on "ep", expert gradients summed over "edp", dense ones averaged over dp x cp).
-    None when ep = 1."""
-    return ExpertParallel(model, mesh=mesh) if mesh.size("ep") > 1 else None
+    list recorded ``Shard(0)`` on "ep", expert gradients summed over "edp", dense ones averaged over dp x cp;
+    with the other axes: ``ep_mesh``). None when ep = 1."""
+    return ep_class(model, mesh=mesh) if mesh.size("ep") > 1 else None
 
 
 def apply_pp(model: GPT, mesh: Mesh, *, schedule: str | Schedule = "1f1b", microbatches: int = 2, v: int = 1,
