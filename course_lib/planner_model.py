@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Literal
 
 from course_lib import cost
@@ -63,6 +63,12 @@ _COST_NAME = {"1f1b": "one_f_one_b", "interleaved": "interleaved_one_f_one_b", "
 
 VOCAB_MULTIPLE = 128
 """Megatron-LM's ``--make-vocab-size-divisible-by`` default: the vocabulary is padded to a multiple of 128 x tp."""
+
+
+@lru_cache(maxsize=1_000)
+def padded_config(cfg: GPTConfig, tp: int) -> GPTConfig:
+    """``cfg`` with its vocabulary padded for ``tp`` (``padded_vocab``): the model each TP degree trains."""
+    return replace(cfg, vocab_size=padded_vocab(cfg.vocab_size, tp))
 
 
 def padded_vocab(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -117,7 +123,7 @@ class Candidate:
     schedule: Schedule = "1f1b"
     v: int = 1
 
-    @property
+    @cached_property
     def shape(self) -> MeshShape:
         return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
@@ -135,10 +141,12 @@ class Candidate:
 
     def rank_layers(self, n_layer: int) -> list[int]:
         """Blocks each pipeline rank holds: its v chunks r, r + p, ... (Megatron-LM's interleaving)."""
-        split = self.split(n_layer)
-        return [sum(split[r::self.pp]) for r in range(self.pp)]
+        return list(_rank_layers(self.pp, self.v, n_layer))
 
     def layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
+        return _layout(self, global_batch, n_layer)
+
+    def _layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
         layers = self.rank_layers(n_layer)
         return ParallelLayout(dp=self.dp, zero=self.zero, tp=self.tp, sp=self.tp > 1, pp=self.pp,
                               microbatches=self.microbatches(global_batch), cp=self.cp, ep=self.ep,
@@ -149,6 +157,17 @@ class Candidate:
         sched = f" {self.schedule_label}" if self.pp > 1 else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} mb={self.micro_batch} "
                 f"recompute={self.recompute}{sched}")
+
+
+@lru_cache(maxsize=10_000)
+def _rank_layers(pp: int, v: int, n_layer: int) -> tuple[int, ...]:
+    split = ends_split(n_layer, pp * v)
+    return tuple(sum(split[r::pp]) for r in range(pp))
+
+
+@lru_cache(maxsize=100_000)
+def _layout(cand: Candidate, global_batch: int, n_layer: int) -> ParallelLayout:
+    return cand._layout(global_batch, n_layer)
 
 
 def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
@@ -280,18 +299,52 @@ def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
     return [min(p - r, m) for r in range(p)]
 
 
+@lru_cache(maxsize=10_000)
 def _in_flight_factor(schedule: str, p: int, m: int, v: int) -> list[float]:
     """Per rank: the schedule's peak activations in flight over 1F1B's min(p - r, m) (whole-stage units)."""
     return [peak / v / min(p - r, m) for r, peak in enumerate(peak_in_flight(schedule, p, m, v))]
 
 
+STATE_PARTS = ("parameters", "gradients", "optimizer_state", "communication")
+"""The parts of a stage's budget that recomputation does not change (the others: activations, temporary)."""
+
+
 @lru_cache(maxsize=100_000)
-def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, stage: int, micro_batch: int, seq_len: int,
-                  recompute: Recompute, formula: Formula) -> MemoryBudget:
-    """``training_memory`` of one stage without headroom (shared by the schedules of one layout)."""
+def _budget(cfg: GPTConfig, lay: ParallelLayout, stage: int, micro_batch: int, seq_len: int, recompute: Recompute,
+            formula: Formula) -> MemoryBudget:
     return training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
                            layout=lay, headroom=0.0, activation_formula="adapted" if formula == "flash" else "paper",
                            dropout=formula == "paper")
+
+
+@lru_cache(maxsize=10_000)
+def _budget_layouts(lay: ParallelLayout) -> tuple[ParallelLayout, ParallelLayout]:
+    """The keys of ``_stage_memory``'s two calls: ``lay`` with m capped at pp, and that with dp = ep = 1, ZeRO-0."""
+    states = replace(lay, microbatches=min(lay.m, lay.pp) if lay.pp > 1 else 1)
+    return states, replace(states, dp=1, ep=1, zero=0)
+
+
+def worst_stages(pp: int) -> list[int]:
+    """The stages that can be worst: the first two and the last two (under ``pp_layers.ends_split`` the middle
+    stages hold the same blocks as the second and fewer micro-batches in flight)."""
+    return sorted({0, min(1, pp - 1), max(pp - 2, 0), pp - 1})
+
+
+@lru_cache(maxsize=100_000)
+def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
+                  formula: Formula) -> tuple[tuple[int, dict[str, float]], ...]:
+    """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls per
+    stage: the model states and buffers (``STATE_PARTS``: they do not depend on recomputation, so one call
+    serves the three) and the activations and temporaries (they depend on neither dp, ep nor ZeRO, so one call
+    with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m only through its
+    micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both keys."""
+    states_key, acts_key = _budget_layouts(lay)
+    out = []
+    for stage in worst_stages(lay.pp):
+        states = _budget(cfg, states_key, stage, micro_batch, seq_len, "none", formula)
+        acts = _budget(cfg, acts_key, stage, micro_batch, seq_len, recompute, formula)
+        out.append((stage, {k: (states if k in STATE_PARTS else acts)[k] for k in states}))
+    return tuple(out)
 
 
 @lru_cache(maxsize=100_000)
@@ -299,13 +352,14 @@ def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, fo
             headroom: float) -> MemoryBudget:
     lay = cand.layout(global_batch, cfg.n_layer)
     factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
-    worst = None
-    for stage in sorted({0, min(1, cand.pp - 1), max(cand.pp - 2, 0), cand.pp - 1}):
-        parts = dict(_stage_memory(cfg, lay, stage, cand.micro_batch, seq_len, cand.recompute, formula))
+    worst, worst_total = None, 0.0
+    for stage, budget in _stage_memory(cfg, lay, cand.micro_batch, seq_len, cand.recompute, formula):
+        parts = dict(budget)
         parts["activations"] *= factors[stage]
         parts["headroom"] = headroom * sum(parts.values())
-        if worst is None or sum(parts.values()) > sum(worst[1].values()):
-            worst = (stage, parts)
+        total = sum(parts.values())
+        if worst is None or total > worst_total:
+            worst, worst_total = (stage, parts), total
     stage, parts = worst
     return MemoryBudget(parts, label=f"{cfg.name} | {cand} | per GPU",
                         notes=[f"activations: {formula}", f"worst pipeline stage: {stage} of {cand.pp}"])
@@ -379,6 +433,7 @@ def _all_to_all(cl: Cluster, span: tuple[int, int], token_bytes: float, tokens: 
 # ------------------------------------------------------------------------------------------------ the MoE model
 
 
+@lru_cache(maxsize=1_000)
 def layer_matmul_params(cfg: GPTConfig, dense: bool = False) -> tuple[int, int]:
     """(dense part, active routed experts): the matmul weights one token meets in one block. Dense block:
     attention + the MLP of d_ff, no experts. MoE block (DeepSeekMoE, Dai et al. 2024): attention + the router
@@ -394,6 +449,7 @@ def leading_dense(cfg: GPTConfig, dense_layers: int) -> int:
     return min(dense_layers, cfg.n_layer) if cfg.n_expert else 0
 
 
+@lru_cache(maxsize=1_000)
 def active_params(cfg: GPTConfig, dense_layers: int = 0) -> int:
     """Matmul weights a token uses: every block's ``layer_matmul_params`` (the first ``dense_layers`` dense) plus
     the LM head v x h (the real vocabulary): 6 x this per token is the model-FLOPs count of MFU (PaLM)."""
@@ -402,6 +458,7 @@ def active_params(cfg: GPTConfig, dense_layers: int = 0) -> int:
             + cfg.vocab_size * cfg.d_model)
 
 
+@lru_cache(maxsize=1_000)
 def dense_twin(cfg: GPTConfig) -> GPTConfig:
     """The same model with dense MLPs of d_ff (what a leading dense block of an MoE model is)."""
     return replace(cfg, n_expert=0, n_shared_expert=0, expert_d_ff=None, n_group=1, topk_group=None,
@@ -410,11 +467,16 @@ def dense_twin(cfg: GPTConfig) -> GPTConfig:
 
 def rank_dense_layers(cand: Candidate, n_layer: int, dense_layers: int) -> list[int]:
     """Per pipeline rank, how many of the first ``dense_layers`` blocks it holds (its chunks r, r + p, ...)."""
-    out, start = [0] * cand.pp, 0
-    for j, n in enumerate(cand.split(n_layer)):
-        out[j % cand.pp] += max(0, min(start + n, dense_layers) - start)
+    return list(_rank_dense_layers(cand.pp, cand.v, n_layer, dense_layers))
+
+
+@lru_cache(maxsize=10_000)
+def _rank_dense_layers(pp: int, v: int, n_layer: int, dense_layers: int) -> tuple[int, ...]:
+    out, start = [0] * pp, 0
+    for j, n in enumerate(ends_split(n_layer, pp * v)):
+        out[j % pp] += max(0, min(start + n, dense_layers) - start)
         start += n
-    return out
+    return tuple(out)
 
 
 def route_node_limit(cfg: GPTConfig, nodes: int, override: int | None = None) -> int | None:
@@ -429,6 +491,17 @@ def route_node_limit(cfg: GPTConfig, nodes: int, override: int | None = None) ->
 
 
 # ------------------------------------------------------------------------------------------------ predict
+
+
+@lru_cache(maxsize=10_000)
+def _saved_bytes(cfg: GPTConfig, micro_batch: int, s_local: int, tp: int) -> float:
+    """What one layer saves for backward (FlashAttention-era, no dropout): the bytes its memory-bound kernels move."""
+    return layer_activation_bytes(cfg, micro_batch, s_local, tp=tp, sp=tp > 1, formula="adapted", dropout=False)
+
+
+@lru_cache(maxsize=100_000)
+def _params_per_rank(cfg: GPTConfig, lay: ParallelLayout, stage: int) -> dict[str, float]:
+    return params_per_rank(cfg, lay, stage)
 
 
 def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: Candidate,
@@ -450,7 +523,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
         raise ValueError(f"global batch {global_batch} does not split into dp x micro_batch = {cand.dp} x "
                          f"{cand.micro_batch} x whole micro-batches: choose a batch that is a multiple of "
                          f"{cand.dp * cand.micro_batch}")
-    pcfg = replace(cfg, vocab_size=padded_vocab(cfg.vocab_size, cand.tp))
+    pcfg = padded_config(cfg, cand.tp)
     mem = _memory(pcfg, cand, global_batch, seq_len, assume.attention_memory, assume.headroom)
     usable = assume.usable_memory * cl.gpu.bytes
     if time_if_fits_only and mem.total > usable:
@@ -472,7 +545,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     attn_mb = tokens_mb * attn / (cl.gpu.peak_flops * assume.attention_efficiency)
 
     def layer_time(c: GPTConfig, dense_w: int, experts_w: int) -> float:
-        saved = layer_activation_bytes(c, b, s_local, tp=t, sp=t > 1, formula="adapted", dropout=False)
+        saved = _saved_bytes(c, b, s_local, t)
         return (tokens_mb * 2 * (dense_w / rate + experts_w / rate_e) + attn_mb
                 + assume.elementwise_passes * saved / cl.gpu.mem_bandwidth)
 
@@ -532,7 +605,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     # DP / ZeRO over dp x cp (experts over dp x cp / ep), hierarchical collectives of bf16 gradients/parameters
     dp_s = 0.0
     if cand.dp * c > 1:
-        counts = params_per_rank(pcfg, cand.layout(global_batch, cfg.n_layer), slow)
+        counts = _params_per_rank(pcfg, cand.layout(global_batch, cfg.n_layer), slow)
         dense_b, expert_b = 2 * (counts["embedding"] + counts["blocks"] + counts["head"]), 2 * counts["experts"]
         dense_r = ranks("dp", "cp")
         expert_r = ranks("edp") if cand.ep > 1 else dense_r
