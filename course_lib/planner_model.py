@@ -25,7 +25,8 @@
   ``topk_group`` = M of its ``n_group`` groups, or ``Assumptions.node_limit``) sends a token once per node it
   reaches, at most M x ceil(nodes / n_group) nodes; DP/ZeRO collectives hierarchical (within the node on
   NVLink, then across nodes with 1/k of the bytes per GPU), ZeRO-2's reduce-scatter per micro-batch, ZeRO-3's
-  gathers and reduce-scatter per micro-batch with ``zero3_overlap`` hidden; the pipeline's sends.
+  gathers and reduce-scatter per micro-batch with ``zero3_overlap`` hidden (with a pipeline, torchtitan's
+  form, ``zero3_with_pipeline``: the gathers per micro-batch, one reduce-scatter per step); the pipeline's sends.
 * **Bubble**: ``cost.bubble_ratio`` of the schedule (1F1B (p-1)/m, interleaved (p-1)/(v m), ZB-H1 (p-1)/(3m))
   times the slowest rank's compute and exposed per-micro-batch communication.
 
@@ -172,11 +173,13 @@ def _layout(cand: Candidate, global_batch: int, n_layer: int) -> ParallelLayout:
 
 def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
     """Why the search leaves ``cand`` out ("" when it does not): combinations the libraries refuse or the
-    schedule cannot run. ZeRO-2/3 with a pipeline: the course library's own rule and message
+    schedule cannot run. ZeRO-2 with a pipeline: the course library's own rule and message
     (``parallel.config.ZERO_WITH_PIPELINE``, DeepSpeed's: its pipeline engine runs ZeRO-1 only, sharded
-    gradients would be reduce-scattered for every micro-batch of every stage); interleaved 1F1B needs m a
-    multiple of p (``schedules.interleaved_one_f_one_b``); ZB-H1's bubble formula holds for m >= p."""
-    if cand.pp > 1 and cand.zero >= 2:
+    gradients would be reduce-scattered for every micro-batch of every stage). ZeRO-3 with a pipeline is
+    planned in torchtitan's form (``zero3_with_pipeline``); the library's composition refuses it, so
+    ``library_rules`` does too. Interleaved 1F1B needs m a multiple of p (``schedules.interleaved_one_f_one_b``);
+    ZB-H1's bubble formula holds for m >= p."""
+    if cand.pp > 1 and cand.zero == 2:
         return ZERO_WITH_PIPELINE.format(stage=cand.zero, extra="")
     if cand.schedule == "interleaved" and (cand.pp == 1 or m % cand.pp or cfg.n_layer < cand.pp * cand.v):
         return f"interleaved v={cand.v} needs pp > 1, m={m} a multiple of pp={cand.pp} and pp x v <= n_layer"
@@ -317,11 +320,22 @@ def _budget(cfg: GPTConfig, lay: ParallelLayout, stage: int, micro_batch: int, s
                            dropout=formula == "paper")
 
 
+def zero3_with_pipeline(zero: int, pp: int) -> bool:
+    """ZeRO-3 composed with a pipeline as torchtitan composes FSDP2 with ``torch.distributed.pipelining``: the
+    parameters (and the optimizer state) stay sharded and are all-gathered for every micro-batch's forward and
+    backward, but each stage accumulates its gradients unsharded across its micro-batches and reduce-scatters
+    them once, after the last one (so it holds its full gradients, as under ZeRO-1)."""
+    return zero == 3 and pp > 1
+
+
 @lru_cache(maxsize=10_000)
-def _budget_layouts(lay: ParallelLayout) -> tuple[ParallelLayout, ParallelLayout]:
-    """The keys of ``_stage_memory``'s two calls: ``lay`` with m capped at pp, and that with dp = ep = 1, ZeRO-0."""
+def _budget_layouts(lay: ParallelLayout) -> tuple[ParallelLayout, ParallelLayout, ParallelLayout]:
+    """The keys of ``_stage_memory``'s calls: ``lay`` with m capped at pp; that with dp = ep = 1, ZeRO-0 (the
+    activations); the layout whose gradients the stage holds (ZeRO-1's, unsharded, under
+    ``zero3_with_pipeline``; else the first)."""
     states = replace(lay, microbatches=min(lay.m, lay.pp) if lay.pp > 1 else 1)
-    return states, replace(states, dp=1, ep=1, zero=0)
+    grads = replace(states, zero=1) if zero3_with_pipeline(lay.zero, lay.pp) else states
+    return states, replace(states, dp=1, ep=1, zero=0), grads
 
 
 def worst_stages(pp: int) -> list[int]:
@@ -338,12 +352,14 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
     serves the three) and the activations and temporaries (they depend on neither dp, ep nor ZeRO, so one call
     with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m only through its
     micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both keys."""
-    states_key, acts_key = _budget_layouts(lay)
+    states_key, acts_key, grads_key = _budget_layouts(lay)
     out = []
     for stage in worst_stages(lay.pp):
         states = _budget(cfg, states_key, stage, micro_batch, seq_len, "none", formula)
         acts = _budget(cfg, acts_key, stage, micro_batch, seq_len, recompute, formula)
-        out.append((stage, {k: (states if k in STATE_PARTS else acts)[k] for k in states}))
+        grads = _budget(cfg, grads_key, stage, micro_batch, seq_len, "none", formula)
+        out.append((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
+                            for k in states}))
     return tuple(out)
 
 
@@ -622,9 +638,12 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
             dp_s = max(0.0, rs - hide_b) + max(0.0, ag - hide_f)
         elif cand.zero == 2:  # sharded gradients cannot accumulate whole: one RS per micro-batch
             dp_s = m * max(0.0, rs - hide_b) + max(0.0, ag - hide_f)
-        else:  # ZeRO-3: per micro-batch AG before forward, AG before backward and RS after it
+        elif p == 1:  # ZeRO-3: per micro-batch AG before forward, AG before backward and RS after it
             o = assume.zero3_overlap
             dp_s = m * (max(0.0, ag - o * t_fwd_mb) + max(0.0, ag + rs - o * t_bwd_mb))
+        else:  # ZeRO-3 with a pipeline (zero3_with_pipeline): the AGs per micro-batch, one RS behind the last
+            o = assume.zero3_overlap
+            dp_s = m * (max(0.0, ag - o * t_fwd_mb) + max(0.0, ag - o * t_bwd_mb)) + max(0.0, rs - hide_b)
 
     pred = Prediction(cand, mem, mem.total <= usable, usable)
     pred.seconds = {"compute": compute, "tp": tp_s, "cp": cp_s, "ep": ep_s, "pp_bubble": bubble, "pp_p2p": pp_s,

@@ -4,6 +4,8 @@ These tests check that the shortcut changes nothing: the full ranked list of pub
 the cached path and once with ``memory.training_memory`` called directly for every stage, is the same, candidate
 by candidate, to the last bit of every time and memory figure."""
 
+from dataclasses import replace
+
 import pytest
 
 from course_lib import planner_model as PM
@@ -16,12 +18,21 @@ RUNS = {r.name: r for r in PP.published_runs()}
 
 def _direct_stage_memory(cfg, lay, micro_batch, seq_len, recompute, formula):
     """The uncached reference: ``training_memory`` of each stage that can be worst, with the candidate's own
-    layout (its real m, dp, ep and ZeRO stage)."""
-    return tuple((stage, dict(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len,
-                                              recompute=recompute, layout=lay, headroom=0.0,
-                                              activation_formula="adapted" if formula == "flash" else "paper",
-                                              dropout=formula == "paper")))
-                 for stage in PM.worst_stages(lay.pp))
+    layout (its real m, dp, ep and ZeRO stage); under ZeRO-3 with a pipeline, the gradients of the same layout
+    at ZeRO-1 (unsharded, ``zero3_with_pipeline``)."""
+    def budget(stage, layout):
+        return dict(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                                    layout=layout, headroom=0.0,
+                                    activation_formula="adapted" if formula == "flash" else "paper",
+                                    dropout=formula == "paper"))
+
+    out = []
+    for stage in PM.worst_stages(lay.pp):
+        parts = budget(stage, lay)
+        if PM.zero3_with_pipeline(lay.zero, lay.pp):
+            parts["gradients"] = budget(stage, replace(lay, zero=1))["gradients"]
+        out.append((stage, parts))
+    return tuple(out)
 
 
 def _ranking(run: PP.PublishedRun) -> tuple[list[tuple], int, int]:
@@ -61,11 +72,9 @@ def test_the_cached_memory_ranks_deepseek_v3_exactly_as_training_memory_does(mon
 def test_a_shortcut_that_drops_what_activations_depend_on_goes_red(monkeypatch):
     """Mutation: an activations key that also forgets the context-parallel split (activations do depend on it)
     must change the ranking of the 128K run, which uses CP."""
-    from dataclasses import replace
-
     def wrong(lay):
         states = replace(lay, microbatches=min(lay.m, lay.pp) if lay.pp > 1 else 1)
-        return states, replace(states, dp=1, ep=1, zero=0, cp=1)
+        return states, replace(states, dp=1, ep=1, zero=0, cp=1), states
 
     _clear()
     monkeypatch.setattr(PM, "_budget_layouts", wrong)
