@@ -38,157 +38,35 @@ formula (Narayanan et al. 2021) does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
-from typing import Literal
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 from course_lib import cost
-from course_lib.hardware import GPU, Link
-from course_lib.memory import (
-    GiB,
-    MemoryBudget,
-    ParallelLayout,
-    Recompute,
-    layer_activation_bytes,
-    params_per_rank,
-    training_memory,
+from course_lib.memory import GiB, MemoryBudget, ParallelLayout, layer_activation_bytes, params_per_rank
+from course_lib.model import GPTConfig
+from course_lib.parallel.cp import ring_kv_bytes
+from course_lib.planner_candidate import (
+    _COST_NAME,
+    SCHEDULES,
+    VOCAB_MULTIPLE,
+    Candidate,
+    Cluster,
+    Schedule,
+    padded_config,
+    padded_vocab,
+    refusal,
+    zero3_with_pipeline,
 )
-from course_lib.mesh import DEFAULT_ORDER, MeshShape
-from course_lib.model import GPTConfig, attention_params, mlp_params, shared_expert_params
-from course_lib.parallel.config import ZERO_WITH_PIPELINE
-from course_lib.pp_layers import ends_split
-
-Schedule = Literal["1f1b", "interleaved", "zb_h1"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb_h1")
-_COST_NAME = {"1f1b": "one_f_one_b", "interleaved": "interleaved_one_f_one_b", "zb_h1": "zb_h1"}
-
-VOCAB_MULTIPLE = 128
-"""Megatron-LM's ``--make-vocab-size-divisible-by`` default: the vocabulary is padded to a multiple of 128 x tp."""
-
-
-@lru_cache(maxsize=1_000)
-def padded_config(cfg: GPTConfig, tp: int) -> GPTConfig:
-    """``cfg`` with its vocabulary padded for ``tp`` (``padded_vocab``): the model each TP degree trains."""
-    return replace(cfg, vocab_size=padded_vocab(cfg.vocab_size, tp))
-
-
-def padded_vocab(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
-    """The vocabulary Megatron-LM trains: ``vocab_size`` rounded up to a multiple of ``multiple`` x ``tp``
-    (50257 at tp 8 -> 51200), so that every TP rank holds an equal, aligned slice of the embedding and head."""
-    step = multiple * tp
-    return -(-vocab_size // step) * step
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``nodes`` x ``gpus_per_node`` GPUs; ``intra`` links GPUs of one node, ``inter`` is each GPU's share of the
-    network between nodes (a DGX H100 has one 400 Gb/s NIC per GPU); ``source`` says where the node's shape
-    comes from (each link's own numbers have theirs in ``hardware.LINKS``)."""
-
-    name: str
-    nodes: int
-    gpus_per_node: int
-    gpu: GPU
-    intra: Link
-    inter: Link
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for what in ("nodes", "gpus_per_node"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Cluster {self.name!r}: {what} must be an int >= 1, got {value!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def with_nodes(self, nodes: int) -> Cluster:
-        return replace(self, nodes=nodes)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to run the job. ``sp`` (sequence parallelism) is on whenever tp > 1, as Megatron recommends;
-    ``schedule`` "1f1b", "interleaved" (``v`` model chunks per rank) or "zb_h1"; the blocks per (virtual) stage
-    are ``pp_layers.ends_split`` (equal when they divide)."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int = 1
-    ep: int = 1
-    zero: int = 1
-    micro_batch: int = 1
-    recompute: Recompute = "selective"
-    schedule: Schedule = "1f1b"
-    v: int = 1
-
-    @cached_property
-    def shape(self) -> MeshShape:
-        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
-
-    @property
-    def schedule_label(self) -> str:
-        return f"interleaved v={self.v}" if self.schedule == "interleaved" else self.schedule
-
-    def microbatches(self, global_batch: int) -> int:
-        """Micro-batches each pipeline runs per step: global batch / (dp x micro-batch)."""
-        return global_batch // (self.dp * self.micro_batch)
-
-    def split(self, n_layer: int) -> list[int]:
-        """Blocks per virtual stage (pp x v of them), ``pp_layers.ends_split``: what ``apply_pp(split=...)`` cuts."""
-        return ends_split(n_layer, self.pp * self.v)
-
-    def rank_layers(self, n_layer: int) -> list[int]:
-        """Blocks each pipeline rank holds: its v chunks r, r + p, ... (Megatron-LM's interleaving)."""
-        return list(_rank_layers(self.pp, self.v, n_layer))
-
-    def layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
-        return _layout(self, global_batch, n_layer)
-
-    def _layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
-        layers = self.rank_layers(n_layer)
-        return ParallelLayout(dp=self.dp, zero=self.zero, tp=self.tp, sp=self.tp > 1, pp=self.pp,
-                              microbatches=self.microbatches(global_batch), cp=self.cp, ep=self.ep,
-                              split=None if len(set(layers)) == 1 else tuple(layers))
-
-    def __str__(self) -> str:
-        extra = "".join(f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
-        sched = f" {self.schedule_label}" if self.pp > 1 else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} mb={self.micro_batch} "
-                f"recompute={self.recompute}{sched}")
-
-
-@lru_cache(maxsize=10_000)
-def _rank_layers(pp: int, v: int, n_layer: int) -> tuple[int, ...]:
-    split = ends_split(n_layer, pp * v)
-    return tuple(sum(split[r::pp]) for r in range(pp))
-
-
-@lru_cache(maxsize=100_000)
-def _layout(cand: Candidate, global_batch: int, n_layer: int) -> ParallelLayout:
-    return cand._layout(global_batch, n_layer)
-
-
-def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
-    """Why the search leaves ``cand`` out ("" when it does not): combinations the libraries refuse or the
-    schedule cannot run. ZeRO-2 with a pipeline: the course library's own rule and message
-    (``parallel.config.ZERO_WITH_PIPELINE``, DeepSpeed's: its pipeline engine runs ZeRO-1 only, sharded
-    gradients would be reduce-scattered for every micro-batch of every stage). ZeRO-3 with a pipeline is
-    planned in torchtitan's form (``zero3_with_pipeline``); the library's composition refuses it, so
-    ``library_rules`` does too. Interleaved 1F1B needs m a multiple of p (``schedules.interleaved_one_f_one_b``);
-    ZB-H1's bubble formula holds for m >= p."""
-    if cand.pp > 1 and cand.zero == 2:
-        return ZERO_WITH_PIPELINE.format(stage=cand.zero, extra="")
-    if cand.schedule == "interleaved" and (cand.pp == 1 or m % cand.pp or cfg.n_layer < cand.pp * cand.v):
-        return f"interleaved v={cand.v} needs pp > 1, m={m} a multiple of pp={cand.pp} and pp x v <= n_layer"
-    if cand.schedule == "zb_h1" and m < cand.pp:
-        return f"ZB-H1 needs m >= pp (m={m}, pp={cand.pp})"
-    return ""
-
-
-Formula = Literal["flash", "paper"]
+from course_lib.planner_comm import _all_to_all, group_span, group_time
+from course_lib.planner_memory import Formula, _memory, peak_in_flight
+from course_lib.planner_moe import (
+    active_params,
+    dense_twin,
+    layer_matmul_params,
+    leading_dense,
+    rank_dense_layers,
+    route_node_limit,
+)
 
 
 @dataclass(frozen=True)
@@ -287,225 +165,6 @@ class Prediction:
         return sum(self.seconds.values())
 
 
-# ------------------------------------------------------------------------------------------------ memory
-
-
-def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
-    """Per rank r, the most (chunk, micro-batch) activations held at once, in closed form: 1F1B min(p - r, m);
-    interleaved min(2(p-1-r) + (v-1)p + 1, m v) (its warm-up forwards and the one in steady state); ZB-H1
-    min(p, m) on every rank (a micro-batch is held until its W). ``schedules.peak_in_flight`` of the library's
-    schedules gives the same numbers (tests/test_planner.py checks it)."""
-    if schedule == "interleaved":
-        return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
-    if schedule == "zb_h1":
-        return [min(p, m)] * p
-    return [min(p - r, m) for r in range(p)]
-
-
-@lru_cache(maxsize=10_000)
-def _in_flight_factor(schedule: str, p: int, m: int, v: int) -> list[float]:
-    """Per rank: the schedule's peak activations in flight over 1F1B's min(p - r, m) (whole-stage units)."""
-    return [peak / v / min(p - r, m) for r, peak in enumerate(peak_in_flight(schedule, p, m, v))]
-
-
-STATE_PARTS = ("parameters", "gradients", "optimizer_state", "communication")
-"""The parts of a stage's budget that recomputation does not change (the others: activations, temporary)."""
-
-
-@lru_cache(maxsize=100_000)
-def _budget(cfg: GPTConfig, lay: ParallelLayout, stage: int, micro_batch: int, seq_len: int, recompute: Recompute,
-            formula: Formula) -> MemoryBudget:
-    return training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                           layout=lay, headroom=0.0, activation_formula="adapted" if formula == "flash" else "paper",
-                           dropout=formula == "paper")
-
-
-def zero3_with_pipeline(zero: int, pp: int) -> bool:
-    """ZeRO-3 composed with a pipeline as torchtitan composes FSDP2 with ``torch.distributed.pipelining``: the
-    parameters (and the optimizer state) stay sharded and are all-gathered for every micro-batch's forward and
-    backward, but each stage accumulates its gradients unsharded across its micro-batches and reduce-scatters
-    them once, after the last one (so it holds its full gradients, as under ZeRO-1)."""
-    return zero == 3 and pp > 1
-
-
-@lru_cache(maxsize=10_000)
-def _budget_layouts(lay: ParallelLayout) -> tuple[ParallelLayout, ParallelLayout, ParallelLayout]:
-    """The keys of ``_stage_memory``'s calls: ``lay`` with m capped at pp; that with dp = ep = 1, ZeRO-0 (the
-    activations); the layout whose gradients the stage holds (ZeRO-1's, unsharded, under
-    ``zero3_with_pipeline``; else the first)."""
-    states = replace(lay, microbatches=min(lay.m, lay.pp) if lay.pp > 1 else 1)
-    grads = replace(states, zero=1) if zero3_with_pipeline(lay.zero, lay.pp) else states
-    return states, replace(states, dp=1, ep=1, zero=0), grads
-
-
-def worst_stages(pp: int) -> list[int]:
-    """The stages that can be worst: the first two and the last two (under ``pp_layers.ends_split`` the middle
-    stages hold the same blocks as the second and fewer micro-batches in flight)."""
-    return sorted({0, min(1, pp - 1), max(pp - 2, 0), pp - 1})
-
-
-@lru_cache(maxsize=100_000)
-def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
-                  formula: Formula) -> tuple[tuple[int, dict[str, float]], ...]:
-    """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls per
-    stage: the model states and buffers (``STATE_PARTS``: they do not depend on recomputation, so one call
-    serves the three) and the activations and temporaries (they depend on neither dp, ep nor ZeRO, so one call
-    with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m only through its
-    micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both keys."""
-    states_key, acts_key, grads_key = _budget_layouts(lay)
-    out = []
-    for stage in worst_stages(lay.pp):
-        states = _budget(cfg, states_key, stage, micro_batch, seq_len, "none", formula)
-        acts = _budget(cfg, acts_key, stage, micro_batch, seq_len, recompute, formula)
-        grads = _budget(cfg, grads_key, stage, micro_batch, seq_len, "none", formula)
-        out.append((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
-                            for k in states}))
-    return tuple(out)
-
-
-@lru_cache(maxsize=100_000)
-def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,
-            headroom: float) -> MemoryBudget:
-    lay = cand.layout(global_batch, cfg.n_layer)
-    factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
-    worst, worst_total = None, 0.0
-    for stage, budget in _stage_memory(cfg, lay, cand.micro_batch, seq_len, cand.recompute, formula):
-        parts = dict(budget)
-        parts["activations"] *= factors[stage]
-        parts["headroom"] = headroom * sum(parts.values())
-        total = sum(parts.values())
-        if worst is None or total > worst_total:
-            worst, worst_total = (stage, parts), total
-    stage, parts = worst
-    return MemoryBudget(parts, label=f"{cfg.name} | {cand} | per GPU",
-                        notes=[f"activations: {formula}", f"worst pipeline stage: {stage} of {cand.pp}"])
-
-
-# ------------------------------------------------------------------------------------------------ communication
-
-
-def _time(link: Link, op: cost.Collective, nbytes: float, n: int) -> float:
-    """A collective of ``nbytes`` over ``n`` ranks on ``link``: the alpha-beta ring time of ``cost.collective_time``."""
-    return cost.collective_time(op, nbytes, n, link.alpha, link.beta)
-
-
-@lru_cache(maxsize=10_000)
-def group_span(shape: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> tuple[int, int]:
-    """(ranks, nodes) of rank 0's group along ``axes``: how many GPUs talk, on how many nodes."""
-    ranks = _group_of_rank0(shape, axes)
-    return len(ranks), len({r // gpus_per_node for r in ranks})
-
-
-def _group_of_rank0(shape: MeshShape, axes: tuple[str, ...]) -> list[int]:
-    """``shape.group_ranks(0, *axes)``, by arithmetic for Megatron's order (tp-cp-ep-dp-pp: dense strides 1, tp,
-    tp cp, tp cp dp; the expert reading numbers the dp x cp ranks i = ep + EP edp, at rank tp i)."""
-    if shape.order != DEFAULT_ORDER:
-        return shape.group_ranks(0, *axes)
-    if axes == ("ep",):
-        return [shape.tp * i for i in range(shape.ep)]
-    if axes == ("edp",):
-        return [shape.tp * shape.ep * k for k in range(shape.dp * shape.cp // shape.ep)]
-    strides = {"tp": 1, "cp": shape.tp, "dp": shape.tp * shape.cp, "pp": shape.tp * shape.cp * shape.dp}
-    ranks = [0]
-    for a in axes:
-        ranks = [r + i * strides[a] for r in ranks for i in range(getattr(shape, a))]
-    return sorted(ranks)
-
-
-def group_time(cl: Cluster, op: cost.Collective, nbytes: float, span: tuple[int, int]) -> float:
-    """``op`` over the group ``ranks``, hierarchical as NCCL's multi-rail rings and trees behave: within each node
-    (k ranks of the group there) on ``cl.intra``, then across the N nodes with V/k bytes per GPU on ``cl.inter``
-    (every GPU its own NIC); one node: a ring on ``cl.intra``. all_reduce = reduce_scatter + all_gather."""
-    n, nodes = span
-    if n == 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * group_time(cl, "reduce_scatter", nbytes, span)
-    if nodes == 1:
-        return _time(cl.intra, op, nbytes, n)
-    k = n // nodes
-    return (_time(cl.intra, op, nbytes, k) if k > 1 else 0.0) + _time(cl.inter, op, nbytes / k, nodes)
-
-
-def _all_to_all(cl: Cluster, span: tuple[int, int], token_bytes: float, tokens: float, top_k: int,
-                node_limit: int | None) -> float:
-    """One dispatch (or combine) of ``tokens`` tokens per rank to ``top_k`` experts each, spread evenly over the
-    group: the share for ranks of this node over NVLink, the rest over the network, both at once (the slower
-    sets the time). Node-limited routing sends a token once per destination node: E[distinct other nodes] of
-    top_k uniform picks over N nodes, N (1 - (1 - 1/N)^k) (N - 1)/N, capped at M."""
-    n, nodes = span
-    k = n // nodes
-    intra = tokens * top_k * (k - 1) / n * token_bytes
-    if node_limit is None:
-        inter = tokens * top_k * (n - k) / n * token_bytes
-    else:
-        distinct = nodes * (1 - (1 - 1 / nodes) ** top_k) * (nodes - 1) / nodes
-        inter = tokens * min(distinct, node_limit) * token_bytes
-    t_intra = (k - 1) * cl.intra.alpha + intra / cl.intra.beta if k > 1 else 0.0
-    t_inter = (nodes - 1) * cl.inter.alpha + inter / cl.inter.beta if nodes > 1 else 0.0
-    return max(t_intra, t_inter)
-
-
-# ------------------------------------------------------------------------------------------------ the MoE model
-
-
-@lru_cache(maxsize=1_000)
-def layer_matmul_params(cfg: GPTConfig, dense: bool = False) -> tuple[int, int]:
-    """(dense part, active routed experts): the matmul weights one token meets in one block. Dense block:
-    attention + the MLP of d_ff, no experts. MoE block (DeepSeekMoE, Dai et al. 2024): attention + the router
-    h x E + the shared experts' MLP of n_s f_e, and top_k routed MLPs of f_e = ``expert_d_ff``."""
-    if not cfg.n_expert or dense:
-        return attention_params(cfg) + mlp_params(cfg), 0
-    return (attention_params(cfg) + cfg.d_model * cfg.n_expert + shared_expert_params(cfg),
-            cfg.top_k * mlp_params(cfg, cfg.expert_ffn_dim))
-
-
-def leading_dense(cfg: GPTConfig, dense_layers: int) -> int:
-    """How many of the first blocks are dense: ``dense_layers`` of an MoE model (at most n_layer), 0 otherwise."""
-    return min(dense_layers, cfg.n_layer) if cfg.n_expert else 0
-
-
-@lru_cache(maxsize=1_000)
-def active_params(cfg: GPTConfig, dense_layers: int = 0) -> int:
-    """Matmul weights a token uses: every block's ``layer_matmul_params`` (the first ``dense_layers`` dense) plus
-    the LM head v x h (the real vocabulary): 6 x this per token is the model-FLOPs count of MFU (PaLM)."""
-    d = leading_dense(cfg, dense_layers)
-    return (d * sum(layer_matmul_params(cfg, dense=True)) + (cfg.n_layer - d) * sum(layer_matmul_params(cfg))
-            + cfg.vocab_size * cfg.d_model)
-
-
-@lru_cache(maxsize=1_000)
-def dense_twin(cfg: GPTConfig) -> GPTConfig:
-    """The same model with dense MLPs of d_ff (what a leading dense block of an MoE model is)."""
-    return replace(cfg, n_expert=0, n_shared_expert=0, expert_d_ff=None, n_group=1, topk_group=None,
-                   capacity_factor=None)
-
-
-def rank_dense_layers(cand: Candidate, n_layer: int, dense_layers: int) -> list[int]:
-    """Per pipeline rank, how many of the first ``dense_layers`` blocks it holds (its chunks r, r + p, ...)."""
-    return list(_rank_dense_layers(cand.pp, cand.v, n_layer, dense_layers))
-
-
-@lru_cache(maxsize=10_000)
-def _rank_dense_layers(pp: int, v: int, n_layer: int, dense_layers: int) -> tuple[int, ...]:
-    out, start = [0] * pp, 0
-    for j, n in enumerate(ends_split(n_layer, pp * v)):
-        out[j % pp] += max(0, min(start + n, dense_layers) - start)
-        start += n
-    return tuple(out)
-
-
-def route_node_limit(cfg: GPTConfig, nodes: int, override: int | None = None) -> int | None:
-    """The most nodes one token's experts lie on (None: no limit). ``override`` (``Assumptions.node_limit``)
-    wins; else the model's node-limited routing: ``topk_group`` = M of ``n_group`` contiguous groups, each group
-    on ceil(nodes / n_group) of the EP group's nodes (the experts are laid out in rank order), so M x that."""
-    if override is not None:
-        return override
-    if not cfg.n_expert or cfg.topk_group is None or cfg.topk_group == cfg.n_group:
-        return None
-    return min(nodes, cfg.topk_group * -(-nodes // cfg.n_group))
-
-
 # ------------------------------------------------------------------------------------------------ predict
 
 
@@ -597,7 +256,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     # CP: cp-1 ring steps of this TP rank's K,V block per layer, forward and twice backward, behind attention
     cp_s = 0.0
     if c > 1:
-        kv = 2 * rows * math.ceil(cfg.kv_heads / t) * cfg.head_dim * 2
+        kv = ring_kv_bytes(s, b, math.ceil(cfg.kv_heads / t), cfg.head_dim, c, 2)  # the library's own block
         link = cl.inter if ranks("cp")[1] > 1 else cl.intra
         ring = 3 * (c - 1) * (link.alpha + kv / link.beta) * n_layers
         cp_s = m * max(0.0, ring - 3 * attn_mb * n_layers)
@@ -670,3 +329,27 @@ def _reasons(p: Prediction, cl: Cluster, tp_span: tuple[int, int]) -> list[str]:
     if c.tp > 1:
         out.append(f"TP over {'NVLink inside a node' if tp_span[1] == 1 else 'the network'}")
     return out
+
+
+__all__ = [
+    "SCHEDULES",
+    "VOCAB_MULTIPLE",
+    "Assumptions",
+    "Candidate",
+    "Cluster",
+    "Formula",
+    "Prediction",
+    "Schedule",
+    "active_params",
+    "dense_twin",
+    "layer_matmul_params",
+    "leading_dense",
+    "padded_config",
+    "padded_vocab",
+    "peak_in_flight",
+    "predict",
+    "rank_dense_layers",
+    "refusal",
+    "route_node_limit",
+    "zero3_with_pipeline",
+]

@@ -309,7 +309,7 @@ def test_memory_reasons_state_the_budget():
 def test_the_groups_the_time_model_prices_are_the_meshs_own():
     import itertools
 
-    from course_lib.planner_model import _group_of_rank0
+    from course_lib.planner_comm import _group_of_rank0
 
     for tp, cp, dp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 3)):
         for ep in (e for e in (1, 2, 4, 8) if (dp * cp) % e == 0):

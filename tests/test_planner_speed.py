@@ -1,4 +1,4 @@
-"""The planner's search is fast because its memory model is cached in two parts (``planner_model._stage_memory``:
+"""The planner's search is fast because its memory model is cached in two parts (``planner_memory._stage_memory``:
 the model states, shared by the three recomputations, and the activations, shared by every data-parallel split).
 These tests check that the shortcut changes nothing: the full ranked list of published runs, planned once with
 the cached path and once with ``memory.training_memory`` called directly for every stage, is the same, candidate
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import planner_model as PM
+from course_lib import planner_memory as PM
 from course_lib import planner_published as PP
 from course_lib.memory import training_memory
 from course_lib.planner import cluster, plan
