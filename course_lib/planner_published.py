@@ -1,4 +1,5 @@
-"""Published large training runs, described from their papers, to check the planner against (never to tune it).
+"""Published large training runs, described from their papers (and from NVIDIA's own performance tables), to check
+the planner against (never to tune it).
 
 Each ``PublishedRun`` is a model shape, a cluster, a batch, the mesh the authors used and the MFU they report (or
 that follows from what they report: the derivation is in ``mfu_source``), with ``gaps``: what of the setup the
