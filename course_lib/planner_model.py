@@ -309,10 +309,11 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
                     "dp": dp_s}
     tokens = global_batch * s
     pred.tokens_per_s = tokens / pred.step_s
-    flops = 3 * (2 * active_params(cfg, assume.dense_layers) + cfg.n_layer * attn) * tokens
+    # model FLOPs (PaLM's count, ``cost.training_flops_per_token``), and less the masked half of attention
+    full = cost.training_flops_per_token(active_params(cfg, assume.dense_layers), cfg.n_layer, h, s) * tokens
     peak = cl.world_size * cl.gpu.peak_flops * pred.step_s
-    pred.mfu = flops / peak
-    pred.mfu_full_attention = (flops + 3 * cfg.n_layer * attn * tokens) / peak
+    pred.mfu = (full - 3 * cfg.n_layer * attn * tokens) / peak
+    pred.mfu_full_attention = full / peak
     pred.reasons = _reasons(pred, cl, ranks("tp"))
     return pred
 
