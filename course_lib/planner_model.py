@@ -1,13 +1,17 @@
 """The planner's model of one candidate: its memory (worst GPU) and its step time, split by where it goes.
 
-* **Memory**: ``memory.training_memory`` of the candidate's layout, for the stages that can be worst (the first
-  two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks and fewer
-  micro-batches in flight), their activations scaled to the schedule's own peak in flight
+Its parts, one concept a file: the search space (``planner_candidate``: cluster, candidate, refusals), the
+memory (``planner_memory``), the groups and collectives (``planner_comm``), the MoE's weights and routing
+(``planner_moe``); this file holds the assumptions and ``predict``, and re-exports the others.
+
+* **Memory** (``planner_memory``): ``memory.training_memory`` of the candidate's layout, for the stages that can
+  be worst (the first two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks
+  and fewer micro-batches in flight), their activations scaled to the schedule's own peak in flight
   (``peak_in_flight``, as ``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v)
-  times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
-  FlashAttention-era activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``)
-  are the default; ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term,
-  dropout).
+  times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W); under
+  ZeRO-3 with a pipeline each stage holds its gradients whole (``zero3_with_pipeline``). FlashAttention-era
+  activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``) are the default;
+  ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term, dropout).
 * **Compute**: 2 FLOPs per multiply-add of the active parameters at ``Assumptions.gemm_efficiency`` of the peak
   (expert GEMMs at the efficiency of the rows each expert receives). An MoE layer's active matmul weights are
   attention + router h E + the shared experts' MLP of n_s f_e + top_k routed MLPs of f_e (``expert_d_ff``,
