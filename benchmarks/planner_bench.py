@@ -30,7 +30,7 @@ def main() -> None:
     close = top5 = 0
     runs = PP.published_runs()
     for run in runs:
-        for cached in (planner_memory._memory, planner_memory._stage_memory, planner_memory._budget):
+        for cached in (planner_memory._memory, planner_memory._stage_memory, planner_memory._budgets):
             cached.cache_clear()
         cl = P.cluster(run.cluster, run.nodes)
         t0, c0 = time.perf_counter(), time.process_time()

@@ -47,11 +47,14 @@ STATE_PARTS = ("parameters", "gradients", "optimizer_state", "communication")
 
 
 @lru_cache(maxsize=100_000)
-def _budget(cfg: GPTConfig, lay: ParallelLayout, stage: int, micro_batch: int, seq_len: int, recompute: Recompute,
-            formula: Formula) -> MemoryBudget:
-    return training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                           layout=lay, headroom=0.0, activation_formula="adapted" if formula == "flash" else "paper",
-                           dropout=formula == "paper")
+def _budgets(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
+             formula: Formula) -> tuple[MemoryBudget, ...]:
+    """``training_memory`` without headroom of each of the ``worst_stages`` of ``lay``."""
+    return tuple(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                                 layout=lay, headroom=0.0,
+                                 activation_formula="adapted" if formula == "flash" else "paper",
+                                 dropout=formula == "paper")
+                 for stage in worst_stages(lay.pp))
 
 
 @lru_cache(maxsize=10_000)
@@ -73,20 +76,21 @@ def worst_stages(pp: int) -> list[int]:
 @lru_cache(maxsize=100_000)
 def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
                   formula: Formula) -> tuple[tuple[int, dict[str, float]], ...]:
-    """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls per
-    stage: the model states and buffers (``STATE_PARTS``: they do not depend on recomputation, so one call
-    serves the three) and the activations and temporaries (they depend on neither dp, ep nor ZeRO, so one call
-    with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m only through its
-    micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both keys."""
+    """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls (three
+    under ``zero3_with_pipeline``): the model states and buffers (``STATE_PARTS``: they do not depend on
+    recomputation, so one call serves the three) and the activations and temporaries (they depend on neither dp,
+    ep nor ZeRO, so one call with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m
+    only through its micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both
+    keys."""
     states_key, acts_key, grads_key = _budget_layouts(lay)
-    out = []
-    for stage in worst_stages(lay.pp):
-        states = _budget(cfg, states_key, stage, micro_batch, seq_len, "none", formula)
-        acts = _budget(cfg, acts_key, stage, micro_batch, seq_len, recompute, formula)
-        grads = _budget(cfg, grads_key, stage, micro_batch, seq_len, "none", formula)
-        out.append((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
-                            for k in states}))
-    return tuple(out)
+    states_all = _budgets(cfg, states_key, micro_batch, seq_len, "none", formula)
+    acts_all = _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula)
+    grads_all = states_all if grads_key is states_key else _budgets(cfg, grads_key, micro_batch, seq_len, "none",
+                                                                    formula)
+    return tuple((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
+                          for k in states})
+                 for stage, states, acts, grads in zip(worst_stages(lay.pp), states_all, acts_all, grads_all,
+                                                       strict=True))
 
 
 @lru_cache(maxsize=100_000)

@@ -43,7 +43,7 @@ def _ranking(run: PP.PublishedRun) -> tuple[list[tuple], int, int]:
 
 
 def _clear() -> None:
-    for f in (PM._memory, PM._stage_memory, PM._budget):
+    for f in (PM._memory, PM._stage_memory, PM._budgets):
         f.cache_clear()
 
 
