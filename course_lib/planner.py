@@ -25,8 +25,12 @@ at toy scale (``library_refusal``: ``parallel.config.check_composable`` and the 
 ``parallel.moe_mesh.share_routing``); that is what chapter 08 runs end to end. By default the planner plans real
 clusters and differs, deliberately, where the library's limits are teaching limits and not the hardware's:
 
-* ZeRO-2 with a pipeline: the same rule and message in both (``ZERO_WITH_PIPELINE``), always applied; ZeRO-3
-  with a pipeline: the library composes it, the planner leaves it out (not priced in that form yet);
+* ZeRO-2 with a pipeline: the same rule and message in both (``ZERO_WITH_PIPELINE``), always applied;
+* ZeRO-3 with a pipeline: planned in the form torchtitan runs (its 3D FSDP2 x TP x PP: parameters and optimizer
+  state sharded and gathered for every micro-batch, each stage's gradients accumulated unsharded and
+  reduce-scattered once per step, ``planner_model.zero3_with_pipeline``), which is the form the library composes
+  (``parallel.pp_fsdp``) and NVIDIA's NeMo AutoModel runs (FSDP with PP 4 to 8 for its DeepSeek-V3 and Kimi K2
+  performance rows);
 * divisibility (``MeshShape.validate``): the same, except that stages may hold unequal block counts
   (``pp_layers.ends_split``, which ``train_pp(split=...)`` cuts; the composed ``parallelize`` cuts equal stages
   only, so ``library_rules`` asks for pp x v dividing n_layer) and the vocabulary is padded to 128 x tp as

@@ -1,13 +1,17 @@
 """The planner's model of one candidate: its memory (worst GPU) and its step time, split by where it goes.
 
-* **Memory**: ``memory.training_memory`` of the candidate's layout, for the stages that can be worst (the first
-  two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks and fewer
-  micro-batches in flight), their activations scaled to the schedule's own peak in flight
+Its parts, one concept a file: the search space (``planner_candidate``: cluster, candidate, refusals), the
+memory (``planner_memory``), the groups and collectives (``planner_comm``), the MoE's weights and routing
+(``planner_moe``); this file holds the assumptions and ``predict``, and re-exports the others.
+
+* **Memory** (``planner_memory``): ``memory.training_memory`` of the candidate's layout, for the stages that can
+  be worst (the first two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks
+  and fewer micro-batches in flight), their activations scaled to the schedule's own peak in flight
   (``peak_in_flight``, as ``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v)
-  times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
-  FlashAttention-era activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``)
-  are the default; ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term,
-  dropout).
+  times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W); under
+  ZeRO-3 with a pipeline each stage holds its gradients whole (``zero3_with_pipeline``). FlashAttention-era
+  activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``) are the default;
+  ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term, dropout).
 * **Compute**: 2 FLOPs per multiply-add of the active parameters at ``Assumptions.gemm_efficiency`` of the peak
   (expert GEMMs at the efficiency of the rows each expert receives). An MoE layer's active matmul weights are
   attention + router h E + the shared experts' MLP of n_s f_e + top_k routed MLPs of f_e (``expert_d_ff``,
@@ -25,7 +29,8 @@
   ``topk_group`` = M of its ``n_group`` groups, or ``Assumptions.node_limit``) sends a token once per node it
   reaches, at most M x ceil(nodes / n_group) nodes; DP/ZeRO collectives hierarchical (within the node on
   NVLink, then across nodes with 1/k of the bytes per GPU), ZeRO-2's reduce-scatter per micro-batch, ZeRO-3's
-  gathers and reduce-scatter per micro-batch with ``zero3_overlap`` hidden; the pipeline's sends.
+  gathers and reduce-scatter per micro-batch with ``zero3_overlap`` hidden (with a pipeline, torchtitan's
+  form, ``zero3_with_pipeline``: the gathers per micro-batch, one reduce-scatter per step); the pipeline's sends.
 * **Bubble**: ``cost.bubble_ratio`` of the schedule (1F1B (p-1)/m, interleaved (p-1)/(v m), ZB-H1 (p-1)/(3m))
   times the slowest rank's compute and exposed per-micro-batch communication.
 
@@ -37,140 +42,35 @@ formula (Narayanan et al. 2021) does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
 
 from course_lib import cost
-from course_lib.hardware import GPU, Link
-from course_lib.memory import (
-    GiB,
-    MemoryBudget,
-    ParallelLayout,
-    Recompute,
-    layer_activation_bytes,
-    params_per_rank,
-    training_memory,
+from course_lib.memory import GiB, MemoryBudget, ParallelLayout, layer_activation_bytes, params_per_rank
+from course_lib.model import GPTConfig
+from course_lib.parallel.cp import ring_kv_bytes
+from course_lib.planner_candidate import (
+    _COST_NAME,
+    SCHEDULES,
+    VOCAB_MULTIPLE,
+    Candidate,
+    Cluster,
+    Schedule,
+    padded_config,
+    padded_vocab,
+    refusal,
+    zero3_with_pipeline,
 )
-from course_lib.mesh import DEFAULT_ORDER, MeshShape
-from course_lib.model import GPTConfig, attention_params, mlp_params, shared_expert_params
-from course_lib.parallel.config import ZERO_WITH_PIPELINE
-from course_lib.pp_layers import ends_split
-
-Schedule = Literal["1f1b", "interleaved", "zb_h1"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb_h1")
-_COST_NAME = {"1f1b": "one_f_one_b", "interleaved": "interleaved_one_f_one_b", "zb_h1": "zb_h1"}
-
-VOCAB_MULTIPLE = 128
-"""Megatron-LM's ``--make-vocab-size-divisible-by`` default: the vocabulary is padded to a multiple of 128 x tp."""
-
-
-def padded_vocab(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
-    """The vocabulary Megatron-LM trains: ``vocab_size`` rounded up to a multiple of ``multiple`` x ``tp``
-    (50257 at tp 8 -> 51200), so that every TP rank holds an equal, aligned slice of the embedding and head."""
-    step = multiple * tp
-    return -(-vocab_size // step) * step
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``nodes`` x ``gpus_per_node`` GPUs; ``intra`` links GPUs of one node, ``inter`` is each GPU's share of the
-    network between nodes (a DGX H100 has one 400 Gb/s NIC per GPU); ``source`` says where the node's shape
-    comes from (each link's own numbers have theirs in ``hardware.LINKS``)."""
-
-    name: str
-    nodes: int
-    gpus_per_node: int
-    gpu: GPU
-    intra: Link
-    inter: Link
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for what in ("nodes", "gpus_per_node"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Cluster {self.name!r}: {what} must be an int >= 1, got {value!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def with_nodes(self, nodes: int) -> Cluster:
-        return replace(self, nodes=nodes)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to run the job. ``sp`` (sequence parallelism) is on whenever tp > 1, as Megatron recommends;
-    ``schedule`` "1f1b", "interleaved" (``v`` model chunks per rank) or "zb_h1"; the blocks per (virtual) stage
-    are ``pp_layers.ends_split`` (equal when they divide)."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int = 1
-    ep: int = 1
-    zero: int = 1
-    micro_batch: int = 1
-    recompute: Recompute = "selective"
-    schedule: Schedule = "1f1b"
-    v: int = 1
-
-    @property
-    def shape(self) -> MeshShape:
-        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
-
-    @property
-    def schedule_label(self) -> str:
-        return f"interleaved v={self.v}" if self.schedule == "interleaved" else self.schedule
-
-    def microbatches(self, global_batch: int) -> int:
-        """Micro-batches each pipeline runs per step: global batch / (dp x micro-batch)."""
-        return global_batch // (self.dp * self.micro_batch)
-
-    def split(self, n_layer: int) -> list[int]:
-        """Blocks per virtual stage (pp x v of them), ``pp_layers.ends_split``: what ``apply_pp(split=...)`` cuts."""
-        return ends_split(n_layer, self.pp * self.v)
-
-    def rank_layers(self, n_layer: int) -> list[int]:
-        """Blocks each pipeline rank holds: its v chunks r, r + p, ... (Megatron-LM's interleaving)."""
-        split = self.split(n_layer)
-        return [sum(split[r::self.pp]) for r in range(self.pp)]
-
-    def layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
-        layers = self.rank_layers(n_layer)
-        return ParallelLayout(dp=self.dp, zero=self.zero, tp=self.tp, sp=self.tp > 1, pp=self.pp,
-                              microbatches=self.microbatches(global_batch), cp=self.cp, ep=self.ep,
-                              split=None if len(set(layers)) == 1 else tuple(layers))
-
-    def __str__(self) -> str:
-        extra = "".join(f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
-        sched = f" {self.schedule_label}" if self.pp > 1 else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} mb={self.micro_batch} "
-                f"recompute={self.recompute}{sched}")
-
-
-def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
-    """Why the search leaves ``cand`` out ("" when it does not): combinations the libraries refuse or the
-    schedule cannot run. ZeRO-2 with a pipeline: the course library's own rule and message
-    (``parallel.config.ZERO_WITH_PIPELINE``); ZeRO-3 with a pipeline: the library composes it
-    (``parallel.pp_fsdp``: gradients accumulated unsharded on the stage, one reduce-scatter per step), which
-    these prices (sharded gradients, collectives per micro-batch) do not model yet; interleaved 1F1B needs m a
-    multiple of p (``schedules.interleaved_one_f_one_b``); ZB-H1's bubble formula holds for m >= p."""
-    if cand.pp > 1 and cand.zero == 2:
-        return ZERO_WITH_PIPELINE
-    if cand.pp > 1 and cand.zero == 3:
-        return ("ZeRO-3 with pipeline parallelism is left out by the planner: the library composes it (gradients "
-                "accumulated unsharded per stage, one reduce-scatter per step), which this model does not price")
-    if cand.schedule == "interleaved" and (cand.pp == 1 or m % cand.pp or cfg.n_layer < cand.pp * cand.v):
-        return f"interleaved v={cand.v} needs pp > 1, m={m} a multiple of pp={cand.pp} and pp x v <= n_layer"
-    if cand.schedule == "zb_h1" and m < cand.pp:
-        return f"ZB-H1 needs m >= pp (m={m}, pp={cand.pp})"
-    return ""
-
-
-Formula = Literal["flash", "paper"]
+from course_lib.planner_comm import _all_to_all, group_span, group_time
+from course_lib.planner_memory import Formula, _memory, peak_in_flight
+from course_lib.planner_moe import (
+    active_params,
+    dense_twin,
+    layer_matmul_params,
+    leading_dense,
+    rank_dense_layers,
+    route_node_limit,
+)
 
 
 @dataclass(frozen=True)
@@ -269,170 +169,18 @@ class Prediction:
         return sum(self.seconds.values())
 
 
-# ------------------------------------------------------------------------------------------------ memory
-
-
-def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
-    """Per rank r, the most (chunk, micro-batch) activations held at once, in closed form: 1F1B min(p - r, m);
-    interleaved min(2(p-1-r) + (v-1)p + 1, m v) (its warm-up forwards and the one in steady state); ZB-H1
-    min(p, m) on every rank (a micro-batch is held until its W). ``schedules.peak_in_flight`` of the library's
-    schedules gives the same numbers (tests/test_planner.py checks it)."""
-    if schedule == "interleaved":
-        return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
-    if schedule == "zb_h1":
-        return [min(p, m)] * p
-    return [min(p - r, m) for r in range(p)]
-
-
-def _in_flight_factor(schedule: str, p: int, m: int, v: int) -> list[float]:
-    """Per rank: the schedule's peak activations in flight over 1F1B's min(p - r, m) (whole-stage units)."""
-    return [peak / v / min(p - r, m) for r, peak in enumerate(peak_in_flight(schedule, p, m, v))]
-
-
-@lru_cache(maxsize=100_000)
-def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, stage: int, micro_batch: int, seq_len: int,
-                  recompute: Recompute, formula: Formula) -> MemoryBudget:
-    """``training_memory`` of one stage without headroom (shared by the schedules of one layout)."""
-    return training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                           layout=lay, headroom=0.0, activation_formula="adapted" if formula == "flash" else "paper",
-                           dropout=formula == "paper")
-
-
-@lru_cache(maxsize=100_000)
-def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,
-            headroom: float) -> MemoryBudget:
-    lay = cand.layout(global_batch, cfg.n_layer)
-    factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
-    worst = None
-    for stage in sorted({0, min(1, cand.pp - 1), max(cand.pp - 2, 0), cand.pp - 1}):
-        parts = dict(_stage_memory(cfg, lay, stage, cand.micro_batch, seq_len, cand.recompute, formula))
-        parts["activations"] *= factors[stage]
-        parts["headroom"] = headroom * sum(parts.values())
-        if worst is None or sum(parts.values()) > sum(worst[1].values()):
-            worst = (stage, parts)
-    stage, parts = worst
-    return MemoryBudget(parts, label=f"{cfg.name} | {cand} | per GPU",
-                        notes=[f"activations: {formula}", f"worst pipeline stage: {stage} of {cand.pp}"])
-
-
-# ------------------------------------------------------------------------------------------------ communication
-
-
-def _time(link: Link, op: cost.Collective, nbytes: float, n: int) -> float:
-    """A collective of ``nbytes`` over ``n`` ranks on ``link``: the alpha-beta ring time of ``cost.collective_time``."""
-    return cost.collective_time(op, nbytes, n, link.alpha, link.beta)
+# ------------------------------------------------------------------------------------------------ predict
 
 
 @lru_cache(maxsize=10_000)
-def group_span(shape: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> tuple[int, int]:
-    """(ranks, nodes) of rank 0's group along ``axes``: how many GPUs talk, on how many nodes."""
-    ranks = _group_of_rank0(shape, axes)
-    return len(ranks), len({r // gpus_per_node for r in ranks})
+def _saved_bytes(cfg: GPTConfig, micro_batch: int, s_local: int, tp: int) -> float:
+    """What one layer saves for backward (FlashAttention-era, no dropout): the bytes its memory-bound kernels move."""
+    return layer_activation_bytes(cfg, micro_batch, s_local, tp=tp, sp=tp > 1, formula="adapted", dropout=False)
 
 
-def _group_of_rank0(shape: MeshShape, axes: tuple[str, ...]) -> list[int]:
-    """``shape.group_ranks(0, *axes)``, by arithmetic for Megatron's order (tp-cp-ep-dp-pp: dense strides 1, tp,
-    tp cp, tp cp dp; the expert reading numbers the dp x cp ranks i = ep + EP edp, at rank tp i)."""
-    if shape.order != DEFAULT_ORDER:
-        return shape.group_ranks(0, *axes)
-    if axes == ("ep",):
-        return [shape.tp * i for i in range(shape.ep)]
-    if axes == ("edp",):
-        return [shape.tp * shape.ep * k for k in range(shape.dp * shape.cp // shape.ep)]
-    strides = {"tp": 1, "cp": shape.tp, "dp": shape.tp * shape.cp, "pp": shape.tp * shape.cp * shape.dp}
-    ranks = [0]
-    for a in axes:
-        ranks = [r + i * strides[a] for r in ranks for i in range(getattr(shape, a))]
-    return sorted(ranks)
-
-
-def group_time(cl: Cluster, op: cost.Collective, nbytes: float, span: tuple[int, int]) -> float:
-    """``op`` over the group ``ranks``, hierarchical as NCCL's multi-rail rings and trees behave: within each node
-    (k ranks of the group there) on ``cl.intra``, then across the N nodes with V/k bytes per GPU on ``cl.inter``
-    (every GPU its own NIC); one node: a ring on ``cl.intra``. all_reduce = reduce_scatter + all_gather."""
-    n, nodes = span
-    if n == 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * group_time(cl, "reduce_scatter", nbytes, span)
-    if nodes == 1:
-        return _time(cl.intra, op, nbytes, n)
-    k = n // nodes
-    return (_time(cl.intra, op, nbytes, k) if k > 1 else 0.0) + _time(cl.inter, op, nbytes / k, nodes)
-
-
-def _all_to_all(cl: Cluster, span: tuple[int, int], token_bytes: float, tokens: float, top_k: int,
-                node_limit: int | None) -> float:
-    """One dispatch (or combine) of ``tokens`` tokens per rank to ``top_k`` experts each, spread evenly over the
-    group: the share for ranks of this node over NVLink, the rest over the network, both at once (the slower
-    sets the time). Node-limited routing sends a token once per destination node: E[distinct other nodes] of
-    top_k uniform picks over N nodes, N (1 - (1 - 1/N)^k) (N - 1)/N, capped at M."""
-    n, nodes = span
-    k = n // nodes
-    intra = tokens * top_k * (k - 1) / n * token_bytes
-    if node_limit is None:
-        inter = tokens * top_k * (n - k) / n * token_bytes
-    else:
-        distinct = nodes * (1 - (1 - 1 / nodes) ** top_k) * (nodes - 1) / nodes
-        inter = tokens * min(distinct, node_limit) * token_bytes
-    t_intra = (k - 1) * cl.intra.alpha + intra / cl.intra.beta if k > 1 else 0.0
-    t_inter = (nodes - 1) * cl.inter.alpha + inter / cl.inter.beta if nodes > 1 else 0.0
-    return max(t_intra, t_inter)
-
-
-# ------------------------------------------------------------------------------------------------ the MoE model
-
-
-def layer_matmul_params(cfg: GPTConfig, dense: bool = False) -> tuple[int, int]:
-    """(dense part, active routed experts): the matmul weights one token meets in one block. Dense block:
-    attention + the MLP of d_ff, no experts. MoE block (DeepSeekMoE, Dai et al. 2024): attention + the router
-    h x E + the shared experts' MLP of n_s f_e, and top_k routed MLPs of f_e = ``expert_d_ff``."""
-    if not cfg.n_expert or dense:
-        return attention_params(cfg) + mlp_params(cfg), 0
-    return (attention_params(cfg) + cfg.d_model * cfg.n_expert + shared_expert_params(cfg),
-            cfg.top_k * mlp_params(cfg, cfg.expert_ffn_dim))
-
-
-def leading_dense(cfg: GPTConfig, dense_layers: int) -> int:
-    """How many of the first blocks are dense: ``dense_layers`` of an MoE model (at most n_layer), 0 otherwise."""
-    return min(dense_layers, cfg.n_layer) if cfg.n_expert else 0
-
-
-def active_params(cfg: GPTConfig, dense_layers: int = 0) -> int:
-    """Matmul weights a token uses: every block's ``layer_matmul_params`` (the first ``dense_layers`` dense) plus
-    the LM head v x h (the real vocabulary): 6 x this per token is the model-FLOPs count of MFU (PaLM)."""
-    d = leading_dense(cfg, dense_layers)
-    return (d * sum(layer_matmul_params(cfg, dense=True)) + (cfg.n_layer - d) * sum(layer_matmul_params(cfg))
-            + cfg.vocab_size * cfg.d_model)
-
-
-def dense_twin(cfg: GPTConfig) -> GPTConfig:
-    """The same model with dense MLPs of d_ff (what a leading dense block of an MoE model is)."""
-    return replace(cfg, n_expert=0, n_shared_expert=0, expert_d_ff=None, n_group=1, topk_group=None,
-                   capacity_factor=None)
-
-
-def rank_dense_layers(cand: Candidate, n_layer: int, dense_layers: int) -> list[int]:
-    """Per pipeline rank, how many of the first ``dense_layers`` blocks it holds (its chunks r, r + p, ...)."""
-    out, start = [0] * cand.pp, 0
-    for j, n in enumerate(cand.split(n_layer)):
-        out[j % cand.pp] += max(0, min(start + n, dense_layers) - start)
-        start += n
-    return out
-
-
-def route_node_limit(cfg: GPTConfig, nodes: int, override: int | None = None) -> int | None:
-    """The most nodes one token's experts lie on (None: no limit). ``override`` (``Assumptions.node_limit``)
-    wins; else the model's node-limited routing: ``topk_group`` = M of ``n_group`` contiguous groups, each group
-    on ceil(nodes / n_group) of the EP group's nodes (the experts are laid out in rank order), so M x that."""
-    if override is not None:
-        return override
-    if not cfg.n_expert or cfg.topk_group is None or cfg.topk_group == cfg.n_group:
-        return None
-    return min(nodes, cfg.topk_group * -(-nodes // cfg.n_group))
-
-
-# ------------------------------------------------------------------------------------------------ predict
+@lru_cache(maxsize=100_000)
+def _params_per_rank(cfg: GPTConfig, lay: ParallelLayout, stage: int) -> dict[str, float]:
+    return params_per_rank(cfg, lay, stage)
 
 
 def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: Candidate,
@@ -454,7 +202,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
         raise ValueError(f"global batch {global_batch} does not split into dp x micro_batch = {cand.dp} x "
                          f"{cand.micro_batch} x whole micro-batches: choose a batch that is a multiple of "
                          f"{cand.dp * cand.micro_batch}")
-    pcfg = replace(cfg, vocab_size=padded_vocab(cfg.vocab_size, cand.tp))
+    pcfg = padded_config(cfg, cand.tp)
     mem = _memory(pcfg, cand, global_batch, seq_len, assume.attention_memory, assume.headroom)
     usable = assume.usable_memory * cl.gpu.bytes
     if time_if_fits_only and mem.total > usable:
@@ -476,7 +224,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     attn_mb = tokens_mb * attn / (cl.gpu.peak_flops * assume.attention_efficiency)
 
     def layer_time(c: GPTConfig, dense_w: int, experts_w: int) -> float:
-        saved = layer_activation_bytes(c, b, s_local, tp=t, sp=t > 1, formula="adapted", dropout=False)
+        saved = _saved_bytes(c, b, s_local, t)
         return (tokens_mb * 2 * (dense_w / rate + experts_w / rate_e) + attn_mb
                 + assume.elementwise_passes * saved / cl.gpu.mem_bandwidth)
 
@@ -512,7 +260,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     # CP: cp-1 ring steps of this TP rank's K,V block per layer, forward and twice backward, behind attention
     cp_s = 0.0
     if c > 1:
-        kv = 2 * rows * math.ceil(cfg.kv_heads / t) * cfg.head_dim * 2
+        kv = ring_kv_bytes(s, b, math.ceil(cfg.kv_heads / t), cfg.head_dim, c, 2)  # the library's own block
         link = cl.inter if ranks("cp")[1] > 1 else cl.intra
         ring = 3 * (c - 1) * (link.alpha + kv / link.beta) * n_layers
         cp_s = m * max(0.0, ring - 3 * attn_mb * n_layers)
@@ -536,7 +284,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     # DP / ZeRO over dp x cp (experts over dp x cp / ep), hierarchical collectives of bf16 gradients/parameters
     dp_s = 0.0
     if cand.dp * c > 1:
-        counts = params_per_rank(pcfg, cand.layout(global_batch, cfg.n_layer), slow)
+        counts = _params_per_rank(pcfg, cand.layout(global_batch, cfg.n_layer), slow)
         dense_b, expert_b = 2 * (counts["embedding"] + counts["blocks"] + counts["head"]), 2 * counts["experts"]
         dense_r = ranks("dp", "cp")
         expert_r = ranks("edp") if cand.ep > 1 else dense_r
@@ -553,19 +301,23 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
             dp_s = max(0.0, rs - hide_b) + max(0.0, ag - hide_f)
         elif cand.zero == 2:  # sharded gradients cannot accumulate whole: one RS per micro-batch
             dp_s = m * max(0.0, rs - hide_b) + max(0.0, ag - hide_f)
-        else:  # ZeRO-3: per micro-batch AG before forward, AG before backward and RS after it
+        elif p == 1:  # ZeRO-3: per micro-batch AG before forward, AG before backward and RS after it
             o = assume.zero3_overlap
             dp_s = m * (max(0.0, ag - o * t_fwd_mb) + max(0.0, ag + rs - o * t_bwd_mb))
+        else:  # ZeRO-3 with a pipeline (zero3_with_pipeline): the AGs per micro-batch, one RS behind the last
+            o = assume.zero3_overlap
+            dp_s = m * (max(0.0, ag - o * t_fwd_mb) + max(0.0, ag - o * t_bwd_mb)) + max(0.0, rs - hide_b)
 
     pred = Prediction(cand, mem, mem.total <= usable, usable)
     pred.seconds = {"compute": compute, "tp": tp_s, "cp": cp_s, "ep": ep_s, "pp_bubble": bubble, "pp_p2p": pp_s,
                     "dp": dp_s}
     tokens = global_batch * s
     pred.tokens_per_s = tokens / pred.step_s
-    flops = 3 * (2 * active_params(cfg, assume.dense_layers) + cfg.n_layer * attn) * tokens
+    # model FLOPs (PaLM's count, ``cost.training_flops_per_token``), and less the masked half of attention
+    full = cost.training_flops_per_token(active_params(cfg, assume.dense_layers), cfg.n_layer, h, s) * tokens
     peak = cl.world_size * cl.gpu.peak_flops * pred.step_s
-    pred.mfu = flops / peak
-    pred.mfu_full_attention = (flops + 3 * cfg.n_layer * attn * tokens) / peak
+    pred.mfu = (full - 3 * cfg.n_layer * attn * tokens) / peak
+    pred.mfu_full_attention = full / peak
     pred.reasons = _reasons(pred, cl, ranks("tp"))
     return pred
 
@@ -582,3 +334,27 @@ def _reasons(p: Prediction, cl: Cluster, tp_span: tuple[int, int]) -> list[str]:
     if c.tp > 1:
         out.append(f"TP over {'NVLink inside a node' if tp_span[1] == 1 else 'the network'}")
     return out
+
+
+__all__ = [
+    "SCHEDULES",
+    "VOCAB_MULTIPLE",
+    "Assumptions",
+    "Candidate",
+    "Cluster",
+    "Formula",
+    "Prediction",
+    "Schedule",
+    "active_params",
+    "dense_twin",
+    "layer_matmul_params",
+    "leading_dense",
+    "padded_config",
+    "padded_vocab",
+    "peak_in_flight",
+    "predict",
+    "rank_dense_layers",
+    "refusal",
+    "route_node_limit",
+    "zero3_with_pipeline",
+]

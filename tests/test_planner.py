@@ -77,9 +77,9 @@ def test_interleaving_costs_memory_and_saves_bubble():
     assert inter.seconds["pp_bubble"] < one.seconds["pp_bubble"]
 
 
-def test_zero_2_and_3_with_a_pipeline_are_refused_and_priced_per_micro_batch():
+def test_zero_2_with_a_pipeline_is_refused_and_priced_per_micro_batch():
     cfg = PRESETS["llama2-7b"]
-    cands = list(P.candidates(cfg, 16, 64, 4096, zero_stages=(2, 3), recomputes=("selective",)))
+    cands = list(P.candidates(cfg, 16, 64, 4096, zero_stages=(2,), recomputes=("selective",)))
     assert cands and all(c.pp == 1 for c in cands)
     assert P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=2), 8).startswith("ZeRO-2 with pipeline parallelism")
     # ZeRO-2's reduce-scatter runs once per micro-batch: more micro-batches, more exposed DP time than ZeRO-1
@@ -87,6 +87,33 @@ def test_zero_2_and_3_with_a_pipeline_are_refused_and_priced_per_micro_batch():
     one, two = (P.predict(cfg, cl, 64, 4096, P.Candidate(dp=16, tp=1, pp=1, zero=z, micro_batch=1))
                 for z in (1, 2))
     assert two.seconds["dp"] > 2 * one.seconds["dp"]
+
+
+def test_zero_3_with_a_pipeline_is_planned_in_torchtitans_form_with_or_without_the_library_rules():
+    cfg = PRESETS["llama2-7b"]
+    space = dict(zero_stages=(3,), recomputes=("selective",))
+    free = list(P.candidates(cfg, 16, 64, 4096, **space))
+    assert any(c.pp > 1 for c in free) and P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 8) == ""
+    ruled = list(P.candidates(cfg, 16, 64, 4096, library_rules=True, **space))
+    assert any(c.pp > 1 for c in ruled)  # the library composes it in the same form (parallel.pp_fsdp)
+    assert P.library_refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 64, 4096) == ""
+    # memory: the stage's gradients whole (ZeRO-1's), its parameters and optimizer state sharded (ZeRO-3's)
+    cl = P.cluster("pcie-h100-ethernet", 2)
+    mem = {z: P.predict(cfg, cl, 64, 4096, P.Candidate(dp=8, tp=1, pp=2, zero=z)).memory for z in (1, 3)}
+    assert mem[3]["gradients"] == mem[1]["gradients"]
+    assert mem[3]["parameters"] == pytest.approx(mem[1]["parameters"] / 8)
+    assert mem[3]["optimizer_state"] == mem[1]["optimizer_state"]
+    # traffic (no overlap): ZeRO-1 sends RS + AG once; ZeRO-3 x PP gathers twice per micro-batch and
+    # reduce-scatters once: dp(m) = 2 m AG + RS
+    no_overlap = P.Assumptions(grad_overlap=0.0, zero3_overlap=0.0)
+
+    def dp_s(zero: int, batch: int) -> tuple[float, int]:
+        c = P.Candidate(dp=8, tp=1, pp=2, zero=zero)
+        return P.predict(cfg, cl, batch, 4096, c, no_overlap).seconds["dp"], c.microbatches(batch)
+
+    (z3a, m_a), (z3b, m_b), (z1, _) = dp_s(3, 32), dp_s(3, 64), dp_s(1, 32)
+    ag = (z3b - z3a) / (2 * (m_b - m_a))
+    assert ag > 0 and z1 - ag == pytest.approx(z3a - 2 * m_a * ag, rel=1e-9)  # the same RS, once per step
 
 
 def test_tp_overlap_is_an_explicit_assumption_off_by_default():
@@ -281,7 +308,7 @@ def test_memory_reasons_state_the_budget():
 def test_the_groups_the_time_model_prices_are_the_meshs_own():
     import itertools
 
-    from course_lib.planner_model import _group_of_rank0
+    from course_lib.planner_comm import _group_of_rank0
 
     for tp, cp, dp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 3)):
         for ep in (e for e in (1, 2, 4, 8) if (dp * cp) % e == 0):

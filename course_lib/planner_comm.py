@@ -1,0 +1,73 @@
+"""The planner's communication: which ranks a group spans (how many GPUs, on how many nodes) and the alpha-beta
+time of a collective or an all-to-all on the links it really crosses (``cost.collective_time``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from course_lib import cost
+from course_lib.hardware import Link
+from course_lib.mesh import DEFAULT_ORDER, MeshShape
+from course_lib.planner_candidate import Cluster
+
+
+def _time(link: Link, op: cost.Collective, nbytes: float, n: int) -> float:
+    """A collective of ``nbytes`` over ``n`` ranks on ``link``: the alpha-beta ring time of ``cost.collective_time``."""
+    return cost.collective_time(op, nbytes, n, link.alpha, link.beta)
+
+
+@lru_cache(maxsize=10_000)
+def group_span(shape: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> tuple[int, int]:
+    """(ranks, nodes) of rank 0's group along ``axes``: how many GPUs talk, on how many nodes."""
+    ranks = _group_of_rank0(shape, axes)
+    return len(ranks), len({r // gpus_per_node for r in ranks})
+
+
+def _group_of_rank0(shape: MeshShape, axes: tuple[str, ...]) -> list[int]:
+    """``shape.group_ranks(0, *axes)``, by arithmetic for Megatron's order (tp-cp-ep-dp-pp: dense strides 1, tp,
+    tp cp, tp cp dp; the expert reading numbers the dp x cp ranks i = ep + EP edp, at rank tp i)."""
+    if shape.order != DEFAULT_ORDER:
+        return shape.group_ranks(0, *axes)
+    if axes == ("ep",):
+        return [shape.tp * i for i in range(shape.ep)]
+    if axes == ("edp",):
+        return [shape.tp * shape.ep * k for k in range(shape.dp * shape.cp // shape.ep)]
+    strides = {"tp": 1, "cp": shape.tp, "dp": shape.tp * shape.cp, "pp": shape.tp * shape.cp * shape.dp}
+    ranks = [0]
+    for a in axes:
+        ranks = [r + i * strides[a] for r in ranks for i in range(getattr(shape, a))]
+    return sorted(ranks)
+
+
+def group_time(cl: Cluster, op: cost.Collective, nbytes: float, span: tuple[int, int]) -> float:
+    """``op`` over the group ``ranks``, hierarchical as NCCL's multi-rail rings and trees behave: within each node
+    (k ranks of the group there) on ``cl.intra``, then across the N nodes with V/k bytes per GPU on ``cl.inter``
+    (every GPU its own NIC); one node: a ring on ``cl.intra``. all_reduce = reduce_scatter + all_gather."""
+    n, nodes = span
+    if n == 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * group_time(cl, "reduce_scatter", nbytes, span)
+    if nodes == 1:
+        return _time(cl.intra, op, nbytes, n)
+    k = n // nodes
+    return (_time(cl.intra, op, nbytes, k) if k > 1 else 0.0) + _time(cl.inter, op, nbytes / k, nodes)
+
+
+def _all_to_all(cl: Cluster, span: tuple[int, int], token_bytes: float, tokens: float, top_k: int,
+                node_limit: int | None) -> float:
+    """One dispatch (or combine) of ``tokens`` tokens per rank to ``top_k`` experts each, spread evenly over the
+    group: the share for ranks of this node over NVLink, the rest over the network, both at once (the slower
+    sets the time). Node-limited routing sends a token once per destination node: E[distinct other nodes] of
+    top_k uniform picks over N nodes, N (1 - (1 - 1/N)^k) (N - 1)/N, capped at M."""
+    n, nodes = span
+    k = n // nodes
+    intra = tokens * top_k * (k - 1) / n * token_bytes
+    if node_limit is None:
+        inter = tokens * top_k * (n - k) / n * token_bytes
+    else:
+        distinct = nodes * (1 - (1 - 1 / nodes) ** top_k) * (nodes - 1) / nodes
+        inter = tokens * min(distinct, node_limit) * token_bytes
+    t_intra = (k - 1) * cl.intra.alpha + intra / cl.intra.beta if k > 1 else 0.0
+    t_inter = (nodes - 1) * cl.inter.alpha + inter / cl.inter.beta if nodes > 1 else 0.0
+    return max(t_intra, t_inter)

@@ -1,0 +1,111 @@
+"""The planner's memory of one candidate: ``memory.training_memory`` of its layout for the stages that can be worst
+(the first two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks and fewer
+micro-batches in flight), their activations scaled to the schedule's own peak in flight (``peak_in_flight``, as
+``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v) times 1F1B's on rank 0, as
+Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
+
+The search prices thousands of candidates that share most of their memory, so a stage's budget is computed in
+two cached parts (``_stage_memory``): the model states, the same for the three recomputations, and the
+activations, the same for every data-parallel split. ``tests/test_planner_speed.py`` checks that the ranking is
+the one ``training_memory`` called directly for every stage gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from typing import Literal
+
+from course_lib.memory import MemoryBudget, ParallelLayout, Recompute, training_memory
+from course_lib.model import GPTConfig
+from course_lib.planner_candidate import Candidate, zero3_with_pipeline
+
+Formula = Literal["flash", "paper"]
+
+
+
+def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
+    """Per rank r, the most (chunk, micro-batch) activations held at once, in closed form: 1F1B min(p - r, m);
+    interleaved min(2(p-1-r) + (v-1)p + 1, m v) (its warm-up forwards and the one in steady state); ZB-H1
+    min(p, m) on every rank (a micro-batch is held until its W). ``schedules.peak_in_flight`` of the library's
+    schedules gives the same numbers (tests/test_planner.py checks it)."""
+    if schedule == "interleaved":
+        return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
+    if schedule == "zb_h1":
+        return [min(p, m)] * p
+    return [min(p - r, m) for r in range(p)]
+
+
+@lru_cache(maxsize=10_000)
+def _in_flight_factor(schedule: str, p: int, m: int, v: int) -> list[float]:
+    """Per rank: the schedule's peak activations in flight over 1F1B's min(p - r, m) (whole-stage units)."""
+    return [peak / v / min(p - r, m) for r, peak in enumerate(peak_in_flight(schedule, p, m, v))]
+
+
+STATE_PARTS = ("parameters", "gradients", "optimizer_state", "communication")
+"""The parts of a stage's budget that recomputation does not change (the others: activations, temporary)."""
+
+
+@lru_cache(maxsize=100_000)
+def _budgets(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
+             formula: Formula) -> tuple[MemoryBudget, ...]:
+    """``training_memory`` without headroom of each of the ``worst_stages`` of ``lay``."""
+    return tuple(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                                 layout=lay, headroom=0.0,
+                                 activation_formula="adapted" if formula == "flash" else "paper",
+                                 dropout=formula == "paper")
+                 for stage in worst_stages(lay.pp))
+
+
+@lru_cache(maxsize=10_000)
+def _budget_layouts(lay: ParallelLayout) -> tuple[ParallelLayout, ParallelLayout, ParallelLayout]:
+    """The keys of ``_stage_memory``'s calls: ``lay`` with m capped at pp; that with dp = ep = 1, ZeRO-0 (the
+    activations); the layout whose gradients the stage holds (ZeRO-1's, unsharded, under
+    ``zero3_with_pipeline``; else the first)."""
+    states = replace(lay, microbatches=min(lay.m, lay.pp) if lay.pp > 1 else 1)
+    grads = replace(states, zero=1) if zero3_with_pipeline(lay.zero, lay.pp) else states
+    return states, replace(states, dp=1, ep=1, zero=0), grads
+
+
+def worst_stages(pp: int) -> list[int]:
+    """The stages that can be worst: the first two and the last two (under ``pp_layers.ends_split`` the middle
+    stages hold the same blocks as the second and fewer micro-batches in flight)."""
+    return sorted({0, min(1, pp - 1), max(pp - 2, 0), pp - 1})
+
+
+@lru_cache(maxsize=100_000)
+def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
+                  formula: Formula) -> tuple[tuple[int, dict[str, float]], ...]:
+    """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls (three
+    under ``zero3_with_pipeline``): the model states and buffers (``STATE_PARTS``: they do not depend on
+    recomputation, so one call serves the three) and the activations and temporaries (they depend on neither dp,
+    ep nor ZeRO, so one call with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m
+    only through its micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both
+    keys."""
+    states_key, acts_key, grads_key = _budget_layouts(lay)
+    states_all = _budgets(cfg, states_key, micro_batch, seq_len, "none", formula)
+    acts_all = _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula)
+    grads_all = states_all if grads_key is states_key else _budgets(cfg, grads_key, micro_batch, seq_len, "none",
+                                                                    formula)
+    return tuple((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
+                          for k in states})
+                 for stage, states, acts, grads in zip(worst_stages(lay.pp), states_all, acts_all, grads_all,
+                                                       strict=True))
+
+
+@lru_cache(maxsize=100_000)
+def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,
+            headroom: float) -> MemoryBudget:
+    lay = cand.layout(global_batch, cfg.n_layer)
+    factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
+    worst, worst_total = None, 0.0
+    for stage, budget in _stage_memory(cfg, lay, cand.micro_batch, seq_len, cand.recompute, formula):
+        parts = dict(budget)
+        parts["activations"] *= factors[stage]
+        parts["headroom"] = headroom * sum(parts.values())
+        total = sum(parts.values())
+        if worst is None or total > worst_total:
+            worst, worst_total = (stage, parts), total
+    stage, parts = worst
+    return MemoryBudget(parts, label=f"{cfg.name} | {cand} | per GPU",
+                        notes=[f"activations: {formula}", f"worst pipeline stage: {stage} of {cand.pp}"])
