@@ -5,7 +5,7 @@ with a ``memtrack.MemoryTracker`` over what the rank trains) and compares each w
 (``train_baseline``) and with what the planner says of the same mesh:
 
 * **model states per rank** -- ``planner_states``: the planner's own memory function
-  (``planner_model._stage_memory``, ``memory.training_memory`` of the ``Candidate`` 's layout) of the rank's
+  (``planner_memory._stage_memory``, ``memory.training_memory`` of the ``Candidate`` 's layout) of the rank's
   pipeline stage. The planner prices mixed-precision AdamW (2 + 2 + 12 bytes per parameter); the toy run trains
   fp32 AdamW (4 + 4 + 8). The planner's bytes are turned into elements (its ``bytes_per_param`` per category)
   and back into bytes at the run's precision: the division by tp, pp and the ZeRO group is the planner's.
@@ -19,7 +19,8 @@ down; a new entry is one ``MeshRun`` (the chapter prints every row from its fiel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from course_lib import comm
@@ -28,7 +29,8 @@ from course_lib.memtrack import MemoryTracker
 from course_lib.model import GPTConfig
 from course_lib.parallel.compose import ComposedResult, Parallelized, train_parallel
 from course_lib.parallel.config import ParallelConfig
-from course_lib.planner_model import Candidate, _stage_memory
+from course_lib.planner_memory import _stage_memory
+from course_lib.planner_model import Candidate
 from course_lib.train import TrainConfig
 
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
@@ -39,12 +41,18 @@ PLANNER_PRECISION = "mixed"
 @dataclass(frozen=True)
 class MeshRun:
     """A mesh of a published run at toy scale: ``label``, the ``parallel`` configuration trained here, the run
-    it ``mirrors`` (paper, mesh) and what is ``scaled`` down."""
+    it ``mirrors`` (paper, mesh), what is ``scaled`` down, and the ``model`` fields it changes in the chapter's
+    tiny GPT (an MoE run's experts: ``cfg.with_(**model)``)."""
 
     label: str
     parallel: ParallelConfig
     mirrors: str
     scaled: str
+    model: Mapping[str, Any] = field(default_factory=dict)
+
+    def config(self, cfg: GPTConfig) -> GPTConfig:
+        """The model this run trains: ``cfg`` with this run's ``model`` fields."""
+        return cfg.with_(**self.model)
 
 
 PRODUCTION_MESHES: tuple[MeshRun, ...] = (
@@ -56,6 +64,16 @@ PRODUCTION_MESHES: tuple[MeshRun, ...] = (
             "torchtitan's long-context shape: FSDP2 (dp_shard) x TP x CP + SP (Liang et al., 'TorchTitan', "
             "2024, Sec. 3)",
             "every degree 2, on 8 ranks; the tiny GPT: 4 blocks, 16-token sequences"),
+    MeshRun("FSDP2 x TP x PP", ParallelConfig(dp=2, tp=2, pp=2, zero_stage=3, sequence_parallel=True),
+            "torchtitan's 3D: FSDP2 x TP 8 x PP 8 for Llama 3.1 405B on 512 H100s (Liang et al., 'TorchTitan', "
+            "2024)",
+            "every degree 2, on 8 ranks; the tiny GPT: 4 blocks, 16-token sequences; 2 micro-batches, 1F1B"),
+    MeshRun("PP x EP x DP + ZeRO-1", ParallelConfig(dp=4, pp=2, ep=2, zero_stage=1),
+            "DeepSeek-V3: PP 16 x EP 64 x ZeRO-1 DP on 2048 H800s, no TP (DeepSeek-AI, 'DeepSeek-V3 Technical "
+            "Report', 2024, Sec. 3.2)",
+            "DP 4 x PP 2 x EP 2 on 8 ranks; 4 experts, top-2, the z-loss only (capacity and the balance loss "
+            "cannot be pipelined with dp > 1 here); the tiny GPT: 4 blocks, 16-token sequences",
+            {"n_expert": 4, "top_k": 2, "z_loss_coef": 0.01}),
 )
 """Meshes of published runs, trained in one 8-rank launch in chapter 08 (extend with one ``MeshRun`` each)."""
 
@@ -93,8 +111,12 @@ def planner_states(cfg: GPTConfig, cand: Candidate, global_batch: int, stage: in
     """The planner's model states (bytes) of pipeline ``stage`` of ``cand``, at the run's ``precision``
     (AdamW): its bytes per category at ``PLANNER_PRECISION`` divided by that precision's bytes per parameter,
     times ``precision`` 's."""
-    budget = _stage_memory(cfg, cand.layout(global_batch, cfg.n_layer), stage, cand.micro_batch, cfg.seq_len,
-                           cand.recompute, "flash")
+    budgets = dict(_stage_memory(cfg, cand.layout(global_batch, cfg.n_layer), cand.micro_batch, cfg.seq_len,
+                                 cand.recompute, "flash"))
+    if stage not in budgets:
+        raise ValueError(f"stage {stage} of pp={cand.pp}: the planner prices its first two and last two stages "
+                         f"only ({sorted(budgets)})")
+    budget = budgets[stage]
     theirs, ours = bytes_per_param(PLANNER_PRECISION), bytes_per_param(precision)
     per = {"parameters": (theirs.params, ours.params), "gradients": (theirs.grads, ours.grads),
            "optimizer_state": (theirs.optimizer, ours.optimizer)}
@@ -115,17 +137,19 @@ class TrackedParallelized(Parallelized):
 
 
 def train_measured(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig,
-                   configs: list[ParallelConfig]) -> list[tuple[ComposedResult, dict[str, float]]]:
+                   configs: Sequence[ParallelConfig | MeshRun]) -> list[tuple[ComposedResult, dict[str, float]]]:
     """Every configuration of ``configs`` in turn on the same ranks (one launch; each uses the first
     ``world_size`` of its own, all of them here): ``train_parallel``'s run and the tracker's peak bytes per
-    model-state category on this rank. A ``launch`` target."""
+    model-state category on this rank. A ``MeshRun`` trains its own model (``MeshRun.config(cfg)``). A
+    ``launch`` target."""
     out = []
-    for parallel in configs:
+    for item in configs:
+        parallel, model = (item.parallel, item.config(cfg)) if isinstance(item, MeshRun) else (item, cfg)
         if parallel.world_size != world_size:
             raise ValueError(f"rank {rank}: {parallel} needs {parallel.world_size} ranks, the launch has "
                              f"{world_size}; launch each world size on its own")
         try:
-            result = train_parallel(rank, world_size, cfg, tc, parallel, composed_class=TrackedParallelized)
+            result = train_parallel(rank, world_size, model, tc, parallel, composed_class=TrackedParallelized)
         finally:
             tracker, TrackedParallelized.tracker = TrackedParallelized.tracker, None
             if tracker is not None:

@@ -1,7 +1,7 @@
 """The planner's model states per rank against what the ranks hold, on FSDP + TP and the production-shaped meshes.
 
 For each mesh, ``mesh_runs.train_measured`` trains it on real ranks under a ``MemoryTracker`` of what each rank
-trains, and ``mesh_runs.planner_states`` gives the planner's own memory function (``planner_model._stage_memory``)
+trains, and ``mesh_runs.planner_states`` gives the planner's own memory function (``planner_memory._stage_memory``)
 of the same ``Candidate`` at the run's precision (fp32 AdamW). Tolerances:
 
 * parameters: exact (the planner's count per rank is the library's cut: TP's slices, PP's stages, FSDP's shards);
@@ -9,6 +9,16 @@ of the same ``Candidate`` at the run's precision (fp32 AdamW). Tolerances:
   AdamW's 4-byte ``step`` counter per tensor (the estimator leaves it out) and, under sequence parallelism, the
   transient copy of the norms' partial gradients (``placement.reduce_partial_grads`` replaces each by its reduced
   copy while the old one is alive: ~4 % of the gradients of this tiny model, ~1 % of its model states).
+
+ZeRO-1 with experts: ``ExpertShardedOptimizer`` gives each rank whole tensors, and with four experts a rank may own
+one more large tensor than its neighbour (18 % of rank 0's optimizer state here), while the planner prices the
+even split; its optimizer state is compared with the mean over the ranks of the same stage, which a whole-tensor
+partition leaves exact (every tensor is owned once).
+
+FSDP2 x TP x PP is trained (parity with one process) but its model states are not compared: the tracker sees the
+stage's shards, the module's parameters between actions, and not the full weights and gradients the schedule
+gathers during the step (``pp_fsdp``), which the planner prices in part (full gradients, sharded weights). The
+test of that row is a strict xfail with this reason.
 
 Mutations: a planner that forgets to divide by tp, or to shard over dp x cp under ZeRO-3, goes red.
 """
@@ -21,7 +31,7 @@ import functools
 import pytest
 
 from course_lib import mesh_runs as M
-from course_lib import planner_model
+from course_lib import planner_memory, planner_model
 from course_lib.launch import launch
 from course_lib.memcheck import REL_TOL
 from course_lib.memory import ParallelLayout
@@ -38,16 +48,28 @@ LAUNCH_TIMEOUT = 300
 
 @functools.cache
 def _runs(world_size: int) -> dict[ParallelConfig, list]:
-    configs = [FSDP_TP] if world_size == 4 else [m.parallel for m in M.PRODUCTION_MESHES]
+    configs = [FSDP_TP] if world_size == 4 else list(M.PRODUCTION_MESHES)
     per_rank = launch(M.train_measured, world_size, CFG, TC, configs, timeout=LAUNCH_TIMEOUT)
-    return {c: [rank[i] for rank in per_rank] for i, c in enumerate(configs)}
+    return {getattr(c, "parallel", c): [rank[i] for rank in per_rank] for i, c in enumerate(configs)}
 
 
-def _mismatches(parallel: ParallelConfig, runs: list) -> list[str]:
+def _stage_means(runs: list) -> dict[int, float]:
+    """The measured optimizer state averaged over the ranks of each pipeline stage."""
+    by_stage: dict[int, list[float]] = {}
+    for result, measured in runs:
+        by_stage.setdefault(result.coords["pp"], []).append(measured["optimizer_state"])
+    return {stage: sum(v) / len(v) for stage, v in by_stage.items()}
+
+
+def _mismatches(parallel: ParallelConfig, runs: list, cfg: GPTConfig = CFG) -> list[str]:
     cand = M.candidate_of(parallel, TC.global_batch)
+    whole_tensors = parallel.ep > 1 and parallel.zero_stage == 1  # ExpertShardedOptimizer: compare stage means
+    means = _stage_means(runs)
     bad = []
     for result, measured in runs:
-        want = M.planner_states(CFG, cand, TC.global_batch, result.coords["pp"])
+        want = M.planner_states(cfg, cand, TC.global_batch, result.coords["pp"])
+        if whole_tensors:
+            measured = {**measured, "optimizer_state": means[result.coords["pp"]]}
         total_want, total_got = sum(want.values()), sum(measured.values())
         if want["parameters"] != measured["parameters"]:
             bad.append(f"rank {result.rank}: parameters {want['parameters']:.0f} B predicted, "
@@ -57,9 +79,9 @@ def _mismatches(parallel: ParallelConfig, runs: list) -> list[str]:
     return bad
 
 
-def _check(parallel: ParallelConfig, runs: list) -> None:
-    assert compare(train_baseline(CFG, TC), merge_composed([r for r, _ in runs])).ok, f"{parallel}: parity"
-    bad = _mismatches(parallel, runs)
+def _check(parallel: ParallelConfig, runs: list, cfg: GPTConfig = CFG) -> None:
+    assert compare(train_baseline(cfg, TC), merge_composed([r for r, _ in runs])).ok, f"{parallel}: parity"
+    bad = _mismatches(parallel, runs, cfg)
     assert not bad, f"{parallel}: " + "; ".join(bad)
 
 
@@ -67,10 +89,23 @@ def test_fsdp_tp_model_states_match_the_planner() -> None:
     _check(FSDP_TP, _runs(4)[FSDP_TP])
 
 
+def _pipeline_sharded(mesh: M.MeshRun) -> list:
+    reason = ("the tracker sees a pipeline stage's FSDP shards, not the full weights and gradients the schedule "
+              "gathers during the step (module docstring)")
+    return [pytest.mark.xfail(strict=True, reason=reason)] if mesh.parallel.zero_stage == 3 and \
+        mesh.parallel.pp > 1 else []
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", M.PRODUCTION_MESHES, ids=lambda m: m.label)
+@pytest.mark.parametrize("mesh", [pytest.param(m, id=m.label, marks=_pipeline_sharded(m))
+                                  for m in M.PRODUCTION_MESHES])
 def test_production_mesh_model_states_match_the_planner(mesh: M.MeshRun) -> None:
-    _check(mesh.parallel, _runs(8)[mesh.parallel])
+    _check(mesh.parallel, _runs(8)[mesh.parallel], mesh.config(CFG))
+
+
+def _clear_planner_caches() -> None:
+    for cached in (planner_memory._stage_memory, planner_memory._budgets, planner_memory._budget_layouts):
+        cached.cache_clear()
 
 
 def _mutated_layout(monkeypatch: pytest.MonkeyPatch, **wrong: object) -> None:
@@ -80,7 +115,7 @@ def _mutated_layout(monkeypatch: pytest.MonkeyPatch, **wrong: object) -> None:
         return dataclasses.replace(original(self, global_batch, n_layer), **wrong)
 
     monkeypatch.setattr(planner_model.Candidate, "layout", layout)
-    planner_model._stage_memory.cache_clear()
+    _clear_planner_caches()
 
 
 @pytest.mark.parametrize("wrong", [{"tp": 1, "sp": False}, {"zero": 0}], ids=["forgets tp", "forgets ZeRO-3"])
@@ -89,7 +124,7 @@ def test_a_planner_that_forgets_a_division_goes_red(monkeypatch: pytest.MonkeyPa
     assert not _mismatches(FSDP_TP, runs)
     _mutated_layout(monkeypatch, **wrong)
     assert _mismatches(FSDP_TP, runs), f"a planner layout with {wrong} still matched the measured model states"
-    planner_model._stage_memory.cache_clear()
+    _clear_planner_caches()
 
 
 def test_candidate_of_refuses_tp_without_sp() -> None:
