@@ -263,8 +263,12 @@ def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout
         key = secrets.token_hex(32)
         sandbox = isolated and isolation.Sandbox(str(work), [str(h) for h in isolated.hidden], isolated.memory_bytes,
                                                  isolated.processes)
-        problem = _execute(src, dst, getattr(module, "GRADER_PARAMETERS", {}), work, timeout, cell_timeout, key,
-                           sandbox)
+        try:
+            problem = _execute(src, dst, getattr(module, "GRADER_PARAMETERS", {}), work, timeout, cell_timeout, key,
+                               sandbox)
+        finally:
+            if sandbox:
+                isolation.remove_cgroup(sandbox.cgroup)
         results, forged = read_results(results_path, key)
         problem = forged or problem
         if problem:
@@ -324,7 +328,9 @@ def isolation_for(wanted: bool | None, hidden: list[Path], default: bool) -> Iso
               "work in a container or a throw-away account, or pass --no-isolation to silence this)",
               file=sys.stderr, flush=True)
         return None
-    return Isolated(tuple(dict.fromkeys(p.resolve() for p in [*TEACHER_ONLY, *hidden])))
+    needed = [REPO, Path(sys.prefix).resolve()]  # a folder holding the course or Python cannot be hidden
+    return Isolated(tuple(dict.fromkeys(p.resolve() for p in [*TEACHER_ONLY, *hidden]
+                                        if not any(n == p.resolve() or p.resolve() in n.parents for n in needed))))
 
 
 def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S,

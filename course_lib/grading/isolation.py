@@ -55,6 +55,7 @@ MARK = "course-sandbox:"
 NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--mount-proc"]
 SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|^AWS_|^GH_|^GITHUB_|^SSH_|^CI_JOB", re.I)
 WATCH_S = 0.005
+TASKS_PER_PROCESS = 4
 
 _PR_SET_PDEATHSIG = 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, \
@@ -73,18 +74,65 @@ class Sandbox:
     memory_bytes: int = 8 << 30
     processes: int = 256
 
+    @property
+    def cgroup(self) -> str:
+        return f"course-grade-{os.path.basename(self.work)}"
+
     def wrap(self, kernel_cmd: list[str]) -> list[str]:
         """The command that starts ``kernel_cmd`` inside the sandbox (``available()`` must have said yes)."""
         flags = available().flags
         assert flags is not None, available().reason
         py = [sys.executable, "-I", "-S", str(SCRIPT)]
-        return [*parent_death(), "unshare", *flags, "--kill-child", *py, "--init", json.dumps(asdict(self)), "--",
-                *kernel_cmd]
+        return [*py, "--launch", self.cgroup, str(self.processes), "--", "unshare", *flags, "--kill-child", *py,
+                "--init", json.dumps(asdict(self)), "--", *kernel_cmd]
 
 
 def parent_death() -> list[str]:
     """A prefix that arms SIGKILL on the parent's death, then execs the command that follows it."""
     return [sys.executable, "-I", "-S", str(SCRIPT), "--parent-death", "--"]
+
+
+def _pids_cgroup_parent() -> Path | None:
+    """This process's cgroup directory of the ``pids`` controller (v1, or v2 with ``pids`` delegated), or None."""
+    with contextlib.suppress(OSError):
+        mounts = [line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for m in mounts:
+                fstype, options = m[m.index("-") + 1], m[-1].split(",")
+                v1 = controllers and "pids" in controllers.split(",") and fstype == "cgroup" and "pids" in options
+                if v1 or (not controllers and fstype == "cgroup2"):
+                    where = Path(m[4]) / path.lstrip("/")
+                    if v1 or "pids" in (where / "cgroup.subtree_control").read_text().split():
+                        return where
+    return None
+
+
+def join_pids_cgroup(name: str, processes: int) -> bool:
+    """Create the cgroup ``name`` with ``pids.max = processes`` (Documentation/admin-guide/cgroup-v2.rst, "PID")
+    and move this process into it: the kernel then refuses the fork past the limit, root or not."""
+    parent = _pids_cgroup_parent()
+    if parent is None:
+        return False
+    with contextlib.suppress(OSError):
+        group = parent / name
+        group.mkdir(exist_ok=True)
+        (group / "pids.max").write_text(str(TASKS_PER_PROCESS * processes))  # it counts threads
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        return True
+    return False
+
+
+def remove_cgroup(name: str) -> None:
+    """Remove the (now empty) cgroup ``join_pids_cgroup`` made, once the sandbox is gone."""
+    parent = _pids_cgroup_parent()
+    if parent is not None and (parent / name).is_dir():
+        for _ in range(50):
+            try:
+                (parent / name).rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
 
 
 @dataclass(frozen=True)
@@ -218,10 +266,9 @@ def init(box: Sandbox, cmd: list[str]) -> int:
                 break
             if pid == kernel:
                 return os.waitstatus_to_exitcode(status) & 0xFF
-        if _processes() > box.processes:
-            print(f"{MARK} killed: more than {box.processes} processes (a fork bomb?)", file=sys.stderr, flush=True)
-            os.kill(-1, signal.SIGKILL)  # every process of the namespace but this one
-            return 137
+        if _processes() >= box.processes:
+            print(f"{MARK} killed: {box.processes} processes or more (a fork bomb?)", file=sys.stderr, flush=True)
+            os._exit(137)  # process 1 gone: the kernel kills the namespace's processes and refuses new ones
         time.sleep(WATCH_S)
 
 
@@ -238,5 +285,9 @@ if __name__ == "__main__":
     elif mode == "--parent-death":
         _arm_parent_death()
         os.execvp(sys.argv[3], sys.argv[3:])
+    elif mode == "--launch":  # outside the namespaces: the pids cgroup, then the parent-death signal
+        join_pids_cgroup(sys.argv[2], int(sys.argv[3]))
+        _arm_parent_death()
+        os.execvp(sys.argv[5], sys.argv[5:])
     elif mode == "--init":
         sys.exit(init(Sandbox(**json.loads(sys.argv[2])), sys.argv[4:]))
