@@ -35,6 +35,7 @@ the kernel when the grader dies (``prctl(PR_SET_PDEATHSIG)``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import importlib
@@ -47,6 +48,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -381,6 +383,19 @@ def _kernel_manager(sandbox: isolation.Sandbox | None) -> type:
     return GradedKernelManager
 
 
+def _end_with_the_kernel(cells: list[int]) -> None:
+    """nbclient may wait for a dead kernel's reply until the cell's time limit: while the notebook runs (``cells``
+    ends with 0 once it is done), end as soon as the kernel's process has exited."""
+    me, dead = psutil.Process(), False
+    while cells[-1:] != [0]:
+        time.sleep(0.5)
+        with contextlib.suppress(psutil.Error):
+            dead = any(p.status() == psutil.STATUS_ZOMBIE for p in me.children())
+        if cells and cells[-1] and dead:
+            print("DeadKernelError: Kernel died", flush=True)
+            os._exit(3)
+
+
 def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str, sandbox_json: str) -> None:
     arm_parent_death_signal(signal.SIGKILL)  # the grader died: so do we (and our kernel, armed the same way)
     key = sys.stdin.readline().strip()
@@ -393,16 +408,20 @@ def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str
     def count_cells(notebook: nbformat.NotebookNode) -> None:  # as executed: with papermill's parameters cell
         cells.append(len(notebook.cells))
 
+    def done(notebook: nbformat.NotebookNode) -> None:
+        cells.append(0)
+
     def give_key(cell: nbformat.NotebookNode, cell_index: int) -> None:
         if cell_index == cells[-1] - 1:  # the grading cell, only now: once every cell of the notebook has run
             cell.source = cell.source.replace(KEY_SLOT, repr(key))
 
+    threading.Thread(target=_end_with_the_kernel, args=(cells,), daemon=True).start()
     papermill.execute_notebook(
         src, dst, parameters=json.loads(parameters_json), kernel_name="python3", progress_bar=False,
         execution_timeout=limit, interrupt_on_timeout=True, raise_on_iopub_timeout=False,
         error_on_timeout={"ename": "CellTimeout", "evalue": f"cell exceeded {limit} s", "traceback": []},
         kernel_manager_class=_kernel_manager(sandbox and isolation.Sandbox(**sandbox)),
-        on_notebook_start=count_cells, on_cell_execute=give_key,
+        on_notebook_start=count_cells, on_cell_execute=give_key, on_notebook_complete=done,
     )
 
 

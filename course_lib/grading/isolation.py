@@ -240,6 +240,13 @@ def _processes() -> int:
     return sum(name.isdigit() for name in os.listdir("/proc"))
 
 
+def _forks_refused(events: Path | None) -> bool:
+    """Whether the pids cgroup refused a fork (its ``pids.events`` counts them as ``max N``)."""
+    with contextlib.suppress(OSError, ValueError):
+        return events is not None and int(events.read_text().split()[1]) > 0
+    return False
+
+
 def init(box: Sandbox, cmd: list[str]) -> int:
     """Process 1: set the namespace up, start ``cmd`` with the limits, watch the process count, reap orphans."""
     try:
@@ -247,6 +254,8 @@ def init(box: Sandbox, cmd: list[str]) -> int:
     except OSError as err:
         print(f"{MARK} could not set the sandbox up: {err}", file=sys.stderr, flush=True)
         return 70
+    group = _pids_cgroup_parent()
+    refused = group / "pids.events" if group is not None and group.name == box.cgroup else None
     kernel = os.fork()
     if kernel == 0:
         resource.setrlimit(resource.RLIMIT_AS, (box.memory_bytes, box.memory_bytes))
@@ -266,7 +275,7 @@ def init(box: Sandbox, cmd: list[str]) -> int:
                 break
             if pid == kernel:
                 return os.waitstatus_to_exitcode(status) & 0xFF
-        if _processes() >= box.processes:
+        if _processes() >= box.processes or _forks_refused(refused):
             print(f"{MARK} killed: {box.processes} processes or more (a fork bomb?)", file=sys.stderr, flush=True)
             os._exit(137)  # process 1 gone: the kernel kills the namespace's processes and refuses new ones
         time.sleep(WATCH_S)
