@@ -36,18 +36,19 @@ with ``--strict``, 1 unless every submission has full marks.
 
 Trust model (read this before grading work you did not write):
 
-* Isolation is by folder and process, not a sandbox. Each submission runs in its own temporary directory, as its
-  own kernel (``--jobs`` of them at a time), and its kernel and every rank it started are killed when the time
-  limit passes. That stops accidents (a notebook writing ``out.pt`` into the working directory, or never finishing) from
-  touching another learner's result.
-* It does not stop a hostile submission. The code runs as the user who runs the grader: it can read and write
-  anything that user can (the other submissions, the gradebook, the course's files). The hidden checks are the
-  modules ``course_lib/grading/chNN.py``, installed with the course and imported into the learner's own kernel,
-  which also writes the results file the grader reads: a notebook that sets out to can read the hidden cases,
-  patch the checks or forge its score.
-* So: grade trusted learners' work as is; grade untrusted submissions inside a container or a throw-away account
-  that holds only the course and that one submission (e.g. one ``docker run --network none`` per submission,
-  calling this module on a folder holding just that notebook), and review surprising full marks.
+* Isolated by default (``--isolation``; ``--no-isolation`` for trusted work): each kernel runs in its own Linux
+  namespaces (``course_lib.grading.isolation``): no network but its own loopback, every file read-only but its
+  temporary folder, a private ``/tmp``, the class folder, the gradebook's folder, ``solutions/`` and ``tests/``
+  hidden, a memory limit per process, a process limit (a pids cgroup where one can be made, and a watchdog), the
+  time limit, and secrets dropped from its environment. The results are signed with a key made for the run and
+  given to the kernel only when the grading cell starts: a results file the notebook wrote itself is refused.
+* Not stopped: a kernel exploit (one kernel for all), CPU time and disk bandwidth taken from other jobs (only the
+  time limit bounds them), memory summed over a notebook's ranks, and a notebook that hooks its own kernel (the
+  hidden checks run there: it can read their settings and patch them before the grading cell runs). Review
+  surprising full marks.
+* Where the machine refuses namespaces (some containers), one warning line says so and the notebooks run with
+  your rights: then grade untrusted work in a container or a throw-away account holding only the course and one
+  submission (one ``docker run --network none`` per submission).
 """
 
 from __future__ import annotations

@@ -364,10 +364,10 @@ def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: 
 def _kernel_manager(sandbox: isolation.Sandbox | None) -> type:
     """A ``KernelManager`` whose kernel dies with this process, in ``sandbox`` when given (then over Unix sockets
     in the submission's folder: the sandbox has its own loopback)."""
-    from jupyter_client.manager import KernelManager
+    from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
 
-    class GradedKernelManager(KernelManager):
+    class GradedKernelManager(AsyncKernelManager):
         @default("transport")
         def _transport_default(self) -> str:
             return "ipc" if sandbox else "tcp"
