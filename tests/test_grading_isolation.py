@@ -285,3 +285,15 @@ def test_killing_the_grader_kills_its_papermill_child_and_kernel(tmp_path, mode)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@needs_namespaces
+@pytest.mark.slow
+def test_an_isolated_cell_past_its_time_limit_is_interrupted_and_grading_goes_on(tmp_path):
+    """The cell time limit's SIGINT reaches the kernel inside its namespaces (the launcher signals the process
+    group): the loop costs its cell only."""
+    path = tmp_path / "00_loop.ipynb"
+    nbformat.write(_with_cell(SOLUTION, "while True:\n    pass"), path)
+    report = grader.grade_notebook(path, timeout=200, cell_timeout=15,
+                                   isolated=grader.isolation_for(True, [tmp_path], default=True))
+    assert report.points == report.max_points == 12, report.table()
