@@ -44,6 +44,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -152,16 +153,17 @@ def available() -> Availability:
     tries = [NAMESPACES] if os.geteuid() == 0 else []
     tries.append(["--user", "--map-root-user", *NAMESPACES])
     why = ""
-    for flags in tries:
-        probe = [*flags, sys.executable, "-I", "-S", str(SCRIPT), "--probe"]
-        try:
-            out = subprocess.run(["unshare", *probe], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            why = str(err)
-            continue
-        if out.returncode == 0 and out.stdout.strip() == "ok":
-            return Availability(flags, "")
-        why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    with tempfile.TemporaryDirectory(prefix="course_sandbox_probe_") as work:
+        for flags in tries:
+            probe = [*flags, sys.executable, "-I", "-S", str(SCRIPT), "--probe", work]
+            try:
+                out = subprocess.run(["unshare", *probe], capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as err:
+                why = str(err)
+                continue
+            if out.returncode == 0 and out.stdout.strip() == "ok":
+                return Availability(flags, "")
+            why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
     return Availability(None, f"this machine refuses new namespaces ({why})")
 
 
@@ -287,9 +289,9 @@ def _arm_parent_death() -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    if mode == "--probe":  # inside the namespaces: can we mount and bring lo up?
-        loopback_up()
-        _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if mode == "--probe":  # inside the namespaces: the whole set-up, then a write in the work folder
+        enter(Sandbox(sys.argv[2]))
+        Path(sys.argv[2], "probe").write_text("ok")
         print("ok")
     elif mode == "--parent-death":
         _arm_parent_death()
