@@ -3,12 +3,13 @@
 The grader starts each kernel through this file, run as a script (standard library only, so it starts in a few
 milliseconds and imports nothing a submission could have touched):
 
-    python isolation.py --parent-death -- unshare --net --mount --pid --ipc --fork --mount-proc --kill-child \\
+    python isolation.py --launch CGROUP N -- unshare --net --mount --pid --ipc --fork --mount-proc --kill-child \\
         python isolation.py --init CONFIG -- python -m ipykernel_launcher -f connection.json
 
-1. ``--parent-death``: the kernel's launcher asks the kernel (``prctl(PR_SET_PDEATHSIG)``, man 2 prctl, kept across
-   ``execve``) for SIGKILL when the papermill process that started it dies, and ``unshare --kill-child`` passes that
-   death on to the namespace's first process: killing the grader kills its whole family.
+1. ``--launch`` joins a pids cgroup of its own where it can, then asks the kernel (``prctl(PR_SET_PDEATHSIG)``,
+   man 2 prctl, kept across ``execve``) for SIGKILL when the papermill process that started it dies, and
+   ``unshare --kill-child`` passes that death on to the namespace's first process: killing the grader kills its
+   whole family.
 2. ``unshare`` (util-linux; man 1 unshare, man 7 namespaces) gives the kernel new network, mount, PID and IPC
    namespaces: as root directly, as another user inside a new user namespace (``--user --map-root-user``) when the
    kernel allows unprivileged ones. ``available()`` tries it once and says why not.
@@ -18,8 +19,9 @@ milliseconds and imports nothing a submission could have touched):
    ``/dev/shm``, binds the submission's own temporary folder back writable, and mounts an empty read-only ``tmpfs``
    over each hidden folder (the other submissions, the output folder, ``solutions/``, ``tests/``). Then it starts
    the kernel with ``RLIMIT_AS`` (memory, per process), ``RLIMIT_NPROC`` and no core dumps, and watches: more than
-   ``processes`` processes in the namespace (a fork bomb: ``RLIMIT_NPROC`` does not hold root back) and it kills
-   them all. When process 1 exits, the kernel kills everything left in the namespace.
+   ``processes`` processes in the namespace (a fork bomb: ``RLIMIT_NPROC`` does not hold root back), or a fork
+   refused by the pids cgroup that ``--launch`` made where the machine lets it (``join_pids_cgroup``), and it ends
+   them all: when process 1 exits, the kernel kills everything left in the namespace and refuses new processes.
 
 What it does not protect against: a kernel exploit (namespaces share one kernel), the machine's CPU time and disk
 bandwidth taken from other jobs (no CPU quota; the time limit bounds it), memory summed over the kernel's ranks
@@ -56,7 +58,11 @@ MARK = "course-sandbox:"
 NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--mount-proc"]
 SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|^AWS_|^GH_|^GITHUB_|^SSH_|^CI_JOB", re.I)
 WATCH_S = 0.005
-TASKS_PER_PROCESS = 4
+
+
+def tasks_limit(processes: int) -> int:
+    """The pids cgroup counts threads: room for each process's thread pool (torch starts one per core)."""
+    return processes * (8 + (os.cpu_count() or 1))
 
 _PR_SET_PDEATHSIG = 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, \
@@ -118,7 +124,7 @@ def join_pids_cgroup(name: str, processes: int) -> bool:
     with contextlib.suppress(OSError):
         group = parent / name
         group.mkdir(exist_ok=True)
-        (group / "pids.max").write_text(str(TASKS_PER_PROCESS * processes))  # it counts threads
+        (group / "pids.max").write_text(str(tasks_limit(processes)))
         (group / "cgroup.procs").write_text(str(os.getpid()))
         return True
     return False
