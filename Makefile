@@ -139,7 +139,7 @@ exercises: $(STAMP)
 
 ## Grade: make grade NB=notebook.ipynb, or NB=folder/ for a class (one notebook per learner, any names: writes
 ## gradebook.csv and gradebook_summary.csv). Prints the score and exits 0; GRADE_ARGS=--strict exits 1 unless every
-## mark is earned.
+## mark is earned; a folder is graded isolated where the machine allows it (GRADE_ARGS=--no-isolation for trusted work).
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook_or_folder [GRADE_ARGS=--strict]"; exit 2; }
 	@if [ -d "$(NB)" ]; then $(PY) -m course_lib.grading.gradebook $(NB) --out $(or $(CSV),gradebook.csv) $(GRADE_ARGS); \

@@ -2,6 +2,7 @@
 
     python benchmarks/grade_bench.py                              # 3 learners x chapters 00, 01, 06; jobs 1 and 2
     python benchmarks/grade_bench.py --learners 30 --chapters 00 --jobs 2
+    python benchmarks/grade_bench.py --isolation both             # each kernel isolated, and not, to compare
 
 Each learner hands in the solution notebook of each chapter (full marks: every check runs, the slowest case). It
 prints, per setting, the wall time of the class, the median seconds per notebook (each notebook's own wall time,
@@ -34,7 +35,7 @@ def make_class(root: Path, learners: int, chapters: list[str]) -> Path:
     return folder
 
 
-def timed(folder: Path, jobs: int) -> tuple[float, list[float], int, int, list[str]]:
+def timed(folder: Path, jobs: int, isolated: grader.Isolated | None) -> tuple[float, list[float], int, int, list[str]]:
     seconds: list[float] = []
     original = grader.grade_notebook
 
@@ -46,7 +47,7 @@ def timed(folder: Path, jobs: int) -> tuple[float, list[float], int, int, list[s
     grader.grade_notebook = recording
     try:
         start = time.monotonic()
-        rows = gradebook.grade_class(folder, progress=False, jobs=jobs)
+        rows = gradebook.grade_class(folder, progress=False, jobs=jobs, isolated=isolated)
         wall = time.monotonic() - start
     finally:
         grader.grade_notebook = original
@@ -59,16 +60,21 @@ def main() -> None:
     parser.add_argument("--learners", type=int, default=3)
     parser.add_argument("--chapters", nargs="+", default=["00", "01", "06"])
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--isolation", choices=["on", "off", "both"], default="off",
+                        help="kernels in their own namespaces (course_lib.grading.isolation), or not, or both")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         folder = make_class(Path(root), args.learners, args.chapters)
         n = args.learners * len(args.chapters)
         print(f"{args.learners} learner(s) x chapters {' '.join(args.chapters)} = {n} notebooks, "
               f"{os.cpu_count()} CPU(s)")
-        for jobs in args.jobs:
+        modes = {"on": [True], "off": [False], "both": [False, True]}[args.isolation]
+        for jobs, isolate in ((j, m) for j in args.jobs for m in modes):
+            isolated = grader.isolation_for(isolate, [folder], default=isolate)
             before = os.getloadavg()[0]
-            wall, seconds, points, best, lost = timed(folder, jobs)
-            print(f"--jobs {jobs}: class {wall:.0f} s, median {statistics.median(seconds):.1f} s per notebook "
+            wall, seconds, points, best, lost = timed(folder, jobs, isolated)
+            mode = "isolated" if isolated else "not isolated"
+            print(f"--jobs {jobs} {mode}: class {wall:.0f} s, median {statistics.median(seconds):.1f} s per notebook "
                   f"(min {min(seconds):.1f}, max {max(seconds):.1f}), {points}/{best} points, load average "
                   f"{before:.1f} -> {os.getloadavg()[0]:.1f}")
             for reason in lost:  # a solution that loses points: a timeout under load, or a stale copy

@@ -36,18 +36,19 @@ with ``--strict``, 1 unless every submission has full marks.
 
 Trust model (read this before grading work you did not write):
 
-* Isolation is by folder and process, not a sandbox. Each submission runs in its own temporary directory, as its
-  own kernel (``--jobs`` of them at a time), and its kernel and every rank it started are killed when the time
-  limit passes. That stops accidents (a notebook writing ``out.pt`` into the working directory, or never finishing) from
-  touching another learner's result.
-* It does not stop a hostile submission. The code runs as the user who runs the grader: it can read and write
-  anything that user can (the other submissions, the gradebook, the course's files). The hidden checks are the
-  modules ``course_lib/grading/chNN.py``, installed with the course and imported into the learner's own kernel,
-  which also writes the results file the grader reads: a notebook that sets out to can read the hidden cases,
-  patch the checks or forge its score.
-* So: grade trusted learners' work as is; grade untrusted submissions inside a container or a throw-away account
-  that holds only the course and that one submission (e.g. one ``docker run --network none`` per submission,
-  calling this module on a folder holding just that notebook), and review surprising full marks.
+* Isolated by default (``--isolation``; ``--no-isolation`` for trusted work): each kernel runs in its own Linux
+  namespaces (``course_lib.grading.isolation``): no network but its own loopback, every file read-only but its
+  temporary folder, a private ``/tmp``, the class folder, the gradebook's folder, ``solutions/`` and ``tests/``
+  hidden, a memory limit per process, a process limit (a pids cgroup where one can be made, and a watchdog), the
+  time limit, and secrets dropped from its environment. The results are signed with a key made for the run and
+  given to the kernel only when the grading cell starts: a results file the notebook wrote itself is refused.
+* Not stopped: a kernel exploit (one kernel for all), CPU time and disk bandwidth taken from other jobs (only the
+  time limit bounds them), memory summed over a notebook's ranks, and a notebook that hooks its own kernel (the
+  hidden checks run there: it can read their settings and patch them before the grading cell runs). Review
+  surprising full marks.
+* Where the machine refuses namespaces (some containers), one warning line says so and the notebooks run with
+  your rights: then grade untrusted work in a container or a throw-away account holding only the course and one
+  submission (one ``docker run --network none`` per submission).
 """
 
 from __future__ import annotations
@@ -127,8 +128,10 @@ def _zero_rows(learner: str, chapter: str | None, reason: str) -> list[GradeRow]
 
 
 def grade_submission(path: Path, learner: str, time_limit: float = grader.NOTEBOOK_TIMEOUT_S,
-                     cell_timeout: float = grader.CELL_TIMEOUT_S) -> list[GradeRow]:
-    """Grade one learner's notebook; never raises for problems in the submission."""
+                     cell_timeout: float = grader.CELL_TIMEOUT_S, isolated: grader.Isolated | None = None) -> \
+        list[GradeRow]:
+    """Grade one learner's notebook (its kernel in a sandbox when ``isolated``); never raises for problems in the
+    submission."""
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as exc:  # invalid JSON, not a notebook, unreadable: the learner's problem, not the grader's
@@ -146,7 +149,8 @@ def grade_submission(path: Path, learner: str, time_limit: float = grader.NOTEBO
     try:
         staged = staging / f"{chapter}_submission.ipynb"
         nbformat.write(nb, staged)
-        report = grader.grade_notebook(staged, timeout=time_limit, cell_timeout=min(cell_timeout, time_limit))
+        report = grader.grade_notebook(staged, timeout=time_limit, cell_timeout=min(cell_timeout, time_limit),
+                                       isolated=isolated)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return [GradeRow(learner, chapter, s.key, s.points, s.max_points, s.reason) for s in report.scores]
@@ -173,13 +177,13 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def grade_class(folder: Path, time_limit: float = grader.NOTEBOOK_TIMEOUT_S,
                 cell_timeout: float = grader.CELL_TIMEOUT_S, progress: bool = True, jobs: int = 1,
-                shard: tuple[int, int] | None = None) -> list[GradeRow]:
-    """Grade every notebook under ``folder`` (or this ``shard`` of them), ``jobs`` at a time; the rows come in the
-    submissions' sorted order whatever the order they finish in."""
+                shard: tuple[int, int] | None = None, isolated: grader.Isolated | None = None) -> list[GradeRow]:
+    """Grade every notebook under ``folder`` (or this ``shard`` of them), ``jobs`` at a time, each kernel in a
+    sandbox when ``isolated``; the rows come in the submissions' sorted order whatever the order they finish in."""
     paths = shard_of(find_submissions(folder), shard)
 
     def one(path: Path) -> list[GradeRow]:
-        return grade_submission(path, learner_of(path, folder), time_limit, cell_timeout)
+        return grade_submission(path, learner_of(path, folder), time_limit, cell_timeout, isolated)
 
     results: dict[Path, list[GradeRow]] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each job waits on its own papermill process
@@ -340,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="join these shards' gradebook CSVs into --out (grades nothing)")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 unless every submission has full marks (default: exit 0 with the scores)")
+    grader.add_isolation_flags(parser, "the default")
     args = parser.parse_args(argv)
     if args.merge:
         if args.folder is not None:
@@ -362,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(err))
         if not find_submissions(args.folder):
             parser.error(f"no notebooks under {args.folder}")
-        rows = grade_class(args.folder, args.time_limit, args.cell_timeout, jobs=args.jobs, shard=shard)
+        isolated = grader.isolation_for(args.isolation, [args.folder, args.out.resolve().parent], default=True)
+        rows = grade_class(args.folder, args.time_limit, args.cell_timeout, jobs=args.jobs, shard=shard,
+                           isolated=isolated)
     write_all(rows, args.out)
     full = bool(rows) and all(r.points == r.max and r.max > 0 for r in rows)
     return 0 if full or not args.strict else 1

@@ -23,21 +23,32 @@ How a notebook is graded:
 3. Each exercise scores its points only if its visible check *and* all hidden checks pass. A missing result (the
    kernel died, the notebook timed out) scores 0 with the reason.
 
-Graded code runs with the rights of the user who runs the grader, like any notebook you execute: grade untrusted
-submissions in a container or a throw-away account.
+Untrusted submissions: ``--isolation`` (the default for a folder) runs each kernel in its own Linux namespaces
+(``course_lib.grading.isolation``: no network, the files read-only, the other submissions, the output and the
+answer keys hidden, memory and process limits); where the machine refuses namespaces, one warning line says so and
+the notebooks run with the rights of the user who runs the grader (``--no-isolation`` asks for that). The results
+the grading cell writes are signed with a key made for this run and handed to the kernel only as the grading cell
+starts: a results file written by the notebook itself is refused. The papermill child and the kernel are killed by
+the kernel when the grader dies (``prctl(PR_SET_PDEATHSIG)``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import hmac
 import importlib
 import json
 import os
 import re
+import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -49,11 +60,15 @@ from typing import Any
 import nbformat
 import psutil
 
+from course_lib._parent_death import arm_parent_death_signal
+from course_lib.grading import isolation
 from course_lib.grading.core import CheckResult, Exercise, time_limit
 
 CELL_TIMEOUT_S = 120
 NOTEBOOK_TIMEOUT_S = 600
 CHECK_TIMEOUT_S = 60
+KEY_SLOT = "__GRADER_KEY__"
+"""In the grading cell as written to disk; the papermill child puts the run's key there as the cell starts."""
 
 
 @dataclass
@@ -126,13 +141,33 @@ def _describe(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "defaults"
 
 
-def run_hidden_checks(chapter: str, namespace: dict[str, Any], results_path: str) -> None:
-    """Appended to the notebook by the grader: grade every exercise, writing results as they come."""
+def sign(results: dict[str, Any], key: str) -> str:
+    """HMAC-SHA256 (RFC 2104) of the results' canonical JSON under the run's key."""
+    return hmac.new(bytes.fromhex(key), json.dumps(results, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def run_hidden_checks(chapter: str, namespace: dict[str, Any], results_path: str, key: str) -> None:
+    """Appended to the notebook by the grader: grade every exercise, writing signed results as they come."""
     results: dict[str, dict[str, Any]] = {}
     for ex in chapter_module(chapter).EXERCISES:
         res = grade_exercise(ex, namespace)
         results[ex.key] = {"ok": res.ok, "message": res.message}
-        Path(results_path).write_text(json.dumps(results))
+        Path(results_path).write_text(json.dumps({"results": results, "mac": sign(results, key)}))
+
+
+def read_results(path: Path, key: str) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """The results the grading cell wrote, or nothing and why: no file, or one this run's key did not sign."""
+    if not path.exists():
+        return {}, None
+    try:
+        data = json.loads(path.read_text())
+        results, mac = data["results"], data["mac"]
+        valid = isinstance(results, dict) and hmac.compare_digest(sign(results, key), str(mac))
+    except (ValueError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        return {}, "the results file was not written by the grading cell (not signed with this run's key): refused"
+    return results, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,7 +208,7 @@ def _prepare(nb: nbformat.NotebookNode, chapter: str, results_path: Path) -> nbf
                 tags.append("raises-exception")
     nb.cells.append(nbformat.v4.new_code_cell(
         "from course_lib.grading.grader import run_hidden_checks\n"
-        f"run_hidden_checks({chapter!r}, globals(), {str(results_path)!r})"))
+        f"run_hidden_checks({chapter!r}, globals(), {str(results_path)!r}, key={KEY_SLOT})"))
     return nb
 
 
@@ -192,29 +227,31 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family, timeout=5)
 
 
-def _execute(src: Path, dst: Path, parameters: dict[str, Any], cwd: Path, timeout: float,
-             cell_timeout: float) -> str | None:
-    """Run papermill on ``src`` in a child process; return a problem description or None."""
+def _execute(src: Path, dst: Path, parameters: dict[str, Any], cwd: Path, timeout: float, cell_timeout: float,
+             key: str, sandbox: isolation.Sandbox | None) -> str | None:
+    """Run papermill on ``src`` in a child process (the key on its stdin); return a problem description or None."""
     cmd = [sys.executable, "-m", "course_lib.grading.grader", "--execute", str(src), str(dst), json.dumps(parameters),
-           str(cell_timeout)]
-    env = {**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+           str(cell_timeout), json.dumps(sandbox and asdict(sandbox))]
+    env = {**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_RUNTIME_DIR": str(cwd)}
     env.pop("PYTEST_CURRENT_TEST", None)
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(key + "\n", timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         return f"the notebook did not finish within {timeout:g} s and was stopped"
+    sandbox_says = [line.split(isolation.MARK, 1)[1].strip() for line in out.splitlines() if isolation.MARK in line]
     if proc.returncode != 0:
         if "DeadKernelError" in out or "Kernel died" in out:
-            return "the kernel died while running the notebook"
+            return "the kernel died while running the notebook" + "".join(f" ({s})" for s in sandbox_says[-1:])
         return "the notebook could not be executed: " + (out.strip().splitlines() or ["(no output)"])[-1][:300]
     return None
 
 
-def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S) -> \
-        NotebookReport:
-    """Grade one notebook; never raises for problems in the notebook itself."""
+def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S,
+                   isolated: Isolated | None = None) -> NotebookReport:
+    """Grade one notebook, its kernel in a sandbox when ``isolated``; never raises for problems in the notebook."""
     start = time.monotonic()
     nb = nbformat.read(path, as_version=4)
     chapter = notebook_chapter(path, nb)
@@ -225,10 +262,19 @@ def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout
         results_path = work / "results.json"
         src, dst = work / path.name, work / f"executed_{path.name}"
         nbformat.write(_prepare(nb, chapter, results_path), src)
-        problem = _execute(src, dst, getattr(module, "GRADER_PARAMETERS", {}), work, timeout, cell_timeout)
+        key = secrets.token_hex(32)
+        sandbox = isolated and isolation.Sandbox(str(work), [str(h) for h in isolated.hidden], isolated.memory_bytes,
+                                                 isolated.processes)
+        try:
+            problem = _execute(src, dst, getattr(module, "GRADER_PARAMETERS", {}), work, timeout, cell_timeout, key,
+                               sandbox)
+        finally:
+            if sandbox:
+                isolation.remove_cgroup(sandbox.cgroup)
+        results, forged = read_results(results_path, key)
+        problem = forged or problem
         if problem:
             report.problems.append(problem)
-        results = json.loads(results_path.read_text()) if results_path.exists() else {}
         for ex in module.EXERCISES:
             res = results.get(ex.key)
             if res is None:
@@ -259,8 +305,38 @@ class UsageError(ValueError):
     """A path the grader cannot grade: the CLI prints it on one line and exits 2."""
 
 
+REPO = Path(__file__).resolve().parents[2]
+TEACHER_ONLY = [REPO / "solutions", REPO / "tests"]
+"""Hidden from every isolated kernel: the answer keys and the tests' fixtures."""
+
+
+@dataclass(frozen=True)
+class Isolated:
+    """How to isolate the kernels of one run: what they must not see (besides ``TEACHER_ONLY``) and the limits."""
+
+    hidden: tuple[Path, ...] = ()
+    memory_bytes: int = 8 << 30
+    processes: int = 256
+
+
+def isolation_for(wanted: bool | None, hidden: list[Path], default: bool) -> Isolated | None:
+    """``Isolated`` when asked for (``wanted``) or by ``default``, and the machine allows it; None otherwise, with
+    one warning line on stderr when it was wanted and cannot be had."""
+    if not (default if wanted is None else wanted):
+        return None
+    how = isolation.available()
+    if how.flags is None:
+        print(f"warning: grading WITHOUT isolation: {how.reason}; submissions run with your rights (grade untrusted "
+              "work in a container or a throw-away account, or pass --no-isolation to silence this)",
+              file=sys.stderr, flush=True)
+        return None
+    needed = [REPO, Path(sys.prefix).resolve()]  # a folder holding the course or Python cannot be hidden
+    return Isolated(tuple(dict.fromkeys(p.resolve() for p in [*TEACHER_ONLY, *hidden]
+                                        if not any(n == p.resolve() or p.resolve() in n.parents for n in needed))))
+
+
 def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S,
-          progress: bool = True, jobs: int = 1) -> list[NotebookReport]:
+          progress: bool = True, jobs: int = 1, isolated: Isolated | None = None) -> list[NotebookReport]:
     """Grade the notebooks of ``paths``, ``jobs`` at a time (each in its own papermill process); reports in the
     notebooks' order. A notebook whose chapter cannot be told raises ``UsageError`` before anything runs."""
     notebooks = find_notebooks(paths)
@@ -276,7 +352,7 @@ def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: 
 
     def one(i_nb: tuple[int, Path]) -> NotebookReport:
         i, nb = i_nb
-        report = grade_notebook(nb, timeout, cell_timeout)
+        report = grade_notebook(nb, timeout, cell_timeout, isolated)
         if progress:
             print(f"[{i}/{len(notebooks)}] {report.table()}", flush=True)
         return report
@@ -285,15 +361,76 @@ def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: 
         return list(pool.map(one, enumerate(notebooks, 1)))
 
 
-def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str) -> None:
+def _kernel_manager(sandbox: isolation.Sandbox | None) -> type:
+    """A ``KernelManager`` whose kernel dies with this process, in ``sandbox`` when given (then over Unix sockets
+    in the submission's folder: the sandbox has its own loopback)."""
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class GradedKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _transport_default(self) -> str:
+            return "ipc" if sandbox else "tcp"
+
+        @default("connection_file")
+        def _connection_file_default(self) -> str:
+            return str(Path(sandbox.work) / "kernel.json") if sandbox else ""
+
+        def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+            cmd = super().format_kernel_cmd(extra_arguments)
+            return sandbox.wrap(cmd) if sandbox else [*isolation.parent_death(), *cmd]
+
+    return GradedKernelManager
+
+
+def _end_with_the_kernel(cells: list[int]) -> None:
+    """nbclient may wait for a dead kernel's reply until the cell's time limit: while the notebook runs (``cells``
+    ends with 0 once it is done), end as soon as the kernel's process has exited."""
+    me, dead = psutil.Process(), False
+    while cells[-1:] != [0]:
+        time.sleep(0.5)
+        with contextlib.suppress(psutil.Error):
+            dead = any(p.status() == psutil.STATUS_ZOMBIE for p in me.children())
+        if cells and cells[-1] and dead:
+            print("DeadKernelError: Kernel died", flush=True)
+            os._exit(3)
+
+
+def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str, sandbox_json: str) -> None:
+    arm_parent_death_signal(signal.SIGKILL)  # the grader died: so do we (and our kernel, armed the same way)
+    key = sys.stdin.readline().strip()
     import papermill
 
     limit = int(float(cell_timeout))
+    sandbox = json.loads(sandbox_json)
+    cells: list[int] = []
+
+    def count_cells(notebook: nbformat.NotebookNode) -> None:  # as executed: with papermill's parameters cell
+        cells.append(len(notebook.cells))
+
+    def done(notebook: nbformat.NotebookNode) -> None:
+        cells.append(0)
+
+    def give_key(cell: nbformat.NotebookNode, cell_index: int) -> None:
+        if cell_index == cells[-1] - 1:  # the grading cell, only now: once every cell of the notebook has run
+            cell.source = cell.source.replace(KEY_SLOT, repr(key))
+
+    threading.Thread(target=_end_with_the_kernel, args=(cells,), daemon=True).start()
     papermill.execute_notebook(
         src, dst, parameters=json.loads(parameters_json), kernel_name="python3", progress_bar=False,
         execution_timeout=limit, interrupt_on_timeout=True, raise_on_iopub_timeout=False,
         error_on_timeout={"ename": "CellTimeout", "evalue": f"cell exceeded {limit} s", "traceback": []},
+        kernel_manager_class=_kernel_manager(sandbox and isolation.Sandbox(**sandbox)),
+        on_notebook_start=count_cells, on_cell_execute=give_key, on_notebook_complete=done,
     )
+
+
+def add_isolation_flags(parser: argparse.ArgumentParser, default: str) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--isolation", dest="isolation", action="store_true", default=None,
+                       help=f"run each kernel in its own namespaces (no network, read-only files, limits; {default})")
+    group.add_argument("--no-isolation", dest="isolation", action="store_false",
+                       help="run the kernels with your own rights (trusted work only)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,9 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
     parser.add_argument("--strict", action="store_true", help="exit 1 unless every notebook scores full marks")
     parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
+    add_isolation_flags(parser, "default: on when a folder is given")
     args = parser.parse_args(argv)
     try:
-        reports = grade(args.paths, args.timeout, args.cell_timeout, jobs=args.jobs)
+        folders = [p for p in args.paths if p.is_dir()]
+        isolated = isolation_for(args.isolation, [*folders, *([args.out.parent] if args.out else [])], bool(folders))
+        reports = grade(args.paths, args.timeout, args.cell_timeout, jobs=args.jobs, isolated=isolated)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -323,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--execute":
+    if len(sys.argv) == 7 and sys.argv[1] == "--execute":
         _papermill_child(*sys.argv[2:])
     else:
         sys.exit(main())
