@@ -153,15 +153,20 @@ class PipelineParallel(ParallelWrapper):
         self.timelines: list[list[TimedAction]] = []  # one per forward_backward
         self.micro_losses: list[list[float]] = []
 
-    def enable_grad_reduce(self, grad_group: comm.Group) -> None:
-        """Average each stage's gradients over ``grad_group`` (this pipeline rank's data-parallel group) by the
-        schedule's ``REDUCE_GRAD`` actions; the stages' weights are first broadcast over it."""
+    def _own_grad_reduce(self, grad_group: comm.Group) -> None:
+        """Make ``grad_group`` the group this pipeline reduces its gradients over, and add the ``REDUCE_GRAD``
+        actions to the schedule (once: a second data-parallel group is refused)."""
         if self.grad_group is not None:
             raise ValueError("the pipeline already reduces its gradients over a data-parallel group")
         require_member(grad_group, type(self).__name__)
         self.grad_group = grad_group
         self.plan = dataclasses.replace(self.plan, actions=self.place_grad_reduce(self.plan.actions))
         self.executor.plan, self.executor.actions = self.plan, self.plan.actions[self.rank]
+
+    def enable_grad_reduce(self, grad_group: comm.Group) -> None:
+        """Average each stage's gradients over ``grad_group`` (this pipeline rank's data-parallel group) by the
+        schedule's ``REDUCE_GRAD`` actions; the stages' weights are first broadcast over it."""
+        self._own_grad_reduce(grad_group)
         broadcast_from_first(self.stages, grad_group)
         self.executor.grad_reduce = self._launch_grad_reduce
 
@@ -171,12 +176,7 @@ class PipelineParallel(ParallelWrapper):
         dim-0 shards (``sharding_class``), gathered and freed around the schedule's compute actions, and each
         stage's accumulated full gradients reduce-scattered once, by its ``REDUCE_GRAD`` action. ``mesh`` /
         ``axis``: the groups of the partial gradients and the key the shards are recorded on."""
-        if self.grad_group is not None:
-            raise ValueError("the pipeline already reduces its gradients over a data-parallel group")
-        require_member(grad_group, type(self).__name__)
-        self.grad_group = grad_group
-        self.plan = dataclasses.replace(self.plan, actions=self.place_grad_reduce(self.plan.actions))
-        self.executor.plan, self.executor.actions = self.plan, self.plan.actions[self.rank]
+        self._own_grad_reduce(grad_group)
         self.sharding = self.sharding_class({int(k): st for k, st in self.stages.items()}, grad_group, mesh=mesh,
                                             axis=axis, reshard_after_forward=reshard_after_forward)
         self.executor.engine = self.sharding
