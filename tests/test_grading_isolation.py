@@ -53,6 +53,10 @@ class Listener:
         self.received: list[bytes] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
+    def close(self) -> None:
+        """Stop listening (the module's fixture ends with it: no other test may see this server)."""
+        self.server.close()
+
     def _serve(self) -> None:
         while True:
             try:
@@ -144,7 +148,9 @@ def graded(tmp_path_factory):
     by_learner: dict[str, list[gradebook.GradeRow]] = {}
     for r in rows:
         by_learner.setdefault(r.learner, []).append(r)
-    return by_learner, paths, honest_before, listener
+    yield by_learner, paths, honest_before, listener
+    if listener is not None:
+        listener.close()
 
 
 def _points(rows: list[gradebook.GradeRow]) -> tuple[int, int]:
