@@ -26,14 +26,19 @@ What the numbers mean (the conventions every entry follows):
   which it picks for small messages, prices an NVLink step at 0.6 us), nor the measured latency of a small
   all-reduce, which adds a fixed cost per call (``baseLat``: 8.4 us for the ring, Simple) that this model leaves
   out.
+* ``FLASH_ATTENTION_BY_LENGTH``: a kernel's measured speed by sequence length (FlashAttention-2 on an H100), the
+  shape of the curve the planner applies to its attention efficiency (``attention_length_factor``).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-__all__ = ["GPU", "GPUS", "LINKS", "NETWORK_ALPHA", "NVLINK_ALPHA", "PCIE_ALPHA", "Link", "gpu", "link"]
+__all__ = ["FLASH_ATTENTION_BY_LENGTH", "GPU", "GPUS", "LINKS", "NETWORK_ALPHA", "NVLINK_ALPHA", "PCIE_ALPHA", "Link",
+           "attention_length_factor", "gpu", "link"]
 
 _GIB = 2**30
 _GB = 10**9
@@ -167,3 +172,29 @@ def gpu(key: str | GPU) -> GPU:
 def link(key: str | Link) -> Link:
     """The catalogue's link ``key`` (a :class:`Link` is returned as it is)."""
     return _lookup(LINKS, key, Link, "link")
+
+
+FLASH_ATTENTION_BY_LENGTH: dict[str, tuple[tuple[int, float], ...]] = {
+    "causal": ((512, 191), (1024, 260), (2048, 298), (4096, 319), (8192, 333), (16384, 335)),
+    "full": ((512, 309), (1024, 350), (2048, 362), (4096, 368), (8192, 370), (16384, 370)),
+}
+"""FlashAttention-2's forward speed (TFLOP/s) by sequence length on an H100 SXM5, head dim 128, with and without
+the causal mask, as the FlashAttention-3 paper plots it (Shah et al. 2024, Figure 5; 16K tokens per batch): a
+short block leaves the GPU's SMs idle and pays the softmax and the causal diagonal more often."""
+
+
+def attention_length_factor(seq_len: int, cp: int = 1) -> float:
+    """The attention kernel's speed at this rank's blocks over its speed at 16K tokens (1 at 16K and beyond),
+    each kind against its own 16K speed, interpolated in log2 of the length (clamped at 512). Without CP one
+    causal block of s; with ring CP (Liu et al. 2023) each rank computes cp blocks of s/cp: its diagonal one
+    causal, 1/cp of the work, the other cp - 1 unmasked (the work-weighted harmonic mean of the two)."""
+    def relative(kind: str, n: float) -> float:
+        pts = FLASH_ATTENTION_BY_LENGTH[kind]
+        x = min(max(math.log2(n), math.log2(pts[0][0])), math.log2(pts[-1][0]))
+        for (n0, v0), (n1, v1) in itertools.pairwise(pts):
+            if x <= math.log2(n1):
+                return (v0 + (v1 - v0) * (x - math.log2(n0)) / (math.log2(n1) - math.log2(n0))) / pts[-1][1]
+        return 1.0
+
+    n = seq_len / cp
+    return 1 / (1 / cp / relative("causal", n) + (1 - 1 / cp) / relative("full", n))

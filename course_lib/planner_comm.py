@@ -55,19 +55,21 @@ def group_time(cl: Cluster, op: cost.Collective, nbytes: float, span: tuple[int,
 
 
 def _all_to_all(cl: Cluster, span: tuple[int, int], token_bytes: float, tokens: float, top_k: int,
-                node_limit: int | None) -> float:
+                node_limit: int | None, dedup: bool = False) -> float:
     """One dispatch (or combine) of ``tokens`` tokens per rank to ``top_k`` experts each, spread evenly over the
     group: the share for ranks of this node over NVLink, the rest over the network, both at once (the slower
-    sets the time). Node-limited routing sends a token once per destination node: E[distinct other nodes] of
-    top_k uniform picks over N nodes, N (1 - (1 - 1/N)^k) (N - 1)/N, capped at M."""
+    sets the time). A dispatcher that de-duplicates (``dedup``: DeepEP's internode kernels, NVIDIA's HybridEP;
+    always so under node-limited routing) sends a token once per destination node and forwards it inside the
+    node over NVLink: E[distinct other nodes] of top_k uniform picks over N nodes, N (1 - (1 - 1/N)^k) (N - 1)/N,
+    capped at the node limit M; without it, each of the top_k copies bound for another node crosses the network."""
     n, nodes = span
     k = n // nodes
     intra = tokens * top_k * (k - 1) / n * token_bytes
-    if node_limit is None:
+    if node_limit is None and not dedup:
         inter = tokens * top_k * (n - k) / n * token_bytes
     else:
         distinct = nodes * (1 - (1 - 1 / nodes) ** top_k) * (nodes - 1) / nodes
-        inter = tokens * min(distinct, node_limit) * token_bytes
+        inter = tokens * min(distinct, node_limit or nodes) * token_bytes
     t_intra = (k - 1) * cl.intra.alpha + intra / cl.intra.beta if k > 1 else 0.0
     t_inter = (nodes - 1) * cl.inter.alpha + inter / cl.inter.beta if nodes > 1 else 0.0
     return max(t_intra, t_inter)

@@ -21,6 +21,7 @@ from course_lib.model import GPTConfig
 from course_lib.planner_candidate import Candidate, zero3_with_pipeline
 
 Formula = Literal["flash", "paper"]
+Precision = Literal["mixed", "bf16"]
 
 
 
@@ -48,10 +49,10 @@ STATE_PARTS = ("parameters", "gradients", "optimizer_state", "communication")
 
 @lru_cache(maxsize=100_000)
 def _budgets(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
-             formula: Formula) -> tuple[MemoryBudget, ...]:
+             formula: Formula, precision: Precision = "mixed") -> tuple[MemoryBudget, ...]:
     """``training_memory`` without headroom of each of the ``worst_stages`` of ``lay``."""
-    return tuple(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                                 layout=lay, headroom=0.0,
+    return tuple(training_memory(cfg, precision=precision, stage=stage, micro_batch=micro_batch, seq_len=seq_len,
+                                 recompute=recompute, layout=lay, headroom=0.0,
                                  activation_formula="adapted" if formula == "flash" else "paper",
                                  dropout=formula == "paper")
                  for stage in worst_stages(lay.pp))
@@ -75,7 +76,7 @@ def worst_stages(pp: int) -> list[int]:
 
 @lru_cache(maxsize=100_000)
 def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
-                  formula: Formula) -> tuple[tuple[int, dict[str, float]], ...]:
+                  formula: Formula, precision: Precision = "mixed") -> tuple[tuple[int, dict[str, float]], ...]:
     """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls (three
     under ``zero3_with_pipeline``): the model states and buffers (``STATE_PARTS``: they do not depend on
     recomputation, so one call serves the three) and the activations and temporaries (they depend on neither dp,
@@ -83,10 +84,10 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
     only through its micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both
     keys."""
     states_key, acts_key, grads_key = _budget_layouts(lay)
-    states_all = _budgets(cfg, states_key, micro_batch, seq_len, "none", formula)
-    acts_all = _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula)
+    states_all = _budgets(cfg, states_key, micro_batch, seq_len, "none", formula, precision)
+    acts_all = _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula, precision)
     grads_all = states_all if grads_key is states_key else _budgets(cfg, grads_key, micro_batch, seq_len, "none",
-                                                                    formula)
+                                                                    formula, precision)
     return tuple((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
                           for k in states})
                  for stage, states, acts, grads in zip(worst_stages(lay.pp), states_all, acts_all, grads_all,
@@ -95,11 +96,12 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
 
 @lru_cache(maxsize=100_000)
 def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,
-            headroom: float) -> MemoryBudget:
+            headroom: float, precision: Precision = "mixed") -> MemoryBudget:
     lay = cand.layout(global_batch, cfg.n_layer)
     factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
     worst, worst_total = None, 0.0
-    for stage, budget in _stage_memory(cfg, lay, cand.micro_batch, seq_len, cand.recompute, formula):
+    for stage, budget in _stage_memory(cfg, lay, cand.micro_batch, seq_len, cand.recompute, formula,
+                                       precision):
         parts = dict(budget)
         parts["activations"] *= factors[stage]
         parts["headroom"] = headroom * sum(parts.values())
@@ -108,4 +110,5 @@ def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, fo
             worst, worst_total = (stage, parts), total
     stage, parts = worst
     return MemoryBudget(parts, label=f"{cfg.name} | {cand} | per GPU",
-                        notes=[f"activations: {formula}", f"worst pipeline stage: {stage} of {cand.pp}"])
+                        notes=[f"activations: {formula}", f"precision: {precision}",
+                               f"worst pipeline stage: {stage} of {cand.pp}"])

@@ -11,23 +11,26 @@ memory (``planner_memory``), the groups and collectives (``planner_comm``), the 
   times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W); under
   ZeRO-3 with a pipeline each stage holds its gradients whole (``zero3_with_pipeline``). FlashAttention-era
   activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``) are the default;
-  ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term, dropout).
+  ``Assumptions(attention_memory="paper")`` uses Korthikanti et al.'s Table 2 (its 5as/h term, dropout). Model
+  states at 16 bytes per parameter (mixed precision with Adam), or 8 with ``Assumptions(precision="bf16")``.
 * **Compute**: 2 FLOPs per multiply-add of the active parameters at ``Assumptions.gemm_efficiency`` of the peak
   (expert GEMMs at the efficiency of the rows each expert receives). An MoE layer's active matmul weights are
   attention + router h E + the shared experts' MLP of n_s f_e + top_k routed MLPs of f_e (``expert_d_ff``,
   DeepSeekMoE's fine-grained experts); the first ``Assumptions.dense_layers`` blocks are dense MLPs of d_ff
-  (DeepSeek-V3's first 3); attention 4 h s per token and layer
-  forward, halved for the causal mask (a FlashAttention kernel skips the masked blocks), at
-  ``attention_efficiency``; memory-bound kernels moving the saved activations ``elementwise_passes`` times at
-  the memory bandwidth. Backward twice the forward, plus the recomputed forward (selective: the core attention;
-  full: the whole layer). The slowest rank sets the pace (its blocks, and the LM head on the last stage).
+  (DeepSeek-V3's first 3); attention 4 h s per token and layer forward, halved for the causal mask (a
+  FlashAttention kernel skips the masked blocks), at ``attention_efficiency``, slower on short blocks
+  (``hardware.attention_length_factor``: FlashAttention-2's measured speed by length; with CP each rank's blocks
+  are s/cp long); memory-bound kernels moving the saved activations ``elementwise_passes`` times at the memory
+  bandwidth. Backward twice the forward, plus the recomputed forward (selective: the core attention; full: the
+  whole layer). The slowest rank sets the pace (its blocks, and the LM head on the last stage).
 * **Communication** (``cost.collective_time`` on each link): TP/SP 4 all-reduce equivalents per layer and
   micro-batch (6 with full recompute), ``tp_overlap`` of them hidden (Megatron-LM's ``--tp-comm-overlap``; off
   by default); CP's K,V ring (per TP rank: its own K/V heads) behind the attention of the block in flight;
   EP's dispatch and combine all-to-all over NVLink for the ranks of the node and the network for the rest,
   ``ep_overlap`` hidden, over the MoE layers only; node-limited routing (DeepSeek-V3's: the model's
   ``topk_group`` = M of its ``n_group`` groups, or ``Assumptions.node_limit``) sends a token once per node it
-  reaches, at most M x ceil(nodes / n_group) nodes; DP/ZeRO collectives hierarchical (within the node on
+  reaches, at most M x ceil(nodes / n_group) nodes, as a de-duplicating dispatcher does without a limit
+  (``Assumptions.ep_dedup``: DeepEP, HybridEP); DP/ZeRO collectives hierarchical (within the node on
   NVLink, then across nodes with 1/k of the bytes per GPU), ZeRO-2's reduce-scatter per micro-batch, ZeRO-3's
   gathers and reduce-scatter per micro-batch with ``zero3_overlap`` hidden (with a pipeline, torchtitan's
   form, ``zero3_with_pipeline``: the gathers per micro-batch, one reduce-scatter per step); the pipeline's sends.
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from course_lib import cost
+from course_lib.hardware import attention_length_factor
 from course_lib.memory import GiB, MemoryBudget, ParallelLayout, layer_activation_bytes, params_per_rank
 from course_lib.model import GPTConfig
 from course_lib.parallel.cp import ring_kv_bytes
@@ -62,7 +66,7 @@ from course_lib.planner_candidate import (
     zero3_with_pipeline,
 )
 from course_lib.planner_comm import _all_to_all, group_span, group_time
-from course_lib.planner_memory import Formula, _memory, peak_in_flight
+from course_lib.planner_memory import Formula, Precision, _memory, peak_in_flight
 from course_lib.planner_moe import (
     active_params,
     dense_twin,
@@ -81,7 +85,8 @@ class Assumptions:
       small local GEMMs (``gemm_rows_half``, ``gemm_cols_half``: see ``gemm_efficiency``);
     * ``attention_efficiency``: the fraction of peak the fused attention kernel reaches (FlashAttention-2, Dao
       2023: 50-73 % of an A100's peak forward, less backward and on H100 without FlashAttention-3's
-      asynchrony: 0.5);
+      asynchrony: 0.5), at long sequences; shorter blocks are slower by ``attention_length_factor`` (with
+      ``attention_by_length``, the default; False: one speed at every length);
     * ``elementwise_passes``: the memory-bound kernels (norms, activations, residual adds, RoPE, the loss) move
       each tensor a layer saves for backward this many times in the forward (written once, read once: 2) at
       the GPU's memory bandwidth, twice that in the backward; the fp32 logits likewise;
@@ -96,27 +101,37 @@ class Assumptions:
     * ``node_limit``: None, the model's own routing (``GPTConfig.topk_group``, see ``route_node_limit``); M,
       node-limited routing at M nodes whatever the model says (each token to at most M nodes, sent once per
       node and forwarded inside it over NVLink, DeepSeek-V3's M = 4);
+    * ``ep_dedup``: the dispatcher sends a token once per destination node and forwards it there over NVLink
+      (DeepEP's internode kernels, NVIDIA's HybridEP), with or without node-limited routing; False: each of a
+      token's top_k copies bound for another node crosses the network;
     * ``dense_layers``: the first k blocks of an MoE model are dense MLPs of ``d_ff`` (DeepSeek-V3's first 3;
       ``GPTConfig`` has no field for them, so the planner carries it). Priced in compute, FLOPs and active
       parameters; the memory and DP bytes still count those blocks as MoE blocks (see ``predict``);
     * ``headroom``: the memory budget's own headroom; ``usable_memory``: the fraction of the GPU the job may use;
-    * ``attention_memory``: "flash" (no s x s scores, no dropout) or "paper" (Korthikanti et al. 2022, Table 2).
+    * ``attention_memory``: "flash" (no s x s scores, no dropout) or "paper" (Korthikanti et al. 2022, Table 2);
+    * ``precision``: the model states' bytes per parameter (``memory.bytes_per_param`` with Adam): "mixed",
+      2 + 2 + 12 = 16 (bf16 weights and gradients, fp32 master weights and moments: ZeRO's K = 12,
+      Rajbhandari et al. 2020) or "bf16", 2 + 2 + 4 = 8 (the model built in bf16, Adam's moments bf16 like the
+      weights: no master copy, as NeMo AutoModel's benchmark recipes train).
     """
 
     efficiency: float = 0.75
     gemm_rows_half: float = 256.0
     gemm_cols_half: float = 128.0
     attention_efficiency: float = 0.5
+    attention_by_length: bool = True
     elementwise_passes: float = 2.0
     grad_overlap: float = 1.0
     zero3_overlap: float = 0.5
     tp_overlap: float = 0.0
     ep_overlap: float = 0.0
     node_limit: int | None = None
+    ep_dedup: bool = False
     dense_layers: int = 0
     headroom: float = 0.10
     usable_memory: float = 1.0
     attention_memory: Formula = "flash"
+    precision: Precision = "mixed"
 
     def __post_init__(self) -> None:
         def check(name: str, low: float, high: float, low_open: bool) -> None:
@@ -137,10 +152,16 @@ class Assumptions:
         if self.node_limit is not None and (isinstance(self.node_limit, bool) or not isinstance(self.node_limit, int)
                                             or self.node_limit < 1):
             raise ValueError(f"Assumptions.node_limit={self.node_limit!r} must be None or an int >= 1 (nodes)")
+        for name in ("attention_by_length", "ep_dedup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Assumptions.{name}={getattr(self, name)!r} must be True or False")
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise ValueError(f"Assumptions.dense_layers={self.dense_layers!r} must be an int >= 0 (leading blocks)")
         if self.attention_memory not in ("flash", "paper"):
             raise ValueError(f"Assumptions.attention_memory={self.attention_memory!r}: 'flash' or 'paper'")
+        if self.precision not in ("mixed", "bf16"):
+            raise ValueError(f"Assumptions.precision={self.precision!r}: 'mixed' (fp32 master weights and Adam "
+                             "moments, 16 bytes per parameter) or 'bf16' (all 16-bit, 8 bytes)")
 
     def gemm_efficiency(self, rows: float, cols: float) -> float:
         """Fraction of peak a layer's matrix multiplies reach on one GPU: ``efficiency`` for large ones, less
@@ -203,7 +224,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
                          f"{cand.micro_batch} x whole micro-batches: choose a batch that is a multiple of "
                          f"{cand.dp * cand.micro_batch}")
     pcfg = padded_config(cfg, cand.tp)
-    mem = _memory(pcfg, cand, global_batch, seq_len, assume.attention_memory, assume.headroom)
+    mem = _memory(pcfg, cand, global_batch, seq_len, assume.attention_memory, assume.headroom, assume.precision)
     usable = assume.usable_memory * cl.gpu.bytes
     if time_if_fits_only and mem.total > usable:
         return Prediction(cand, mem, False, usable)
@@ -221,7 +242,8 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
         expert_rows = rows * cfg.top_k * cand.ep / cfg.n_expert  # tokens each local expert receives
         rate_e = cl.gpu.peak_flops * assume.gemm_efficiency(expert_rows, h / t)
     tokens_mb = b * s / (t * c)
-    attn_mb = tokens_mb * attn / (cl.gpu.peak_flops * assume.attention_efficiency)
+    attn_rate = assume.attention_efficiency * (attention_length_factor(s, c) if assume.attention_by_length else 1.0)
+    attn_mb = tokens_mb * attn / (cl.gpu.peak_flops * attn_rate)
 
     def layer_time(c: GPTConfig, dense_w: int, experts_w: int) -> float:
         saved = _saved_bytes(c, b, s_local, t)
@@ -270,7 +292,8 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     ep_s = 0.0
     if cand.ep > 1:
         span = ranks("ep")
-        one = _all_to_all(cl, span, 2 * h, rows / t, cfg.top_k, route_node_limit(cfg, span[1], assume.node_limit))
+        one = _all_to_all(cl, span, 2 * h, rows / t, cfg.top_k, route_node_limit(cfg, span[1], assume.node_limit),
+                          assume.ep_dedup)
         ep_s = (1 - assume.ep_overlap) * m * 4 * n_moe * one
 
     # PP: the schedule's bubble over the slowest rank's per-micro-batch work; v sends per micro-batch and direction

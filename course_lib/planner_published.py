@@ -166,6 +166,16 @@ OTHER_RUNS: list[PublishedRun] = [
 ]
 
 
+AUTOMODEL_PRECISION = "bf16"
+"""How NeMo AutoModel's benchmark recipes hold the model states (``examples/llm_benchmark/*/*.yaml`` of its
+repository): the model built with ``from_config`` (its dtype "auto" is bf16), sharded by FSDP2, trained by
+``torch.optim.Adam``, whose moments take the weights' dtype: 8 bytes per parameter, no fp32 master copy."""
+
+AUTOMODEL_ZERO = (0, 3)
+"""The data-parallel strategies NeMo AutoModel offers (its ``distributed.strategy``): DDP (ZeRO-0) and FSDP2 or
+Megatron-FSDP (ZeRO-3); it has no ZeRO-1 or ZeRO-2, so the free plan of its runs searches these two, as
+Megatron-LM's runs search its distributed optimizer (ZeRO-1) only."""
+
 NVIDIA_RUNS: list[PublishedRun] = [
     PublishedRun(
         "Qwen3 30B-A3B", "NVIDIA NeMo AutoModel, Performance Summary (docs.nvidia.com/nemo/automodel), Pre-Training, "
@@ -174,11 +184,14 @@ NVIDIA_RUNS: list[PublishedRun] = [
         QWEN3_30B_A3B, "dgx-h100", 1, 512, 4096, {"dp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 8}, 0.28,
         "277 model TFLOP/s per GPU / 989 = 0.28; the table counts causal attention: 12,040 tokens/s x (6 x 3.04e9 "
         "active + 3 x 48 x 2 x 4096 x 4096) = 278 TFLOP/s with the real 128-wide heads (full attention would give 336)",
-        full_attention=False, pinned={"zero": 3}, space={"zero_stages": (1, 3)},
-        gaps="FSDP2 (ZeRO-3) over the 8 GPUs, EP 8 inside it; the published MBS 4 does not fit the planner's memory "
-             "model (1.07x the GPU even with full recomputation, its 10 % headroom included) so the pinned "
-             "prediction is at its best fitting micro-batch; the recomputation is not stated (assumed free); "
-             "DeepEP's kernels, the 128-wide heads and the router's load imbalance are not modelled"),
+        full_attention=False, pinned={"zero": 3, "micro_batch": 4, "recompute": "full"},
+        space={"zero_stages": AUTOMODEL_ZERO},
+        assume=Assumptions(precision=AUTOMODEL_PRECISION, ep_dedup=True),
+        gaps="FSDP2 (ZeRO-3) over the 8 GPUs, EP 8 inside it, MBS 4 with full activation checkpointing as its "
+             "recipe (examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml) sets them; the model states in "
+             "bf16 (AUTOMODEL_PRECISION); DeepEP's kernels (on 20 SMs), the 128-wide heads and the recipe's "
+             "balanced fake gate (no load imbalance, as the planner assumes) are not modelled beyond that"),
+
     PublishedRun(
         "Kimi K2", "NVIDIA NeMo AutoModel, Performance Summary (docs.nvidia.com/nemo/automodel), Pre-Training, "
         "System DGX-H100, BF16, row 'Kimi K2': 256 GPUs, GBS 512, MBS 1, LBS 8, GA 2, seq 4096, TP 1, PP 8, CP 1, "
@@ -186,15 +199,19 @@ NVIDIA_RUNS: list[PublishedRun] = [
         KIMI_K2, "dgx-h100", 32, 512, 4096, {"dp": 32, "tp": 1, "pp": 8, "cp": 1, "ep": 32}, 0.19,
         "189 model TFLOP/s per GPU / 989 = 0.19 (924 tokens/s x 6 x ~32.6e9 active parameters = 181 TFLOP/s: the "
         "rest is attention; how the table counts MLA's attention is not stated, assumed causal)",
-        full_attention=False, pinned={"zero": 3, "schedule": "interleaved", "v": 4, "micro_batch": 1},
-        space={"zero_stages": (1, 3), "micro_batches": (1,), "schedules": ("1f1b", "interleaved"),
+        full_attention=False,
+        pinned={"zero": 3, "schedule": "interleaved", "v": 4, "micro_batch": 1, "recompute": "full"},
+        space={"zero_stages": AUTOMODEL_ZERO, "micro_batches": (1,), "schedules": ("1f1b", "interleaved"),
                "virtual_stages": (2, 4)},
-        assume=Assumptions(dense_layers=KIMI_K2_DENSE_LAYERS),
+        assume=Assumptions(dense_layers=KIMI_K2_DENSE_LAYERS, precision=AUTOMODEL_PRECISION, ep_dedup=True),
         gaps="FSDP2 (ZeRO-3) x PP 8 (interleaved, 4 chunks per rank): the planner's ZeRO-3-with-a-pipeline, in "
-             "torchtitan's form; the published mesh needs 1.15x the GPU in the planner's memory model (full "
-             "recomputation, 10 % headroom; 16 bytes per parameter for the 12 experts of each of its blocks, "
-             "which EP 32 = DP 32 leaves unsharded), so it is priced although it does not fit; MLA, DeepEP and the "
-             "recomputation (not stated) are not modelled"),
+             "torchtitan's form; full activation checkpointing and HybridEP's per-node de-duplication (ep_dedup) as "
+             "its recipe (examples/llm_benchmark/kimi/kimi_k2_te_deepep.yaml) sets them; model states in bf16 "
+             "(AUTOMODEL_PRECISION: with fp32 master weights and moments the mesh would need more than the GPU, "
+             "16 bytes for each parameter of the 12 experts per block that EP 32 = DP 32 leaves unsharded); the "
+             "recipe's 2 blocks per virtual stage priced as ends_split's 61 blocks over 32 chunks; MLA is not "
+             "modelled"),
+
 ]
 """Runs NVIDIA measured and published in its frameworks' performance tables (not a model's own report): the
 mesh, batch and throughput as the table's row gives them."""

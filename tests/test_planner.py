@@ -274,7 +274,8 @@ def test_bad_search_spaces_are_named(space, needle):
 @pytest.mark.parametrize("field, value", [("efficiency", 0), ("efficiency", 1.5), ("grad_overlap", -0.1),
                                           ("tp_overlap", 2), ("usable_memory", 0), ("headroom", -1),
                                           ("attention_efficiency", 0), ("node_limit", 0),
-                                          ("attention_memory", "exact")])
+                                          ("attention_memory", "exact"), ("precision", "fp8"),
+                                          ("ep_dedup", 1), ("attention_by_length", "yes")])
 def test_every_assumption_is_checked(field, value):
     with pytest.raises(ValueError, match=f"Assumptions.{field}"):
         P.Assumptions(**{field: value})
@@ -385,6 +386,50 @@ def test_node_limited_routing_comes_from_the_model():
     override = P.predict(cfg.with_(topk_group=None, n_group=1), cl, 64, 4096, cand, P.Assumptions(node_limit=2))
     assert limited.seconds["ep"] < free.seconds["ep"]
     assert limited.seconds["ep"] == pytest.approx(override.seconds["ep"])
+
+
+def test_a_deduplicating_dispatcher_sends_a_token_once_per_node():
+    """Kimi K2's shape, EP 32 over 4 nodes, top-8 of 384 experts: without de-duplication 8 x 3/4 = 6 copies of
+    a token cross the network; with it, once per distinct other node hit, 4 (1 - (3/4)^8) x 3/4 = 2.7 copies."""
+    from course_lib.planner_comm import _all_to_all
+    cl = P.cluster("dgx-h100", 4)
+    every = _all_to_all(cl, (32, 4), 2 * 7168, 4096, 8, None)
+    once = _all_to_all(cl, (32, 4), 2 * 7168, 4096, 8, None, dedup=True)
+    distinct = 4 * (1 - (3 / 4) ** 8) * 3 / 4
+    beta = cl.inter.beta
+    assert every == pytest.approx(3 * cl.inter.alpha + 4096 * 6 * 2 * 7168 / beta)
+    assert once == pytest.approx(3 * cl.inter.alpha + 4096 * distinct * 2 * 7168 / beta)
+    assert once == pytest.approx(_all_to_all(cl, (32, 4), 2 * 7168, 4096, 8, 4))  # a node limit of all 4 nodes
+    assert _all_to_all(cl, (8, 1), 2 * 7168, 4096, 8, None, dedup=True) == _all_to_all(cl, (8, 1), 2 * 7168, 4096,
+                                                                                         8, None)  # one node
+    cfg, cand = PRESETS["mixtral-8x7b"].with_(n_expert=64), P.Candidate(dp=32, tp=1, pp=1, ep=32)
+    plain, dedup = (P.predict(cfg, cl, 64, 4096, cand, P.Assumptions(ep_dedup=x)) for x in (False, True))
+    assert 0 < dedup.seconds["ep"] < plain.seconds["ep"]
+
+
+def test_attention_is_slower_on_short_blocks_as_flashattention_measures_it():
+    """``attention_length_factor``: the published speeds over the speed at 16K, the ring's blocks weighted by
+    their work (one causal diagonal block, cp - 1 unmasked ones of s/cp)."""
+    from course_lib.hardware import FLASH_ATTENTION_BY_LENGTH as T
+    from course_lib.hardware import attention_length_factor as f
+    causal, full = dict(T["causal"]), dict(T["full"])
+    assert [f(n) for n in causal] == pytest.approx([v / causal[16384] for v in causal.values()])
+    assert f(131072) == f(16384) == 1.0 and f(256) == f(512)  # clamped at both ends
+    assert f(4096, 2) == pytest.approx(1 / (0.5 * causal[16384] / causal[2048] + 0.5 * full[16384] / full[2048]))
+    assert f(4096) > f(4096, 2) > f(4096, 4) > f(4096, 8) and f(131072, 16) == pytest.approx(1.0, abs=1e-3)
+    cfg, cl = PRESETS["llama2-7b"], P.cluster("dgx-h100", 1)
+    cand = P.Candidate(dp=2, tp=1, pp=1, cp=4, recompute="none")
+    flat, short = (P.predict(cfg, cl, 8, 4096, cand, P.Assumptions(attention_by_length=x)) for x in (False, True))
+    attn = 8 * 4096 / 8 * 2 * cfg.d_model * 4096 / (cl.gpu.peak_flops * 0.5) * 3 * cfg.n_layer  # fwd + 2x bwd
+    assert short.seconds["compute"] - flat.seconds["compute"] == pytest.approx(attn * (1 / f(4096, 4) - 1))
+
+
+def test_bf16_model_states_take_half_the_bytes_of_mixed_precision():
+    cfg, cl, cand = PRESETS["llama2-7b"], P.cluster("dgx-h100", 1), P.Candidate(dp=8, tp=1, pp=1, zero=1)
+    mixed, bf16 = (P.predict(cfg, cl, 8, 4096, cand, P.Assumptions(precision=x)).memory for x in ("mixed", "bf16"))
+    assert (mixed["parameters"], mixed["gradients"]) == (bf16["parameters"], bf16["gradients"])
+    assert mixed["optimizer_state"] == pytest.approx(3 * bf16["optimizer_state"])  # (4 + 4 + 4) / (2 + 2)
+    assert mixed["parameters"] + mixed["gradients"] + 8 * mixed["optimizer_state"] > 0
 
 
 # ------------------------------------------------------------------------------------------------ the library's rules

@@ -16,13 +16,13 @@ from course_lib.planner import cluster, plan
 RUNS = {r.name: r for r in PP.published_runs()}
 
 
-def _direct_stage_memory(cfg, lay, micro_batch, seq_len, recompute, formula):
+def _direct_stage_memory(cfg, lay, micro_batch, seq_len, recompute, formula, precision="mixed"):
     """The uncached reference: ``training_memory`` of each stage that can be worst, with the candidate's own
     layout (its real m, dp, ep and ZeRO stage); under ZeRO-3 with a pipeline, the gradients of the same layout
     at ZeRO-1 (unsharded, ``zero3_with_pipeline``)."""
     def budget(stage, layout):
-        return dict(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                                    layout=layout, headroom=0.0,
+        return dict(training_memory(cfg, precision=precision, stage=stage, micro_batch=micro_batch, seq_len=seq_len,
+                                    recompute=recompute, layout=layout, headroom=0.0,
                                     activation_formula="adapted" if formula == "flash" else "paper",
                                     dropout=formula == "paper"))
 
@@ -59,7 +59,8 @@ def _same_with_direct_memory(name: str, monkeypatch) -> None:
     assert len(fast[0]) == len(direct[0]) and fast[0] == direct[0], name
 
 
-@pytest.mark.parametrize("name", ["BLOOM 176B", "OPT-175B", "Llama 3 405B, 128K", "Megatron-LM 462B"])
+@pytest.mark.parametrize("name", ["BLOOM 176B", "OPT-175B", "Llama 3 405B, 128K", "Megatron-LM 462B",
+                                  "Qwen3 30B-A3B"])
 def test_the_cached_memory_ranks_exactly_as_training_memory_does(name, monkeypatch):
     _same_with_direct_memory(name, monkeypatch)
 
