@@ -35,8 +35,10 @@ clusters and differs, deliberately, where the library's limits are teaching limi
   (``pp_layers.ends_split``, which ``train_pp(split=...)`` cuts; the composed ``parallelize`` cuts equal stages
   only, so ``library_rules`` asks for pp x v dividing n_layer) and the vocabulary is padded to 128 x tp as
   Megatron-LM pads it (the library does the same given ``GPTConfig(make_vocab_size_divisible_by=128 * tp)``);
-* EP with TP, PP or CP: the library's composition refuses it (its experts are neither tensor-parallel nor
-  pipelined); Megatron Core and DeepSpeed run it (DeepSeek-V3 trains on PP 16 x EP 64), so the planner ranks it;
+* EP with ZeRO-2/3 or with sequence parallelism: the library refuses them (``parallel.config.EP_REFUSALS``: its
+  shards over dp x cp would mix the experts the ep ranks hold; the router would see s/tp tokens), and, since the
+  planner assumes SP with TP, ``library_rules`` keeps EP with tp = 1 only; NVIDIA's AutoModel runs FSDP2 x EP
+  and Megatron Core EP x TP, so the planner ranks them (EP itself composes with TP, PP and CP in both);
 * an MoE with capacity or the load-balancing loss, dp x cp > 1, pp > 1 and ep = 1: the library refuses it because
   no single process has the micro-batches the pipeline then sees (its parity with ``train_baseline`` would
   break); a real run accepts per-micro-batch load statistics (Megatron-LM's aux loss is per micro-batch), so the

@@ -64,7 +64,7 @@ def predict_mesh_spec(cfg: GPTConfig, degrees: dict[str, int], gpu: planner.GPU,
 def library_prediction(cfg: GPTConfig, degrees: dict[str, int], gpu: planner.GPU, global_batch: int, seq_len: int,
                        micro_batch: int, zero_stage: int, efficiency: float) -> dict[str, float]:
     """What the library predicts for the same mesh: ``planner.predict`` of the candidate (no recomputation) on a
-    cluster of ``IDEAL_LINK`` s, matrix multiplies and attention at ``efficiency`` whatever their size, no
+    cluster of ``IDEAL_LINK`` s, matrix multiplies and attention at ``efficiency`` whatever their size or length, no
     memory-bound kernels; model states are the
     parameters + gradients + optimizer state of its ``memory.training_memory`` budget (worst stage), the step
     is its ``step_s`` (compute and the 1F1B bubble: nothing else costs time on free links)."""
@@ -72,7 +72,7 @@ def library_prediction(cfg: GPTConfig, degrees: dict[str, int], gpu: planner.GPU
     cand = planner.Candidate(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero_stage, micro_batch=micro_batch, recompute="none")
     cl = planner.Cluster("free links", 1, tp * cp * dp * pp, gpu, IDEAL_LINK, IDEAL_LINK)
     assume = planner.Assumptions(efficiency=efficiency, gemm_rows_half=0.0, gemm_cols_half=0.0,
-                                 attention_efficiency=efficiency, elementwise_passes=0.0)
+                                 attention_efficiency=efficiency, attention_by_length=False, elementwise_passes=0.0)
     pred = planner.predict(cfg, cl, global_batch, seq_len, cand, assume)
     states = pred.memory["parameters"] + pred.memory["gradients"] + pred.memory["optimizer_state"]
     return {"model_state_bytes": states, "step_s": pred.step_s}
