@@ -37,7 +37,7 @@ import time
 from course_lib import cost
 from course_lib import schedules as S
 from course_lib.launch import launch
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
 from course_lib.train import TrainConfig
 

@@ -26,7 +26,7 @@ from typing import Any
 from course_lib.memory import OptimizerName, ParallelLayout, training_memory
 from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import ComposedResult, parallelize, seams_of
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.loop import build_model, train_loop

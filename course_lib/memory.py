@@ -6,7 +6,7 @@ Two budgets (as Viacheslav Dubrov's "Scaling LLMs with multi-GPU and multi-node 
   + communication buffers + allocator headroom;
 * **inference** peak = resident weights + KV cache + runtime workspace + communication buffers + headroom.
 
-The estimators take a :class:`~course_lib.model.GPTConfig` (a preset with real shapes or a tiny one; MHA or
+The estimators take a :class:`~course_lib.model_config.GPTConfig` (a preset with real shapes or a tiny one; MHA or
 GQA; dense or MoE), a precision policy, an optimizer, a micro-batch and a parallel layout, and return a
 :class:`MemoryBudget`: bytes per GPU by category, a read-only mapping with ``.total`` and a readable ``str``.
 
@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from course_lib.model import PRESETS, GPTConfig, norm_params
+from course_lib.model_config import PRESETS, GPTConfig, norm_params
 from course_lib.pp_layers import layer_split
 from course_lib.schedules import SCHEDULE_ALIASES, canonical_schedule
 

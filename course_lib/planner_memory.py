@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Literal
 
 from course_lib.memory import MemoryBudget, ParallelLayout, Recompute, training_memory
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.planner_candidate import Candidate, zero3_with_pipeline
 
 Formula = Literal["flash", "paper"]

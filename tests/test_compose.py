@@ -22,7 +22,8 @@ from course_lib import schedules as S
 from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.mesh import Mesh, MeshError, MeshShape
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.ep import train_ep

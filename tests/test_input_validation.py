@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from course_lib import memory as M
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 
 
 @pytest.mark.parametrize("call, message", [

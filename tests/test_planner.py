@@ -12,7 +12,7 @@ from course_lib import planner as P
 from course_lib import schedules as S
 from course_lib.memory import GiB
 from course_lib.mesh import MeshShape
-from course_lib.model import PRESETS, GPTConfig
+from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.planner_model import padded_vocab, peak_in_flight
 from course_lib.pp_layers import ends_split, layer_split
 
@@ -335,7 +335,7 @@ def test_predict_names_a_batch_the_candidate_cannot_split():
 
 
 def test_fine_grained_experts_keep_the_active_parameters_and_shared_experts_add_theirs():
-    from course_lib.model import mlp_params
+    from course_lib.model_config import mlp_params
     from course_lib.planner_model import active_params
     coarse = GPTConfig(n_layer=4, d_model=64, n_expert=8, top_k=2, d_ff=256, mlp="swiglu", bias=False)
     fine = coarse.with_(n_expert=32, top_k=8, expert_d_ff=64)  # DeepSeekMoE: m = 4 times more experts of f / 4

@@ -36,7 +36,8 @@ import torch
 from course_lib import schedules as S
 from course_lib.data import global_batch, micro_batches
 from course_lib.launch import RankError, launch
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
 from course_lib.train import (
     UNIT_ROUNDOFF,

@@ -22,7 +22,7 @@ from course_lib.memory import (
     params_per_rank,
     training_memory,
 )
-from course_lib.model import PRESETS, mlp_params, param_count
+from course_lib.model_config import PRESETS, mlp_params, param_count
 from course_lib.viz.memory import (
     CONTROL_DESCRIPTIONS,
     MemoryBudgetWidget,

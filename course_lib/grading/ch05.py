@@ -34,7 +34,8 @@ from course_lib import cost, schedules
 from course_lib.data import global_batch
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
 
 GRADER_PARAMETERS = {"seed": 1}

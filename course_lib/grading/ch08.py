@@ -54,7 +54,8 @@ from course_lib.grading.core import (
     run_check,
 )
 from course_lib.mesh import DENSE_AXES, Mesh, MeshShape
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 
 GRADER_PARAMETERS = {"seed": 1}
 REEXPORTED = (GradReduceProbe, check_grad_reduce_on_ranks, MEMORY_RTOL, PREDICT_CASES, TIME_RTOL, library_prediction,

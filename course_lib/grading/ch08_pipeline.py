@@ -21,7 +21,7 @@ from course_lib.grading.core import (
     CheckResult,
     run_check,
 )
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import merge_composed, train_parallel
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.pp import PipelineParallel

@@ -38,7 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import GPT, Attention, GPTConfig, apply_rope, rope_cos_sin
+from course_lib.layers import Attention, apply_rope, rope_cos_sin
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import placement as P
 from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper, require_member
 from course_lib.parallel.cp_attention import (

@@ -54,7 +54,8 @@ from torch import nn
 
 from course_lib import comm
 from course_lib import schedules as S
-from course_lib.model import GPTConfig, lm_loss
+from course_lib.model import lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first, require_member
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.parallel.placement import merge_parameters

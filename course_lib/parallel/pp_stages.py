@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from course_lib import schedules as S
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.pp_layers import layer_split, stage_layers
 from course_lib.schedules import Schedule
 

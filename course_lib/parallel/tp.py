@@ -49,7 +49,9 @@ import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import GPT, MLP, Attention, GPTConfig
+from course_lib.layers import MLP, Attention
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import placement as P
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop

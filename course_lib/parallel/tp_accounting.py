@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 
 __all__ = ["PlannedCollective", "block_bytes_per_rank", "layer_activation_bytes_tp", "step_collectives"]
 

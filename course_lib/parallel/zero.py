@@ -101,7 +101,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from course_lib import comm
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 from course_lib.parallel.fsdp_torch import TorchFullyShard, train_fsdp2
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop

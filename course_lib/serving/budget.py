@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from course_lib import hardware
 from course_lib.cost import AllReduceAlgorithm, all_reduce_time
 from course_lib.memory import MemoryBudget, ParallelLayout, inference_memory, kv_cache_bytes, params_per_rank
-from course_lib.model import PRESETS, GPTConfig
+from course_lib.model_config import PRESETS, GPTConfig
 
 QUANTISATION: dict[str, float] = {"bf16": 2, "int8": 1, "int4": 0.5}
 """Bytes per weight. The KV cache stays bf16 here (2 bytes) whatever the weights."""

@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 from course_lib import hardware
 from course_lib.hardware import GPU, GPUS
 from course_lib.memory import GB, GiB, MemoryBudget, ParallelLayout, inference_memory, training_memory
-from course_lib.model import PRESETS, GPTConfig
+from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [

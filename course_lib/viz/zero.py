@@ -40,7 +40,7 @@ from matplotlib.ticker import FuncFormatter
 from course_lib import hardware
 from course_lib.instrument import record_zero_step
 from course_lib.memory import GB, bytes_per_param, training_memory, zero_memory_per_device
-from course_lib.model import PRESETS, GPTConfig, param_count
+from course_lib.model_config import PRESETS, GPTConfig, param_count
 from course_lib.viz.memory import CATEGORY_COLORS, PRECISION_OPTIONS
 from course_lib.viz.panel import ControlPanel, figure_png
 

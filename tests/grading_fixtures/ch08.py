@@ -4,7 +4,7 @@ import math
 
 import torch.distributed as dist
 
-from course_lib.model import param_count
+from course_lib.model_config import param_count
 from course_lib.schedules import Action, Kind, add_grad_reduce
 
 
