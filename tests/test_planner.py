@@ -10,7 +10,7 @@ import pytest
 from course_lib import cost
 from course_lib import planner as P
 from course_lib import schedules as S
-from course_lib.memory import GiB
+from course_lib.memory_budget import GiB
 from course_lib.mesh import MeshShape
 from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.planner_model import padded_vocab, peak_in_flight

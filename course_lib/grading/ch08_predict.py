@@ -17,7 +17,7 @@ from course_lib.grading.core import (
     CheckResult,
     run_check,
 )
-from course_lib.memory import GiB
+from course_lib.memory_budget import GiB
 from course_lib.model_config import PRESETS, GPTConfig, param_count
 
 MEMORY_RTOL = 0.05

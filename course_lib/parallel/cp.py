@@ -85,7 +85,7 @@ def activation_bytes_per_rank(cfg: GPTConfig, micro_batch: int, seq_len: int, cp
 
     Everything scales with s/cp except those positions: activation memory per rank falls as 1/cp.
     """
-    from course_lib.memory import model_activation_bytes
+    from course_lib.activation_memory import model_activation_bytes
 
     n = micro_batch * seq_len // cp
     e, h, layers = element_bytes, cfg.d_model, cfg.n_layer
