@@ -2,6 +2,7 @@
 reason that says "write it yourself" (``course_lib.grading.off_limits``). Keyed (chapter, exercise)."""
 
 import course_lib.schedules
+from course_lib import schedule_run
 from course_lib import schedules as S
 from course_lib.collectives import ring_reduce_scatter as library_rs
 from course_lib.memory import kv_cache_bytes as library_kv
@@ -37,7 +38,7 @@ def one_f_one_b_imported(p, m, rank):
 
 def add_grad_reduce_wrapped(schedule):
     """The library's placement of REDUCE_GRAD, wrapped."""
-    return S.add_grad_reduce(schedule)
+    return schedule_run.add_grad_reduce(schedule)
 
 
 class FixedKernelInherits(ca.BlockAttention):
