@@ -16,7 +16,8 @@ import tempfile
 
 from course_lib.checkpoint_cost import checkpoint_bytes, measure_checkpoint_cost
 from course_lib.launch import launch
-from course_lib.model import GPT, GPTConfig, num_params
+from course_lib.model import GPT, num_params
+from course_lib.model_config import GPTConfig
 
 
 def main() -> None:

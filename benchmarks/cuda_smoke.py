@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from course_lib.device_audit import DeviceAudit
 from course_lib.launch import device
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp, pp, zero
 from course_lib.train import TrainConfig, compare, train_baseline
 

@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.data import global_batch, shard
 from course_lib.launch import launch
-from course_lib.model import GPT, GPTConfig, lm_loss, param_count
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig, param_count
 from course_lib.parallel import dp
 
 GOAL = 1.1

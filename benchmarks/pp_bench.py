@@ -11,7 +11,7 @@ formula is stated. Interleaved chunks hold 1/v of a rank's layers and sleep 1/v 
 
 Columns: ``formula`` is ``course_lib.cost.bubble_fraction``; ``measured`` is 1 - busy / (p x makespan) of one
 optimizer step (``pp.measured_bubble_fraction``), the median over the steps after the first (which warms up);
-``sim(meas)`` is ``schedules.simulate`` with each stage's mean measured duration of each kind of action (so it
+``sim(meas)`` is ``schedule_run.simulate`` with each stage's mean measured duration of each kind of action (so it
 contains the real compute added to the sleeps, but no transfer time and no scheduling noise). Goal:
 |measured - formula| <= 0.05.
 
@@ -37,8 +37,9 @@ import time
 from course_lib import cost
 from course_lib import schedules as S
 from course_lib.launch import launch
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
+from course_lib.schedule_run import simulate
 from course_lib.train import TrainConfig
 
 GOAL = 0.05
@@ -73,7 +74,7 @@ def _sim_with_measured_costs(ranks: list[pp.PPResult], step: int) -> float:
         else:
             costs.append((f, mean[stage, S.Kind.B], 0.0))
     compute = [[a for a in rank if a.is_compute] for rank in ranks[0].plan.actions]
-    return S.simulate(compute, per_stage_costs=costs).bubble_fraction
+    return simulate(compute, per_stage_costs=costs).bubble_fraction
 
 
 def _hop_ms(ranks: list[pp.PPResult], step: int) -> float:

@@ -29,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 
 from course_lib.data import global_batch, shard
 from course_lib.mesh import Mesh
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import parallelize
 from course_lib.parallel.mesh_checkpoint import load_checkpoint, save_checkpoint
 

@@ -28,10 +28,10 @@ def bubble_ratio(schedule: ScheduleName, p: int, m: int, v: int = 1) -> float:
     * ``gpipe``, ``one_f_one_b``: (p-1)/m: the warm-up and cool-down last (p-1) (t_f + t_b), the ideal m (t_f + t_b);
     * ``interleaved_one_f_one_b``: (p-1)/(v*m): each of the v chunks costs 1/v of a stage, so does each bubble step;
     * ``zb_h1``: (p-1)/(3m) when F, I (backward for the input) and W (for the weights) cost the same. In general
-      the ZB-H1 bubble is (p-1)(t_f + t_i - t_w) (Qi et al. 2023); ``schedules.simulate`` reproduces it exactly
+      the ZB-H1 bubble is (p-1)(t_f + t_i - t_w) (Qi et al. 2023); ``schedule_run.simulate`` reproduces it exactly
       when t_w <= min(t_f, t_i) and m >= p, so this formula refuses m < p.
 
-    ``schedules.simulate(...).bubble_ratio`` gives the same numbers for the schedules of ``course_lib.schedules``.
+    ``schedule_run.simulate(...).bubble_ratio`` gives the same numbers for the schedules of ``course_lib.schedules``.
     """
     _check_pipeline(schedule, p, m, v)
     if schedule == "interleaved_one_f_one_b":

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp, zero
 from course_lib.parallel.loop import build_model, train_loop
 from course_lib.train import TrainConfig, make_optimizer

@@ -23,10 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from course_lib.memory import OptimizerName, ParallelLayout, training_memory
+from course_lib.layout import ParallelLayout
+from course_lib.memory import training_memory
 from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
+from course_lib.model_states import OptimizerName
 from course_lib.parallel.compose import ComposedResult, parallelize, seams_of
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.loop import build_model, train_loop

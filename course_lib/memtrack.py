@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from course_lib.memory import MemoryBudget
+from course_lib.memory_budget import MemoryBudget
 from course_lib.model import lm_loss
 
 TRACKER_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")

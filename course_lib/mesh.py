@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("tp", "ep", "edp", "pp")

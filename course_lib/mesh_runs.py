@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from course_lib import comm
-from course_lib.memory import bytes_per_param
 from course_lib.memtrack import MemoryTracker
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
+from course_lib.model_states import bytes_per_param
 from course_lib.parallel.compose import ComposedResult, Parallelized, train_parallel
 from course_lib.parallel.config import ParallelConfig
 from course_lib.planner_memory import _stage_memory

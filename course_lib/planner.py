@@ -54,9 +54,9 @@ from dataclasses import dataclass, replace
 
 from course_lib import hardware
 from course_lib.hardware import GPU, Link
-from course_lib.memory import GiB
+from course_lib.memory_budget import GiB
 from course_lib.mesh import MeshError, MeshShape, divisors
-from course_lib.model import PRESETS, GPTConfig
+from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.parallel.config import check_composable
 from course_lib.planner_model import (
     SCHEDULES,

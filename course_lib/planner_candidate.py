@@ -12,10 +12,11 @@ from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from typing import Literal
 
+from course_lib.activation_memory import Recompute
 from course_lib.hardware import GPU, Link
-from course_lib.memory import ParallelLayout, Recompute
+from course_lib.layout import ParallelLayout
 from course_lib.mesh import MeshShape
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.config import ZERO_WITH_PIPELINE
 from course_lib.pp_layers import ends_split
 

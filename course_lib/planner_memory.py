@@ -16,8 +16,11 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Literal
 
-from course_lib.memory import MemoryBudget, ParallelLayout, Recompute, training_memory
-from course_lib.model import GPTConfig
+from course_lib.activation_memory import Recompute
+from course_lib.layout import ParallelLayout
+from course_lib.memory import training_memory
+from course_lib.memory_budget import MemoryBudget
+from course_lib.model_config import GPTConfig
 from course_lib.planner_candidate import Candidate, zero3_with_pipeline
 
 Formula = Literal["flash", "paper"]

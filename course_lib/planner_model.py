@@ -49,9 +49,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from course_lib import cost
+from course_lib.activation_memory import layer_activation_bytes
 from course_lib.hardware import attention_length_factor
-from course_lib.memory import GiB, MemoryBudget, ParallelLayout, layer_activation_bytes, params_per_rank
-from course_lib.model import GPTConfig
+from course_lib.layout import ParallelLayout, params_per_rank
+from course_lib.memory_budget import GiB, MemoryBudget
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.cp import ring_kv_bytes
 from course_lib.planner_candidate import (
     _COST_NAME,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from course_lib.model import GPTConfig, attention_params, mlp_params, shared_expert_params
+from course_lib.model_config import GPTConfig, attention_params, mlp_params, shared_expert_params
 from course_lib.planner_candidate import Candidate
 from course_lib.pp_layers import ends_split
 

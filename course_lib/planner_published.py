@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.planner import MESH_AXES, PlanResult, candidates, cluster, plan
 from course_lib.planner_model import Assumptions, Cluster, Prediction, predict
 

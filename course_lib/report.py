@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Literal
 
 from course_lib import comm, cost
-from course_lib.memory import format_bytes
-from course_lib.model import GPTConfig, param_count
+from course_lib.memory_budget import format_bytes
+from course_lib.model_config import GPTConfig, param_count
 
 
 def code_version() -> str:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.data import corpus_tokens
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 
 PIECES = ("model", "optimizer", "scheduler", "sampler", "rng")
 """What a bit-exact restart needs from the checkpoint (``capture_state``'s keys)."""

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from course_lib.data import global_batch, shard
 from course_lib.instrument import EmulatedDeviceGPT
-from course_lib.model import GPTConfig, lm_loss
+from course_lib.model import lm_loss
+from course_lib.model_config import GPTConfig
 
 STRAGGLER_CONFIG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, bias=False)
 

@@ -47,9 +47,9 @@ import torch
 
 from course_lib import comm
 from course_lib.collectives import ring_all_reduce
-from course_lib.memory import ParallelLayout, params_per_rank
+from course_lib.layout import ParallelLayout, params_per_rank
 from course_lib.mesh import MeshShape
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.tp import PlannedCollective, step_collectives
 from course_lib.pp_layers import layer_split

@@ -45,7 +45,9 @@ import torch
 from torch import nn
 
 from course_lib.data import global_batch, micro_batches
-from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
+from course_lib.moe import moe_aux_loss
 
 NOISE_MULTIPLE = 8.0
 """How many times the reference's own measured fp32 error a correct candidate may differ by (module docstring)."""

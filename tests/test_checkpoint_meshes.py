@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from course_lib.launch import launch
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import mesh_checkpoint as MC
 from course_lib.parallel.config import ParallelConfig

@@ -22,11 +22,13 @@ from course_lib import schedules as S
 from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.mesh import Mesh, MeshError, MeshShape
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.ep import train_ep
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
+from course_lib.schedule_run import add_grad_reduce, add_send_recv
 from course_lib.schedules import Action, Kind
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
@@ -84,7 +86,7 @@ class ReduceBeforeLastW(PipelineParallel):
 
     def place_grad_reduce(self, actions: S.Schedule) -> S.Schedule:
         out = []
-        for rank in S.add_grad_reduce(actions):
+        for rank in add_grad_reduce(actions):
             plain = [a for a in rank if a.kind is not Kind.REDUCE_GRAD]
             for stage in sorted({a.stage for a in plain}):
                 last_i = max(i for i, a in enumerate(plain) if a.kind is Kind.I and a.stage == stage)
@@ -306,14 +308,14 @@ def _reduce_positions(schedule: S.Schedule) -> list[dict[int, int]]:
 def test_grad_reduce_follows_each_stage_last_weight_gradient(name: str, p: int, m: int, v: int) -> None:
     builder = getattr(S, S.canonical_schedule(name))
     compute = builder(p, m, v) if v > 1 else builder(p, m)
-    with_reduce = S.add_grad_reduce(S.add_send_recv(compute))
+    with_reduce = add_grad_reduce(add_send_recv(compute))
     for r, (rank, positions) in enumerate(zip(with_reduce, _reduce_positions(with_reduce), strict=True)):
         assert sorted(positions) == list(range(r, p * v, p)), (r, positions)  # one per stage of this rank
         for stage, i in positions.items():
             weight_kind = Kind.W if any(a.kind is Kind.W for a in rank) else Kind.B
             writes = [j for j, a in enumerate(rank) if a.stage == stage and a.kind is weight_kind]
             assert len(writes) == m and i == writes[-1] + 1, (name, r, stage, i, writes[-1])
-        assert [a for a in rank if a.kind is not Kind.REDUCE_GRAD] == S.add_send_recv(compute)[r]
+        assert [a for a in rank if a.kind is not Kind.REDUCE_GRAD] == add_send_recv(compute)[r]
 
 
 # -- what does not compose gets a clear error -----------------------------------------------------------------

@@ -29,7 +29,7 @@ from torch import nn
 
 from course_lib.launch import launch
 from course_lib.mesh import MeshShape
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
 from course_lib.parallel.config import ParallelConfig, check_composable

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from course_lib.launch import launch
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
 from course_lib.parallel.config import ParallelConfig

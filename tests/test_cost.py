@@ -17,6 +17,7 @@ from course_lib.cost import (
     training_flops_per_token,
 )
 from course_lib.hardware import gpu
+from course_lib.schedule_run import simulate
 
 # ------------------------------------------------------------------------------------------ pipelines
 
@@ -47,7 +48,7 @@ def test_bubble_formulas_match_the_simulator(p: int, m: int, v: int) -> None:
             "zb_h1": (schedules.zb_h1(p, m), 1),
         }
     for name, (schedule, chunks) in runs.items():
-        sim = schedules.simulate(schedule, cost_f=1, cost_b=2)
+        sim = simulate(schedule, cost_f=1, cost_b=2)
         assert sim.bubble_ratio == pytest.approx(bubble_ratio(name, p, m, chunks), abs=1e-12), name
         assert sim.bubble_fraction == pytest.approx(bubble_fraction(name, p, m, chunks), abs=1e-12), name
 

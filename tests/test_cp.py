@@ -24,9 +24,9 @@ import functools
 import pytest
 import torch
 
+from course_lib.activation_memory import model_activation_bytes
 from course_lib.data import global_batch
 from course_lib.launch import launch
-from course_lib.memory import model_activation_bytes
 from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
 from course_lib.model import GPT, lm_loss

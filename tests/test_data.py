@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from course_lib import data
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 
 SECTIONS = ["THE GETTYSBURG ADDRESS", "SONNETS", "THE DECLARATION OF INDEPENDENCE", "PRIDE AND PREJUDICE",
             "A TALE OF TWO CITIES"]  # Lincoln, Shakespeare, the Declaration, Austen, Dickens: all public domain

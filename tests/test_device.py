@@ -14,7 +14,8 @@ import torch
 from course_lib import comm
 from course_lib.device_audit import DeviceAudit
 from course_lib.launch import device, launch
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose, dp, pp, zero
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.fsdp2 import FSDP2DataParallel

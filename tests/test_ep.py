@@ -1,4 +1,4 @@
-"""course_lib.parallel.ep and the MoE layer of course_lib.model: routing, capacity and the router losses by hand;
+"""course_lib.parallel.ep and the MoE layer of course_lib.moe: routing, capacity and the router losses by hand;
 expert parallelism against the single-process MoE at ep = 2 and 4 (and EP x DP); the comm log against the
 formula; mutations that must fail; bad configurations.
 
@@ -24,17 +24,9 @@ import torch
 
 from course_lib.data import global_batch
 from course_lib.launch import RankError, launch
-from course_lib.model import (
-    GPT,
-    PRESETS,
-    GPTConfig,
-    MoE,
-    Routing,
-    expert_capacity,
-    expert_positions,
-    lm_loss,
-    moe_aux_loss,
-)
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import PRESETS, GPTConfig
+from course_lib.moe import MoE, Routing, expert_capacity, expert_positions, moe_aux_loss
 from course_lib.parallel import ep as E
 from course_lib.train import (
     TrainConfig,

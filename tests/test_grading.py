@@ -179,7 +179,7 @@ def test_ch08_stated_formulas_sit_well_inside_the_tolerance_on_every_mesh_the_gr
     meshes: within 3/4 of each tolerance, so an answer that follows the notebook's formulas is never called wrong;
     the cases include pp > 1, cp > 1 and ZeRO-3."""
     from course_lib.grading import ch08
-    from course_lib.model import PRESETS
+    from course_lib.model_config import PRESETS
 
     ex = next(e for e in ch08.EXERCISES if e.key == "predict_mesh")
     cases = [*ch08.PREDICT_CASES, *(c for h in ex.hidden for c in h["cases"])]

@@ -157,6 +157,13 @@ def _points(rows: list[gradebook.GradeRow]) -> tuple[int, int]:
     return sum(r.points for r in rows), sum(r.max for r in rows)
 
 
+def _scores_nothing_because(graded, learner: str, reason: str) -> None:
+    """``learner`` scores 0 of 12 and every one of its rows gives ``reason``."""
+    rows = graded[0][learner]
+    assert _points(rows) == (0, 12), rows
+    assert all(reason in r.reason for r in rows), rows
+
+
 @needs_namespaces
 @pytest.mark.slow
 def test_the_honest_learner_is_graded_in_full(graded):
@@ -177,9 +184,7 @@ def test_a_notebook_cannot_write_outside_its_folder(graded):
 @pytest.mark.slow
 def test_a_notebook_cannot_read_the_teachers_files(graded):
     """Without isolation this notebook runs the answer key's cells and scores 12/12."""
-    rows = graded[0]["bella_reader"]
-    assert _points(rows) == (0, 12)
-    assert all("not implemented yet" in r.reason for r in rows), rows
+    _scores_nothing_because(graded, "bella_reader", "not implemented yet")
 
 
 @needs_namespaces
@@ -195,9 +200,7 @@ def test_a_notebook_reaches_loopback_but_nothing_outside(graded):
 @needs_namespaces
 @pytest.mark.slow
 def test_a_fork_bomb_is_killed_with_the_reason(graded):
-    rows = graded[0]["dora_fork_bomb"]
-    assert _points(rows) == (0, 12)
-    assert all(f"killed: {PROCESSES} processes or more" in r.reason for r in rows), rows
+    _scores_nothing_because(graded, "dora_fork_bomb", f"killed: {PROCESSES} processes or more")
 
 
 @needs_namespaces
@@ -211,9 +214,7 @@ def test_a_memory_hog_is_stopped_at_the_limit(graded):
 @needs_namespaces
 @pytest.mark.slow
 def test_a_forged_results_file_is_refused(graded):
-    rows = graded[0]["fred_forger"]
-    assert _points(rows) == (0, 12)
-    assert all("not signed with this run's key" in r.reason for r in rows), rows
+    _scores_nothing_because(graded, "fred_forger", "not signed with this run's key")
 
 
 def test_results_are_read_only_when_signed_with_the_runs_key(tmp_path):

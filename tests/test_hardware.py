@@ -136,7 +136,7 @@ def test_widgets_offer_the_catalogues_keys() -> None:
 
 
 def test_serving_reads_the_catalogue() -> None:
-    from course_lib.model import PRESETS
+    from course_lib.model_config import PRESETS
     from course_lib.serving.budget import predict
     from course_lib.serving.roofline import StepCost
 

@@ -34,7 +34,8 @@ import torch
 from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.mesh import Mesh, MeshError, MeshShape
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import Checkpointing, merge_composed, train_parallel
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk

@@ -7,31 +7,34 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from course_lib import memory as M
-from course_lib.model import GPTConfig
+from course_lib.activation_memory import activation_bytes_paper, layer_activation_bytes, model_activation_bytes
+from course_lib.memory import inference_memory, kv_cache_bytes, training_memory
+from course_lib.memory_budget import format_bytes
+from course_lib.model_config import GPTConfig
+from course_lib.model_states import weight_bytes, zero_memory_per_device
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: M.training_memory("tiny", seq_len=0), "seq_len must be an int >= 1 (or None: the config's seq_len)"),
-    (lambda: M.training_memory("tiny", micro_batch=-1), "micro_batch must be an int >= 1, got -1"),
-    (lambda: M.training_memory("tiny", micro_batch=1.5), "micro_batch must be an int >= 1, got 1.5"),
-    (lambda: M.training_memory("tiny", headroom=-0.1), "headroom must be a number >= 0, got -0.1"),
-    (lambda: M.training_memory("tiny", bucket_bytes=float("nan")), "bucket_bytes must be a number >= 0, got nan"),
-    (lambda: M.inference_memory("tiny", context_len=0), "context_len must be an int >= 1"),
-    (lambda: M.inference_memory("tiny", prefill_chunk=0), "prefill_chunk must be an int >= 1 (or None: the whole"),
-    (lambda: M.inference_memory("tiny", batch=0), "batch must be an int >= 1, got 0"),
-    (lambda: M.inference_memory("tiny", kv_bytes=0), "kv_bytes must be a number > 0, got 0"),
-    (lambda: M.kv_cache_bytes("tiny", 10, tp=0), "tp must be an int >= 1, got 0"),
-    (lambda: M.kv_cache_bytes("tiny", -10), "tokens must be an int >= 0, got -10"),
-    (lambda: M.layer_activation_bytes("tiny", 1, 32, tp=0), "tp must be an int >= 1, got 0"),
-    (lambda: M.layer_activation_bytes("tiny", 1, 0), "seq_len must be an int >= 1, got 0"),
-    (lambda: M.model_activation_bytes("tiny", 1, 0), "seq_len must be an int >= 1"),
-    (lambda: M.model_activation_bytes("tiny", 0), "micro_batch must be an int >= 1, got 0"),
-    (lambda: M.activation_bytes_paper(32, 1, 64, 4, t=0), "t must be an int >= 1, got 0"),
-    (lambda: M.activation_bytes_paper(32, 1, 0, 4), "h must be an int >= 1, got 0"),
-    (lambda: M.zero_memory_per_device(-1), "psi must be a number >= 0, got -1"),
-    (lambda: M.weight_bytes(7e9, 0), "bytes_per_weight must be a number > 0, got 0"),
-    (lambda: M.format_bytes(1, "XB"), "unit must be one of B, kB, MB, GB, TB, KiB, MiB, GiB"),
+    (lambda: training_memory("tiny", seq_len=0), "seq_len must be an int >= 1 (or None: the config's seq_len)"),
+    (lambda: training_memory("tiny", micro_batch=-1), "micro_batch must be an int >= 1, got -1"),
+    (lambda: training_memory("tiny", micro_batch=1.5), "micro_batch must be an int >= 1, got 1.5"),
+    (lambda: training_memory("tiny", headroom=-0.1), "headroom must be a number >= 0, got -0.1"),
+    (lambda: training_memory("tiny", bucket_bytes=float("nan")), "bucket_bytes must be a number >= 0, got nan"),
+    (lambda: inference_memory("tiny", context_len=0), "context_len must be an int >= 1"),
+    (lambda: inference_memory("tiny", prefill_chunk=0), "prefill_chunk must be an int >= 1 (or None: the whole"),
+    (lambda: inference_memory("tiny", batch=0), "batch must be an int >= 1, got 0"),
+    (lambda: inference_memory("tiny", kv_bytes=0), "kv_bytes must be a number > 0, got 0"),
+    (lambda: kv_cache_bytes("tiny", 10, tp=0), "tp must be an int >= 1, got 0"),
+    (lambda: kv_cache_bytes("tiny", -10), "tokens must be an int >= 0, got -10"),
+    (lambda: layer_activation_bytes("tiny", 1, 32, tp=0), "tp must be an int >= 1, got 0"),
+    (lambda: layer_activation_bytes("tiny", 1, 0), "seq_len must be an int >= 1, got 0"),
+    (lambda: model_activation_bytes("tiny", 1, 0), "seq_len must be an int >= 1"),
+    (lambda: model_activation_bytes("tiny", 0), "micro_batch must be an int >= 1, got 0"),
+    (lambda: activation_bytes_paper(32, 1, 64, 4, t=0), "t must be an int >= 1, got 0"),
+    (lambda: activation_bytes_paper(32, 1, 0, 4), "h must be an int >= 1, got 0"),
+    (lambda: zero_memory_per_device(-1), "psi must be a number >= 0, got -1"),
+    (lambda: weight_bytes(7e9, 0), "bytes_per_weight must be a number > 0, got 0"),
+    (lambda: format_bytes(1, "XB"), "unit must be one of B, kB, MB, GB, TB, KiB, MiB, GiB"),
 ])
 def test_estimators_refuse_nonsense_by_name(call, message):
     with pytest.raises(ValueError) as info:
@@ -40,11 +43,11 @@ def test_estimators_refuse_nonsense_by_name(call, message):
 
 
 def test_sensible_edge_values_and_numpy_ints_are_accepted():
-    assert M.kv_cache_bytes("tiny", 0) == 0  # an empty cache
-    assert M.kv_cache_bytes("tiny", np.int64(10), tp=np.int64(2)) == M.kv_cache_bytes("tiny", 10, tp=2)
-    assert M.training_memory("tiny", headroom=0).total > 0
-    assert M.training_memory("tiny", seq_len=None).total == M.training_memory("tiny", seq_len=32).total
-    assert M.model_activation_bytes("tiny", 1, n_layers=0)["layers"] == 0
+    assert kv_cache_bytes("tiny", 0) == 0  # an empty cache
+    assert kv_cache_bytes("tiny", np.int64(10), tp=np.int64(2)) == kv_cache_bytes("tiny", 10, tp=2)
+    assert training_memory("tiny", headroom=0).total > 0
+    assert training_memory("tiny", seq_len=None).total == training_memory("tiny", seq_len=32).total
+    assert model_activation_bytes("tiny", 1, n_layers=0)["layers"] == 0
 
 
 @pytest.mark.parametrize("field, value, allowed", [

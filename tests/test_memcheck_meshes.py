@@ -33,9 +33,9 @@ import pytest
 from course_lib import mesh_runs as M
 from course_lib import planner_memory, planner_model
 from course_lib.launch import launch
+from course_lib.layout import ParallelLayout
 from course_lib.memcheck import REL_TOL
-from course_lib.memory import ParallelLayout
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import merge_composed
 from course_lib.parallel.config import ParallelConfig
 from course_lib.train import TrainConfig, compare, train_baseline

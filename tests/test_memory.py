@@ -22,25 +22,14 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.memory import (
-    GB,
-    MemoryBudget,
-    ParallelLayout,
-    activation_bytes_paper,
-    bytes_per_param,
-    bytes_per_param_table,
-    compare_budgets,
-    inference_memory,
-    kv_cache_bytes,
-    layer_activation_bytes,
-    model_activation_bytes,
-    params_per_rank,
-    training_memory,
-    weight_bytes,
-    zero_memory_per_device,
-)
+from course_lib.activation_memory import activation_bytes_paper, layer_activation_bytes, model_activation_bytes
+from course_lib.layout import ParallelLayout, params_per_rank
+from course_lib.memory import inference_memory, kv_cache_bytes, training_memory
+from course_lib.memory_budget import GB, MemoryBudget, compare_budgets
 from course_lib.memtrack import MemoryTracker, track_training_step
-from course_lib.model import GPT, PRESETS, GPTConfig, lm_loss, norm_params, param_count
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import PRESETS, GPTConfig, norm_params, param_count
+from course_lib.model_states import bytes_per_param, bytes_per_param_table, weight_bytes, zero_memory_per_device
 
 GPT3 = PRESETS["gpt3-175b"]
 # A second tiny shape that exercises every other branch of the model: GQA, SwiGLU, RMSNorm, RoPE, no biases.
@@ -395,7 +384,7 @@ def test_tracker_phases_and_peaks() -> None:
     (LLAMA_TINY, torch.float32),
     (GPTConfig(n_expert=4, top_k=2), torch.float32),
     (GPTConfig(), torch.bfloat16),
-    # (LLAMA_TINY, bf16) does not run: course_lib.model's fp32 RoPE tables promote q/k out of bf16
+    # (LLAMA_TINY, bf16) does not run: course_lib.layers' fp32 RoPE tables promote q/k out of bf16
 ], ids=["tiny-fp32", "llama-tiny-fp32", "moe-tiny-fp32", "tiny-bf16"])
 def test_estimator_matches_tracker(config: GPTConfig, dtype: torch.dtype) -> None:
     """Model states within 2%, activations within 1% (the adapted formula lists what autograd saves; today it

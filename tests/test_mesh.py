@@ -8,7 +8,7 @@ import torch.distributed as dist
 from course_lib import comm
 from course_lib.launch import launch
 from course_lib.mesh import Mesh, MeshError, MeshShape
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 
 
 @pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(dp=2, tp=2), dict(dp=2, tp=2, pp=2),

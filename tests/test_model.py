@@ -1,5 +1,5 @@
-"""course_lib.model: parameter counts (formula vs module, presets vs published sizes), initialisation, causality,
-GQA, MoE routing by hand, configuration errors and a bf16 forward.
+"""course_lib.model (with model_config, layers and moe): parameter counts (formula vs module, presets vs published
+sizes), initialisation, causality, GQA, MoE routing by hand, configuration errors and a bf16 forward.
 
 Published sizes (exact counts as the Hugging Face checkpoints report them):
 GPT-2 small 124,439,808; Llama 2 7B 6,738,415,616; Llama 2 70B 68,976,648,192; Llama 3 8B 8,030,261,248;
@@ -16,18 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.model import (
-    GPT,
-    PRESETS,
-    GPTConfig,
-    RMSNorm,
-    apply_rope,
-    block_params,
-    lm_loss,
-    num_params,
-    param_count,
-    rope_cos_sin,
-)
+from course_lib.layers import RMSNorm, apply_rope, rope_cos_sin
+from course_lib.model import GPT, lm_loss, num_params
+from course_lib.model_config import PRESETS, GPTConfig, block_params, param_count
 
 SMALL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
 

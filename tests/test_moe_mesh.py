@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from course_lib.launch import launch
-from course_lib.model import GPT, GPTConfig, MoE
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
+from course_lib.moe import MoE
 from course_lib.parallel import compose as C
 from course_lib.parallel.config import ParallelConfig
 from course_lib.train import TrainConfig, compare, train_baseline

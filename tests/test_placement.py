@@ -33,7 +33,9 @@ from torch.distributed.tensor import Replicate as DReplicate
 from course_lib.data import global_batch, shard
 from course_lib.launch import launch
 from course_lib.mesh import Mesh
-from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
+from course_lib.moe import moe_aux_loss
 from course_lib.parallel import placement as P
 from course_lib.parallel import tp
 from course_lib.parallel.compose import Parallelized

@@ -9,10 +9,11 @@ import pytest
 
 from course_lib import cost
 from course_lib import planner as P
+from course_lib import schedule_run as R
 from course_lib import schedules as S
-from course_lib.memory import GiB
+from course_lib.memory_budget import GiB
 from course_lib.mesh import MeshShape
-from course_lib.model import PRESETS, GPTConfig
+from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.planner_model import padded_vocab, peak_in_flight
 from course_lib.pp_layers import ends_split, layer_split
 
@@ -61,10 +62,10 @@ def test_the_bubble_of_every_schedule_is_cost_bubble_ratio(schedule, v):
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_activations_in_flight_are_the_library_schedules(p):
     for m in (p, 2 * p, 4 * p):
-        assert peak_in_flight("1f1b", p, m) == S.peak_in_flight(S.one_f_one_b(p, m))
-        assert peak_in_flight("zb_h1", p, m) == S.peak_in_flight(S.zb_h1(p, m))
+        assert peak_in_flight("1f1b", p, m) == R.peak_in_flight(S.one_f_one_b(p, m))
+        assert peak_in_flight("zb_h1", p, m) == R.peak_in_flight(S.zb_h1(p, m))
         for v in (2, 3):
-            assert peak_in_flight("interleaved", p, m, v) == S.peak_in_flight(S.interleaved_one_f_one_b(p, m, v))
+            assert peak_in_flight("interleaved", p, m, v) == R.peak_in_flight(S.interleaved_one_f_one_b(p, m, v))
 
 
 def test_interleaving_costs_memory_and_saves_bubble():
@@ -336,7 +337,7 @@ def test_predict_names_a_batch_the_candidate_cannot_split():
 
 
 def test_fine_grained_experts_keep_the_active_parameters_and_shared_experts_add_theirs():
-    from course_lib.model import mlp_params
+    from course_lib.model_config import mlp_params
     from course_lib.planner_model import active_params
     coarse = GPTConfig(n_layer=4, d_model=64, n_expert=8, top_k=2, d_ff=256, mlp="swiglu", bias=False)
     fine = coarse.with_(n_expert=32, top_k=8, expert_d_ff=64)  # DeepSeekMoE: m = 4 times more experts of f / 4

@@ -36,8 +36,10 @@ import torch
 from course_lib import schedules as S
 from course_lib.data import global_batch, micro_batches
 from course_lib.launch import RankError, launch
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
+from course_lib.schedule_run import add_send_recv, simulate
 from course_lib.train import (
     UNIT_ROUNDOFF,
     TrainConfig,
@@ -396,8 +398,8 @@ def _bubble_vs_simulation(name: str, step: int) -> tuple[float, float, float]:
     w = mean[S.Kind.W] if name == "zb_h1" else 0.0
     b = mean[S.Kind.I] + w if name == "zb_h1" else mean[S.Kind.B]
     compute = [[a for a in rank if a.is_compute] for rank in ranks[0].plan.actions]
-    predicted = S.simulate(compute, per_stage_costs=[(mean[S.Kind.F], b, w)] * 2).bubble_fraction
-    formula = S.simulate(compute, *EMULATE).bubble_fraction  # gpipe 0.2, zb_h1 1/13 for these costs
+    predicted = simulate(compute, per_stage_costs=[(mean[S.Kind.F], b, w)] * 2).bubble_fraction
+    formula = simulate(compute, *EMULATE).bubble_fraction  # gpipe 0.2, zb_h1 1/13 for these costs
     return pp.measured_bubble_fraction(ranks, step), predicted, formula
 
 
@@ -446,7 +448,7 @@ def test_bad_plans_are_explained(kwargs, message):
 
 def test_a_custom_schedule_is_validated_and_used():
     plan = pp.plan_pipeline(CFG, 2, S.one_f_one_b(2, 4), microbatches=4)
-    assert plan.schedule == "custom" and plan.actions == S.add_send_recv(S.one_f_one_b(2, 4))
+    assert plan.schedule == "custom" and plan.actions == add_send_recv(S.one_f_one_b(2, 4))
     broken = S.one_f_one_b(2, 4)
     broken[0] = broken[0][::-1]  # backwards before forwards
     with pytest.raises(ValueError, match="runs before"):

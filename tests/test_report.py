@@ -3,7 +3,7 @@
 import pytest
 
 from course_lib import comm, cost
-from course_lib.model import GPTConfig, param_count
+from course_lib.model_config import GPTConfig, param_count
 from course_lib.report import Scaling, comm_summary, record_run
 
 CFG = GPTConfig()

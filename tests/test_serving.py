@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from course_lib import memory
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.serving.engine import Engine, Segment, generate, generate_uncached
 from course_lib.serving.kv_cache import CacheFull, ContiguousKVCache
 from course_lib.serving.loadgen import Request, poisson_trace

@@ -9,7 +9,8 @@ import torch
 from course_lib import hardware
 from course_lib.cost import all_reduce_time, collective_time
 from course_lib.memory import kv_cache_bytes
-from course_lib.model import GPT, PRESETS, GPTConfig, param_count
+from course_lib.model import GPT
+from course_lib.model_config import PRESETS, GPTConfig, param_count
 from course_lib.serving import roofline
 from course_lib.serving.budget import predict
 from course_lib.serving.engine import generate

@@ -56,7 +56,7 @@ def test_the_paged_decode_reference_reads_what_the_librarys_paged_cache_wrote():
     sequences grown turn by turn (their blocks interleaved in the pool), one decode query each."""
     import torch
 
-    from course_lib.model import GPTConfig
+    from course_lib.model_config import GPTConfig
     from course_lib.serving.paged import PagedKVCache
 
     cfg = GPTConfig(seq_len=32, n_head=4, n_kv_head=2, d_model=32)

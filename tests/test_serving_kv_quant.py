@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.serving.engine import generate
 from course_lib.serving.kv_quant import Int8PagedKVCache, dequantize, quantize
 from course_lib.serving.paged import PagedKVCache

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.serving import prefix_cache
 from course_lib.serving.engine import Engine, generate_uncached
 from course_lib.serving.loadgen import Request, chat_trace

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from course_lib.grading.ch09 import chi2_pvalue, emitted_counts, target_and_draft
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.serving import speculative
 from course_lib.serving.engine import generate_uncached
 from course_lib.serving.roofline import StepCost, StepWork

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.memory import GB, weight_bytes
-from course_lib.model import PRESETS, param_count
+from course_lib.memory_budget import GB
+from course_lib.model_config import PRESETS, param_count
+from course_lib.model_states import weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [*sorted(p for d in ("notebooks", "solutions", "exercises") for p in (REPO / d).glob("*.ipynb")),
@@ -108,7 +109,7 @@ def test_every_preset_has_a_prose_name():
 @pytest.mark.parametrize("path", TEXTS, ids=lambda p: str(p.relative_to(REPO)))
 def test_stated_model_sizes_are_the_librarys(path):
     errors = stated_size_errors(_markdown(path))
-    assert not errors, f"{path.relative_to(REPO)}: state the size the presets give (course_lib.model): {errors}"
+    assert not errors, f"{path.relative_to(REPO)}: state the size the presets give (course_lib.model_config): {errors}"
 
 
 def test_start_here_and_serving_state_the_same_weights_for_llama3_70b():

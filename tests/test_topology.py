@@ -18,8 +18,8 @@ import pytest
 
 from course_lib import comm
 from course_lib.launch import launch
+from course_lib.layout import ParallelLayout, params_per_rank
 from course_lib.memcheck import check_run, format_checks, model_state_check, train_tracked
-from course_lib.memory import ParallelLayout, params_per_rank
 from course_lib.mesh import Mesh, MeshShape
 from course_lib.model import GPT
 from course_lib.parallel.compose import merge_composed

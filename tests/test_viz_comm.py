@@ -18,7 +18,7 @@ from matplotlib.text import Annotation
 from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
 from course_lib.cost import collective_bytes_per_rank, collective_steps, collective_time
 from course_lib.hardware import LINKS
-from course_lib.memory import format_bytes
+from course_lib.memory_budget import format_bytes
 from course_lib.viz.comm import (
     CONTROL_DESCRIPTIONS,
     FITTED,

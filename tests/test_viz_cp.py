@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib.model import PRESETS
+from course_lib.model_config import PRESETS
 from course_lib.parallel.cp_attention import LAYOUTS, causal_pairs
 from course_lib.viz import cp as vc
 

@@ -13,16 +13,11 @@ import pytest
 from matplotlib.figure import Figure
 
 from course_lib.hardware import GPUS
-from course_lib.memory import (
-    GB,
-    ParallelLayout,
-    bytes_per_param,
-    inference_memory,
-    kv_cache_bytes,
-    params_per_rank,
-    training_memory,
-)
-from course_lib.model import PRESETS, mlp_params, param_count
+from course_lib.layout import ParallelLayout, params_per_rank
+from course_lib.memory import inference_memory, kv_cache_bytes, training_memory
+from course_lib.memory_budget import GB
+from course_lib.model_config import PRESETS, mlp_params, param_count
+from course_lib.model_states import bytes_per_param
 from course_lib.viz.memory import (
     CONTROL_DESCRIPTIONS,
     MemoryBudgetWidget,

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 
 from course_lib import cost
 from course_lib import schedules as S
+from course_lib.schedule_run import peak_in_flight, simulate
 from course_lib.viz.schedule import (
     CONTROL_DESCRIPTIONS,
     SCHEDULE_OPTIONS,
@@ -49,7 +50,7 @@ def _widget(**values: object) -> BubbleWidget:
 
 @pytest.mark.parametrize(("name", "p", "m", "v"), CASES)
 def test_one_box_per_compute_action_where_the_simulation_put_it(name, p, m, v):
-    sim = S.simulate(build_schedule(name, p, m, v))
+    sim = simulate(build_schedule(name, p, m, v))
     fig = plot_gantt(sim, mode="simulated, unit costs")
     boxes = _boxes(fig)
     n_actions = sum(len(rank) for rank in build_schedule(name, p, m, v))
@@ -65,7 +66,7 @@ def test_one_box_per_compute_action_where_the_simulation_put_it(name, p, m, v):
 
 
 def test_idle_boxes_fill_every_rank_up_to_the_makespan():
-    sim = S.simulate(S.one_f_one_b(4, 8))
+    sim = simulate(S.one_f_one_b(4, 8))
     fig = plot_gantt(sim, mode="simulated, unit costs")
     idle = _boxes(fig, {"idle"})
     total_idle = sum(b.get_width() for b in idle)
@@ -94,8 +95,8 @@ def test_the_mode_is_required_and_shown_and_seconds_can_be_drawn_in_ms():
 
 
 def test_stacked_panels_share_the_time_axis_and_keep_their_modes():
-    sim = S.simulate(S.gpipe(2, 4), 0.03, 0.06)
-    short = S.simulate(S.zb_h1(2, 4), 0.03, 0.06)
+    sim = simulate(S.gpipe(2, 4), 0.03, 0.06)
+    short = simulate(S.zb_h1(2, 4), 0.03, 0.06)
     fig = plot_gantts({"simulated, emulated costs": sim, "measured, emulated device": short}, scale=1e3, unit="ms")
     top, bottom = fig.axes[:2]
     assert top.get_xlim() == bottom.get_xlim() and top.get_xlim()[1] >= sim.makespan * 1e3
@@ -118,7 +119,7 @@ def test_the_printed_bubble_is_the_formula_and_the_simulation_agrees_for_uniform
     assert w.simulated_fraction == pytest.approx(want, abs=1e-12)
     line = next(ln for ln in w.text.splitlines() if ln.startswith("bubble fraction"))
     assert line.count(f"{want:.4f}") == 2, line  # formula and simulated, printed side by side
-    assert w.peaks == S.peak_in_flight(build_schedule(name, p, m, v))
+    assert w.peaks == peak_in_flight(build_schedule(name, p, m, v))
 
 
 def test_the_text_follows_p_m_v_and_the_schedule():

@@ -20,7 +20,8 @@ from matplotlib.figure import Figure
 
 from course_lib.data import global_batch
 from course_lib.launch import launch
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp
 from course_lib.train import TrainConfig
 from course_lib.viz import timeline as tl

@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 from course_lib.cost import collective_time
 from course_lib.hardware import LINKS, Link, gpu
-from course_lib.model import PRESETS, block_params
+from course_lib.model_config import PRESETS, block_params
 from course_lib.parallel.tp import block_bytes_per_rank
 from course_lib.viz import tp as vt
 

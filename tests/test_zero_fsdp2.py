@@ -33,10 +33,13 @@ from torch import nn
 from course_lib import comm
 from course_lib.data import global_batch, shard
 from course_lib.launch import launch
-from course_lib.memory import ParallelLayout, training_memory, zero_memory_per_device
+from course_lib.layout import ParallelLayout
+from course_lib.memory import training_memory
 from course_lib.memtrack import MemoryTracker
 from course_lib.mesh import Mesh
-from course_lib.model import GPT, GPTConfig, lm_loss, num_params
+from course_lib.model import GPT, lm_loss, num_params
+from course_lib.model_config import GPTConfig
+from course_lib.model_states import zero_memory_per_device
 from course_lib.parallel import zero
 from course_lib.parallel.contract import ParallelWrapper
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk

@@ -4,8 +4,8 @@
 2. ``zero_bytes_per_device(psi, n_d, stage, k)``: model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020).
 3. ``kv_cache_bytes(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value)``: the serving KV cache.
 4. ``fewest_gpus(model, gpu, seq_len)``: the smallest cluster whose busiest GPU holds a training step, searched
-   over ZeRO-3 x TP (with SP) x PP layouts with ``memory.training_memory``; returns ``(n_gpus, layout)``. Any layout
-   of the minimal size that fits is accepted (the check recomputes its budget).
+   over ZeRO-3 x TP (with SP) x PP layouts with ``course_lib.memory.training_memory``; returns ``(n_gpus, layout)``.
+   Any layout of the minimal size that fits is accepted (the check recomputes its budget).
 5. ``model_states_per_gpu(psi, tp, pp, dp, zero, k)``: find the bug in a colleague's per-GPU model states of a
    TP x PP x DP layout (ZeRO sharded over every GPU of the cluster instead of over the data-parallel ranks, which
    alone hold the same parameters); returns bytes per category.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from course_lib import memory
 from course_lib.grading.core import (
     CheckFailed,
     CheckResult,
@@ -26,6 +25,10 @@ from course_lib.grading.core import (
     run_check,
 )
 from course_lib.hardware import GPUS
+from course_lib.layout import ParallelLayout
+from course_lib.memory import training_memory
+from course_lib.memory_budget import GB, MemoryBudget
+from course_lib.model_states import bytes_per_param, zero_memory_per_device
 
 GRADER_PARAMETERS = {"seed": 1}
 
@@ -34,7 +37,7 @@ def check_param_state_bytes(fn: Callable, cases: tuple[tuple[str, str], ...] = (
                                                                                ("fp32", "sgd"))) -> CheckResult:
     def body() -> str:
         for precision, optimizer in cases:
-            ref = memory.bytes_per_param(precision, optimizer)
+            ref = bytes_per_param(precision, optimizer)
             got = fn(precision, optimizer)
             if not isinstance(got, tuple) or len(got) != 3:
                 raise CheckFailed(f"param_state_bytes({precision!r}, {optimizer!r}) must return a tuple "
@@ -50,7 +53,7 @@ def check_zero_bytes_per_device(fn: Callable, cases: tuple[tuple[float, int, int
         (7.5e9, 64, 0, 12), (7.5e9, 64, 1, 12), (7.5e9, 64, 2, 12), (7.5e9, 64, 3, 12))) -> CheckResult:
     def body() -> str:
         for psi, n_d, stage, k in cases:
-            expect_number(fn(psi, n_d, stage, k), memory.zero_memory_per_device(psi, k, n_d, stage),
+            expect_number(fn(psi, n_d, stage, k), zero_memory_per_device(psi, k, n_d, stage),
                           f"zero_bytes_per_device(psi={psi:g}, n_d={n_d}, stage={stage}, k={k})", rel=1e-6)
         return f"{len(cases)} cases correct (ZeRO paper, Figure 1)"
     return run_check("zero_bytes_per_device", body)
@@ -71,16 +74,16 @@ TPS, PPS, DPS = (1, 2, 4, 8), (1, 2, 4, 8, 16), tuple(2 ** k for k in range(11))
 """The search space of ``fewest_gpus``: TP inside a node of 8, PP dividing 80 layers, DP a power of two <= 1024."""
 
 
-def fewest_budget(model: str, layout: dict, seq_len: int) -> memory.MemoryBudget:
+def fewest_budget(model: str, layout: dict, seq_len: int) -> MemoryBudget:
     """The budget ``fewest_gpus`` must use for a layout ``{"tp": t, "pp": p, "dp": d}``."""
-    return memory.training_memory(model, micro_batch=1, seq_len=seq_len, recompute="full",
-                                  layout=memory.ParallelLayout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                                                               zero=3, sp=layout["tp"] > 1))
+    return training_memory(model, micro_batch=1, seq_len=seq_len, recompute="full",
+                           layout=ParallelLayout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
+                                                 zero=3, sp=layout["tp"] > 1))
 
 
 def reference_fewest(model: str, gpu: str, seq_len: int) -> int:
     """The fewest GPUs over the search space (brute force)."""
-    cap = GPUS[gpu].gb * memory.GB
+    cap = GPUS[gpu].gb * GB
     sizes = [t * p * d for t in TPS for p in PPS for d in DPS
              if fewest_budget(model, {"tp": t, "pp": p, "dp": d}, seq_len).total <= cap]
     if not sizes:
@@ -107,10 +110,10 @@ def check_fewest_gpus(fn: Callable, cases: tuple[tuple[str, str, int], ...] = (
                                   "dp a power of two up to 1024)")
             if t * p * d != n:
                 raise CheckFailed(f"{what}: returned {n} GPUs but the layout {layout} uses tp x pp x dp = {t * p * d}")
-            need, cap = fewest_budget(model, layout, seq_len).total, GPUS[gpu].gb * memory.GB
+            need, cap = fewest_budget(model, layout, seq_len).total, GPUS[gpu].gb * GB
             if need > cap:
-                raise CheckFailed(f"{what}: layout {layout} needs {need / memory.GB:.2f} GB per GPU, more than the "
-                                  f"{cap / memory.GB:.2f} GB of a {gpu}")
+                raise CheckFailed(f"{what}: layout {layout} needs {need / GB:.2f} GB per GPU, more than the "
+                                  f"{cap / GB:.2f} GB of a {gpu}")
             best = reference_fewest(model, gpu, seq_len)
             if n != best:
                 raise CheckFailed(f"{what}: {n} GPUs fit, but a layout of {best} GPUs fits too: search every (tp, pp, "
@@ -156,12 +159,12 @@ EXERCISES = [
              check_param_state_bytes,
              hidden=[{"cases": tuple((p, o) for p in ("fp32", "bf16", "mixed")
                                      for o in ("sgd", "sgd_momentum", "adamw"))}],
-             off_limits=("course_lib.memory.bytes_per_param", "course_lib.memory.precision_policy")),
+             off_limits=("course_lib.model_states.bytes_per_param", "course_lib.model_states.precision_policy")),
     Exercise("zero_bytes_per_device", "ZeRO model states per device", 3, "zero_bytes_per_device",
              check_zero_bytes_per_device,
              hidden=[{"cases": tuple((1e9, 8, s, 12) for s in range(4))},
                      {"cases": tuple((70e9, n, s, k) for n in (1, 3, 1024) for s in range(4) for k in (12, 16))}],
-             off_limits=("course_lib.memory.zero_memory_per_device",)),
+             off_limits=("course_lib.model_states.zero_memory_per_device",)),
     Exercise("kv_cache_bytes", "KV cache of a served model", 2, "kv_cache_bytes", check_kv_cache_bytes,
              hidden=[{"cases": ((32, 32, 128, 2048, 8, 2), (32, 8, 128, 32768, 3, 1), (1, 1, 1, 1, 1, 4))}],
              off_limits=("course_lib.memory.kv_cache_bytes", "course_lib.memory.inference_memory")),
@@ -174,7 +177,7 @@ EXERCISES = [
              hidden=[{"cases": tuple((1e9, 2, 1, 4, z, 12) for z in range(4))},
                      {"cases": tuple((70e9, 1, 8, 8, z, 16) for z in range(4))},
                      {"cases": ((13e9, 8, 1, 1, 3, 12), (405e9, 8, 16, 1, 0, 12), (175e9, 8, 8, 16, 2, 12))}],
-             off_limits=("course_lib.memory.zero_memory_per_device", "course_lib.memory.params_per_rank")),
+             off_limits=("course_lib.model_states.zero_memory_per_device", "course_lib.layout.params_per_rank")),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -49,7 +49,8 @@ from course_lib.grading.core import (
     guard_visible_checks,
     run_check,
 )
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
 

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from course_lib import comm
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
-from course_lib.model import MLP, Attention, GPTConfig
+from course_lib.layers import MLP, Attention
+from course_lib.model_config import GPTConfig
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 40.0

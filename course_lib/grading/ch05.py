@@ -3,7 +3,7 @@
 1. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
    2021), as strings "F3" / "B3", checked against ``course_lib.schedules.one_f_one_b``.
 2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.schedules`` data, one list of
-   ``Action`` per rank, backward split in I and W. Any schedule is accepted that ``schedules.validate`` accepts, uses
+   ``Action`` per rank, backward split in I and W. Any schedule is accepted that ``validate`` accepts, uses
    I and W (no B), and, simulated with F = I = W = 1, has ZB-H1's bubble (p-1)/(3m+p-1) with at most min(p, m)
    micro-batches in flight per rank (1F1B's memory): the library's order is one of several.
 3. ``deep_pipeline_step(stage, x, y, m)``: one training step of a p-stage 1F1B pipeline (p = 3 visible, 2 and 4
@@ -34,8 +34,10 @@ from course_lib import cost, schedules
 from course_lib.data import global_batch
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
+from course_lib.schedule_run import simulate, validate
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 30.0
@@ -74,14 +76,14 @@ def check_zb_h1_schedule(fn: Callable, cases: tuple[tuple[int, int], ...] = ((4,
                 raise CheckFailed(f"{what} must return a list of p lists of schedules.Action, got "
                                   f"{type(sched).__name__}")
             try:
-                schedules.validate(sched, p, m)
+                validate(sched, p, m)
             except schedules.ScheduleError as err:
                 raise CheckFailed(f"{what} is not a valid schedule: {err}") from None
             kinds = {a.kind.value for rank in sched for a in rank}
             if "B" in kinds or not {"I", "W"} <= kinds:
                 raise CheckFailed(f"{what}: ZB-H1 splits every backward into I (input gradient) and W (weight "
                                   f"gradient); the schedule uses {sorted(kinds)}")
-            sim = schedules.simulate(sched)  # F = I = W = 1
+            sim = simulate(sched)  # F = I = W = 1
             formula = cost.bubble_fraction("zb_h1", p, m)
             if abs(sim.bubble_fraction - formula) > 1e-9:
                 one = cost.bubble_fraction("one_f_one_b", p, m)

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
-from course_lib.model import GPTConfig, MoE, expert_capacity, expert_positions
+from course_lib.model_config import GPTConfig
+from course_lib.moe import MoE, expert_capacity, expert_positions
 from course_lib.parallel.ep import kept_counts
 
 GRADER_PARAMETERS = {"seed": 1}
@@ -395,7 +396,7 @@ EXERCISES = [
              check_batch_priority_routing,
              hidden=[{"cases": ((32, 8, 2, 1.25), (10, 4, 1, 0.5), (9, 3, 3, 1.0), (7, 5, 2, 0.1)), "seed": 1},
                      {"cases": ((12, 4, 2, 0.75), (16, 8, 2, 1.0)), "repeat": 3, "seed": 2}],
-             off_limits=("course_lib.model.expert_positions",)),
+             off_limits=("course_lib.moe.expert_positions",)),
     Exercise("dispatch", "Count exchange and uneven all-to-all dispatch", 4, "dispatch", check_dispatch,
              hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "seed": 1},
                      {"world_size": 2, "rows": (0, 4), "n_expert": 2, "seed": 2}]),

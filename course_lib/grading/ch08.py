@@ -54,7 +54,8 @@ from course_lib.grading.core import (
     run_check,
 )
 from course_lib.mesh import DENSE_AXES, Mesh, MeshShape
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 
 GRADER_PARAMETERS = {"seed": 1}
 REEXPORTED = (GradReduceProbe, check_grad_reduce_on_ranks, MEMORY_RTOL, PREDICT_CASES, TIME_RTOL, library_prediction,
@@ -248,7 +249,7 @@ EXERCISES = [
              "add_grad_reduce", check_add_grad_reduce,
              hidden=[{"cases": (("gpipe", 4, 4, 1), ("zb_h1", 2, 3, 1), ("interleaved", 4, 8, 2), ("zb_h1", 3, 6, 1)),
                       "ranks": (("zb_h1", 4, 1),)}],
-             off_limits=("course_lib.schedules.add_grad_reduce",)),
+             off_limits=("course_lib.schedule_run.add_grad_reduce",)),
     Exercise("place_parameter", "Where a parameter lives on a mesh, and what its gradient needs", 4,
              "place_parameter", check_place_parameter, hidden=[ch08_placement.HIDDEN],
              off_limits=ch08_placement.OFF_LIMITS),

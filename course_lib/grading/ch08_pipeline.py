@@ -21,14 +21,15 @@ from course_lib.grading.core import (
     CheckResult,
     run_check,
 )
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import merge_composed, train_parallel
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.pp import PipelineParallel
+from course_lib.schedule_run import add_send_recv
 from course_lib.schedules import Action, Kind
 from course_lib.train import TrainConfig, compare, train_baseline
 
-# (schedule name, p, m, v): each is checked compute-only and with its transfers (``schedules.add_send_recv``)
+# (schedule name, p, m, v): each is checked compute-only and with its transfers (``schedule_run.add_send_recv``)
 _REDUCE_CASES = (("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2), ("zb_h1", 4, 8, 1))
 
 
@@ -177,7 +178,7 @@ def check_add_grad_reduce(fn: Callable, cases: tuple = _REDUCE_CASES, ranks: tup
             compute = _build(name, p, m, v)
             label = f"{name} p={p} m={m}" + (f" v={v}" if v > 1 else "")
             _check_transform(fn, compute, f"{label} (compute only)")
-            _check_transform(fn, S.add_send_recv(compute), f"{label} (with transfers)")
+            _check_transform(fn, add_send_recv(compute), f"{label} (with transfers)")
             n += 2
         runs = [_on_ranks(fn, schedule, m, seed, timeout) for schedule, m, seed in ranks]
         return "; ".join([f"{n} schedules right", *runs])

@@ -26,7 +26,8 @@ from typing import Any
 
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, run_check
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import parallelize
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.placement import Replicate, placements_of

@@ -17,8 +17,8 @@ from course_lib.grading.core import (
     CheckResult,
     run_check,
 )
-from course_lib.memory import GiB
-from course_lib.model import PRESETS, GPTConfig, param_count
+from course_lib.memory_budget import GiB
+from course_lib.model_config import PRESETS, GPTConfig, param_count
 
 MEMORY_RTOL = 0.05
 """How far ``model_state_bytes`` may be from the library's estimator: the stated formula spreads every parameter

@@ -39,7 +39,8 @@ from course_lib.grading.core import (
     launch_check,
     run_check,
 )
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.serving.engine import generate
 from course_lib.serving.tp_decode import TPDecodeEngine, kv_heads_of, tp_generate
 

@@ -5,7 +5,7 @@ Each ``Exercise`` names the library objects that *are* its answer (``off_limits`
 ``"course_lib.schedules.zb_h1"`` or ``"course_lib.mesh.MeshShape.coords"``). Before any check runs,
 ``library_answer`` inspects the learner's answer statically, without running it:
 
-* a function: every global it loads, followed along attribute chains (``S.add_grad_reduce``,
+* a function: every global it loads, followed along attribute chains (``schedule_run.add_grad_reduce``,
   ``course_lib.schedules.zb_h1``, ``ca.BlockAttention().merge``, a local holding ``MeshShape(...)`` and then
   ``.coords``), every closure cell, every nested function, and every helper function or class of the learner's
   that it references, recursively;

@@ -65,7 +65,9 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.mesh import Mesh
-from course_lib.model import GPT, GPTConfig, lm_loss, moe_aux_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
+from course_lib.moe import moe_aux_loss
 from course_lib.parallel import placement as P
 from course_lib.parallel import transforms as T
 from course_lib.parallel.config import ParallelConfig, check_composable

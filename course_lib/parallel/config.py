@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from course_lib.mesh import DEFAULT_ORDER, Mesh, MeshShape
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.cp import Algorithm
 from course_lib.parallel.cp_attention import Layout
 from course_lib.schedules import Schedule

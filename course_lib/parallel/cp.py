@@ -38,7 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import GPT, Attention, GPTConfig, apply_rope, rope_cos_sin
+from course_lib.layers import Attention, apply_rope, rope_cos_sin
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel import placement as P
 from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper, require_member
 from course_lib.parallel.cp_attention import (
@@ -83,7 +85,7 @@ def activation_bytes_per_rank(cfg: GPTConfig, micro_batch: int, seq_len: int, cp
 
     Everything scales with s/cp except those positions: activation memory per rank falls as 1/cp.
     """
-    from course_lib.memory import model_activation_bytes
+    from course_lib.activation_memory import model_activation_bytes
 
     n = micro_batch * seq_len // cp
     e, h, layers = element_bytes, cfg.d_model, cfg.n_layer

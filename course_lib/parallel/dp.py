@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer

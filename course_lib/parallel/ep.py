@@ -1,7 +1,7 @@
 """Expert parallelism from scratch: the experts of every MoE layer spread over the ranks of an ``ep`` group, tokens
 sent to their experts and back by two uneven all-to-alls that autograd differentiates.
 
-A mixture-of-experts layer (``course_lib.model.MoE``) holds E expert MLPs but each token uses only k of them:
+A mixture-of-experts layer (``course_lib.moe.MoE``) holds E expert MLPs but each token uses only k of them:
 parameters grow with E, FLOPs per token with k. Expert parallelism stores E/ep experts per rank and moves the
 *tokens* instead of the weights (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021). Per MoE
 layer, on every rank of the ep group, with its own T_r tokens (its shard of the batch)::
@@ -59,16 +59,9 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.mesh import Mesh
-from course_lib.model import (
-    GPTConfig,
-    MoE,
-    RoutingStats,
-    expert_positions,
-    lm_loss,
-    moe_aux_loss,
-    param_count,
-    routing_entropy,
-)
+from course_lib.model import lm_loss
+from course_lib.model_config import GPTConfig, param_count
+from course_lib.moe import MoE, RoutingStats, expert_positions, moe_aux_loss, routing_entropy
 from course_lib.parallel import placement as P
 from course_lib.parallel.contract import ParallelWrapper, require_member
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from course_lib.mesh import Mesh
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.ep import ExpertParallel
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 from course_lib.parallel.tp import Style, gpt_plan

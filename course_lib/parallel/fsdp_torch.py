@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.parallel.zero_unit import default_units

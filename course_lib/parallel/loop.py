@@ -24,7 +24,8 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import LossFn, ParallelWrapper, module_device
 from course_lib.train import TrainConfig
 

@@ -21,7 +21,7 @@ Split backward (zero-bubble, ``I`` and ``W``): ``course_lib.parallel.pp_split``.
 
 Timeline. Each compute action records its start and end (``time.perf_counter``, one clock for every process of a
 machine) and how long it waited for its input first; ``measured_bubble_fraction`` turns the ranks' records into
-1 - busy / (p x makespan), the quantity ``schedules.simulate`` predicts, and ``measured_timeline`` gives them in the
+1 - busy / (p x makespan), the quantity ``schedule_run.simulate`` predicts, and ``measured_timeline`` gives them in the
 simulator's format for the Gantt chart. On a 2-core laptop ranks time-slice; for timing lessons pass
 ``emulate=(t_f, t_b, t_w)``: every action then also sleeps that long (an emulated device: the host waits as it
 waits for a GPU kernel), so ranks run side by side and the measured bubble follows the schedule, not the OS.
@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib import schedules as S
-from course_lib.model import GPTConfig, lm_loss
+from course_lib.model import lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first, require_member
 from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.parallel.placement import merge_parameters
@@ -74,6 +74,7 @@ from course_lib.parallel.pp_stages import (
     shares_weights,
 )
 from course_lib.pp_layers import layer_split, stage_layers
+from course_lib.schedule_run import Timeline, add_grad_reduce
 from course_lib.schedules import Schedule
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
@@ -104,7 +105,7 @@ class PipelineParallel(ParallelWrapper):
 
     Pipeline + data parallelism: with ``grad_group`` (the data-parallel group of this pipeline rank, e.g.
     ``mesh.group("dp", "cp")``), each stage's gradients are averaged over that group by the schedule's own
-    ``REDUCE_GRAD`` action (``schedules.add_grad_reduce``: after the stage's last B, or its last W under a
+    ``REDUCE_GRAD`` action (``schedule_run.add_grad_reduce``: after the stage's last B, or its last W under a
     split backward): one async all-reduce of the stage's gradients in a flat buffer starts there, while the
     other stages drain, and ``finish_gradient_sync`` waits for them and writes the averages back. The stage's
     weights are broadcast over ``grad_group`` at construction; inside ``no_sync`` nothing is reduced (the next
@@ -190,7 +191,7 @@ class PipelineParallel(ParallelWrapper):
 
     def place_grad_reduce(self, actions: Schedule) -> Schedule:
         """The schedule with its ``REDUCE_GRAD`` actions (a seam: a test puts them in the wrong place)."""
-        return S.add_grad_reduce(actions)
+        return add_grad_reduce(actions)
 
     def _launch_grad_reduce(self, stage: int) -> None:
         if not self._require_sync:
@@ -321,9 +322,9 @@ def merge_results(results: Sequence[TrainResult]) -> TrainResult:
     return TrainResult(list(results[0].losses), merge_parameters([r.params for r in results], exclusive=True))
 
 
-def measured_timeline(results: Sequence[PPResult], step: int = -1) -> S.Timeline:
+def measured_timeline(results: Sequence[PPResult], step: int = -1) -> Timeline:
     """The compute actions of one step on every rank, as (start, end, action) in seconds from the step's first
-    start: the format of ``schedules.simulate(...).timeline``, for the same Gantt chart. ``results``: the
+    start: the format of ``schedule_run.simulate(...).timeline``, for the same Gantt chart. ``results``: the
     pipeline's ranks in (group) rank order, as ``launch`` returns them."""
     per_rank = [[t for t in r.steps[step].actions if t.action.is_compute] for r in results]
     t0 = min(t.start for rank in per_rank for t in rank)

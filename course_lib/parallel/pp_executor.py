@@ -1,7 +1,7 @@
 """The pipeline executor: runs one rank's action list of a schedule (``course_lib.schedules``) for one batch, on
 real ranks, and records when each action ran.
 
-Transfers. The executor runs this rank's list of ``schedules.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
+Transfers. The executor runs this rank's list of ``schedule_run.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
 an ``irecv`` that the compute action needing the data waits for; ``SEND_F`` / ``SEND_B`` post an ``isend`` waited
 for at the end of the step. A receive is posted one compute action ahead (as torch's runtime batches it with the
 previous action), so the message travels while this rank computes; posting it only when needed cost up to 150 ms

@@ -13,7 +13,7 @@ composes the two another way, which this module follows:
 * every micro-batch's backward runs with ``set_requires_gradient_sync(False)`` /
   ``set_is_last_backward(False)`` / ``set_reshard_after_backward(False)``: the full (unsharded) gradients
   **accumulate on the stage** over the m micro-batches, nothing is reduced;
-* the schedule's ``REDUCE_GRAD`` action of the stage (``schedules.add_grad_reduce``: after its last ``B``, or its
+* the schedule's ``REDUCE_GRAD`` action of the stage (``schedule_run.add_grad_reduce``: after its last ``B``, or its
   last ``W`` under a split backward) turns the sync back on and runs FSDP's post-backward: **one reduce-scatter**
   of the accumulated gradients per step, the gradient shards averaged over the data-parallel group, the full
   gradients and weights freed;

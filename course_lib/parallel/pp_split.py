@@ -9,7 +9,7 @@ branches off the input-gradient path (a linear layer's matmul, a LayerNorm) and 
 of them during ``I`` (captured by a pre-hook). ``W`` restarts back-propagation from those nodes with those
 gradients (``torch.autograd.grad`` from ``GradientEdge`` s), so it only does the weight part (g^T x per linear
 layer), not the whole backward again. Memory: until ``W`` the micro-batch's graph and its stored layer inputs stay
-alive (the ``W`` needs them), which is why ``schedules.peak_in_flight`` counts a micro-batch until its ``W``; the
+alive (the ``W`` needs them), which is why ``schedule_run.peak_in_flight`` counts a micro-batch until its ``W``; the
 nodes above the captured points are freed after ``I``. Stage 0's embedding lookup has no input gradient: its whole
 backward is weight work and runs in ``W``.
 """

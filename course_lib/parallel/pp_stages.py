@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from course_lib import schedules as S
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.pp_layers import layer_split, stage_layers
+from course_lib.schedule_run import add_send_recv, validate
 from course_lib.schedules import Schedule
 
 SCHEDULES: dict[str, str] = S.SCHEDULE_ALIASES
@@ -71,7 +73,7 @@ def plan_pipeline(cfg: GPTConfig | int, p: int, schedule: str | Schedule = "1f1b
         compute = getattr(S, name)(p, m, v) if name == "interleaved_one_f_one_b" else getattr(S, name)(p, m)
     else:
         name, compute = "custom", [list(rank) for rank in schedule]
-        S.validate(compute, p, m, v)
+        validate(compute, p, m, v)
     n_layer = cfg if isinstance(cfg, int) else cfg.n_layer
     if not isinstance(cfg, int) and cfg.tie_embeddings and p * v > 1:
         raise ValueError("tie_embeddings=True puts one weight on the first and the last stage: its gradient would need "
@@ -81,7 +83,7 @@ def plan_pipeline(cfg: GPTConfig | int, p: int, schedule: str | Schedule = "1f1b
         raise ValueError(f"the global batch of {global_batch} rows does not split into m={m} equal micro-batches: "
                          f"choose m dividing {global_batch}")
     counts = layer_split(n_layer, p * v, split)
-    actions = S.add_send_recv(compute) if p > 1 else compute
+    actions = add_send_recv(compute) if p > 1 else compute
     micro = global_batch // m if global_batch is not None else 0
     return PipelinePlan(p, v, m, name, counts, stage_layers(counts), micro, actions)
 

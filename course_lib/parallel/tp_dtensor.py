@@ -15,7 +15,8 @@ import torch
 
 from course_lib import comm
 from course_lib.launch import device
-from course_lib.model import GPT, GPTConfig, lm_loss
+from course_lib.model import GPT, lm_loss
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper
 
 __all__ = ["DTensorCommLog", "DTensorTensorParallel", "dtensor_fsdp_tp_placements", "dtensor_plan"]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import MLP, Attention, apply_rope, rope_cos_sin
+from course_lib.layers import MLP, Attention, apply_rope, rope_cos_sin
 from course_lib.parallel.placement import Partial, Placement, Replicate, Shard, set_placement
 from course_lib.parallel.tp_comm import (
     copy_to_tensor_parallel_region,

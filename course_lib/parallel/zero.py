@@ -5,7 +5,8 @@ Data parallelism (chapter 02) keeps a full copy of every *model state* on every 
 that redundancy by partitioning the states over the N_d data-parallel ranks; PyTorch FSDP (Zhao et al. 2023,
 "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12), arXiv:2304.11277) is the
 production form of the last stage. With Ψ parameters, K optimizer bytes per parameter and 16-bit weights and
-gradients, the model states per rank are (ZeRO, Sec. 5 and Figure 1; ``course_lib.memory.zero_memory_per_device``)::
+gradients, the model states per rank are (ZeRO, Sec. 5 and Figure 1;
+``course_lib.model_states.zero_memory_per_device``)::
 
     stage 0  plain DP                         (2 + 2 + K) Ψ
     stage 1  P_os      optimizer states       (2 + 2) Ψ + K Ψ / N_d
@@ -101,7 +102,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from course_lib import comm
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 from course_lib.parallel.fsdp_torch import TorchFullyShard, train_fsdp2
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop

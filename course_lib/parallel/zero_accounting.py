@@ -3,7 +3,7 @@ over the storages that exist, so it is a *measurement* of the implementation) an
 per step (what the ring collectives of ``course_lib.comm`` move for this implementation's padded units).
 
 The formulas they are checked against (ZeRO, Rajbhandari et al. 2020, Sec. 5 and 7; Ψ parameters, N data-parallel
-ranks, K optimizer bytes per parameter) are ``course_lib.memory.zero_memory_per_device`` for memory and, for
+ranks, K optimizer bytes per parameter) are ``course_lib.model_states.zero_memory_per_device`` for memory and, for
 communication, 2 (N-1)/N V per step for stages 0-2 and 3 (N-1)/N V for stage 3 (V = Ψ x bytes per element).
 """
 
@@ -26,7 +26,7 @@ def model_state_bytes(zdp: ShardedModel, optimizer: torch.optim.Optimizer | None
       shard *is* the weights (fp32), the shards;
     * ``gradients``: the module parameters' ``.grad`` (views of the flat gradient buffers) and the shards' grads;
     * ``optimizer_state``: every tensor in ``optimizer.state`` (Adam's m and v, the ``step`` counters) and the
-      fp32 master shards under mixed precision (memory.py's convention: the master copy is part of K).
+      fp32 master shards under mixed precision (model_states.py's convention: the master copy is part of K).
 
     A storage is counted once (views share it), in the first category that claims it. Transient buffers of
     the collectives (a bf16 cast of a shard) are not model states and are not counted."""

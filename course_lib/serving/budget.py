@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 from course_lib import hardware
 from course_lib.cost import AllReduceAlgorithm, all_reduce_time
-from course_lib.memory import MemoryBudget, ParallelLayout, inference_memory, kv_cache_bytes, params_per_rank
-from course_lib.model import PRESETS, GPTConfig
+from course_lib.layout import ParallelLayout, params_per_rank
+from course_lib.memory import inference_memory, kv_cache_bytes
+from course_lib.memory_budget import MemoryBudget
+from course_lib.model_config import PRESETS, GPTConfig
 
 QUANTISATION: dict[str, float] = {"bf16": 2, "int8": 1, "int4": 0.5}
 """Bytes per weight. The KV cache stays bf16 here (2 bytes) whatever the weights."""

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from course_lib import hardware
 from course_lib.memory import kv_cache_bytes
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
+from course_lib.model_config import GPTConfig
 from course_lib.serving.engine import Engine, Segment
 from course_lib.serving.kv_cache import ContiguousKVCache
 from course_lib.serving.loadgen import Request

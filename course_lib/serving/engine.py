@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from course_lib.model import GPT, Block, apply_rope, rope_cos_sin
+from course_lib.layers import apply_rope, rope_cos_sin
+from course_lib.model import GPT, Block
 from course_lib.serving.kv_cache import ContiguousKVCache, KVCache
 
 

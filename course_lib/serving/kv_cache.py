@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 
 
 class CacheFull(RuntimeError):  # noqa: N818 - reads better as `except CacheFull`

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.serving.paged import PagedKVCache
 
 SCALE_BYTES = 4  # one fp32 scale per (position, KV head)

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.serving.kv_cache import CacheFull, KVCache
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from course_lib.model import GPTConfig
+from course_lib.model_config import GPTConfig
 from course_lib.serving.kv_cache import CacheFull
 from course_lib.serving.paged import PagedKVCache
 

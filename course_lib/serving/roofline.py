@@ -40,7 +40,7 @@ import torch
 
 from course_lib import hardware
 from course_lib.memory import kv_cache_bytes
-from course_lib.model import PRESETS, GPTConfig, param_count
+from course_lib.model_config import PRESETS, GPTConfig, param_count
 
 
 def ridge_point(peak_flops: float, mem_bandwidth: float) -> float:

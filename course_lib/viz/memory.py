@@ -31,8 +31,10 @@ from matplotlib.figure import Figure
 
 from course_lib import hardware
 from course_lib.hardware import GPU, GPUS
-from course_lib.memory import GB, GiB, MemoryBudget, ParallelLayout, inference_memory, training_memory
-from course_lib.model import PRESETS, GPTConfig
+from course_lib.layout import ParallelLayout
+from course_lib.memory import inference_memory, training_memory
+from course_lib.memory_budget import GB, GiB, MemoryBudget
+from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
@@ -97,7 +99,7 @@ def plot_budget(budgets: Mapping[str, float] | Mapping[str, Mapping[str, float]]
                 ) -> Figure:
     """Stacked bars of bytes by category, one bar per budget, against GPU capacities.
 
-    ``budgets``: one budget (a :class:`~course_lib.memory.MemoryBudget` or any {category: bytes}) or several
+    ``budgets``: one budget (a :class:`~course_lib.memory_budget.MemoryBudget` or any {category: bytes}) or several
     ({bar label: budget}, e.g. {"estimate": est, "measured": dict(mt.category_peaks)}). Every bar gets one
     segment per category of the union of all budgets, in order; ``ax.containers[i]`` holds category ``i``'s
     segments and its label is the category name. ``gpus``: capacity lines (default: every GPU of ``hardware.GPUS``;

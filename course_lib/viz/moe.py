@@ -4,7 +4,7 @@ carry and how long the slowest rank works.
 * **Arithmetic** (pure): :func:`routed_counts` draws a router's top-k choices for T tokens with a preference
   ("skew") for low-numbered experts: logits = N(0, 1) noise + skew * (1 - 2e/(E-1)), so skew 0 is an even router
   and skew 2 sends most tokens to the first experts; :func:`dispatch_plan` applies the capacity
-  C = ceil(cf * T * k / E) (``course_lib.model.expert_capacity``) and places the experts on ep ranks
+  C = ceil(cf * T * k / E) (``course_lib.moe.expert_capacity``) and places the experts on ep ranks
   contiguously: kept and dropped assignments per expert, rows per rank, the busiest rank against the mean
   (``course_lib.parallel.ep.slowest_rank_load``), and the bytes per layer and step: dispatch + combine forward
   and both again in backward, 4 x kept x h x bytes over all ranks, of which the rows routed to another rank's
@@ -24,7 +24,7 @@ import ipywidgets as W
 import torch
 from matplotlib.figure import Figure
 
-from course_lib.model import expert_capacity
+from course_lib.moe import expert_capacity
 from course_lib.parallel.ep import slowest_rank_load
 from course_lib.viz.panel import ControlPanel, figure_png
 

@@ -2,7 +2,7 @@
 
 Two layers, as every module of ``course_lib.viz``:
 
-* :func:`plot_gantt` is pure: a timeline (``schedules.simulate(...)`` or ``parallel.pp.measured_timeline(...)``:
+* :func:`plot_gantt` is pure: a timeline (``schedule_run.simulate(...)`` or ``parallel.pp.measured_timeline(...)``:
   per rank, ``(start, end, action)`` of each compute action) in, a matplotlib ``Figure`` out. One row per rank,
   rank 0 on top; one box per compute action, coloured by kind (F forward, B backward, I backward for the input,
   W backward for the weights) and labelled with its micro-batch; the idle gaps drawn as hatched grey boxes; each
@@ -38,7 +38,8 @@ from matplotlib.patches import Patch
 
 from course_lib import cost
 from course_lib import schedules as S
-from course_lib.schedules import Kind, Schedule, Simulation, Timeline
+from course_lib.schedule_run import Simulation, Timeline, simulate
+from course_lib.schedules import Kind, Schedule
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [
@@ -92,7 +93,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
 def uniform_stage_costs(n_stages: int, v: int = 1, last: float = 1.0, cost_f: float = 1.0,
                         cost_b: float = 2.0) -> list[tuple[float, float, float]]:
-    """Per (virtual) stage ``(cost_f, cost_b, cost_w)`` for ``schedules.simulate``: a whole stage costs
+    """Per (virtual) stage ``(cost_f, cost_b, cost_w)`` for ``schedule_run.simulate``: a whole stage costs
     ``cost_f`` and ``cost_b`` (W = B / 2), a chunk 1/v of that; the last stage ``last`` times as much."""
     f, b = cost_f / v, cost_b / v
     costs = [(f, b, b / 2)] * n_stages
@@ -248,10 +249,10 @@ class BubbleWidget(ControlPanel):
     """Schedule, p, m, v and the last stage's cost in; the Gantt chart of every rank and the numbers out.
 
     From code: ``w.set(p=4, m=16)`` sets controls (one redraw) and returns :attr:`text`. After each update:
-    ``w.simulation`` (a ``schedules.Simulation``, None when the settings are invalid), ``w.schedule`` (the
+    ``w.simulation`` (a ``schedule_run.Simulation``, None when the settings are invalid), ``w.schedule`` (the
     compute actions per rank), ``w.formula_fraction`` / ``w.formula_ratio`` (``cost.bubble_fraction`` /
     ``bubble_ratio``, None when the formula does not apply), ``w.simulated_fraction``, ``w.peaks`` (peak
-    micro-batches in flight per rank, ``schedules.peak_in_flight``), ``w.error`` (the message, or None).
+    micro-batches in flight per rank, ``schedule_run.peak_in_flight``), ``w.error`` (the message, or None).
     ``w.controls`` {name: control} with the names of ``CONTROL_DESCRIPTIONS``. v applies to interleaved 1F1B
     only: its slider is disabled (and v taken as 1) for the other schedules.
     """
@@ -330,7 +331,7 @@ class BubbleWidget(ControlPanel):
             self.figure = None
             return
         costs = uniform_stage_costs(p * v, v, last)
-        sim = S.simulate(schedule, per_stage_costs=costs)
+        sim = simulate(schedule, per_stage_costs=costs)
         self.schedule, self.simulation = schedule, sim
         self.simulated_fraction, self.peaks = sim.bubble_fraction, sim.peak_in_flight
         frac_f, ratio_f = FORMULAS[name]

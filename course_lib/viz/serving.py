@@ -21,8 +21,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from course_lib.hardware import GPUS
-from course_lib.memory import GB
-from course_lib.model import GPT, PRESETS, GPTConfig
+from course_lib.memory_budget import GB
+from course_lib.model import GPT
+from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.serving.budget import QUANTISATION, predict
 from course_lib.serving.engine import Engine
 from course_lib.serving.loadgen import poisson_trace

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from course_lib import topology
 from course_lib.mesh import MeshError, MeshShape
-from course_lib.model import PRESETS
+from course_lib.model_config import PRESETS
 from course_lib.viz.mesh import _COLOURS, draw_mesh
 from course_lib.viz.panel import ControlPanel, show_figures
 

@@ -3,7 +3,7 @@
 Three layers, as every module of ``course_lib.viz``:
 
 * **Arithmetic** (pure): :func:`zero_breakdown` splits ZeRO's per-rank model states (Rajbhandari et al. 2020,
-  Sec. 5; ``course_lib.memory.zero_memory_per_device``) into parameters, gradients and optimizer state;
+  Sec. 5; ``course_lib.model_states.zero_memory_per_device``) into parameters, gradients and optimizer state;
   :func:`reduction_factor` is stage 0's bytes over stage s's at N_d ranks, :func:`limit_factor` its value for
   N_d -> infinity and :func:`min_ranks_for` the smallest N_d that reaches a given factor. They check the articles'
   loose claims: "stage 1 ~4x, stage 2 ~8x" are the *limits* for K = 12 with 16-bit weights and gradients
@@ -39,8 +39,10 @@ from matplotlib.ticker import FuncFormatter
 
 from course_lib import hardware
 from course_lib.instrument import record_zero_step
-from course_lib.memory import GB, bytes_per_param, training_memory, zero_memory_per_device
-from course_lib.model import PRESETS, GPTConfig, param_count
+from course_lib.memory import training_memory
+from course_lib.memory_budget import GB
+from course_lib.model_config import PRESETS, GPTConfig, param_count
+from course_lib.model_states import bytes_per_param, zero_memory_per_device
 from course_lib.viz.memory import CATEGORY_COLORS, PRECISION_OPTIONS
 from course_lib.viz.panel import ControlPanel, figure_png
 

@@ -13,7 +13,7 @@ import re
 import time
 
 from course_lib.cost import collective_time
-from course_lib.memory import format_bytes
+from course_lib.memory_budget import format_bytes
 from course_lib.viz.comm import CONTROL_DESCRIPTIONS as COMM
 from course_lib.viz.comm import FITTED, CollectiveCostWidget, collective_cost_widget
 from course_lib.viz.memory import CONTROL_DESCRIPTIONS as MEMORY

@@ -2,11 +2,12 @@
 reason that says "write it yourself" (``course_lib.grading.off_limits``). Keyed (chapter, exercise)."""
 
 import course_lib.schedules
+from course_lib import schedule_run
 from course_lib import schedules as S
 from course_lib.collectives import ring_reduce_scatter as library_rs
 from course_lib.memory import kv_cache_bytes as library_kv
 from course_lib.mesh import MeshShape
-from course_lib.model import expert_positions
+from course_lib.moe import expert_positions
 from course_lib.parallel import cp_attention as ca
 from course_lib.parallel import cp_ulysses, tp_layers
 from course_lib.parallel import dp as dp_lib
@@ -37,7 +38,7 @@ def one_f_one_b_imported(p, m, rank):
 
 def add_grad_reduce_wrapped(schedule):
     """The library's placement of REDUCE_GRAD, wrapped."""
-    return S.add_grad_reduce(schedule)
+    return schedule_run.add_grad_reduce(schedule)
 
 
 class FixedKernelInherits(ca.BlockAttention):
@@ -131,7 +132,8 @@ class AttentionInheritsTheLibrarys(tp_layers.TensorParallelAttention):
     """An off-limits class subclassed: its forward is the library's."""
 def place_parameter_from_the_records(name, shape, n_layer, parallel):
     """Reads the library's placement records of a model built on the mesh instead of deriving them."""
-    from course_lib.model import GPT, GPTConfig
+    from course_lib.model import GPT
+    from course_lib.model_config import GPTConfig
     model = GPT(GPTConfig(n_layer=n_layer), seed=0)
     return {"placements": {a: str(w) for a, w in placement_lib.placements_of(model.get_parameter(name)).items()},
             "stage": 0, "local_shape": tuple(shape), "grad": []}
