@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from course_lib.model_config import GPTConfig, norm_params, resolve
+from course_lib.model_config import GPTConfig, dense_twin, norm_params, resolve
 from course_lib.pp_layers import layer_split
 from course_lib.schedules import SCHEDULE_ALIASES, canonical_schedule
 
@@ -35,6 +35,8 @@ class ParallelLayout:
     * ``ep`` expert-parallel ranks (MoE), carved out of the dp x cp ranks as in Megatron Core and
       DeepSpeed-MoE: each rank holds n_expert/ep experts, each expert is replicated (dp x cp)/ep times, and
       experts are also split by tp (expert tensor parallel size = tp).
+    * ``dense``: per stage, how many of its blocks are dense MLPs of d_ff in an MoE model (the leading dense
+      blocks of DeepSeek-V3 and Kimi K2; ``model_config.dense_twin``); None: every block as the config says.
     """
 
     dp: int = 1
@@ -47,6 +49,7 @@ class ParallelLayout:
     cp: int = 1
     ep: int = 1
     split: tuple[int, ...] | None = None
+    dense: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep"):
@@ -88,7 +91,11 @@ class ParallelLayout:
             raise ValueError(f"tp={self.tp} must divide n_head={c.n_head}")
         if c.kv_heads % self.tp and self.tp % c.kv_heads:
             raise ValueError(f"tp={self.tp} and n_kv_head={c.kv_heads}: one must divide the other")
-        layer_split(c.n_layer, self.pp, self.split)  # the runtime's rule: pp divides n_layer, or an explicit split
+        blocks = layer_split(c.n_layer, self.pp, self.split)  # the runtime's rule: pp divides n_layer, or a split
+        if self.dense is not None and (not c.n_expert or len(self.dense) != self.pp
+                                       or any(not 0 <= d <= n for d, n in zip(self.dense, blocks, strict=True))):
+            raise ValueError(f"dense={self.dense}: one count per stage (pp={self.pp}), each between 0 and the "
+                             f"stage's blocks {tuple(blocks)}, and only for a mixture-of-experts model")
         if seq_len is not None and seq_len % self.cp:
             raise ValueError(f"cp={self.cp} must divide the sequence length {seq_len}")
         if seq_len is not None and self.sp and (seq_len // self.cp) % self.tp:
@@ -130,7 +137,8 @@ def params_per_rank(config: GPTConfig | str, layout: ParallelLayout | None = Non
     {"embedding", "blocks", "experts", "head"}: the token embedding is vocab-parallel (ceil(v/t) rows;
     Megatron also pads v), learned positions are replicated; both live on the first stage. The last stage
     holds the final norm and the untied head (v x h / t); with tied embeddings and pp > 1 it holds a copy of
-    the embedding (Megatron all-reduces the two copies' gradients). ``experts`` are n_expert/ep per rank.
+    the embedding (Megatron all-reduces the two copies' gradients). ``experts`` are n_expert/ep per rank of
+    each MoE block; a dense block (``layout.dense``) counts its MLP of d_ff in ``blocks``.
     With tp = pp = ep = 1 the sum equals ``param_count(config)``.
     """
     c = resolve(config)
@@ -141,11 +149,14 @@ def params_per_rank(config: GPTConfig | str, layout: ParallelLayout | None = Non
     h, v, t = c.d_model, c.vocab_size, lay.tp
     n_layers = layer_split(c.n_layer, lay.pp, lay.split)[stage]
     dense, experts = block_params_per_rank(c, t)
+    n_dense = lay.dense[stage] if lay.dense else 0
+    plain = block_params_per_rank(dense_twin(c), t)[0] if n_dense else 0.0
     word = math.ceil(v / t) * h
     emb = (word + (c.seq_len * h if c.pos == "learned" else 0)) if stage == 0 else 0
     head = 0.0
     if stage == lay.pp - 1:
         head = norm_params(c) + (word if (not c.tie_embeddings or lay.pp > 1) else 0)
-    return {"embedding": float(emb), "blocks": n_layers * dense, "experts": n_layers * experts / lay.ep,
+    return {"embedding": float(emb), "blocks": (n_layers - n_dense) * dense + n_dense * plain,
+            "experts": (n_layers - n_dense) * experts / lay.ep,
             "head": float(head)}
 

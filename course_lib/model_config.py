@@ -160,6 +160,14 @@ def attention_params(c: GPTConfig) -> int:
     return 2 * h * h + 2 * h * hkv + (2 * h + 2 * hkv if c.bias else 0)
 
 
+@functools.lru_cache(maxsize=1_000)
+def dense_twin(c: GPTConfig) -> GPTConfig:
+    """The same model with dense MLPs of d_ff: what a leading dense block of an MoE model is (DeepSeek-V3's first
+    three blocks, Kimi K2's first)."""
+    return replace(c, n_expert=0, n_shared_expert=0, expert_d_ff=None, n_group=1, topk_group=None,
+                   capacity_factor=None)
+
+
 def mlp_params(c: GPTConfig, d_ff: int | None = None) -> int:
     """One MLP of hidden size f (``d_ff``, default ``c.ffn_dim``): GELU 2hf (+ f + h), SwiGLU 3hf (+ 2f + h)."""
     h, f = c.d_model, d_ff or c.ffn_dim

@@ -53,7 +53,7 @@ from course_lib.activation_memory import layer_activation_bytes
 from course_lib.hardware import attention_length_factor
 from course_lib.layout import ParallelLayout, params_per_rank
 from course_lib.memory_budget import GiB, MemoryBudget
-from course_lib.model_config import GPTConfig
+from course_lib.model_config import GPTConfig, dense_twin
 from course_lib.parallel.cp import ring_kv_bytes
 from course_lib.planner_candidate import (
     _COST_NAME,
@@ -71,7 +71,6 @@ from course_lib.planner_comm import _all_to_all, group_span, group_time
 from course_lib.planner_memory import Formula, Precision, _memory, peak_in_flight
 from course_lib.planner_moe import (
     active_params,
-    dense_twin,
     layer_matmul_params,
     leading_dense,
     rank_dense_layers,

@@ -3,7 +3,6 @@ and shared experts), the leading dense blocks, and node-limited routing."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 
 from course_lib.model_config import GPTConfig, attention_params, mlp_params, shared_expert_params
@@ -34,13 +33,6 @@ def active_params(cfg: GPTConfig, dense_layers: int = 0) -> int:
     d = leading_dense(cfg, dense_layers)
     return (d * sum(layer_matmul_params(cfg, dense=True)) + (cfg.n_layer - d) * sum(layer_matmul_params(cfg))
             + cfg.vocab_size * cfg.d_model)
-
-
-@lru_cache(maxsize=1_000)
-def dense_twin(cfg: GPTConfig) -> GPTConfig:
-    """The same model with dense MLPs of d_ff (what a leading dense block of an MoE model is)."""
-    return replace(cfg, n_expert=0, n_shared_expert=0, expert_d_ff=None, n_group=1, topk_group=None,
-                   capacity_factor=None)
 
 
 def rank_dense_layers(cand: Candidate, n_layer: int, dense_layers: int) -> list[int]:
