@@ -6,7 +6,8 @@ EP 2 x edp 2 resumes at EP 4, under TP or a pipeline, on 2 ranks or on one proce
 steps and writes after step 2 (so it *is* the uninterrupted run); the resumed run trains steps 3-4 on its mesh.
 Equality: on the mesh that saved, every parameter bit-for-bit (the same reductions in the same order, so nothing
 may differ; the reported losses only within the tolerance below: their mean over the ranks is one all-reduce of
-every step's losses at once, and a 2-step tensor is summed in another order than a 4-step one -- seen: one ulp,
+every step's losses at once, and gloo at 4 ranks sums a 2-step tensor in another order than a 4-step one (the
+same values differ in their last bits, checked by hand) -- seen: one ulp,
 5.4538646 vs 5.4538651 at dp 4 x ep 2, with equal parameters, with or without ZeRO-1); on another mesh,
 ``compare`` with the fp32 noise of ``train_baseline`` (other reduction orders: the all-reduce over another group,
 the pipeline's two micro-batches), and the resumed run against one process too. The model
