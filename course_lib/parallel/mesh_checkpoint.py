@@ -169,7 +169,8 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
     first copy of (``_writers``; ZeRO-1's state: its owner), so the files together hold every name once."""
     _check_optimizer(composed, optimizer)
     path = Path(path)
-    names, writes, steppers = _names(composed), _writers(composed), _steppers(optimizer)
+    names, writes = _names(composed), _writers(composed)
+    partitioned = {k for k, (_, _, part) in _steppers(optimizer).items() if part}  # ZeRO-1's, written by owners
     coords = composed.mesh.shape.coords(composed.mesh.rank)
     if dist.get_rank() == 0 and path.is_dir():  # a previous save's files (another mesh, other writers)
         for old in [*path.glob("stage*.pt"), path / "meta.json"]:
@@ -185,7 +186,7 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
             continue
         state = {k: (_gather(composed, p, v) if k in STATE_KEYS else v.detach().cpu().clone())
                  for k, v in state.items() if v is not None}
-        if writes[id(p)] or (steppers[id(p)][2] and coords["tp"] == 0):  # ZeRO-1: its owner (tp = 0)
+        if writes[id(p)] or (id(p) in partitioned and coords["tp"] == 0):
             states[names[id(p)]] = state
     path.mkdir(parents=True, exist_ok=True)
     if params or states:
