@@ -2,7 +2,7 @@
 the dense AdamW state partitioned over dp x cp, the experts' over edp), saved at one mesh and resumed at another.
 
 The checkpoint holds every expert's parameters and AdamW state whole, by its global index, so a run saved at
-EP 2 x edp 2 resumes at EP 4, under TP or a pipeline, on 2 ranks or on one process. Each saving run trains 4
+EP 2 x edp 2 resumes at EP 4, under TP, CP or a pipeline, on 2 ranks or on one process. Each saving run trains 4
 steps and writes after step 2 (so it *is* the uninterrupted run); the resumed run trains steps 3-4 on its mesh.
 Equality: on the mesh that saved, every parameter bit-for-bit (the same reductions in the same order, so nothing
 may differ; the reported losses only within the tolerance below: their mean over the ranks is one all-reduce of
@@ -55,6 +55,7 @@ SAVES = {  # name: (world size, mesh that trains 4 steps and saves after 2)
     "ep2_edp2_zero1": (4, ParallelConfig(dp=4, ep=2, zero_stage=1)),  # both partitions real
     "pp2_ep2_zero1": (4, ParallelConfig(dp=2, pp=2, ep=2, zero_stage=1)),  # edp 1: experts' plain AdamW
     "tp2_ep2_zero1": (4, ParallelConfig(dp=2, tp=2, ep=2, zero_stage=1)),
+    "cp2_ep2_zero1": (4, ParallelConfig(dp=2, cp=2, ep=2, zero_stage=1)),  # the ep pairs are cp pairs
     "ep2_zero1_2ranks": (2, ParallelConfig(dp=2, ep=2, zero_stage=1)),
 }
 
@@ -64,6 +65,7 @@ RESUMES = {  # name: (the save it reads, world size, mesh that resumes for the l
     "ep2_edp2_zero1_to_tp2_ep2_zero1": ("ep2_edp2_zero1", 4, ParallelConfig(dp=2, tp=2, ep=2, zero_stage=1)),
     "pp2_ep2_zero1_to_ep2_edp2_zero1": ("pp2_ep2_zero1", 4, ParallelConfig(dp=4, ep=2, zero_stage=1)),
     "tp2_ep2_zero1_to_pp2_ep2": ("tp2_ep2_zero1", 4, ParallelConfig(dp=2, pp=2, ep=2)),
+    "cp2_ep2_zero1_to_ep4_zero1": ("cp2_ep2_zero1", 4, ParallelConfig(dp=4, ep=4, zero_stage=1)),
     "2ranks_to_ep2_edp2_zero1": ("ep2_zero1_2ranks", 4, ParallelConfig(dp=4, ep=2, zero_stage=1)),
     "ep2_edp2_zero1_to_2ranks": ("ep2_edp2_zero1", 2, ParallelConfig(dp=2, ep=2, zero_stage=1)),
     "ep2_edp2_zero1_to_one_process": ("ep2_edp2_zero1", 1, ParallelConfig()),
