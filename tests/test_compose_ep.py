@@ -1,6 +1,6 @@
 """Expert parallelism composed with the other axes (``course_lib.parallel.ep_mesh``): EP x PP x DP (+ ZeRO-1), EP x
-TP and EP x CP against one process, the bugs each composition must not have, checkpoints across those meshes, and
-every combination still refused, with its message.
+TP and EP x CP against one process, the bugs each composition must not have, checkpoints across those meshes (with
+ZeRO-1 too: tests/test_checkpoint_ep.py), and every combination still refused, with its message.
 
 Meshes (ep divides dp x cp; edp = dp x cp / ep is how often each expert is replicated): ``dp2_pp2_ep2`` is EP 2 x
 PP 2 with no expert replica (edp 1), under 1F1B, ZB-H1 and the interleaved schedule; ``dp4_ep2_zero1`` has edp 2,
@@ -152,12 +152,6 @@ def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
             save_to=f"{folder}/{name}", save_after=2))
         out[f"resumed_{name}"] = C.train_parallel(rank, world_size, MOE, TC4, second, checkpoint=C.Checkpointing(
             resume_from=f"{folder}/{name}"))
-    try:
-        C.train_parallel(rank, world_size, MOE, TC, ParallelConfig(dp=4, ep=2, zero_stage=1),
-                         checkpoint=C.Checkpointing(save_to=f"{folder}/zero1", save_after=1))
-        out["zero1_checkpoint"] = "saved"
-    except ValueError as e:
-        out["zero1_checkpoint"] = str(e)
     return out
 
 
@@ -234,13 +228,6 @@ def test_checkpoint_resumes_on_another_expert_parallel_mesh(name: str) -> None:
     report = compare(uninterrupted.from_step(2), resumed, noise=reference.noise)
     assert report.ok, f"resumed vs uninterrupted: {report}"
     assert compare(reference.from_step(2), resumed).ok, "resumed vs one process"
-
-
-def test_a_zero1_checkpoint_with_experts_is_refused() -> None:
-    """ZeRO-1 with experts keeps two partitions (``ep_mesh.ExpertShardedOptimizer``), which ``mesh_checkpoint``
-    does not read: the save is refused before anything is written."""
-    for message in _results()["zero1_checkpoint"]:
-        assert "save_checkpoint takes AdamW or SGD" in message and "ExpertShardedOptimizer" in message, message
 
 
 # -- what still does not compose, with the reason -----------------------------------------------------------

@@ -275,8 +275,8 @@ SEAMS = ("tp_class", "pipeline_class", "executor_class", "data_parallel_class", 
 class Checkpointing:
     """Checkpoints of a composed run (``mesh_checkpoint``): ``save_to`` a folder after ``save_after`` steps;
     ``resume_from`` a folder written at any mesh (the run continues from its step on this mesh). Every form:
-    replicated, ZeRO-1, ZeRO-2, ZeRO-3 / FSDP2 with or without TP, PP, EP (but not ZeRO-1 with EP, whose two
-    partitions ``save_checkpoint`` refuses)."""
+    replicated, ZeRO-1, ZeRO-2, ZeRO-3 / FSDP2 with or without TP, PP, EP (with ZeRO-1 too: its two
+    partitions, ``ep_mesh.ExpertShardedOptimizer``)."""
 
     save_to: str | None = None
     save_after: int | None = None

@@ -21,9 +21,12 @@ shards are simply gathered first.
   ``restore_optimizer`` cuts each state tensor the way its parameter is placed on the new mesh
   (``placement.shard_like``).
 
-The optimizer: replicated (``zero_stage=0``), ZeRO-1's ``ShardedOptimizer`` (whole parameters per owner),
-ZeRO-2's flat shards (gathered over dp, cut into their parameters by the unit's layout, and laid out again on
-resume) or ZeRO-3 / FSDP2's per-parameter shards. (``zero_checkpoint`` is the other way: each rank writes only its
+The optimizer: replicated (``zero_stage=0``), ZeRO-1's ``ShardedOptimizer`` (whole parameters per owner; with
+experts ``ep_mesh.ExpertShardedOptimizer``, two partitions: the dense state over dp x cp, the experts' over edp,
+each owner writing the states it steps, so the union holds every expert's state once, by its global index, and
+a resume at another ep or edp hands each to its owner in the new partitions), ZeRO-2's flat shards (gathered
+over dp, cut into their parameters by the unit's layout, and laid out again on resume) or ZeRO-3 / FSDP2's
+per-parameter shards. (``zero_checkpoint`` is the other way: each rank writes only its
 shard, resharded by offsets on load; the same model's units only.)
 """
 
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.parallel.ep_mesh import ExpertShardedOptimizer
 from course_lib.parallel.placement import axis_group, full_tensor, shard_like, sharded_lists
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 
@@ -86,17 +90,26 @@ def _writers(composed: Parallelized) -> dict[int, bool]:
     return {id(p): (expert if id(p) in in_list else dense) for p in composed.module.parameters()}
 
 
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds the state: ZeRO-1's ``ShardedOptimizer`` keeps it in its local one."""
-    return optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+def _steppers(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.optim.Optimizer, bool, bool]]:
+    """id(parameter) -> (the optimizer that holds its state, whether this rank steps it, whether its state is
+    partitioned over a group). ZeRO-1's ``ShardedOptimizer`` keeps the state in its local optimizer, on the group
+    rank its partition gives the parameter; ``ExpertShardedOptimizer`` has two: the dense parameters' over
+    dp x cp and the experts' over edp (a plain optimizer when edp = 1)."""
+    parts = ([optimizer.dense, optimizer.experts] if isinstance(optimizer, ExpertShardedOptimizer)
+             else [optimizer])
+    out: dict[int, tuple[torch.optim.Optimizer, bool, bool]] = {}
+    for part in parts:
+        if isinstance(part, ShardedOptimizer):
+            out |= {id(p): (part.optimizer, r == part.rank, True) for p, r in zip(part.params, part.owner,
+                                                                                    strict=True)}
+        elif part is not None:
+            out |= {id(p): (part, True, False) for g in part.param_groups for p in g["params"]}
+    return out
 
 
-def _owns(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> bool:
-    """Whether this rank steps ``p`` (ZeRO-1: the group rank its partition gives it; else always)."""
-    if not isinstance(optimizer, ShardedOptimizer):
-        return True
-    i = next(i for i, q in enumerate(optimizer.params) if q is p)
-    return optimizer.owner[i] == optimizer.rank
+def _inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers that hold state (``_steppers``), each once."""
+    return list({id(o): o for o, _, _ in _steppers(optimizer).values()}.values())
 
 
 def _flat_units(composed: Parallelized) -> list[Any]:
@@ -110,14 +123,15 @@ def _entries(composed: Parallelized, optimizer: torch.optim.Optimizer
     parameter (a collective: every rank walks them in the same order). ZeRO-2's flat shards are gathered over
     dp first and cut into their parameters (``layout.views``): each piece is then placed like its parameter on
     the other axes (TP's slices); a scalar state (AdamW's step) is the unit's, shared by its parameters."""
-    inner, flat = _inner(optimizer), _flat_units(composed)
+    steppers, flat = _steppers(optimizer), _flat_units(composed)
     shards = {id(u.shard) for u in flat}
     for p in composed.parameters():
         if id(p) not in shards:
-            yield p, p, (inner.state.get(p, {}) if _owns(optimizer, p) else None)
+            stepper = steppers.get(id(p))  # none: a parameter no optimizer steps
+            yield p, p, (stepper[0].state.get(p, {}) if stepper and stepper[1] else None)
     for u in flat:
         group = {u.axis: u.group}
-        state = inner.state.get(u.shard, {})
+        state = steppers[id(u.shard)][0].state.get(u.shard, {})
         vectors = {k: u.layout.views(full_tensor(u.shard, group, v)) for k, v in state.items() if k in STATE_KEYS}
         scalars = {k: v for k, v in state.items() if k not in STATE_KEYS}
         values = u.layout.views(full_tensor(u.shard, group))
@@ -141,9 +155,12 @@ def _restore_flat(composed: Parallelized, inner: torch.optim.Optimizer, u: Any,
 
 
 def _check_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer) -> None:
-    if not isinstance(_inner(optimizer), (torch.optim.AdamW, torch.optim.SGD)):
+    known = (torch.optim.AdamW, torch.optim.SGD)
+    unknown = sorted({type(o).__name__ for o in _inners(optimizer) if not isinstance(o, known)})
+    if unknown:
         raise ValueError(f"rank {composed.mesh.rank}: save_checkpoint takes AdamW or SGD (directly or in ZeRO-1's "
-                         f"ShardedOptimizer), got {type(_inner(optimizer)).__name__}: its state keys are not known")
+                         f"ShardedOptimizer or ExpertShardedOptimizer), got {', '.join(unknown)} in "
+                         f"{type(optimizer).__name__}: its state keys are not known")
 
 
 def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, step: int, path: str | Path) -> None:
@@ -153,6 +170,7 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
     _check_optimizer(composed, optimizer)
     path = Path(path)
     names, writes = _names(composed), _writers(composed)
+    partitioned = {k for k, (_, _, part) in _steppers(optimizer).items() if part}  # ZeRO-1's, written by owners
     coords = composed.mesh.shape.coords(composed.mesh.rank)
     if dist.get_rank() == 0 and path.is_dir():  # a previous save's files (another mesh, other writers)
         for old in [*path.glob("stage*.pt"), path / "meta.json"]:
@@ -164,11 +182,11 @@ def save_checkpoint(composed: Parallelized, optimizer: torch.optim.Optimizer, st
         full = _gather(composed, p, value)
         if writes[id(p)]:
             params[names[id(p)]] = full
-        if state is None:  # ZeRO-1: another dp rank steps p (its tp peers own it alike)
+        if state is None:  # ZeRO-1: another dp (edp) rank steps p (its tp peers own it alike)
             continue
         state = {k: (_gather(composed, p, v) if k in STATE_KEYS else v.detach().cpu().clone())
                  for k, v in state.items() if v is not None}
-        if writes[id(p)] or (isinstance(optimizer, ShardedOptimizer) and coords["tp"] == 0):
+        if writes[id(p)] or (id(p) in partitioned and coords["tp"] == 0):
             states[names[id(p)]] = state
     path.mkdir(parents=True, exist_ok=True)
     if params or states:
@@ -220,19 +238,20 @@ def restore_optimizer(composed: Parallelized, optimizer: torch.optim.Optimizer,
     """Give each parameter this rank steps its optimizer state, cut for the new mesh like the parameter
     (``shard_like``: TP's slices, FSDP2's dim-0 shards; experts by global index; ZeRO-1: only its owner; ZeRO-2:
     laid out in the flat shard, ``_restore_flat``)."""
-    names, inner = _names(composed), _inner(optimizer)
-
-    def state_of(p: nn.Parameter) -> dict[str, torch.Tensor]:
-        if names[id(p)] not in states:
-            raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for {names[id(p)]}:"
-                             " it was written by an unfinished save or for another model; save it again")
-        return states[names[id(p)]]
-
+    names, steppers = _names(composed), _steppers(optimizer)
     flat = _flat_units(composed)
     shards = {id(u.shard) for u in flat}
-    for p in composed.parameters():
-        if id(p) not in shards and _owns(optimizer, p):
+    stepped = [p for p in composed.parameters() if id(p) in steppers and id(p) not in shards]
+    missing = sorted(names[id(p)] for p in [*stepped, *(p for u in flat for p in u.params)]
+                     if names[id(p)] not in states)
+    if missing:  # checked for every parameter of the partitions, owned or not: its peers raise alike
+        raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}: it was written by an unfinished save or for "
+                         "another model; save it again")
+    for p in stepped:
+        inner, owns, _ = steppers[id(p)]
+        if owns:
             inner.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone())
-                              for k, v in state_of(p).items()}
+                              for k, v in states[names[id(p)]].items()}
     for u in flat:
-        _restore_flat(composed, inner, u, [state_of(p) for p in u.params])
+        _restore_flat(composed, steppers[id(u.shard)][0], u, [states[names[id(p)]] for p in u.params])
