@@ -145,6 +145,26 @@ def test_params_per_rank_pipeline_and_experts() -> None:
     assert last["head"] == g.vocab_size * g.d_model + norm_params(g)
 
 
+def test_leading_dense_blocks_are_held_as_dense_mlps() -> None:
+    """DeepSeek-V3's shape at toy scale: the first 3 of 8 blocks dense. A stage holds (n - d) MoE blocks (their
+    routed experts / ep) and d blocks of the dense twin; together the stages hold the dense twin's blocks for the
+    first 3 and the MoE's for the rest, once."""
+    from course_lib.model_config import dense_twin
+    c = GPTConfig(vocab_size=256, n_layer=8, n_head=4, d_model=64, mlp="swiglu", n_expert=8, top_k=2,
+                  expert_d_ff=32, n_shared_expert=1)
+    lay = ParallelLayout(dp=4, ep=4, pp=2, dense=(3, 0))
+    first, second = (params_per_rank(c, lay, s) for s in range(2))
+    moe = params_per_rank(c, ParallelLayout(dp=4, ep=4, pp=2), 1)
+    plain = params_per_rank(dense_twin(c), ParallelLayout(dp=4, pp=2), 1)
+    assert second == moe  # no dense block on stage 1
+    assert first["experts"] == moe["experts"] / 4  # 1 MoE block of 4 on stage 0
+    assert first["blocks"] == pytest.approx(moe["blocks"] / 4 + 3 * plain["blocks"] / 4)
+    with pytest.raises(ValueError, match=r"dense=\(5, 0\): one count per stage"):
+        params_per_rank(c, ParallelLayout(dp=4, ep=4, pp=2, dense=(5, 0)))
+    with pytest.raises(ValueError, match="only for a mixture-of-experts model"):
+        params_per_rank(dense_twin(c), ParallelLayout(pp=2, dense=(1, 0)))
+
+
 def test_layout_validation() -> None:
     with pytest.raises(ValueError, match="n_head"):
         training_memory("llama2-7b", layout=ParallelLayout(tp=3))
