@@ -6,8 +6,9 @@ Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
 
 The search prices thousands of candidates that share most of their memory, so a stage's budget is computed in
 two cached parts (``_stage_memory``): the model states, the same for the three recomputations, and the
-activations, the same for every data-parallel split. ``tests/test_planner_speed.py`` checks that the ranking is
-the one ``training_memory`` called directly for every stage gives.
+activations, the same for every data-parallel split. Before any of that, ``states_exceed`` drops a candidate whose
+model states alone (``memory.zero_memory_per_device``) cannot fit. ``tests/test_planner_speed.py`` checks that the
+ranking is the one ``training_memory`` called directly for every stage gives.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Literal
 
-from course_lib.memory import MemoryBudget, ParallelLayout, Recompute, training_memory
+from course_lib.memory import (
+    MemoryBudget,
+    ParallelLayout,
+    Recompute,
+    bytes_per_param,
+    params_per_rank,
+    training_memory,
+    zero_memory_per_device,
+)
 from course_lib.model import GPTConfig
 from course_lib.planner_candidate import Candidate, zero3_with_pipeline
 
 Formula = Literal["flash", "paper"]
-
 
 
 def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
@@ -79,12 +87,12 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
     """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls (three
     under ``zero3_with_pipeline``): the model states and buffers (``STATE_PARTS``: they do not depend on
     recomputation, so one call serves the three) and the activations and temporaries (they depend on neither dp,
-    ep nor ZeRO, so one call with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m
-    only through its micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both
-    keys."""
+    ep nor ZeRO, so one call with dp = ep = 1, ZeRO-0 serves every data-parallel split; without recomputation the
+    model states' call has them already). A stage's budget sees m only through its micro-batches in flight,
+    min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both keys."""
     states_key, acts_key, grads_key = _budget_layouts(lay)
     states_all = _budgets(cfg, states_key, micro_batch, seq_len, "none", formula)
-    acts_all = _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula)
+    acts_all = states_all if recompute == "none" else _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula)
     grads_all = states_all if grads_key is states_key else _budgets(cfg, grads_key, micro_batch, seq_len, "none",
                                                                     formula)
     return tuple((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
@@ -109,3 +117,51 @@ def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, fo
     stage, parts = worst
     return MemoryBudget(parts, label=f"{cfg.name} | {cand} | per GPU",
                         notes=[f"activations: {formula}", f"worst pipeline stage: {stage} of {cand.pp}"])
+
+
+PARAM_BYTES = bytes_per_param("mixed", "adamw")
+"""Bytes per parameter of what ``_budgets`` prices (``training_memory``'s defaults: mixed precision, AdamW)."""
+
+
+@lru_cache(maxsize=10_000)
+def stage_params(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ...] | None,
+                 stage: int) -> dict[str, float]:
+    """``memory.params_per_rank`` of pipeline stage ``stage``: it reads only tp, pp, ep and the blocks per stage of
+    a layout (not dp, cp, ZeRO or m), so one call serves every layout that shares them."""
+    return params_per_rank(cfg, ParallelLayout(dp=ep, tp=tp, pp=pp, ep=ep, split=split), stage)
+
+
+@lru_cache(maxsize=100_000)
+def _states_floor(cfg: GPTConfig, lay: ParallelLayout) -> float:
+    """The largest model states of the ``worst_stages`` of ``lay``: ZeRO's (2 + 2 + K) bytes per parameter, the
+    parts of stage z sharded over N_d ranks (``memory.zero_memory_per_device``, Rajbhandari et al. 2020, Sec. 5),
+    N_d = dp x cp for the dense parameters and dp x cp / ep for the experts (``stage_params``)."""
+    pb, n_dense = PARAM_BYTES, lay.dp * lay.cp
+    floor = 0.0
+    for stage in worst_stages(lay.pp):
+        counts = stage_params(cfg, lay.tp, lay.pp, lay.ep, lay.split, stage)
+        dense = counts["embedding"] + counts["blocks"] + counts["head"]
+        states = (zero_memory_per_device(dense, pb.optimizer, n_dense, lay.zero, pb.params, pb.grads)
+                  + zero_memory_per_device(counts["experts"], pb.optimizer, n_dense // lay.ep, lay.zero, pb.params,
+                                           pb.grads))
+        floor = max(floor, states)
+    return floor
+
+
+FLOOR_MARGIN = 1e-9
+"""Relative slack of ``states_exceed``: the floor sums the same parts as ``training_memory`` in another order, so
+it can exceed their sum by a few ulps (~1e-16 relative); 1e-9 absorbs that and is far below any real margin."""
+
+
+def states_exceed(cfg: GPTConfig, lay: ParallelLayout, headroom: float, usable: float) -> bool:
+    """True when the model states of one stage of ``lay`` alone, with the budget's headroom, exceed ``usable``
+    bytes: a lower bound of ``_memory``'s total (its worst stage adds activations, temporaries and buffers, and
+    under ``zero3_with_pipeline`` holds its gradients whole), so such a candidate cannot fit and is not priced."""
+    floor = _states_floor(cfg, lay)
+    return (floor + headroom * floor) * (1 - FLOOR_MARGIN) > usable
+
+
+def clear_caches() -> None:
+    """Empty the memory caches of this module (a benchmark's fresh start; the tests' check of the shortcuts)."""
+    for cached in (_budgets, _stage_memory, _memory, stage_params, _states_floor):
+        cached.cache_clear()

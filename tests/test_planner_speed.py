@@ -43,8 +43,7 @@ def _ranking(run: PP.PublishedRun) -> tuple[list[tuple], int, int]:
 
 
 def _clear() -> None:
-    for f in (PM._memory, PM._stage_memory, PM._budgets):
-        f.cache_clear()
+    PM.clear_caches()
 
 
 def _same_with_direct_memory(name: str, monkeypatch) -> None:
