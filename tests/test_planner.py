@@ -308,13 +308,16 @@ def test_memory_reasons_state_the_budget():
 def test_the_groups_the_time_model_prices_are_the_meshs_own():
     import itertools
 
-    from course_lib.planner_comm import _group_of_rank0
+    from course_lib.planner_comm import _group_of_rank0, group_span
 
     for tp, cp, dp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 3)):
         for ep in (e for e in (1, 2, 4, 8) if (dp * cp) % e == 0):
             shape = MeshShape(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
             for axes in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",)]:
-                assert _group_of_rank0(shape, axes) == shape.group_ranks(0, *axes), (shape, axes)
+                ranks = shape.group_ranks(0, *axes)
+                assert _group_of_rank0(shape, axes) == ranks, (shape, axes)
+                for gpn in (1, 2, 8):  # the span, cached by strides, is the group's own
+                    assert group_span(shape, axes, gpn) == (len(ranks), len({r // gpn for r in ranks}))
 
 
 def test_candidates_are_distinct_and_unpipelined_meshes_have_one_schedule():
