@@ -132,18 +132,18 @@ def stage_params(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ..
 
 
 @lru_cache(maxsize=100_000)
-def _states_floor(cfg: GPTConfig, lay: ParallelLayout) -> float:
-    """The largest model states of the ``worst_stages`` of ``lay``: ZeRO's (2 + 2 + K) bytes per parameter, the
+def _states_floor(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ...] | None, n_dense: int,
+                  zero: int) -> float:
+    """The largest model states of the ``worst_stages`` of a layout: ZeRO's (2 + 2 + K) bytes per parameter, the
     parts of stage z sharded over N_d ranks (``memory.zero_memory_per_device``, Rajbhandari et al. 2020, Sec. 5),
-    N_d = dp x cp for the dense parameters and dp x cp / ep for the experts (``stage_params``)."""
-    pb, n_dense = PARAM_BYTES, lay.dp * lay.cp
+    N_d = dp x cp = ``n_dense`` for the dense parameters and dp x cp / ep for the experts (``stage_params``)."""
+    pb = PARAM_BYTES
     floor = 0.0
-    for stage in worst_stages(lay.pp):
-        counts = stage_params(cfg, lay.tp, lay.pp, lay.ep, lay.split, stage)
+    for stage in worst_stages(pp):
+        counts = stage_params(cfg, tp, pp, ep, split, stage)
         dense = counts["embedding"] + counts["blocks"] + counts["head"]
-        states = (zero_memory_per_device(dense, pb.optimizer, n_dense, lay.zero, pb.params, pb.grads)
-                  + zero_memory_per_device(counts["experts"], pb.optimizer, n_dense // lay.ep, lay.zero, pb.params,
-                                           pb.grads))
+        states = (zero_memory_per_device(dense, pb.optimizer, n_dense, zero, pb.params, pb.grads)
+                  + zero_memory_per_device(counts["experts"], pb.optimizer, n_dense // ep, zero, pb.params, pb.grads))
         floor = max(floor, states)
     return floor
 
@@ -157,7 +157,7 @@ def states_exceed(cfg: GPTConfig, lay: ParallelLayout, headroom: float, usable: 
     """True when the model states of one stage of ``lay`` alone, with the budget's headroom, exceed ``usable``
     bytes: a lower bound of ``_memory``'s total (its worst stage adds activations, temporaries and buffers, and
     under ``zero3_with_pipeline`` holds its gradients whole), so such a candidate cannot fit and is not priced."""
-    floor = _states_floor(cfg, lay)
+    floor = _states_floor(cfg, lay.tp, lay.pp, lay.ep, lay.split, lay.dp * lay.cp, lay.zero)
     return (floor + headroom * floor) * (1 - FLOOR_MARGIN) > usable
 
 
