@@ -56,12 +56,12 @@ STATE_PARTS = ("parameters", "gradients", "optimizer_state", "communication")
 
 @lru_cache(maxsize=100_000)
 def _budgets(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
-             formula: Formula) -> tuple[MemoryBudget, ...]:
-    """``training_memory`` without headroom of each of the ``worst_stages`` of ``lay``."""
-    return tuple(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                                 layout=lay, headroom=0.0,
-                                 activation_formula="adapted" if formula == "flash" else "paper",
-                                 dropout=formula == "paper")
+             formula: Formula) -> tuple[dict[str, float], ...]:
+    """``training_memory`` without headroom of each of the ``worst_stages`` of ``lay``, by part."""
+    return tuple(dict(training_memory(cfg, stage=stage, micro_batch=micro_batch, seq_len=seq_len,
+                                      recompute=recompute, layout=lay, headroom=0.0,
+                                      activation_formula="adapted" if formula == "flash" else "paper",
+                                      dropout=formula == "paper"))
                  for stage in worst_stages(lay.pp))
 
 
@@ -101,9 +101,10 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
                                                        strict=True))
 
 
-@lru_cache(maxsize=100_000)
 def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,
             headroom: float) -> MemoryBudget:
+    """The budget of ``cand``'s worst stage: each stage's activations x its schedule's ``_in_flight_factor``, plus
+    ``headroom`` x the rest."""
     lay = cand.layout(global_batch, cfg.n_layer)
     factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
     worst, worst_total = None, 0.0
@@ -163,5 +164,5 @@ def states_exceed(cfg: GPTConfig, lay: ParallelLayout, headroom: float, usable: 
 
 def clear_caches() -> None:
     """Empty the memory caches of this module (a benchmark's fresh start; the tests' check of the shortcuts)."""
-    for cached in (_budgets, _stage_memory, _memory, stage_params, _states_floor):
+    for cached in (_budgets, _stage_memory, stage_params, _states_floor):
         cached.cache_clear()
