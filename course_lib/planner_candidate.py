@@ -111,7 +111,7 @@ class Candidate:
                        self.microbatches(global_batch), n_layer)
 
     def __str__(self) -> str:
-        extra = "".join(f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
+        extra = "".join([f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1])
         sched = f" {self.schedule_label}" if self.pp > 1 else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} mb={self.micro_batch} "
                 f"recompute={self.recompute}{sched}")

@@ -95,10 +95,10 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
     acts_all = states_all if recompute == "none" else _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula)
     grads_all = states_all if grads_key is states_key else _budgets(cfg, grads_key, micro_batch, seq_len, "none",
                                                                     formula)
-    return tuple((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
-                          for k in states})
-                 for stage, states, acts, grads in zip(worst_stages(lay.pp), states_all, acts_all, grads_all,
-                                                       strict=True))
+    return tuple([(stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
+                           for k in states})
+                  for stage, states, acts, grads in zip(worst_stages(lay.pp), states_all, acts_all, grads_all,
+                                                        strict=True)])
 
 
 def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,

@@ -326,9 +326,9 @@ def _reasons(p: Prediction, cl: Cluster, tp_span: tuple[int, int]) -> list[str]:
     c, sec, step = p.candidate, p.seconds, p.step_s
     out = [f"{p.memory.total / GiB:.1f} GiB of {p.usable_bytes / GiB:.0f} GiB per GPU"
            + ("" if p.fits else " (does not fit)")]
-    shares = sorted(((v / step, k) for k, v in sec.items() if k != "compute" and v > 0), reverse=True)
+    shares = sorted([(v / step, k) for k, v in sec.items() if k != "compute" and v > 0], reverse=True)
     if shares:
-        out.append("largest overhead: " + ", ".join(f"{k} {f:.0%}" for f, k in shares[:2]) + " of the step")
+        out.append("largest overhead: " + ", ".join([f"{k} {f:.0%}" for f, k in shares[:2]]) + " of the step")
     else:
         out.append("no exposed communication or bubble")
     if c.tp > 1:
