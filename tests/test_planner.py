@@ -305,6 +305,16 @@ def test_memory_reasons_state_the_budget():
     assert p.reasons[0].startswith(f"{p.memory.total / GiB:.1f} GiB of 80 GiB")
 
 
+def test_a_checked_split_is_checked_again_for_what_differs_only_in_type():
+    """``layer_split`` caches the check of a tuple split by value and type: (1.0, 3) is refused after (1, 3)."""
+    assert layer_split(4, 2, (1, 3)) == [1, 3]
+    for bad in ((1.0, 3), (True, 3), [1.0, 3]):
+        with pytest.raises(ValueError, match="whole number"):
+            layer_split(4, 2, bad)
+    with pytest.raises(ValueError, match="whole number"):
+        layer_split(4, 2, ([1], 3))  # unhashable: checked without the cache
+
+
 def test_the_groups_the_time_model_prices_are_the_meshs_own():
     import itertools
 
