@@ -303,31 +303,32 @@ def plan(cfg: GPTConfig | str, cl: Cluster, global_batch: int, seq_len: int, *,
     problems: dict[str, int] = {}
     usable = assume.usable_memory * cl.gpu.bytes
     preds: list[Prediction] = []
-    rejected: list[Candidate] = []
-    considered = 0
+    unfit: list[Candidate] = []  # the rejected candidates while none fits: an empty plan names the closest
+    considered = rejected = 0
     for cand in candidates(cfg, cl.world_size, global_batch, seq_len, problems=problems, **space):
         considered += 1
-        if states_exceed(padded_config(cfg, cand.tp), cand.layout(global_batch, cfg.n_layer), assume.headroom,
-                         usable):  # its model states alone do not fit: not priced
-            rejected.append(cand)
-            continue
-        p = predict(cfg, cl, global_batch, seq_len, cand, assume, time_if_fits_only=True)
-        if p.fits:
-            preds.append(p)
-        else:
-            rejected.append(cand)
+        if not states_exceed(padded_config(cfg, cand.tp), cand.layout(global_batch, cfg.n_layer), assume.headroom,
+                             usable):  # else its model states alone do not fit: not priced
+            p = predict(cfg, cl, global_batch, seq_len, cand, assume, time_if_fits_only=True)
+            if p.fits:
+                preds.append(p)
+                unfit.clear()
+                continue
+        rejected += 1
+        if not preds:
+            unfit.append(cand)
     fixed = dict(space.get("fixed") or {})  # type: ignore[call-overload]
     if considered == 0:
         raise ValueError(_no_mesh_message(cl, None, problems, fixed))
     preds.sort(key=lambda p: (p.step_s, p.memory.total))
     if preds:
-        return PlanResult(preds, len(rejected), considered)
+        return PlanResult(preds, rejected, considered)
     closest = None
-    for cand in rejected:  # none fits: the one that comes closest, first of equals
+    for cand in unfit:  # none fits: the one that comes closest, first of equals
         p = predict(cfg, cl, global_batch, seq_len, cand, assume, time_if_fits_only=True)
         if closest is None or p.memory.total < closest.memory.total:
             closest = p
-    return PlanResult(preds, len(rejected), considered, _no_mesh_message(cl, closest, problems, fixed))
+    return PlanResult(preds, rejected, considered, _no_mesh_message(cl, closest, problems, fixed))
 
 
 def fewest_gpus(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, max_nodes: int = 1024,
