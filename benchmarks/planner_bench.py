@@ -30,8 +30,7 @@ def main() -> None:
     close = top5 = 0
     runs = PP.published_runs()
     for run in runs:
-        for cached in (planner_memory._memory, planner_memory._stage_memory, planner_memory._budgets):
-            cached.cache_clear()
+        planner_memory.clear_caches()
         cl = P.cluster(run.cluster, run.nodes)
         t0, c0 = time.perf_counter(), time.process_time()
         free = P.plan(run.cfg, cl, run.global_batch, run.seq_len, assume=run.assume, fixed=run.study_fixed,

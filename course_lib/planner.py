@@ -58,12 +58,14 @@ from course_lib.memory_budget import GiB
 from course_lib.mesh import MeshError, MeshShape, divisors
 from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.parallel.config import check_composable
+from course_lib.planner_memory import states_exceed
 from course_lib.planner_model import (
     SCHEDULES,
     Assumptions,
     Candidate,
     Cluster,
     Prediction,
+    padded_config,
     padded_vocab,
     predict,
     refusal,
@@ -182,8 +184,9 @@ def candidates(cfg: GPTConfig, world: int, global_batch: int, seq_len: int, *,
         problems[reason] = problems.get(reason, 0) + 1
 
     def pinned(**values: object) -> bool:
-        return all(fixed.get(k, v) == v for k, v in values.items())
+        return not fixed or all(fixed.get(k, v) == v for k, v in values.items())
 
+    pipes = [(sc, v) for sc in schedules for v in (virtual_stages if sc == "interleaved" else (1,))]
     for tp, pp, cp in itertools.product(divisors(world), repeat=3):
         if world % (tp * pp * cp) or (max_cp is not None and cp > max_cp):
             continue
@@ -193,7 +196,7 @@ def candidates(cfg: GPTConfig, world: int, global_batch: int, seq_len: int, *,
         if gpus_per_node is not None and tp > gpus_per_node:
             drop(f"tp={tp} > {gpus_per_node} GPUs per node (TP stays inside a node)")
             continue
-        padded = replace(cfg, vocab_size=padded_vocab(cfg.vocab_size, tp))
+        padded = padded_config(cfg, tp)
         eps = [e for e in divisors(dp * cp) if cfg.n_expert and cfg.n_expert % e == 0] or [1]
         for ep, mb in itertools.product(eps, micro_batches):
             if not pinned(ep=ep, micro_batch=mb):
@@ -207,12 +210,11 @@ def candidates(cfg: GPTConfig, world: int, global_batch: int, seq_len: int, *,
                     drop(p)
                 continue
             m = global_batch // (dp * mb)
-            pipes = [(sc, v) for sc in schedules for v in (virtual_stages if sc == "interleaved" else (1,))]
             for (sched, v), zero, rc in itertools.product(pipes if pp > 1 else [("1f1b", 1)], zero_stages,
                                                           recomputes):
-                cand = Candidate(dp, tp, pp, cp, ep, zero, mb, rc, sched, v)  # type: ignore[arg-type]
                 if not pinned(zero=zero, recompute=rc, schedule=sched, v=v):
                     continue
+                cand = Candidate(dp, tp, pp, cp, ep, zero, mb, rc, sched, v)  # type: ignore[arg-type]
                 why = refusal(cfg, cand, m) or (library_rules and library_refusal(cfg, cand, global_batch, seq_len))
                 if why:
                     drop(why)
@@ -301,21 +303,34 @@ def plan(cfg: GPTConfig | str, cl: Cluster, global_batch: int, seq_len: int, *,
     assume = assume or Assumptions()
     space.setdefault("gpus_per_node", cl.gpus_per_node)
     problems: dict[str, int] = {}
-    preds, rejected, considered, closest = [], 0, 0, None
+    usable = assume.usable_memory * cl.gpu.bytes
+    preds: list[Prediction] = []
+    unfit: list[Candidate] = []  # the rejected candidates while none fits: an empty plan names the closest
+    considered = rejected = 0
     for cand in candidates(cfg, cl.world_size, global_batch, seq_len, problems=problems, **space):
         considered += 1
-        p = predict(cfg, cl, global_batch, seq_len, cand, assume, time_if_fits_only=True)
-        if p.fits:
-            preds.append(p)
-        else:
-            rejected += 1
-            if closest is None or p.memory.total < closest.memory.total:
-                closest = p
+        if not states_exceed(padded_config(cfg, cand.tp), cand.layout(global_batch, cfg.n_layer), assume.headroom,
+                             usable, assume.precision):  # else its model states alone do not fit: not priced
+            p = predict(cfg, cl, global_batch, seq_len, cand, assume, time_if_fits_only=True)
+            if p.fits:
+                preds.append(p)
+                unfit.clear()
+                continue
+        rejected += 1
+        if not preds:
+            unfit.append(cand)
     fixed = dict(space.get("fixed") or {})  # type: ignore[call-overload]
     if considered == 0:
         raise ValueError(_no_mesh_message(cl, None, problems, fixed))
     preds.sort(key=lambda p: (p.step_s, p.memory.total))
-    return PlanResult(preds, rejected, considered, "" if preds else _no_mesh_message(cl, closest, problems, fixed))
+    if preds:
+        return PlanResult(preds, rejected, considered)
+    closest = None
+    for cand in unfit:  # none fits: the one that comes closest, first of equals
+        p = predict(cfg, cl, global_batch, seq_len, cand, assume, time_if_fits_only=True)
+        if closest is None or p.memory.total < closest.memory.total:
+            closest = p
+    return PlanResult(preds, rejected, considered, _no_mesh_message(cl, closest, problems, fixed))
 
 
 def fewest_gpus(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, max_nodes: int = 1024,

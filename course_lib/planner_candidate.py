@@ -9,7 +9,7 @@ model prices.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Literal
 
 from course_lib.activation_memory import Recompute
@@ -86,9 +86,9 @@ class Candidate:
     schedule: Schedule = "1f1b"
     v: int = 1
 
-    @cached_property
+    @property
     def shape(self) -> MeshShape:
-        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+        return _shape(self.dp, self.tp, self.pp, self.cp, self.ep)
 
     @property
     def schedule_label(self) -> str:
@@ -107,16 +107,12 @@ class Candidate:
         return list(_rank_layers(self.pp, self.v, n_layer))
 
     def layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
-        return _layout(self, global_batch, n_layer)
-
-    def _layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
-        layers = self.rank_layers(n_layer)
-        return ParallelLayout(dp=self.dp, zero=self.zero, tp=self.tp, sp=self.tp > 1, pp=self.pp,
-                              microbatches=self.microbatches(global_batch), cp=self.cp, ep=self.ep,
-                              split=None if len(set(layers)) == 1 else tuple(layers))
+        """The ``memory.ParallelLayout`` of this candidate: its degrees, ZeRO stage, m and blocks per rank."""
+        return _layout(self.dp, self.zero, self.tp, self.pp, self.cp, self.ep, self.v,
+                       self.microbatches(global_batch), n_layer)
 
     def __str__(self) -> str:
-        extra = "".join(f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
+        extra = "".join([f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1])
         sched = f" {self.schedule_label}" if self.pp > 1 else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} mb={self.micro_batch} "
                 f"recompute={self.recompute}{sched}")
@@ -128,9 +124,16 @@ def _rank_layers(pp: int, v: int, n_layer: int) -> tuple[int, ...]:
     return tuple(sum(split[r::pp]) for r in range(pp))
 
 
+@lru_cache(maxsize=10_000)
+def _shape(dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshShape:
+    return MeshShape(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+
+
 @lru_cache(maxsize=100_000)
-def _layout(cand: Candidate, global_batch: int, n_layer: int) -> ParallelLayout:
-    return cand._layout(global_batch, n_layer)
+def _layout(dp: int, zero: int, tp: int, pp: int, cp: int, ep: int, v: int, m: int, n_layer: int) -> ParallelLayout:
+    layers = _rank_layers(pp, v, n_layer)
+    return ParallelLayout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, microbatches=m, cp=cp, ep=ep,
+                          split=None if len(set(layers)) == 1 else layers)
 
 
 def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:

@@ -19,24 +19,43 @@ def _time(link: Link, op: cost.Collective, nbytes: float, n: int) -> float:
 @lru_cache(maxsize=10_000)
 def group_span(shape: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> tuple[int, int]:
     """(ranks, nodes) of rank 0's group along ``axes``: how many GPUs talk, on how many nodes."""
-    ranks = _group_of_rank0(shape, axes)
+    if shape.order != DEFAULT_ORDER:
+        ranks = shape.group_ranks(0, *axes)
+        return len(ranks), len({r // gpus_per_node for r in ranks})
+    return _strided_span(_strides(shape, axes), gpus_per_node)
+
+
+def _strides(shape: MeshShape, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """(stride, degree) of each axis of rank 0's group in Megatron's order (tp-cp-ep-dp-pp: dense strides 1, tp,
+    tp cp, tp cp dp; the expert reading numbers the dp x cp ranks i = ep + EP edp, at rank tp i)."""
+    if axes == ("ep",):
+        return ((shape.tp, shape.ep),)
+    if axes == ("edp",):
+        return ((shape.tp * shape.ep, shape.dp * shape.cp // shape.ep),)
+    strides = {"tp": 1, "cp": shape.tp, "dp": shape.tp * shape.cp, "pp": shape.tp * shape.cp * shape.dp}
+    return tuple((strides[a], getattr(shape, a)) for a in axes)
+
+
+def _ranks(strides: tuple[tuple[int, int], ...]) -> list[int]:
+    """The ranks sum_a i_a stride_a, 0 <= i_a < degree_a."""
+    ranks = [0]
+    for stride, degree in strides:
+        ranks = [r + i * stride for r in ranks for i in range(degree)]
+    return ranks
+
+
+@lru_cache(maxsize=10_000)
+def _strided_span(strides: tuple[tuple[int, int], ...], gpus_per_node: int) -> tuple[int, int]:
+    """``group_span`` of the group ``_ranks(strides)``: shared by every mesh whose group has the same strides."""
+    ranks = _ranks(strides)
     return len(ranks), len({r // gpus_per_node for r in ranks})
 
 
 def _group_of_rank0(shape: MeshShape, axes: tuple[str, ...]) -> list[int]:
-    """``shape.group_ranks(0, *axes)``, by arithmetic for Megatron's order (tp-cp-ep-dp-pp: dense strides 1, tp,
-    tp cp, tp cp dp; the expert reading numbers the dp x cp ranks i = ep + EP edp, at rank tp i)."""
+    """``shape.group_ranks(0, *axes)``, by arithmetic for Megatron's order (``_strides``)."""
     if shape.order != DEFAULT_ORDER:
         return shape.group_ranks(0, *axes)
-    if axes == ("ep",):
-        return [shape.tp * i for i in range(shape.ep)]
-    if axes == ("edp",):
-        return [shape.tp * shape.ep * k for k in range(shape.dp * shape.cp // shape.ep)]
-    strides = {"tp": 1, "cp": shape.tp, "dp": shape.tp * shape.cp, "pp": shape.tp * shape.cp * shape.dp}
-    ranks = [0]
-    for a in axes:
-        ranks = [r + i * strides[a] for r in ranks for i in range(getattr(shape, a))]
-    return sorted(ranks)
+    return sorted(_ranks(_strides(shape, axes)))
 
 
 def group_time(cl: Cluster, op: cost.Collective, nbytes: float, span: tuple[int, int]) -> float:

@@ -6,8 +6,9 @@ Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
 
 The search prices thousands of candidates that share most of their memory, so a stage's budget is computed in
 two cached parts (``_stage_memory``): the model states, the same for the three recomputations, and the
-activations, the same for every data-parallel split. ``tests/test_planner_speed.py`` checks that the ranking is
-the one ``training_memory`` called directly for every stage gives.
+activations, the same for every data-parallel split. Before any of that, ``states_exceed`` drops a candidate whose
+model states alone (``memory.zero_memory_per_device``) cannot fit. ``tests/test_planner_speed.py`` checks that the
+ranking is the one ``training_memory`` called directly for every stage gives.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from functools import lru_cache
 from typing import Literal
 
 from course_lib.activation_memory import Recompute
-from course_lib.layout import ParallelLayout
+from course_lib.layout import ParallelLayout, params_per_rank
 from course_lib.memory import training_memory
 from course_lib.memory_budget import MemoryBudget
 from course_lib.model_config import GPTConfig
+from course_lib.model_states import bytes_per_param, zero_memory_per_device
 from course_lib.planner_candidate import Candidate, zero3_with_pipeline
 
 Formula = Literal["flash", "paper"]
 Precision = Literal["mixed", "bf16"]
-
 
 
 def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
@@ -52,12 +53,12 @@ STATE_PARTS = ("parameters", "gradients", "optimizer_state", "communication")
 
 @lru_cache(maxsize=100_000)
 def _budgets(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len: int, recompute: Recompute,
-             formula: Formula, precision: Precision = "mixed") -> tuple[MemoryBudget, ...]:
-    """``training_memory`` without headroom of each of the ``worst_stages`` of ``lay``."""
-    return tuple(training_memory(cfg, precision=precision, stage=stage, micro_batch=micro_batch, seq_len=seq_len,
-                                 recompute=recompute, layout=lay, headroom=0.0,
-                                 activation_formula="adapted" if formula == "flash" else "paper",
-                                 dropout=formula == "paper")
+             formula: Formula, precision: Precision = "mixed") -> tuple[dict[str, float], ...]:
+    """``training_memory`` without headroom of each of the ``worst_stages`` of ``lay``, by part."""
+    return tuple(dict(training_memory(cfg, precision=precision, stage=stage, micro_batch=micro_batch,
+                                      seq_len=seq_len, recompute=recompute, layout=lay, headroom=0.0,
+                                      activation_formula="adapted" if formula == "flash" else "paper",
+                                      dropout=formula == "paper"))
                  for stage in worst_stages(lay.pp))
 
 
@@ -83,23 +84,25 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
     """``training_memory`` of each of the ``worst_stages`` without headroom, by part, from two cached calls (three
     under ``zero3_with_pipeline``): the model states and buffers (``STATE_PARTS``: they do not depend on
     recomputation, so one call serves the three) and the activations and temporaries (they depend on neither dp,
-    ep nor ZeRO, so one call with dp = ep = 1, ZeRO-0 serves every data-parallel split). A stage's budget sees m
-    only through its micro-batches in flight, min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both
-    keys."""
+    ep nor ZeRO, so one call with dp = ep = 1, ZeRO-0 serves every data-parallel split; without recomputation the
+    model states' call has them already). A stage's budget sees m only through its micro-batches in flight,
+    min(pp - stage, m) (1 when pp = 1), so m is capped at pp in both keys."""
     states_key, acts_key, grads_key = _budget_layouts(lay)
     states_all = _budgets(cfg, states_key, micro_batch, seq_len, "none", formula, precision)
-    acts_all = _budgets(cfg, acts_key, micro_batch, seq_len, recompute, formula, precision)
+    acts_all = states_all if recompute == "none" else _budgets(cfg, acts_key, micro_batch, seq_len, recompute,
+                                                               formula, precision)
     grads_all = states_all if grads_key is states_key else _budgets(cfg, grads_key, micro_batch, seq_len, "none",
                                                                     formula, precision)
-    return tuple((stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
-                          for k in states})
-                 for stage, states, acts, grads in zip(worst_stages(lay.pp), states_all, acts_all, grads_all,
-                                                       strict=True))
+    return tuple([(stage, {k: (grads if k == "gradients" else states if k in STATE_PARTS else acts)[k]
+                           for k in states})
+                  for stage, states, acts, grads in zip(worst_stages(lay.pp), states_all, acts_all, grads_all,
+                                                        strict=True)])
 
 
-@lru_cache(maxsize=100_000)
 def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,
             headroom: float, precision: Precision = "mixed") -> MemoryBudget:
+    """The budget of ``cand``'s worst stage: each stage's activations x its schedule's ``_in_flight_factor``, plus
+    ``headroom`` x the rest."""
     lay = cand.layout(global_batch, cfg.n_layer)
     factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
     worst, worst_total = None, 0.0
@@ -115,3 +118,52 @@ def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, fo
     return MemoryBudget(parts, label=f"{cfg.name} | {cand} | per GPU",
                         notes=[f"activations: {formula}", f"precision: {precision}",
                                f"worst pipeline stage: {stage} of {cand.pp}"])
+
+
+PARAM_BYTES = {p: bytes_per_param(p, "adamw") for p in ("mixed", "bf16")}
+"""Bytes per parameter of what ``_budgets`` prices (AdamW, by ``Precision``)."""
+
+
+@lru_cache(maxsize=10_000)
+def stage_params(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ...] | None,
+                 stage: int) -> dict[str, float]:
+    """``memory.params_per_rank`` of pipeline stage ``stage``: it reads only tp, pp, ep and the blocks per stage of
+    a layout (not dp, cp, ZeRO or m), so one call serves every layout that shares them."""
+    return params_per_rank(cfg, ParallelLayout(dp=ep, tp=tp, pp=pp, ep=ep, split=split), stage)
+
+
+@lru_cache(maxsize=100_000)
+def _states_floor(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ...] | None, n_dense: int,
+                  zero: int, precision: Precision = "mixed") -> float:
+    """The largest model states of the ``worst_stages`` of a layout: ZeRO's (2 + 2 + K) bytes per parameter, the
+    parts of stage z sharded over N_d ranks (``memory.zero_memory_per_device``, Rajbhandari et al. 2020, Sec. 5),
+    N_d = dp x cp = ``n_dense`` for the dense parameters and dp x cp / ep for the experts (``stage_params``)."""
+    pb = PARAM_BYTES[precision]
+    floor = 0.0
+    for stage in worst_stages(pp):
+        counts = stage_params(cfg, tp, pp, ep, split, stage)
+        dense = counts["embedding"] + counts["blocks"] + counts["head"]
+        states = (zero_memory_per_device(dense, pb.optimizer, n_dense, zero, pb.params, pb.grads)
+                  + zero_memory_per_device(counts["experts"], pb.optimizer, n_dense // ep, zero, pb.params, pb.grads))
+        floor = max(floor, states)
+    return floor
+
+
+FLOOR_MARGIN = 1e-9
+"""Relative slack of ``states_exceed``: the floor sums the same parts as ``training_memory`` in another order, so
+it can exceed their sum by a few ulps (~1e-16 relative); 1e-9 absorbs that and is far below any real margin."""
+
+
+def states_exceed(cfg: GPTConfig, lay: ParallelLayout, headroom: float, usable: float,
+                  precision: Precision = "mixed") -> bool:
+    """True when the model states of one stage of ``lay`` alone, with the budget's headroom, exceed ``usable``
+    bytes: a lower bound of ``_memory``'s total (its worst stage adds activations, temporaries and buffers, and
+    under ``zero3_with_pipeline`` holds its gradients whole), so such a candidate cannot fit and is not priced."""
+    floor = _states_floor(cfg, lay.tp, lay.pp, lay.ep, lay.split, lay.dp * lay.cp, lay.zero, precision)
+    return (floor + headroom * floor) * (1 - FLOOR_MARGIN) > usable
+
+
+def clear_caches() -> None:
+    """Empty the memory caches of this module (a benchmark's fresh start; the tests' check of the shortcuts)."""
+    for cached in (_budgets, _stage_memory, stage_params, _states_floor):
+        cached.cache_clear()

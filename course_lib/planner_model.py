@@ -51,7 +51,7 @@ from functools import lru_cache
 from course_lib import cost
 from course_lib.activation_memory import layer_activation_bytes
 from course_lib.hardware import attention_length_factor
-from course_lib.layout import ParallelLayout, params_per_rank
+from course_lib.layout import ParallelLayout
 from course_lib.memory_budget import GiB, MemoryBudget
 from course_lib.model_config import GPTConfig, dense_twin
 from course_lib.parallel.cp import ring_kv_bytes
@@ -68,7 +68,7 @@ from course_lib.planner_candidate import (
     zero3_with_pipeline,
 )
 from course_lib.planner_comm import _all_to_all, group_span, group_time
-from course_lib.planner_memory import Formula, Precision, _memory, peak_in_flight
+from course_lib.planner_memory import Formula, Precision, _memory, peak_in_flight, stage_params
 from course_lib.planner_moe import (
     active_params,
     layer_matmul_params,
@@ -200,9 +200,8 @@ def _saved_bytes(cfg: GPTConfig, micro_batch: int, s_local: int, tp: int) -> flo
     return layer_activation_bytes(cfg, micro_batch, s_local, tp=tp, sp=tp > 1, formula="adapted", dropout=False)
 
 
-@lru_cache(maxsize=100_000)
 def _params_per_rank(cfg: GPTConfig, lay: ParallelLayout, stage: int) -> dict[str, float]:
-    return params_per_rank(cfg, lay, stage)
+    return stage_params(cfg, lay.tp, lay.pp, lay.ep, lay.split, stage)
 
 
 def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: Candidate,
@@ -261,7 +260,8 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     logits = 4 * rows * pcfg.vocab_size / t  # fp32 logits of this rank's vocabulary slice
     head_mb = tokens_mb * 2 * pcfg.vocab_size * h / rate + assume.elementwise_passes * logits / cl.gpu.mem_bandwidth
     layers = cand.rank_layers(cfg.n_layer)
-    per_rank = [(n - d) * fwd_bwd(layer_mb) + d * fwd_bwd(dense_mb) + (3 * head_mb if r == p - 1 else 0.0)
+    moe_fb, dense_fb = fwd_bwd(layer_mb), fwd_bwd(dense_mb)
+    per_rank = [(n - d) * moe_fb + d * dense_fb + (3 * head_mb if r == p - 1 else 0.0)
                 for r, (n, d) in enumerate(zip(layers, n_dense, strict=True))]
     slow = max(range(p), key=per_rank.__getitem__)
     t_mb = per_rank[slow]
@@ -350,9 +350,9 @@ def _reasons(p: Prediction, cl: Cluster, tp_span: tuple[int, int]) -> list[str]:
     c, sec, step = p.candidate, p.seconds, p.step_s
     out = [f"{p.memory.total / GiB:.1f} GiB of {p.usable_bytes / GiB:.0f} GiB per GPU"
            + ("" if p.fits else " (does not fit)")]
-    shares = sorted(((v / step, k) for k, v in sec.items() if k != "compute" and v > 0), reverse=True)
+    shares = sorted([(v / step, k) for k, v in sec.items() if k != "compute" and v > 0], reverse=True)
     if shares:
-        out.append("largest overhead: " + ", ".join(f"{k} {f:.0%}" for f, k in shares[:2]) + " of the step")
+        out.append("largest overhead: " + ", ".join([f"{k} {f:.0%}" for f, k in shares[:2]]) + " of the step")
     else:
         out.append("no exposed communication or bubble")
     if c.tp > 1:

@@ -28,7 +28,22 @@ def layer_split(n_layer: int, n_stages: int, split: Sequence[int] | None = None)
                 f"choose n_layer divisible by {n_stages}, or give split=[blocks per stage] (e.g. from balance_stages)"
             )
         return [n_layer // n_stages] * n_stages
-    split = list(split)
+    if isinstance(split, tuple):  # a layout's split, checked again by every call that reads it: check it once
+        try:
+            return list(_checked_split(n_layer, n_stages, split, tuple(map(type, split))))
+        except TypeError:  # an unhashable entry: the check below says what is wrong with it
+            pass
+    return _check_split(n_layer, n_stages, list(split))
+
+
+@lru_cache(maxsize=4096)
+def _checked_split(n_layer: int, n_stages: int, split: tuple[int, ...], types: tuple[type, ...]) -> tuple[int, ...]:
+    """``_check_split`` of a tuple, cached (``types`` in the key: 1.0 == 1 must not pass as an int)."""
+    return tuple(_check_split(n_layer, n_stages, list(split)))
+
+
+def _check_split(n_layer: int, n_stages: int, split: list[int]) -> list[int]:
+    """``split`` itself when it holds one whole count >= 1 per stage summing to ``n_layer``; else ``ValueError``."""
     if len(split) != n_stages:
         raise ValueError(f"split needs one block count per (virtual) stage, {n_stages} = p x v, got {len(split)}: "
                          f"{split}")

@@ -307,16 +307,29 @@ def test_memory_reasons_state_the_budget():
     assert p.reasons[0].startswith(f"{p.memory.total / GiB:.1f} GiB of 80 GiB")
 
 
+def test_a_checked_split_is_checked_again_for_what_differs_only_in_type():
+    """``layer_split`` caches the check of a tuple split by value and type: (1.0, 3) is refused after (1, 3)."""
+    assert layer_split(4, 2, (1, 3)) == [1, 3]
+    for bad in ((1.0, 3), (True, 3), [1.0, 3]):
+        with pytest.raises(ValueError, match="whole number"):
+            layer_split(4, 2, bad)
+    with pytest.raises(ValueError, match="whole number"):
+        layer_split(4, 2, ([1], 3))  # unhashable: checked without the cache
+
+
 def test_the_groups_the_time_model_prices_are_the_meshs_own():
     import itertools
 
-    from course_lib.planner_comm import _group_of_rank0
+    from course_lib.planner_comm import _group_of_rank0, group_span
 
     for tp, cp, dp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 3)):
         for ep in (e for e in (1, 2, 4, 8) if (dp * cp) % e == 0):
             shape = MeshShape(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
             for axes in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",)]:
-                assert _group_of_rank0(shape, axes) == shape.group_ranks(0, *axes), (shape, axes)
+                ranks = shape.group_ranks(0, *axes)
+                assert _group_of_rank0(shape, axes) == ranks, (shape, axes)
+                for gpn in (1, 2, 8):  # the span, cached by strides, is the group's own
+                    assert group_span(shape, axes, gpn) == (len(ranks), len({r // gpn for r in ranks}))
 
 
 def test_candidates_are_distinct_and_unpipelined_meshes_have_one_schedule():
