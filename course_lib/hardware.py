@@ -32,6 +32,7 @@ What the numbers mean (the conventions every entry follows):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -183,6 +184,7 @@ the causal mask, as the FlashAttention-3 paper plots it (Shah et al. 2024, Figur
 short block leaves the GPU's SMs idle and pays the softmax and the causal diagonal more often."""
 
 
+@functools.lru_cache(maxsize=1_000)
 def attention_length_factor(seq_len: int, cp: int = 1) -> float:
     """The attention kernel's speed at this rank's blocks over its speed at 16K tokens (1 at 16K and beyond),
     each kind against its own 16K speed, interpolated in log2 of the length (clamped at 512). Without CP one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from course_lib.model_config import GPTConfig, dense_twin, norm_params, resolve
@@ -92,8 +93,7 @@ class ParallelLayout:
         if c.kv_heads % self.tp and self.tp % c.kv_heads:
             raise ValueError(f"tp={self.tp} and n_kv_head={c.kv_heads}: one must divide the other")
         blocks = layer_split(c.n_layer, self.pp, self.split)  # the runtime's rule: pp divides n_layer, or a split
-        if self.dense is not None and (not c.n_expert or len(self.dense) != self.pp
-                                       or any(not 0 <= d <= n for d, n in zip(self.dense, blocks, strict=True))):
+        if self.dense is not None and (not c.n_expert or not _dense_fits(self.dense, tuple(blocks))):
             raise ValueError(f"dense={self.dense}: one count per stage (pp={self.pp}), each between 0 and the "
                              f"stage's blocks {tuple(blocks)}, and only for a mixture-of-experts model")
         if seq_len is not None and seq_len % self.cp:
@@ -106,6 +106,12 @@ class ParallelLayout:
             raise ValueError(f"ep={self.ep} must divide n_expert={c.n_expert}")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (EP is carved out of DP)")
+
+
+@lru_cache(maxsize=10_000)
+def _dense_fits(dense: tuple[int, ...], blocks: tuple[int, ...]) -> bool:
+    """One count of dense blocks per stage, each between 0 and the stage's blocks."""
+    return len(dense) == len(blocks) and all(0 <= d <= n for d, n in zip(dense, blocks, strict=True))
 
 
 def block_params_per_rank(c: GPTConfig, tp: int) -> tuple[float, float]:

@@ -65,6 +65,7 @@ from course_lib.planner_model import (
     Candidate,
     Cluster,
     Prediction,
+    leading_dense,
     padded_config,
     padded_vocab,
     predict,
@@ -309,8 +310,9 @@ def plan(cfg: GPTConfig | str, cl: Cluster, global_batch: int, seq_len: int, *,
     considered = rejected = 0
     for cand in candidates(cfg, cl.world_size, global_batch, seq_len, problems=problems, **space):
         considered += 1
-        if not states_exceed(padded_config(cfg, cand.tp), cand.layout(global_batch, cfg.n_layer), assume.headroom,
-                             usable, assume.precision):  # else its model states alone do not fit: not priced
+        lay = cand.layout(global_batch, cfg.n_layer, leading_dense(cfg, assume.dense_layers))
+        if not states_exceed(padded_config(cfg, cand.tp), lay, assume.headroom, usable,
+                             assume.precision):  # else its model states alone do not fit: not priced
             p = predict(cfg, cl, global_batch, seq_len, cand, assume, time_if_fits_only=True)
             if p.fits:
                 preds.append(p)

@@ -106,10 +106,11 @@ class Candidate:
         """Blocks each pipeline rank holds: its v chunks r, r + p, ... (Megatron-LM's interleaving)."""
         return list(_rank_layers(self.pp, self.v, n_layer))
 
-    def layout(self, global_batch: int, n_layer: int) -> ParallelLayout:
-        """The ``memory.ParallelLayout`` of this candidate: its degrees, ZeRO stage, m and blocks per rank."""
+    def layout(self, global_batch: int, n_layer: int, dense_layers: int = 0) -> ParallelLayout:
+        """The ``layout.ParallelLayout`` of this candidate: its degrees, ZeRO stage, m, blocks per rank and, of an
+        MoE model whose first ``dense_layers`` blocks are dense, how many of those each rank holds."""
         return _layout(self.dp, self.zero, self.tp, self.pp, self.cp, self.ep, self.v,
-                       self.microbatches(global_batch), n_layer)
+                       self.microbatches(global_batch), n_layer, dense_layers)
 
     def __str__(self) -> str:
         extra = "".join([f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1])
@@ -125,15 +126,28 @@ def _rank_layers(pp: int, v: int, n_layer: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=10_000)
+def rank_dense_layers(pp: int, v: int, n_layer: int, dense_layers: int) -> tuple[int, ...]:
+    """Per pipeline rank, how many of the first ``dense_layers`` blocks it holds (its chunks r, r + p, ... of
+    ``ends_split``)."""
+    out, start = [0] * pp, 0
+    for j, n in enumerate(ends_split(n_layer, pp * v)):
+        out[j % pp] += max(0, min(start + n, dense_layers) - start)
+        start += n
+    return tuple(out)
+
+
+@lru_cache(maxsize=10_000)
 def _shape(dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshShape:
     return MeshShape(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
 
 
 @lru_cache(maxsize=100_000)
-def _layout(dp: int, zero: int, tp: int, pp: int, cp: int, ep: int, v: int, m: int, n_layer: int) -> ParallelLayout:
+def _layout(dp: int, zero: int, tp: int, pp: int, cp: int, ep: int, v: int, m: int, n_layer: int,
+            dense_layers: int = 0) -> ParallelLayout:
     layers = _rank_layers(pp, v, n_layer)
     return ParallelLayout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, microbatches=m, cp=cp, ep=ep,
-                          split=None if len(set(layers)) == 1 else layers)
+                          split=None if len(set(layers)) == 1 else layers,
+                          dense=rank_dense_layers(pp, v, n_layer, dense_layers) if dense_layers else None)
 
 
 def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:

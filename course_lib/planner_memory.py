@@ -100,10 +100,10 @@ def _stage_memory(cfg: GPTConfig, lay: ParallelLayout, micro_batch: int, seq_len
 
 
 def _memory(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len: int, formula: Formula,
-            headroom: float, precision: Precision = "mixed") -> MemoryBudget:
+            headroom: float, precision: Precision = "mixed", dense_layers: int = 0) -> MemoryBudget:
     """The budget of ``cand``'s worst stage: each stage's activations x its schedule's ``_in_flight_factor``, plus
     ``headroom`` x the rest."""
-    lay = cand.layout(global_batch, cfg.n_layer)
+    lay = cand.layout(global_batch, cfg.n_layer, dense_layers)
     factors = _in_flight_factor(cand.schedule, cand.pp, lay.m, cand.v) if cand.pp > 1 else (1.0,)
     worst, worst_total = None, 0.0
     for stage, budget in _stage_memory(cfg, lay, cand.micro_batch, seq_len, cand.recompute, formula,
@@ -126,22 +126,23 @@ PARAM_BYTES = {p: bytes_per_param(p, "adamw") for p in ("mixed", "bf16")}
 
 @lru_cache(maxsize=10_000)
 def stage_params(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ...] | None,
-                 stage: int) -> dict[str, float]:
-    """``memory.params_per_rank`` of pipeline stage ``stage``: it reads only tp, pp, ep and the blocks per stage of
-    a layout (not dp, cp, ZeRO or m), so one call serves every layout that shares them."""
-    return params_per_rank(cfg, ParallelLayout(dp=ep, tp=tp, pp=pp, ep=ep, split=split), stage)
+                 dense: tuple[int, ...] | None, stage: int) -> dict[str, float]:
+    """``layout.params_per_rank`` of pipeline stage ``stage``: it reads only tp, pp, ep and the (dense) blocks per
+    stage of a layout (not dp, cp, ZeRO or m), so one call serves every layout that shares them."""
+    return params_per_rank(cfg, ParallelLayout(dp=ep, tp=tp, pp=pp, ep=ep, split=split, dense=dense), stage)
 
 
 @lru_cache(maxsize=100_000)
-def _states_floor(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ...] | None, n_dense: int,
-                  zero: int, precision: Precision = "mixed") -> float:
+def _states_floor(cfg: GPTConfig, tp: int, pp: int, ep: int, split: tuple[int, ...] | None,
+                  dense_blocks: tuple[int, ...] | None, n_dense: int, zero: int,
+                  precision: Precision = "mixed") -> float:
     """The largest model states of the ``worst_stages`` of a layout: ZeRO's (2 + 2 + K) bytes per parameter, the
     parts of stage z sharded over N_d ranks (``memory.zero_memory_per_device``, Rajbhandari et al. 2020, Sec. 5),
     N_d = dp x cp = ``n_dense`` for the dense parameters and dp x cp / ep for the experts (``stage_params``)."""
     pb = PARAM_BYTES[precision]
     floor = 0.0
     for stage in worst_stages(pp):
-        counts = stage_params(cfg, tp, pp, ep, split, stage)
+        counts = stage_params(cfg, tp, pp, ep, split, dense_blocks, stage)
         dense = counts["embedding"] + counts["blocks"] + counts["head"]
         states = (zero_memory_per_device(dense, pb.optimizer, n_dense, zero, pb.params, pb.grads)
                   + zero_memory_per_device(counts["experts"], pb.optimizer, n_dense // ep, zero, pb.params, pb.grads))
@@ -159,7 +160,7 @@ def states_exceed(cfg: GPTConfig, lay: ParallelLayout, headroom: float, usable: 
     """True when the model states of one stage of ``lay`` alone, with the budget's headroom, exceed ``usable``
     bytes: a lower bound of ``_memory``'s total (its worst stage adds activations, temporaries and buffers, and
     under ``zero3_with_pipeline`` holds its gradients whole), so such a candidate cannot fit and is not priced."""
-    floor = _states_floor(cfg, lay.tp, lay.pp, lay.ep, lay.split, lay.dp * lay.cp, lay.zero, precision)
+    floor = _states_floor(cfg, lay.tp, lay.pp, lay.ep, lay.split, lay.dense, lay.dp * lay.cp, lay.zero, precision)
     return (floor + headroom * floor) * (1 - FLOOR_MARGIN) > usable
 
 

@@ -106,8 +106,9 @@ class Assumptions:
       (DeepEP's internode kernels, NVIDIA's HybridEP), with or without node-limited routing; False: each of a
       token's top_k copies bound for another node crosses the network;
     * ``dense_layers``: the first k blocks of an MoE model are dense MLPs of ``d_ff`` (DeepSeek-V3's first 3;
-      ``GPTConfig`` has no field for them, so the planner carries it). Priced in compute, FLOPs and active
-      parameters; the memory and DP bytes still count those blocks as MoE blocks (see ``predict``);
+      ``GPTConfig`` has no field for them, so the planner carries it). Priced in compute, FLOPs, active
+      parameters, the model states and the DP bytes (``ParallelLayout.dense``); their activations are still
+      counted as an MoE block's;
     * ``headroom``: the memory budget's own headroom; ``usable_memory``: the fraction of the GPU the job may use;
     * ``attention_memory``: "flash" (no s x s scores, no dropout) or "paper" (Korthikanti et al. 2022, Table 2);
     * ``precision``: the model states' bytes per parameter (``memory.bytes_per_param`` with Adam): "mixed",
@@ -201,7 +202,7 @@ def _saved_bytes(cfg: GPTConfig, micro_batch: int, s_local: int, tp: int) -> flo
 
 
 def _params_per_rank(cfg: GPTConfig, lay: ParallelLayout, stage: int) -> dict[str, float]:
-    return stage_params(cfg, lay.tp, lay.pp, lay.ep, lay.split, stage)
+    return stage_params(cfg, lay.tp, lay.pp, lay.ep, lay.split, lay.dense, stage)
 
 
 def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: Candidate,
@@ -224,7 +225,9 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
                          f"{cand.micro_batch} x whole micro-batches: choose a batch that is a multiple of "
                          f"{cand.dp * cand.micro_batch}")
     pcfg = padded_config(cfg, cand.tp)
-    mem = _memory(pcfg, cand, global_batch, seq_len, assume.attention_memory, assume.headroom, assume.precision)
+    n_lead = leading_dense(cfg, assume.dense_layers)
+    mem = _memory(pcfg, cand, global_batch, seq_len, assume.attention_memory, assume.headroom, assume.precision,
+                  n_lead)
     usable = assume.usable_memory * cl.gpu.bytes
     if time_if_fits_only and mem.total > usable:
         return Prediction(cand, mem, False, usable)
@@ -251,7 +254,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
                 + assume.elementwise_passes * saved / cl.gpu.mem_bandwidth)
 
     layer_mb = layer_time(pcfg, dense_w, experts_w)
-    n_dense = rank_dense_layers(cand, cfg.n_layer, leading_dense(cfg, assume.dense_layers))
+    n_dense = rank_dense_layers(cand, cfg.n_layer, n_lead)
     dense_mb = layer_time(dense_twin(pcfg), *layer_matmul_params(cfg, dense=True)) if any(n_dense) else 0.0
 
     def fwd_bwd(layer: float) -> float:
@@ -308,7 +311,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     # DP / ZeRO over dp x cp (experts over dp x cp / ep), hierarchical collectives of bf16 gradients/parameters
     dp_s = 0.0
     if cand.dp * c > 1:
-        counts = _params_per_rank(pcfg, cand.layout(global_batch, cfg.n_layer), slow)
+        counts = _params_per_rank(pcfg, cand.layout(global_batch, cfg.n_layer, n_lead), slow)
         dense_b, expert_b = 2 * (counts["embedding"] + counts["blocks"] + counts["head"]), 2 * counts["experts"]
         dense_r = ranks("dp", "cp")
         expert_r = ranks("edp") if cand.ep > 1 else dense_r

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from course_lib.model_config import GPTConfig, attention_params, mlp_params, shared_expert_params
 from course_lib.planner_candidate import Candidate
-from course_lib.pp_layers import ends_split
+from course_lib.planner_candidate import rank_dense_layers as _rank_dense_layers
 
 
 @lru_cache(maxsize=1_000)
@@ -38,15 +38,6 @@ def active_params(cfg: GPTConfig, dense_layers: int = 0) -> int:
 def rank_dense_layers(cand: Candidate, n_layer: int, dense_layers: int) -> list[int]:
     """Per pipeline rank, how many of the first ``dense_layers`` blocks it holds (its chunks r, r + p, ...)."""
     return list(_rank_dense_layers(cand.pp, cand.v, n_layer, dense_layers))
-
-
-@lru_cache(maxsize=10_000)
-def _rank_dense_layers(pp: int, v: int, n_layer: int, dense_layers: int) -> tuple[int, ...]:
-    out, start = [0] * pp, 0
-    for j, n in enumerate(ends_split(n_layer, pp * v)):
-        out[j % pp] += max(0, min(start + n, dense_layers) - start)
-        start += n
-    return tuple(out)
 
 
 def route_node_limit(cfg: GPTConfig, nodes: int, override: int | None = None) -> int | None:

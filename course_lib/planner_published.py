@@ -161,8 +161,8 @@ OTHER_RUNS: list[PublishedRun] = [
         pinned={"zero": 1, "schedule": "zb_h1"}, space={"zero_stages": (1,), "micro_batches": (1,)},
         assume=Assumptions(ep_overlap=1.0, dense_layers=DEEPSEEK_V3_DENSE_LAYERS),
         gaps="MLA (modelled as MHA), multi-token prediction, FP8 GEMMs and DualPipe (priced as ZB-H1 with the "
-             "all-to-all fully overlapped) are not modelled; the 3 dense leading blocks are priced in compute and "
-             "FLOPs but held in memory as MoE blocks"),
+             "all-to-all fully overlapped) are not modelled; the 3 dense leading blocks' activations are "
+             "counted as MoE blocks'"),
 ]
 
 

@@ -385,6 +385,13 @@ def test_leading_dense_blocks_are_priced_on_the_stage_that_holds_them():
     # a dense MLP of 1024 costs more than 2 experts of 64: stage 0 becomes the slow one, more model FLOPs
     assert dense.seconds["compute"] > moe.seconds["compute"]
     assert dense.mfu * dense.step_s > moe.mfu * moe.step_s
+    # and held in memory as dense blocks: stage 0 holds 3 dense MLPs of 1024 and 1 MoE block of 8 experts of 64
+    from course_lib.layout import block_params_per_rank
+    from course_lib.model_config import dense_twin
+    (attn_moe, experts), (plain, _) = block_params_per_rank(cfg, 1), block_params_per_rank(dense_twin(cfg), 1)
+    extra = 3 * (plain - attn_moe - experts)  # no EP, no ZeRO: unsharded, 2 bytes each (bf16 weights)
+    assert dense.memory["parameters"] - moe.memory["parameters"] == pytest.approx(2 * extra)
+    assert cand.layout(16, 8, 3).dense == (3, 0) and cand.layout(16, 8).dense is None
     with pytest.raises(ValueError, match="dense_layers"):
         P.Assumptions(dense_layers=-1)
 
