@@ -1,7 +1,7 @@
 """The planner's memory of one candidate: ``memory.training_memory`` of its layout for the stages that can be worst
 (the first two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks and fewer
 micro-batches in flight), their activations scaled to the schedule's own peak in flight (``peak_in_flight``, as
-``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v) times 1F1B's on rank 0, as
+``schedule_run.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v) times 1F1B's on rank 0, as
 Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W).
 
 The search prices thousands of candidates that share most of their memory, so a stage's budget is computed in
@@ -32,7 +32,7 @@ Precision = Literal["mixed", "bf16"]
 def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
     """Per rank r, the most (chunk, micro-batch) activations held at once, in closed form: 1F1B min(p - r, m);
     interleaved min(2(p-1-r) + (v-1)p + 1, m v) (its warm-up forwards and the one in steady state); ZB-H1
-    min(p, m) on every rank (a micro-batch is held until its W). ``schedules.peak_in_flight`` of the library's
+    min(p, m) on every rank (a micro-batch is held until its W). ``schedule_run.peak_in_flight`` of the library's
     schedules gives the same numbers (tests/test_planner.py checks it)."""
     if schedule == "interleaved":
         return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]

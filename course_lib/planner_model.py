@@ -7,7 +7,7 @@ memory (``planner_memory``), the groups and collectives (``planner_comm``), the 
 * **Memory** (``planner_memory``): ``memory.training_memory`` of the candidate's layout, for the stages that can
   be worst (the first two and the last two: under ``pp_layers.ends_split`` the middle stages hold the same blocks
   and fewer micro-batches in flight), their activations scaled to the schedule's own peak in flight
-  (``peak_in_flight``, as ``schedules.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v)
+  (``peak_in_flight``, as ``schedule_run.peak_in_flight`` counts them: interleaved 1F1B holds 1 + (p-1)/(p v)
   times 1F1B's on rank 0, as Korthikanti et al. 2022 state; ZB-H1 holds p on every rank until its W); under
   ZeRO-3 with a pipeline each stage holds its gradients whole (``zero3_with_pipeline``). FlashAttention-era
   activations (no s x s score matrix, no dropout masks: ``activation_formula="adapted"``) are the default;
