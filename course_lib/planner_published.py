@@ -167,8 +167,8 @@ OTHER_RUNS: list[PublishedRun] = [
 
 
 AUTOMODEL_PRECISION = "bf16"
-"""How NeMo AutoModel's benchmark recipes hold the model states (``examples/llm_benchmark/*/*.yaml`` of its
-repository): the model built with ``from_config`` (its dtype "auto" is bf16), sharded by FSDP2, trained by
+"""How NeMo AutoModel's benchmark recipes hold the model states (the YAML files of its repository's LLM benchmark
+examples): the model built with ``from_config`` (its dtype "auto" is bf16), sharded by FSDP2, trained by
 ``torch.optim.Adam``, whose moments take the weights' dtype: 8 bytes per parameter, no fp32 master copy."""
 
 AUTOMODEL_ZERO = (0, 3)
@@ -188,7 +188,7 @@ NVIDIA_RUNS: list[PublishedRun] = [
         space={"zero_stages": AUTOMODEL_ZERO},
         assume=Assumptions(precision=AUTOMODEL_PRECISION, ep_dedup=True),
         gaps="FSDP2 (ZeRO-3) over the 8 GPUs, EP 8 inside it, MBS 4 with full activation checkpointing as its "
-             "recipe (examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml) sets them; the model states in "
+             "recipe (AutoModel's Qwen3 MoE 30B benchmark with TE and DeepEP) sets them; the model states in "
              "bf16 (AUTOMODEL_PRECISION); DeepEP's kernels (on 20 SMs), the 128-wide heads and the recipe's "
              "balanced fake gate (no load imbalance, as the planner assumes) are not modelled beyond that"),
 
@@ -206,7 +206,7 @@ NVIDIA_RUNS: list[PublishedRun] = [
         assume=Assumptions(dense_layers=KIMI_K2_DENSE_LAYERS, precision=AUTOMODEL_PRECISION, ep_dedup=True),
         gaps="FSDP2 (ZeRO-3) x PP 8 (interleaved, 4 chunks per rank): the planner's ZeRO-3-with-a-pipeline, in "
              "torchtitan's form; full activation checkpointing and HybridEP's per-node de-duplication (ep_dedup) as "
-             "its recipe (examples/llm_benchmark/kimi/kimi_k2_te_deepep.yaml) sets them; model states in bf16 "
+             "its recipe (AutoModel's Kimi K2 benchmark with TE and HybridEP) sets them; model states in bf16 "
              "(AUTOMODEL_PRECISION: with fp32 master weights and moments the mesh would need more than the GPU, "
              "16 bytes for each parameter of the 12 experts per block that EP 32 = DP 32 leaves unsharded); the "
              "recipe's 2 blocks per virtual stage priced as ends_split's 61 blocks over 32 chunks; MLA is not "
