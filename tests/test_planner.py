@@ -450,7 +450,6 @@ def test_bf16_model_states_take_half_the_bytes_of_mixed_precision():
     mixed, bf16 = (P.predict(cfg, cl, 8, 4096, cand, P.Assumptions(precision=x)).memory for x in ("mixed", "bf16"))
     assert (mixed["parameters"], mixed["gradients"]) == (bf16["parameters"], bf16["gradients"])
     assert mixed["optimizer_state"] == pytest.approx(3 * bf16["optimizer_state"])  # (4 + 4 + 4) / (2 + 2)
-    assert mixed["parameters"] + mixed["gradients"] + 8 * mixed["optimizer_state"] > 0
 
 
 # ------------------------------------------------------------------------------------------------ the library's rules
