@@ -81,9 +81,9 @@ lab: my-copy
 
 ## Your own copy of the course in $(MY_WORK)/ (git ignores it): notebooks/ (the chapters) and exercises/ (your
 ## answers). Run again (make lab does) after a `git pull`: new notebooks are copied, a notebook you only ran gets
-## the new version, one you edited is kept as it is (course_lib/my_copy.py).
+## the new version, one you edited is kept as it is (course_lib/course/my_copy.py).
 my-copy: $(STAMP)
-	$(PY) -m course_lib.my_copy --dest "$(MY_WORK)"
+	$(PY) -m course_lib.course.my_copy --dest "$(MY_WORK)"
 
 ## Every test: lint, the library (pytest), the parity tests on generic kernels, the widgets in a real browser, every
 ## notebook (nbval). This is what CI runs.
@@ -148,11 +148,11 @@ grade: $(STAMP)
 ## The learners' copy without solutions/ (its own README, Makefile and install, no test tools): make handout OUT=dir
 OUT ?= handout
 handout: $(STAMP)
-	$(PY) -m course_lib.handout $(OUT)
+	$(PY) -m course_lib.course.handout $(OUT)
 
 ## The course as a static site (site/index.html): chapters, figures, math, exercises without solutions.
 site: $(STAMP)
-	$(PY) -m course_lib.site site
+	$(PY) -m course_lib.course.site site
 
 ## The site built and checked: links, images, no solutions (pytest), then every page in chromium.
 test-site: $(STAMP) browser-deps

@@ -1,5 +1,5 @@
 """The course's mesh checkpoint against PyTorch's Distributed Checkpoint (DCP), measured side by side in the same
-ranks on the same model and data-parallel mesh (``course_lib.checkpoint_cost``): bytes each rank writes against
+ranks on the same model and data-parallel mesh (``course_lib.failures.checkpoint_cost``): bytes each rank writes against
 the formula B = 12 P (fp32 weights + AdamW's m and v), save and load time, and DCP's ``async_save`` (the time
 training blocks vs until the write is done), as ratios. Times are medians over ``--repeats`` runs, each into a
 fresh folder; CPU gloo on a laptop disk, so they say how the two spread the work, not what a parallel file system
@@ -14,10 +14,10 @@ import argparse
 import statistics
 import tempfile
 
-from course_lib.checkpoint_cost import checkpoint_bytes, measure_checkpoint_cost
-from course_lib.launch import launch
+from course_lib.failures.checkpoint_cost import checkpoint_bytes, measure_checkpoint_cost
 from course_lib.model import GPT, num_params
 from course_lib.model_config import GPTConfig
+from course_lib.runtime.launch import launch
 
 
 def main() -> None:

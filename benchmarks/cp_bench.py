@@ -2,7 +2,7 @@
 step time of the zig-zag layout against the contiguous one under a causal mask.
 
 1. **Memory** (normal mode, real compute): the bytes autograd saves for the backward of one attention layer
-   (``course_lib.memtrack.MemoryTracker``, category "activations"), ring attention on each of cp ranks holding
+   (``course_lib.measure.memtrack.MemoryTracker``, category "activations"), ring attention on each of cp ranks holding
    s/cp tokens vs PyTorch's SDPA on one process holding all s. Goal: ratio x cp within 10 % of 1 (each rank
    keeps q, k, v, out and the log-sum-exp of its own tokens only; the blocks it receives are freed after use).
 2. **Step time** (emulated-device mode): forward + backward of ring attention, each block sleeping
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
-from course_lib.launch import launch
-from course_lib.memtrack import MemoryTracker
+from course_lib.measure.memtrack import MemoryTracker
 from course_lib.parallel import cp_attention as ca
 from course_lib.parallel.cp import ring_kv_bytes, ring_sends_per_layer
 from course_lib.parallel.cp_ulysses import ulysses_attention, ulysses_bytes_per_rank
+from course_lib.runtime.launch import launch
 from course_lib.viz.cp import lockstep_work
 
 B, H, D = 1, 4, 32

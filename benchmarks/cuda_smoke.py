@@ -1,5 +1,5 @@
 """CUDA + NCCL smoke test: one DP, one ZeRO-3 and one pipeline training run on GPUs, each checked against the
-single-process CPU baseline and watched by ``course_lib.device_audit`` (no device-less allocation, no float64
+single-process CPU baseline and watched by ``course_lib.runtime.device_audit`` (no device-less allocation, no float64
 collective). Prints PASS/FAIL per wrapper and exits non-zero on any failure; without CUDA it says so and exits 0.
 
     python benchmarks/cuda_smoke.py                          # world size 1 (starts its own NCCL group)
@@ -17,11 +17,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib.device_audit import DeviceAudit
-from course_lib.launch import device
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp, pp, zero
+from course_lib.runtime.device_audit import DeviceAudit
+from course_lib.runtime.launch import device
 from course_lib.train import TrainConfig, compare, train_baseline
 
 CFG = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16, bias=False)

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.data import global_batch, shard
-from course_lib.launch import launch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig, param_count
 from course_lib.parallel import dp
+from course_lib.runtime.launch import launch
 
 GOAL = 1.1
 CFG = GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=64, bias=False)  # 3.3 M parameters, 13 MB of fp32 grads

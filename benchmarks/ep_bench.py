@@ -28,10 +28,10 @@ import time
 import torch
 
 from course_lib.data import global_batch
-from course_lib.launch import launch
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import ep
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, train_baseline
 
 

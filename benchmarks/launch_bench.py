@@ -1,5 +1,5 @@
 """How long does it take to start ranks? Cold (first launch: starts the forkserver, imports torch) and warm
-(every later launch) round trips of ``course_lib.launch``, measured side by side in one run.
+(every later launch) round trips of ``course_lib.runtime.launch``, measured side by side in one run.
 
 Targets on a 2-core laptop: warm round trip of 4 ranks <= 0.3 s, cold <= 8 s. Run: ``python benchmarks/launch_bench.py``
 (the cold figure is only cold in a fresh interpreter, as here).
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib.launch import launch
+from course_lib.runtime.launch import launch
 
 WARM_TARGET_S, COLD_TARGET_S = 0.3, 8.0
 

@@ -1,6 +1,6 @@
 """The planner against published runs and against itself, side by side in one run.
 
-1. Every published run of ``course_lib.planner_published`` (Megatron-LM's H100 weak-scaling table at sequence
+1. Every published run of ``course_lib.planner.published`` (Megatron-LM's H100 weak-scaling table at sequence
    4096, MT-NLG 530B, BLOOM 176B, OPT-175B, Llama 3 405B at 8K and 128K, DeepSeek-V3, and NVIDIA's NeMo
    AutoModel rows for Qwen3-30B-A3B and Kimi K2): the published mesh and MFU, the planner's MFU for that mesh, the
    gap, and the place of the published mesh among the planner's distinct meshes (only what the study fixed held
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 
-from course_lib import planner as P
-from course_lib import planner_memory
-from course_lib import planner_published as PP
+from course_lib.planner.search import memory as planner_memory
+from course_lib.planner.search import published as PP
+from course_lib.planner import search as P
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ the course's note on timing on a 2-core machine). Stages are uniform: the same n
 emulated cost per action; costs F : B = 1 : 2 and W = B / 2 (I = W = F), the equal-cost case for which the ZB-H1
 formula is stated. Interleaved chunks hold 1/v of a rank's layers and sleep 1/v of a stage's cost.
 
-Columns: ``formula`` is ``course_lib.cost.bubble_fraction``; ``measured`` is 1 - busy / (p x makespan) of one
+Columns: ``formula`` is ``course_lib.estimates.cost.bubble_fraction``; ``measured`` is 1 - busy / (p x makespan) of one
 optimizer step (``pp.measured_bubble_fraction``), the median over the steps after the first (which warms up);
 ``sim(meas)`` is ``schedule_run.simulate`` with each stage's mean measured duration of each kind of action (so it
 contains the real compute added to the sleeps, but no transfer time and no scheduling noise). Goal:
@@ -34,12 +34,12 @@ import os
 import statistics
 import time
 
-from course_lib import cost
-from course_lib import schedules as S
-from course_lib.launch import launch
+from course_lib.estimates import cost
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
-from course_lib.schedule_run import simulate
+from course_lib.parallel import schedules as S
+from course_lib.parallel.schedule_run import simulate
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig
 
 GOAL = 0.05

@@ -35,9 +35,9 @@ import dataclasses
 import torch
 
 from course_lib import data
-from course_lib.launch import launch
 from course_lib.model import GPT
 from course_lib.model_config import PRESETS, GPTConfig
+from course_lib.runtime.launch import launch
 from course_lib.serving.disagg import colocated_serve, disaggregated_serve, kv_transfer_bytes
 from course_lib.serving.engine import Engine
 from course_lib.serving.loadgen import chat_trace, poisson_trace

@@ -35,10 +35,10 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.data import global_batch
-from course_lib.launch import launch
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import tp, tp_overlap
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, make_optimizer
 
 TIME_GOAL = 1.1

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 
 from course_lib.data import global_batch, shard
-from course_lib.launch import launch
-from course_lib.mesh import Mesh
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import zero
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, make_optimizer
 
 MEMORY_GOAL, TIME_GOAL_2D = 1.02, 1.2

@@ -15,7 +15,7 @@ of a reduce-scatter). ``sent_bytes`` and ``recv_bytes`` are what *this rank* tra
   2009; the "bus bandwidth" convention of nccl-tests): all-gather and reduce-scatter (N-1)/N * V, all-reduce
   2(N-1)/N * V. With V not divisible by N the chunks differ by one element and the count is exact per rank.
   The backend may use another algorithm (gloo often does); the from-scratch ring collectives in
-  ``course_lib.collectives`` send exactly these bytes through logged send/recv (measured records), and a test
+  ``course_lib.runtime.collectives`` send exactly these bytes through logged send/recv (measured records), and a test
   checks that the measured sum equals the model;
 * broadcast: a pipelined chain from the source: every rank but the last in the chain sends V once.
 """

@@ -2,7 +2,7 @@
 
 One script, three ways to run it:
 
-    python examples/multinode_dp.py                      # 2 local ranks, no torchrun (course_lib.launch)
+    python examples/multinode_dp.py                      # 2 local ranks, no torchrun (course_lib.runtime.launch)
     torchrun --standalone --nproc-per-node=2 examples/multinode_dp.py
     # one machine per node: the same line on every node, only --node-rank differs
     torchrun --nnodes=2 --nproc-per-node=2 --node-rank=0 \
@@ -26,8 +26,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from course_lib.launch import in_torchrun, launch
 from course_lib.parallel.dp import MODES, train_dp
+from course_lib.runtime.launch import in_torchrun, launch
 from course_lib.train import PARITY_MODEL, TrainConfig, TrainResult, compare, train_baseline
 
 

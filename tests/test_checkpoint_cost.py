@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.checkpoint_cost import checkpoint_bytes, measure_checkpoint_cost, reshard_with_dcp
-from course_lib.launch import launch
+from course_lib.failures.checkpoint_cost import checkpoint_bytes, measure_checkpoint_cost, reshard_with_dcp
 from course_lib.model import GPT, num_params
 from course_lib.model_config import GPTConfig
+from course_lib.runtime.launch import launch
 
 CFG = GPTConfig(bias=False, n_layer=1)
 

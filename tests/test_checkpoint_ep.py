@@ -35,13 +35,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.launch import launch
 from course_lib.model import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import mesh_checkpoint as MC
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.ep_mesh import ExpertShardedOptimizer
 from course_lib.parallel.loop import build_model
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

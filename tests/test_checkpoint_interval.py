@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from course_lib.checkpoint_interval import (
+from course_lib.failures.checkpoint_interval import (
     LLAMA3_405B,
     best_interval,
     cluster_mtbf,

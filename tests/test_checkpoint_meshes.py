@@ -24,12 +24,12 @@ from unittest import mock
 import pytest
 import torch
 
-from course_lib.launch import launch
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import mesh_checkpoint as MC
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.placement import placements_of, set_placement, shard_like
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

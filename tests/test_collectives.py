@@ -1,4 +1,4 @@
-"""course_lib.collectives: parity with torch.distributed's own collectives, and bytes against the formulas.
+"""course_lib.runtime.collectives: parity with torch.distributed's own collectives, and bytes against the formulas.
 
 Each launched function runs many checks (shapes, data, options) on its ranks and returns the failures it found as
 text, with the number of checks made, so a failure names the collective, shape and rank. Configurations: the
@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import collectives as C
 from course_lib import comm
 from course_lib.comm import chunk_numels, ring_bytes
-from course_lib.cost import collective_steps
-from course_lib.launch import RankError, launch
+from course_lib.estimates.cost import collective_steps
+from course_lib.runtime import collectives as C
+from course_lib.runtime.launch import RankError, launch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.comm import CommLog, CommRecord, chunk_numels, ring_bytes
-from course_lib.launch import launch
+from course_lib.runtime.launch import launch
 from tests.conftest import _rank_processes
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

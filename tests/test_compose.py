@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from course_lib import comm
-from course_lib import schedules as S
 from course_lib.data import global_batch, shard
-from course_lib.launch import launch
-from course_lib.mesh import Mesh, MeshError, MeshShape
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
+from course_lib.parallel import schedules as S
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.ep import train_ep
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
-from course_lib.schedule_run import add_grad_reduce, add_send_recv
-from course_lib.schedules import Action, Kind
+from course_lib.parallel.schedule_run import add_grad_reduce, add_send_recv
+from course_lib.parallel.schedules import Action, Kind
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh, MeshError, MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

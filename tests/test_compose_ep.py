@@ -27,14 +27,14 @@ from unittest import mock
 import pytest
 from torch import nn
 
-from course_lib.launch import launch
-from course_lib.mesh import MeshShape
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.ep import ExpertParallel, ExpertParallelMoE
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

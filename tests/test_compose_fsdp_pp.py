@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from course_lib.launch import launch
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
@@ -32,6 +31,7 @@ from course_lib.parallel.fsdp2 import PerParameterUnit, dim0_chunk
 from course_lib.parallel.loop import train_loop
 from course_lib.parallel.pp import PipelineParallel
 from course_lib.parallel.pp_fsdp import StageSharding
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, TrainResult, compare, make_optimizer, train_baseline
 from tests.test_compose import ReduceBeforeLastW  # REDUCE_GRAD after the last I: the W passes missed
 

@@ -16,14 +16,14 @@ import functools
 import pytest
 import torch
 
-from course_lib.launch import launch
-from course_lib.mesh import MeshShape
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.cp import CPContext
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -102,8 +102,8 @@ MUTATIONS_4 = {  # name: (the run's ParallelConfig, train_parallel keywords that
 
 def _placements(rank: int) -> dict[str, dict[str, dict[str, P.Placement]]]:
     """The placements FSDP2 + TP records on block 0 (dp 2 x tp 2), and FSDP2 on dp 2 x cp 2."""
-    from course_lib.mesh import Mesh
     from course_lib.model import GPT
+    from course_lib.runtime.mesh import Mesh
 
     out = {}
     for name, kw in {"fsdp_tp": dict(dp=2, tp=2), "fsdp_cp": dict(dp=2, cp=2)}.items():
@@ -115,8 +115,8 @@ def _placements(rank: int) -> dict[str, dict[str, dict[str, P.Placement]]]:
 
 def _mismatch(rank: int) -> str:
     """The error of ``parallelize`` given a config for another mesh than the one it runs on."""
-    from course_lib.mesh import Mesh
     from course_lib.model import GPT
+    from course_lib.runtime.mesh import Mesh
 
     try:
         C.parallelize(GPT(CFG), Mesh(dp=4), ParallelConfig(dp=2, tp=2))

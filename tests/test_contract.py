@@ -34,12 +34,12 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch, shard
-from course_lib.launch import launch
-from course_lib.mesh import Mesh
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose, cp, dp, ep, pp, tp, zero
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

@@ -5,8 +5,7 @@ import random
 
 import pytest
 
-from course_lib import schedules
-from course_lib.cost import (
+from course_lib.estimates.cost import (
     bubble_fraction,
     bubble_ratio,
     collective_bytes_per_rank,
@@ -16,8 +15,9 @@ from course_lib.cost import (
     mfu,
     training_flops_per_token,
 )
-from course_lib.hardware import gpu
-from course_lib.schedule_run import simulate
+from course_lib.estimates.hardware import gpu
+from course_lib.parallel import schedules
+from course_lib.parallel.schedule_run import simulate
 
 # ------------------------------------------------------------------------------------------ pipelines
 

@@ -1,5 +1,5 @@
 """Device-true code: the DP, ZeRO, pipeline and composed (TP, CP, PP through ``parallelize``) steps allocate
-nothing without the model's device and put no float64 on the wire (``course_lib.device_audit``), and the audit
+nothing without the model's device and put no float64 on the wire (``course_lib.runtime.device_audit``), and the audit
 does catch both bugs when a variant adds them through a public seam (a device-less bucket buffer; a float64 loss
 reduction; a device-less ZeRO gradient shard). One launch at 2 ranks runs every form once under the audit.
 """
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from course_lib import comm
-from course_lib.device_audit import DeviceAudit
-from course_lib.launch import device, launch
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose, dp, pp, zero
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
+from course_lib.runtime.device_audit import DeviceAudit
+from course_lib.runtime.launch import device, launch
 from course_lib.train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

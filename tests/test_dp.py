@@ -25,10 +25,10 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch, shard
-from course_lib.launch import RankError, RankTimeout, launch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp
+from course_lib.runtime.launch import RankError, RankTimeout, launch
 from course_lib.train import (
     TrainConfig,
     TrainResult,

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from course_lib.data import global_batch
-from course_lib.launch import RankError, launch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.moe import MoE, Routing, expert_capacity, expert_positions, moe_aux_loss
 from course_lib.parallel import ep as E
+from course_lib.runtime.launch import RankError, launch
 from course_lib.train import (
     TrainConfig,
     TrainResult,

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import handout
+from course_lib.course import handout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ def test_the_readme_commands_run_in_the_handout(out, tmp_path):
         else:  # my-copy: the command make would run (its set-up prerequisite not executed), then that command
             proc = _make(folder, "-n", target, venv, "PIP_TORCH=2.13.0+cpu", *args)
             assert proc.returncode == 0, proc.stderr
-            run = [line for line in proc.stdout.splitlines() if "-m course_lib.my_copy" in line]
+            run = [line for line in proc.stdout.splitlines() if "-m course_lib.course.my_copy" in line]
             assert len(run) == 1, proc.stdout
             module_args = shlex.split(run[0].split(" -m ", 1)[1])
             copy = subprocess.run([sys.executable, "-m", *module_args], cwd=folder, capture_output=True, text=True,

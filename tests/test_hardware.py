@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import course_lib
-from course_lib import hardware, planner
-from course_lib.hardware import GPU, GPUS, LINKS, Link, gpu, link
+from course_lib.estimates import hardware
+from course_lib.estimates.hardware import GPU, GPUS, LINKS, Link, gpu, link
+from course_lib.planner import search as planner
 
 GB = 1e9
 ROOT = Path(course_lib.__file__).parent

@@ -1,6 +1,6 @@
 """HSDP (hybrid sharded data parallelism): FSDP2's shards over ``dp_shard``, replicated over ``dp_replicate``.
 
-At 4 ranks, dp = dp_replicate 2 x dp_shard 2 (torchtitan's layout, ``course_lib.mesh``: the shard index is the
+At 4 ranks, dp = dp_replicate 2 x dp_shard 2 (torchtitan's layout, ``course_lib.runtime.mesh``: the shard index is the
 faster one, so the shard groups are {0, 1}, {2, 3} and the replicate groups {0, 2}, {1, 3}, which is also what
 ``init_device_mesh((2, 2), ("dp_replicate", "dp_shard"))`` builds):
 
@@ -32,8 +32,6 @@ import pytest
 import torch
 
 from course_lib.data import global_batch, shard
-from course_lib.launch import launch
-from course_lib.mesh import Mesh, MeshError, MeshShape
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import Checkpointing, merge_composed, train_parallel
@@ -42,6 +40,8 @@ from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_
 from course_lib.parallel.placement import Replicate, Shard, describe, merge_parameters, placements_of
 from course_lib.parallel.transforms import apply_data_parallel
 from course_lib.parallel.zero_unit import default_units
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh, MeshError, MeshShape
 from course_lib.train import NOISE_MULTIPLE, Fp32Noise, TrainResult, compare, make_optimizer, train_baseline
 from tests.test_zero_fsdp2 import ADAMW, CFG, CFG_2D, DTYPES, _local, mismatches
 

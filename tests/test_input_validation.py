@@ -7,11 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from course_lib.activation_memory import activation_bytes_paper, layer_activation_bytes, model_activation_bytes
-from course_lib.memory import inference_memory, kv_cache_bytes, training_memory
-from course_lib.memory_budget import format_bytes
+from course_lib.estimates.activation_memory import (
+    activation_bytes_paper,
+    layer_activation_bytes,
+    model_activation_bytes,
+)
+from course_lib.estimates.memory import inference_memory, kv_cache_bytes, training_memory
+from course_lib.estimates.memory_budget import format_bytes
+from course_lib.estimates.model_states import weight_bytes, zero_memory_per_device
 from course_lib.model_config import GPTConfig
-from course_lib.model_states import weight_bytes, zero_memory_per_device
 
 
 @pytest.mark.parametrize("call, message", [

@@ -1,4 +1,4 @@
-"""course_lib.launch: results, output, errors, hangs, crashes, scripts, torchrun, and cleanup."""
+"""course_lib.runtime.launch: results, output, errors, hangs, crashes, scripts, torchrun, and cleanup."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.launch import RankError, RankTimeout, launch
+from course_lib.runtime.launch import RankError, RankTimeout, launch
 from tests.conftest import _rank_processes, define_in_cell
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -216,7 +216,7 @@ def test_failed_launches_leave_nothing_behind():
 SCRIPT = """
 import torch
 import torch.distributed as dist
-from course_lib.launch import launch
+from course_lib.runtime.launch import launch
 
 def work(rank, world_size):
     t = torch.tensor([float(rank)])
@@ -284,7 +284,8 @@ def test_launch_source_has_no_hard_coded_port():
 
 @pytest.mark.parametrize("env", ["unset", "own pid"])
 def test_importing_the_forkserver_preload_outside_a_forkserver_does_nothing(env):
-    """``course_lib._forkserver`` arms signals and may ``os._exit(0)``: in the forkserver only. Imported anywhere
+    """``course_lib.runtime._forkserver`` arms signals and may ``os._exit(0)``: in the forkserver only. Imported
+    anywhere
     else -- the caller after a launch (which sets COURSE_LAUNCH_CALLER_PID to its own pid), or a tool importing
     every module -- it must leave the process alone (it once ended a whole pytest run early, exit status 0)."""
     script = textwrap.dedent("""
@@ -292,7 +293,7 @@ def test_importing_the_forkserver_preload_outside_a_forkserver_does_nothing(env)
         os.environ.pop("COURSE_LAUNCH_CALLER_PID", None)
         if MODE == "own pid":
             os.environ["COURSE_LAUNCH_CALLER_PID"] = str(os.getpid())
-        import course_lib._forkserver as f
+        import course_lib.runtime._forkserver as f
         assert not f.in_forkserver()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         print("still here")

@@ -1,4 +1,4 @@
-"""course_lib.launch under faults: a caller that dies, the rendezvous socket, hard deaths, and bad input.
+"""course_lib.runtime.launch under faults: a caller that dies, the rendezvous socket, hard deaths, and bad input.
 
 Each test here failed on the launcher before its fix (see the comment on each); the ones marked "keep" guard
 behaviour that was already right.
@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import course_lib.launch as launch_module
-from course_lib import _worker
-from course_lib.launch import RankError, launch
+import course_lib.runtime.launch as launch_module
+from course_lib.runtime import _worker
+from course_lib.runtime.launch import RankError, launch
 from tests.conftest import define_in_cell
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -46,7 +46,7 @@ def _noop(rank: int, world_size: int) -> int:
 
 CALLER = """
 import os, sys
-from course_lib.launch import launch
+from course_lib.runtime.launch import launch
 
 def spin(rank, world_size, where):
     open(os.path.join(where, f"rank{rank}.pid"), "w").write(str(os.getpid()))
@@ -330,7 +330,7 @@ def test_a_launch_from_a_thread_that_is_not_main():
 
 TWO_CALLERS = """
 import torch, torch.distributed as dist
-from course_lib.launch import launch
+from course_lib.runtime.launch import launch
 
 def total(rank, world_size):
     t = torch.tensor([rank + 1.0])

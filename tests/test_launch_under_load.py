@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from course_lib.launch import launch
+from course_lib.runtime.launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"),
                                                    reason="the 2 s bound relies on Linux's parent-death signal")]
@@ -40,12 +40,12 @@ KILLS_PER_SIGNAL = 10
 # its ranks running the user's code.
 PHASES = ("starting", "importing", "running")
 
-# Imports course_lib.launch once, then forks one caller per line read (a folder), so that no caller pays for
+# Imports course_lib.runtime.launch once, then forks one caller per line read (a folder), so that no caller pays for
 # importing torch again: each caller launches 2 ranks that write their pids into the folder and spin.
 ZYGOTE = """
 import os, signal, sys
 os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(",")])
-from course_lib.launch import launch
+from course_lib.runtime.launch import launch
 
 def spin(rank, world_size, where):
     open(os.path.join(where, f"rank{rank}.pid"), "w").write(str(os.getpid()))

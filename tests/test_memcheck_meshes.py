@@ -30,14 +30,15 @@ import functools
 
 import pytest
 
-from course_lib import mesh_runs as M
-from course_lib import planner_memory, planner_model
-from course_lib.launch import launch
-from course_lib.layout import ParallelLayout
-from course_lib.memcheck import REL_TOL
+from course_lib.estimates.layout import ParallelLayout
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import merge_composed
 from course_lib.parallel.config import ParallelConfig
+from course_lib.planner.memcheck import REL_TOL
+from course_lib.planner.search import memory as planner_memory
+from course_lib.planner.search import mesh_runs as M
+from course_lib.planner.search import model as planner_model
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, compare, train_baseline
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, d_model=32, bias=False)

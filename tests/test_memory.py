@@ -1,4 +1,4 @@
-"""Tests for course_lib.memory: published numbers, formula identities, and the tracker against PyTorch's own.
+"""Tests for course_lib.estimates.memory: published numbers, formula identities, and the tracker against PyTorch's own.
 
 Published numbers checked here:
 
@@ -22,14 +22,23 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.activation_memory import activation_bytes_paper, layer_activation_bytes, model_activation_bytes
-from course_lib.layout import ParallelLayout, params_per_rank
-from course_lib.memory import inference_memory, kv_cache_bytes, training_memory
-from course_lib.memory_budget import GB, MemoryBudget, compare_budgets
-from course_lib.memtrack import MemoryTracker, track_training_step
+from course_lib.estimates.activation_memory import (
+    activation_bytes_paper,
+    layer_activation_bytes,
+    model_activation_bytes,
+)
+from course_lib.estimates.layout import ParallelLayout, params_per_rank
+from course_lib.estimates.memory import inference_memory, kv_cache_bytes, training_memory
+from course_lib.estimates.memory_budget import GB, MemoryBudget, compare_budgets
+from course_lib.estimates.model_states import (
+    bytes_per_param,
+    bytes_per_param_table,
+    weight_bytes,
+    zero_memory_per_device,
+)
+from course_lib.measure.memtrack import MemoryTracker, track_training_step
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import PRESETS, GPTConfig, norm_params, param_count
-from course_lib.model_states import bytes_per_param, bytes_per_param_table, weight_bytes, zero_memory_per_device
 
 GPT3 = PRESETS["gpt3-175b"]
 # A second tiny shape that exercises every other branch of the model: GQA, SwiGLU, RMSNorm, RoPE, no biases.

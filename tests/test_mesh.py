@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
-from course_lib.launch import launch
-from course_lib.mesh import Mesh, MeshError, MeshShape
 from course_lib.model_config import GPTConfig
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh, MeshError, MeshShape
 
 
 @pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(dp=2, tp=2), dict(dp=2, tp=2, pp=2),
@@ -130,7 +130,7 @@ def _mesh_outside_world(rank, world_size):
 
 
 def test_mesh_of_the_wrong_world_size_says_so():
-    from course_lib.launch import RankError
+    from course_lib.runtime.launch import RankError
 
     with pytest.raises(RankError, match="the job has 2 ranks"):
         launch(_mesh_outside_world, 2, timeout=60)

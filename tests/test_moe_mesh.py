@@ -16,12 +16,12 @@ import functools
 import pytest
 import torch
 
-from course_lib.launch import launch
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.moe import MoE
 from course_lib.parallel import compose as C
 from course_lib.parallel.config import ParallelConfig
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

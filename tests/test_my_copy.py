@@ -1,4 +1,5 @@
-"""The learner's copy (``course_lib/my_copy.py``, ``make my-copy``, ``make lab``): running and saving a chapter in
+"""The learner's copy (``course_lib/course/my_copy.py``, ``make my-copy``, ``make lab``): running and saving a chapter
+in
 ``make lab`` never changes a tracked file, a ``git pull`` brings new notebooks without touching the learner's
 edits, and the project's JupyterLab settings turn the news toast off."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import my_copy
+from course_lib.course import my_copy
 
 REPO = Path(__file__).resolve().parents[1]
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
@@ -132,7 +133,7 @@ def test_make_lab_serves_the_learners_copy_and_make_my_copy_runs_the_module(tmp_
     lab = _lab_command(repo)
     assert f'--ServerApp.root_dir="{repo / "my_work"}"' in lab
     assert "--LabApp.default_url=/lab/tree/notebooks/START_HERE.ipynb" in lab
-    assert lab.index("-m course_lib.my_copy --dest \"my_work\"") < lab.index("jupyter lab")  # copy, then serve
+    assert lab.index("-m course_lib.course.my_copy --dest \"my_work\"") < lab.index("jupyter lab")  # copy, then serve
     other = subprocess.run(["make", "-s", "-n", "lab", "VENV=/nonexistent/venv", "MY_WORK=elsewhere"], cwd=repo,
                            capture_output=True, text=True, timeout=120).stdout
     assert f'--ServerApp.root_dir="{repo / "elsewhere"}"' in other and '--dest "elsewhere"' in other

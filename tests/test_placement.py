@@ -31,8 +31,6 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 
 from course_lib.data import global_batch, shard
-from course_lib.launch import launch
-from course_lib.mesh import Mesh
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.moe import moe_aux_loss
@@ -43,6 +41,8 @@ from course_lib.parallel.ep import ExpertParallel
 from course_lib.parallel.mesh_checkpoint import _cut, _gather
 from course_lib.parallel.tp_comm import all_gather_along
 from course_lib.parallel.zero import ZeroDataParallel
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 

@@ -7,15 +7,15 @@ import dataclasses
 
 import pytest
 
-from course_lib import cost
-from course_lib import planner as P
-from course_lib import schedule_run as R
-from course_lib import schedules as S
-from course_lib.memory_budget import GiB
-from course_lib.mesh import MeshShape
+from course_lib.estimates import cost
+from course_lib.estimates.memory_budget import GiB
 from course_lib.model_config import PRESETS, GPTConfig
-from course_lib.planner_model import padded_vocab, peak_in_flight
-from course_lib.pp_layers import ends_split, layer_split
+from course_lib.parallel import schedule_run as R
+from course_lib.parallel import schedules as S
+from course_lib.parallel.pp_layers import ends_split, layer_split
+from course_lib.planner.model import padded_vocab, peak_in_flight
+from course_lib.planner import search as P
+from course_lib.runtime.mesh import MeshShape
 
 SMALL = dict(zero_stages=(1,), recomputes=("selective",), micro_batches=(1, 2))
 
@@ -178,8 +178,8 @@ def test_uneven_pipelines_are_planned_and_memory_counts_every_stage():
 
 
 def test_the_library_pipeline_cuts_the_planners_split_and_trains_like_one_process():
-    from course_lib.launch import launch
     from course_lib.parallel.pp import merge_results, train_pp
+    from course_lib.runtime.launch import launch
     from course_lib.train import TrainConfig, assert_parity, train_baseline
 
     cfg = GPTConfig(vocab_size=256, seq_len=8, n_layer=3, n_head=2, d_model=16, bias=False)
@@ -211,7 +211,7 @@ def test_two_clusters_with_the_same_gpus_but_different_links_prefer_different_me
 
 
 def test_presets_come_from_the_hardware_catalogue():
-    from course_lib.hardware import GPUS, LINKS
+    from course_lib.estimates.hardware import GPUS, LINKS
 
     assert P.CLUSTERS["hgx-h800"].gpu is GPUS["H800 80GB"] and P.CLUSTERS["hgx-h800"].intra is LINKS["NVLink 4 (H800)"]
     assert P.CLUSTERS["dgx-a100-40gb"].gpu is GPUS["A100 40GB"]
@@ -320,7 +320,7 @@ def test_a_checked_split_is_checked_again_for_what_differs_only_in_type():
 def test_the_groups_the_time_model_prices_are_the_meshs_own():
     import itertools
 
-    from course_lib.planner_comm import _group_of_rank0, group_span
+    from course_lib.planner.comm import _group_of_rank0, group_span
 
     for tp, cp, dp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 3)):
         for ep in (e for e in (1, 2, 4, 8) if (dp * cp) % e == 0):
@@ -351,7 +351,7 @@ def test_predict_names_a_batch_the_candidate_cannot_split():
 
 def test_fine_grained_experts_keep_the_active_parameters_and_shared_experts_add_theirs():
     from course_lib.model_config import mlp_params
-    from course_lib.planner_model import active_params
+    from course_lib.planner.model import active_params
     coarse = GPTConfig(n_layer=4, d_model=64, n_expert=8, top_k=2, d_ff=256, mlp="swiglu", bias=False)
     fine = coarse.with_(n_expert=32, top_k=8, expert_d_ff=64)  # DeepSeekMoE: m = 4 times more experts of f / 4
     router = 4 * 64 * (32 - 8)  # the only difference: the router has h x E weights
@@ -364,8 +364,8 @@ def test_fine_grained_experts_keep_the_active_parameters_and_shared_experts_add_
 
 
 def test_deepseek_v3_is_described_as_its_report_gives_it():
-    from course_lib.planner_model import active_params
-    from course_lib.planner_published import DEEPSEEK_V3_DENSE_LAYERS, DEEPSEEK_V3_LIKE
+    from course_lib.planner.model import active_params
+    from course_lib.planner.published import DEEPSEEK_V3_DENSE_LAYERS, DEEPSEEK_V3_LIKE
     ds = DEEPSEEK_V3_LIKE
     assert (ds.n_expert, ds.expert_ffn_dim, ds.n_shared_expert, ds.top_k, ds.n_group, ds.topk_group) == \
         (256, 2048, 1, 8, 8, 4)
@@ -374,7 +374,7 @@ def test_deepseek_v3_is_described_as_its_report_gives_it():
 
 
 def test_leading_dense_blocks_are_priced_on_the_stage_that_holds_them():
-    from course_lib.planner_model import rank_dense_layers
+    from course_lib.planner.model import rank_dense_layers
     cfg = GPTConfig(n_layer=8, d_model=64, n_expert=8, top_k=2, d_ff=1024, expert_d_ff=64, mlp="swiglu")
     cand = P.Candidate(dp=4, tp=1, pp=2)
     assert rank_dense_layers(cand, 8, 3) == [3, 0]
@@ -386,7 +386,7 @@ def test_leading_dense_blocks_are_priced_on_the_stage_that_holds_them():
     assert dense.seconds["compute"] > moe.seconds["compute"]
     assert dense.mfu * dense.step_s > moe.mfu * moe.step_s
     # and held in memory as dense blocks: stage 0 holds 3 dense MLPs of 1024 and 1 MoE block of 8 experts of 64
-    from course_lib.layout import block_params_per_rank
+    from course_lib.estimates.layout import block_params_per_rank
     from course_lib.model_config import dense_twin
     (attn_moe, experts), (plain, _) = block_params_per_rank(cfg, 1), block_params_per_rank(dense_twin(cfg), 1)
     extra = 3 * (plain - attn_moe - experts)  # no EP, no ZeRO: unsharded, 2 bytes each (bf16 weights)
@@ -397,7 +397,7 @@ def test_leading_dense_blocks_are_priced_on_the_stage_that_holds_them():
 
 
 def test_node_limited_routing_comes_from_the_model():
-    from course_lib.planner_model import route_node_limit
+    from course_lib.planner.model import route_node_limit
     cfg = PRESETS["mixtral-8x7b"].with_(n_expert=64, top_k=8, n_group=8, topk_group=2)
     assert route_node_limit(cfg, 8) == 2 and route_node_limit(cfg, 4) == 2 and route_node_limit(cfg, 16) == 4
     assert route_node_limit(cfg.with_(topk_group=None, n_group=1), 8) is None
@@ -412,7 +412,7 @@ def test_node_limited_routing_comes_from_the_model():
 def test_a_deduplicating_dispatcher_sends_a_token_once_per_node():
     """Kimi K2's shape, EP 32 over 4 nodes, top-8 of 384 experts: without de-duplication 8 x 3/4 = 6 copies of
     a token cross the network; with it, once per distinct other node hit, 4 (1 - (3/4)^8) x 3/4 = 2.7 copies."""
-    from course_lib.planner_comm import _all_to_all
+    from course_lib.planner.comm import _all_to_all
     cl = P.cluster("dgx-h100", 4)
     every = _all_to_all(cl, (32, 4), 2 * 7168, 4096, 8, None)
     once = _all_to_all(cl, (32, 4), 2 * 7168, 4096, 8, None, dedup=True)
@@ -431,8 +431,8 @@ def test_a_deduplicating_dispatcher_sends_a_token_once_per_node():
 def test_attention_is_slower_on_short_blocks_as_flashattention_measures_it():
     """``attention_length_factor``: the published speeds over the speed at 16K, the ring's blocks weighted by
     their work (one causal diagonal block, cp - 1 unmasked ones of s/cp)."""
-    from course_lib.hardware import FLASH_ATTENTION_BY_LENGTH as T
-    from course_lib.hardware import attention_length_factor as f
+    from course_lib.estimates.hardware import FLASH_ATTENTION_BY_LENGTH as T
+    from course_lib.estimates.hardware import attention_length_factor as f
     causal, full = dict(T["causal"]), dict(T["full"])
     assert [f(n) for n in causal] == pytest.approx([v / causal[16384] for v in causal.values()])
     assert f(131072) == f(16384) == 1.0 and f(256) == f(512)  # clamped at both ends

@@ -1,4 +1,4 @@
-"""The planner against published training runs it was not tuned on (``course_lib.planner_published``).
+"""The planner against published training runs it was not tuned on (``course_lib.planner.published``).
 
 Each run is described from its paper (the source, the mesh, the MFU or how it follows from what the paper
 reports, and what the planner cannot express, are in ``PublishedRun``):
@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import planner_published as PP
+from course_lib.planner.search import published as PP
 
 RUNS = {r.name: r for r in PP.published_runs()}
 _CHECKS: dict[str, PP.PublishedCheck] = {}

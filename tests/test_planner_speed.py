@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import planner as P
-from course_lib import planner_memory as PM
-from course_lib import planner_published as PP
-from course_lib.memory import training_memory
-from course_lib.planner import cluster, plan
-from course_lib.planner_candidate import padded_config
+from course_lib.estimates.memory import training_memory
+from course_lib.planner.candidate import padded_config
+from course_lib.planner.search import cluster, plan
+from course_lib.planner.search import memory as PM
+from course_lib.planner.search import published as PP
+from course_lib.planner import search as P
 
 RUNS = {r.name: r for r in PP.published_runs()}
 

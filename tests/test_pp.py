@@ -33,13 +33,13 @@ import random
 import pytest
 import torch
 
-from course_lib import schedules as S
 from course_lib.data import global_batch, micro_batches
-from course_lib.launch import RankError, launch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import pp
-from course_lib.schedule_run import add_send_recv, simulate
+from course_lib.parallel import schedules as S
+from course_lib.parallel.schedule_run import add_send_recv, simulate
+from course_lib.runtime.launch import RankError, launch
 from course_lib.train import (
     UNIT_ROUNDOFF,
     TrainConfig,

@@ -2,9 +2,10 @@
 
 import pytest
 
-from course_lib import comm, cost
+from course_lib import comm
+from course_lib.estimates import cost
+from course_lib.measure.report import Scaling, comm_summary, record_run
 from course_lib.model_config import GPTConfig, param_count
-from course_lib.report import Scaling, comm_summary, record_run
 
 CFG = GPTConfig()
 

@@ -7,7 +7,7 @@ import psutil
 import pytest
 import torch
 
-from course_lib.restart import PIECES, ResumableSampler, RunSettings, run_launched, run_torchrun
+from course_lib.failures.restart import PIECES, ResumableSampler, RunSettings, run_launched, run_torchrun
 
 SETTINGS = RunSettings(steps=8, every=2, warmup=8)
 
@@ -17,7 +17,7 @@ def _ours_running() -> list[psutil.Process]:
     alive = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if any(s in " ".join(p.cmdline()) for s in ("course_lib.restart", "torch.distributed.run")):
+            if any(s in " ".join(p.cmdline()) for s in ("course_lib.failures.restart", "torch.distributed.run")):
                 alive.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -10,8 +10,16 @@ import math
 
 import pytest
 
-from course_lib.schedule_run import add_send_recv, peak_in_flight, simulate, validate
-from course_lib.schedules import Action, Kind, ScheduleError, gpipe, interleaved_one_f_one_b, one_f_one_b, zb_h1
+from course_lib.parallel.schedule_run import add_send_recv, peak_in_flight, simulate, validate
+from course_lib.parallel.schedules import (
+    Action,
+    Kind,
+    ScheduleError,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    zb_h1,
+)
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 COSTS = [(1.0, 2.0), (1.0, 1.0)]

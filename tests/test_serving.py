@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import memory
+from course_lib.estimates import memory
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.serving.engine import Engine, Segment, generate, generate_uncached

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.launch import launch
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
+from course_lib.runtime.launch import launch
 from course_lib.serving.disagg import colocated_serve, disaggregated_serve, kv_transfer_bytes
 from course_lib.serving.engine import generate_uncached
 from course_lib.serving.loadgen import Request, poisson_trace

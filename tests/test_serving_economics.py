@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import hardware
-from course_lib.cost import all_reduce_time, collective_time
-from course_lib.memory import kv_cache_bytes
+from course_lib.estimates import hardware
+from course_lib.estimates.cost import all_reduce_time, collective_time
+from course_lib.estimates.memory import kv_cache_bytes
 from course_lib.model import GPT
 from course_lib.model_config import PRESETS, GPTConfig, param_count
 from course_lib.serving import roofline

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import memory
-from course_lib.launch import launch
-from course_lib.mesh import Mesh
+from course_lib.estimates import memory
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh
 from course_lib.serving.engine import generate
 from course_lib.serving.tp_decode import TPDecodeEngine, check_tp, kv_heads_of, tp_generate
 

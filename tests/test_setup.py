@@ -1,6 +1,6 @@
 """The newcomer's first hour: what `make setup`, `make lab`, `make my-copy` and `make exercises` do, checked
 without installing or downloading anything (DRY_RUN=1, `make -n`, and the decision inputs given explicitly).
-What the learner's copy does (`course_lib/my_copy.py`) is tested in test_my_copy.py."""
+What the learner's copy does (`course_lib/course/my_copy.py`) is tested in test_my_copy.py."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_lab_serves_the_learners_copy_and_opens_the_start_page_on_localhost_with
 def test_my_copy_runs_the_copy_module_into_my_work_which_git_ignores():
     """What the copy does is tested in test_my_copy.py; here, that `make my-copy` runs it on MY_WORK."""
     dry = _make("-n", "my-copy", "VENV=/nonexistent/venv", "PIP_TORCH=2.13.0+cpu", "MY_WORK=mine").stdout
-    assert '/nonexistent/venv/bin/python -m course_lib.my_copy --dest "mine"' in dry
+    assert '/nonexistent/venv/bin/python -m course_lib.course.my_copy --dest "mine"' in dry
     assert "my_work/" in (REPO / ".gitignore").read_text().splitlines()
 
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import nbformat
 import pytest
 
-from course_lib import site
+from course_lib.course import site
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.memory_budget import GB
+from course_lib.estimates.memory_budget import GB
+from course_lib.estimates.model_states import weight_bytes
 from course_lib.model_config import PRESETS, param_count
-from course_lib.model_states import weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [*sorted(p for d in ("notebooks", "solutions", "exercises") for p in (REPO / d).glob("*.ipynb")),

@@ -3,8 +3,8 @@ is slowed, and refuses bad input."""
 
 import pytest
 
-from course_lib.launch import RankError, launch
-from course_lib.stragglers import StepTimes, find_straggler, measure_step_times
+from course_lib.failures.stragglers import StepTimes, find_straggler, measure_step_times
+from course_lib.runtime.launch import RankError, launch
 from course_lib.viz.failures import plot_step_times
 
 

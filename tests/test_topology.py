@@ -17,14 +17,8 @@ import dataclasses
 import pytest
 
 from course_lib import comm
-from course_lib.launch import launch
-from course_lib.layout import ParallelLayout, params_per_rank
-from course_lib.memcheck import check_run, format_checks, model_state_check, train_tracked
-from course_lib.mesh import Mesh, MeshShape
-from course_lib.model import GPT
-from course_lib.parallel.compose import merge_composed
-from course_lib.parallel.config import ParallelConfig
-from course_lib.topology import (
+from course_lib.estimates.layout import ParallelLayout, params_per_rank
+from course_lib.measure.topology import (
     Flow,
     RingDataParallel,
     busiest_rank_bytes,
@@ -38,6 +32,12 @@ from course_lib.topology import (
     predicted_flows,
     record_flows,
 )
+from course_lib.model import GPT
+from course_lib.parallel.compose import merge_composed
+from course_lib.parallel.config import ParallelConfig
+from course_lib.planner.memcheck import check_run, format_checks, model_state_check, train_tracked
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh, MeshShape
 from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline
 
 CFG = PARITY_MODEL.with_(seq_len=32, n_layer=2, d_model=32)  # fp32, no biases: parity at 1e-5

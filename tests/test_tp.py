@@ -26,18 +26,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm
-from course_lib.activation_memory import layer_activation_bytes
 from course_lib.data import global_batch
-from course_lib.launch import RankError, RankTimeout, launch
+from course_lib.estimates.activation_memory import layer_activation_bytes
 from course_lib.layers import MLP, Attention
-from course_lib.memtrack import MemoryTracker
-from course_lib.mesh import Mesh
+from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, Block, lm_loss
 from course_lib.model_config import GPTConfig, param_count
 from course_lib.parallel import tp, tp_overlap
 from course_lib.parallel.placement import Partial, Shard, clip_grad_norm_, placement
 from course_lib.parallel.pp_stages import Stage
 from course_lib.parallel.tp_comm import SequenceParallelLinears, reduce_scatter_along, split_along
+from course_lib.runtime.launch import RankError, RankTimeout, launch
+from course_lib.runtime.mesh import Mesh
 from course_lib.train import (
     TrainConfig,
     TrainResult,

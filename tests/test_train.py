@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from course_lib import comm, data
-from course_lib.launch import launch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
+from course_lib.runtime.launch import launch
 from course_lib.train import (
     FLOOR_ULPS,
     NOISE_MULTIPLE,

@@ -15,10 +15,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.text import Annotation
 
-from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
-from course_lib.cost import collective_bytes_per_rank, collective_steps, collective_time
-from course_lib.hardware import LINKS
-from course_lib.memory_budget import format_bytes
+from course_lib.estimates.cost import collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.estimates.hardware import LINKS
+from course_lib.estimates.memory_budget import format_bytes
+from course_lib.runtime.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
 from course_lib.viz.comm import (
     CONTROL_DESCRIPTIONS,
     FITTED,

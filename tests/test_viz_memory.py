@@ -12,12 +12,12 @@ import ipywidgets as W
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib.hardware import GPUS
-from course_lib.layout import ParallelLayout, params_per_rank
-from course_lib.memory import inference_memory, kv_cache_bytes, training_memory
-from course_lib.memory_budget import GB
+from course_lib.estimates.hardware import GPUS
+from course_lib.estimates.layout import ParallelLayout, params_per_rank
+from course_lib.estimates.memory import inference_memory, kv_cache_bytes, training_memory
+from course_lib.estimates.memory_budget import GB
+from course_lib.estimates.model_states import bytes_per_param
 from course_lib.model_config import PRESETS, mlp_params, param_count
-from course_lib.model_states import bytes_per_param
 from course_lib.viz.memory import (
     CONTROL_DESCRIPTIONS,
     MemoryBudgetWidget,

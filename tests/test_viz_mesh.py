@@ -4,8 +4,8 @@ left empty but visible."""
 
 import pytest
 
-from course_lib import planner
-from course_lib.mesh import MeshShape
+from course_lib.planner import search as planner
+from course_lib.runtime.mesh import MeshShape
 from course_lib.viz.mesh import PlannerWidget, draw_mesh
 
 PNG = b"\x89PNG"

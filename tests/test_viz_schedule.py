@@ -11,9 +11,9 @@ matplotlib.use("Agg")
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib import cost
-from course_lib import schedules as S
-from course_lib.schedule_run import peak_in_flight, simulate
+from course_lib.estimates import cost
+from course_lib.parallel import schedules as S
+from course_lib.parallel.schedule_run import peak_in_flight, simulate
 from course_lib.viz.schedule import (
     CONTROL_DESCRIPTIONS,
     SCHEDULE_OPTIONS,

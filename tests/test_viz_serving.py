@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib.memory import inference_memory
-from course_lib.memory_budget import GB
+from course_lib.estimates.memory import inference_memory
+from course_lib.estimates.memory_budget import GB
 from course_lib.serving.budget import predict
 from course_lib.serving.roofline import critical_batch
 from course_lib.viz.serving import ServingBudgetPanel, TracePanel, plot_roofline, plot_schedule

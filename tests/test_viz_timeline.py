@@ -19,10 +19,10 @@ import torch
 from matplotlib.figure import Figure
 
 from course_lib.data import global_batch
-from course_lib.launch import launch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig
 from course_lib.viz import timeline as tl
 from course_lib.viz.timeline import Span

@@ -14,10 +14,10 @@ import ipywidgets as W
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib.launch import launch
-from course_lib.memory_budget import GB
+from course_lib.estimates.memory_budget import GB
+from course_lib.estimates.model_states import bytes_per_param, zero_memory_per_device
 from course_lib.model_config import PRESETS, GPTConfig, param_count
-from course_lib.model_states import bytes_per_param, zero_memory_per_device
+from course_lib.runtime.launch import launch
 from course_lib.viz import zero as vz
 
 CFG = GPTConfig(bias=False, d_model=33, n_head=3, d_ff=65, n_layer=3, seq_len=15)

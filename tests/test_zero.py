@@ -26,11 +26,11 @@ import torch
 
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
-from course_lib.launch import launch
+from course_lib.estimates.model_states import zero_memory_per_device
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
-from course_lib.model_states import zero_memory_per_device
 from course_lib.parallel import zero
+from course_lib.runtime.launch import launch
 from course_lib.train import (
     Fp32Noise,
     TrainConfig,

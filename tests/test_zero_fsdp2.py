@@ -32,14 +32,12 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch, shard
-from course_lib.launch import launch
-from course_lib.layout import ParallelLayout
-from course_lib.memory import training_memory
-from course_lib.memtrack import MemoryTracker
-from course_lib.mesh import Mesh
+from course_lib.estimates.layout import ParallelLayout
+from course_lib.estimates.memory import training_memory
+from course_lib.estimates.model_states import zero_memory_per_device
+from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
-from course_lib.model_states import zero_memory_per_device
 from course_lib.parallel import zero
 from course_lib.parallel.contract import ParallelWrapper
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
@@ -50,6 +48,8 @@ from course_lib.parallel.sharded_optimizer import ShardedOptimizer, partition
 from course_lib.parallel.tp import TensorParallel
 from course_lib.parallel.tp_comm import all_gather_along
 from course_lib.parallel.zero_accounting import model_state_bytes
+from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")

@@ -8,7 +8,8 @@
 5. ``fixed_ring_all_reduce(tensor)``: find the bug in a given ring all-reduce and return the sum over ranks, by the
    ring (reduce-scatter, then all-gather; its bytes are the ring's).
 
-The launched exercises run the learner's function on ``world_size`` real gloo ranks (``course_lib.launch``, with a
+The launched exercises run the learner's function on ``world_size`` real gloo ranks (``course_lib.runtime.launch``,
+with a
 time limit, so a deadlock fails the check instead of hanging it). On the ranks, the process group only lets
 point-to-point messages through: every byte sent and received is counted (``ProcessGroup.send``/``recv``, which
 ``dist.send``, ``isend``, ``batch_isend_irecv`` and ``course_lib.comm`` all end in), and a collective
@@ -286,29 +287,32 @@ EXERCISES = [
              check_ring_reduce_scatter,
              hidden=[{"world_size": 2, "shape": (7,), "seed": 1}, {"world_size": 3, "shape": (4, 5), "seed": 2},
                      {"world_size": 4, "shape": (1003,), "seed": 3}],
-             off_limits=("course_lib.collectives.ring_reduce_scatter",
-                         "course_lib.collectives.ring_reduce_scatter_chunks")),
+             off_limits=("course_lib.runtime.collectives.ring_reduce_scatter",
+                         "course_lib.runtime.collectives.ring_reduce_scatter_chunks")),
     Exercise("ring_all_gather", "Ring all-gather from send/recv", 3, "ring_all_gather", check_ring_all_gather,
              hidden=[{"world_size": 2, "numel": 5, "seed": 1}, {"world_size": 3, "numel": 1000, "seed": 2},
                      {"world_size": 4, "numel": 4, "seed": 3},
                      {"world_size": 3, "numel": 8, "seed": 4, "dtype": "float64"},
                      {"world_size": 2, "numel": 7, "seed": 5, "dtype": "int32"}],
-             off_limits=("course_lib.collectives.ring_all_gather", "course_lib.collectives.ring_all_gather_chunks")),
+             off_limits=("course_lib.runtime.collectives.ring_all_gather",
+                         "course_lib.runtime.collectives.ring_all_gather_chunks")),
     Exercise("ring_all_reduce_bytes", "Exact bytes of a ring all-reduce", 2, "ring_all_reduce_bytes",
              check_ring_all_reduce_bytes,
              hidden=[{"cases": ((1, 4, 1), (7, 4, 2), (11, 2, 3), (3, 4, 5), (4096, 4, 4), (1001, 2, 7),
                                 (6_738_415_616, 2, 64))}],
-             off_limits=("course_lib.comm.ring_bytes", "course_lib.cost.collective_bytes_per_rank")),
+             off_limits=("course_lib.comm.ring_bytes", "course_lib.estimates.cost.collective_bytes_per_rank")),
     Exercise("pairwise_all_to_all", "All-to-all by pairwise exchange", 3, "pairwise_all_to_all",
              check_pairwise_all_to_all,
              hidden=[{"world_size": 2, "block": (5,), "seed": 1}, {"world_size": 3, "block": (2, 3), "seed": 2}],
-             off_limits=("course_lib.collectives.all_to_all", "course_lib.collectives.all_to_all_single")),
+             off_limits=("course_lib.runtime.collectives.all_to_all",
+                         "course_lib.runtime.collectives.all_to_all_single")),
     Exercise("fixed_ring_all_reduce", "Find the bug: a ring all-reduce", 3, "fixed_ring_all_reduce",
              check_fixed_ring_all_reduce,
              hidden=[{"world_size": 2, "numel": 6, "seed": 1}, {"world_size": 3, "numel": 999, "seed": 2},
                      {"world_size": 4, "numel": 4, "seed": 3}],
-             off_limits=("course_lib.collectives.ring_all_reduce", "course_lib.collectives.ring_reduce_scatter",
-                         "course_lib.collectives.ring_all_gather")),
+             off_limits=("course_lib.runtime.collectives.ring_all_reduce",
+                         "course_lib.runtime.collectives.ring_reduce_scatter",
+                         "course_lib.runtime.collectives.ring_all_gather")),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

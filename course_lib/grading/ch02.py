@@ -24,7 +24,7 @@
    only; the same check, over several steps.
 
 Launched checks run the learner's function (shipped by cloudpickle, as a notebook cell's) on ``world_size`` gloo
-ranks through ``course_lib.launch`` with a time limit, so a hang fails the check with where each rank waited.
+ranks through ``course_lib.runtime.launch`` with a time limit, so a hang fails the check with where each rank waited.
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ EXERCISES = [
              check_dp_bytes_per_step,
              hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}],
              off_limits=("course_lib.parallel.dp.allreduce_bytes_per_rank",
-                         "course_lib.cost.collective_bytes_per_rank")),
+                         "course_lib.estimates.cost.collective_bytes_per_rank")),
     Exercise("overlap_buckets", "Overlapped, bucketed gradient hooks", 4, "overlap_buckets", check_overlap_buckets,
              hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3},
                      {"world_size": 2, "seed": 3, "order": "last_first"}],

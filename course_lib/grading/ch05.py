@@ -1,8 +1,8 @@
 """Chapter 05 — pipeline parallelism: two schedules, two steps on real ranks, and a bug to find in one of them.
 
 1. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
-   2021), as strings "F3" / "B3", checked against ``course_lib.schedules.one_f_one_b``.
-2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.schedules`` data, one list of
+   2021), as strings "F3" / "B3", checked against ``course_lib.parallel.schedules.one_f_one_b``.
+2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.parallel.schedules`` data, one list of
    ``Action`` per rank, backward split in I and W. Any schedule is accepted that ``validate`` accepts, uses
    I and W (no B), and, simulated with F = I = W = 1, has ZB-H1's bubble (p-1)/(3m+p-1) with at most min(p, m)
    micro-batches in flight per rank (1F1B's memory): the library's order is one of several.
@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from course_lib import cost, schedules
 from course_lib.data import global_batch
+from course_lib.estimates import cost
 from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import pp
-from course_lib.schedule_run import simulate, validate
+from course_lib.parallel import pp, schedules
+from course_lib.parallel.schedule_run import simulate, validate
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 30.0
@@ -262,10 +262,11 @@ PIPELINE_OFF_LIMITS = ("course_lib.parallel.pp.PipelineParallel", "course_lib.pa
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
              hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}],
-             off_limits=("course_lib.schedules.one_f_one_b", "course_lib.schedules.interleaved_one_f_one_b")),
+             off_limits=("course_lib.parallel.schedules.one_f_one_b",
+                         "course_lib.parallel.schedules.interleaved_one_f_one_b")),
     Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
              check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}],
-             off_limits=("course_lib.schedules.zb_h1",)),
+             off_limits=("course_lib.parallel.schedules.zb_h1",)),
     Exercise("deep_pipeline_step", "One 1F1B step on p real ranks: the middle ranks", 5, "deep_pipeline_step",
              check_deep_pipeline_step,
              hidden=[{"p": 4, "m": 2, "batch": 6, "seed": 1}, {"p": 2, "m": 3, "batch": 6, "seed": 3}],

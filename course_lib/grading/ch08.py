@@ -1,7 +1,7 @@
 """Chapter 08 — composing the axes: coordinates, groups, a mesh's constraints, and a bug on four ranks.
 
 1. ``coords_of(rank, degrees, order)``: the dense coordinates (tp, cp, dp, pp) of a rank for an axis order;
-   checked against ``course_lib.mesh.MeshShape.coords`` for every rank of several meshes and orders.
+   checked against ``course_lib.runtime.mesh.MeshShape.coords`` for every rank of several meshes and orders.
 2. ``group_of(rank, axes, degrees, order)``: the ranks of ``rank``'s group over ``axes`` (sorted); checked against
    ``MeshShape.group_ranks``.
 3. ``mesh_problems(cfg, degrees, global_batch, micro_batch)``: the names of the constraints a mesh breaks for a
@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from course_lib import planner
 from course_lib.data import global_batch, shard
 from course_lib.grading import ch08_placement, core
 from course_lib.grading.ch08_pipeline import GradReduceProbe, check_add_grad_reduce, check_grad_reduce_on_ranks
@@ -53,9 +52,10 @@ from course_lib.grading.core import (
     guard_visible_checks,
     run_check,
 )
-from course_lib.mesh import DENSE_AXES, Mesh, MeshShape
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
+from course_lib.planner import search as planner
+from course_lib.runtime.mesh import DENSE_AXES, Mesh, MeshShape
 
 GRADER_PARAMETERS = {"seed": 1}
 REEXPORTED = (GradReduceProbe, check_grad_reduce_on_ranks, MEMORY_RTOL, PREDICT_CASES, TIME_RTOL, library_prediction,
@@ -224,24 +224,25 @@ EXERCISES = [
              hidden=[{"meshes": (({"tp": 3, "cp": 1, "dp": 2, "pp": 2}, "cp-dp-tp-ep-pp"),
                                  ({"tp": 1, "cp": 4, "dp": 1, "pp": 2}, "tp-cp-ep-dp-pp"),
                                  ({"tp": 2, "cp": 2, "dp": 2, "ep": 4}, "ep-cp-tp-dp-pp"))}],
-             off_limits=("course_lib.mesh.MeshShape.coords", "course_lib.mesh.MeshShape.table")),
+             off_limits=("course_lib.runtime.mesh.MeshShape.coords", "course_lib.runtime.mesh.MeshShape.table")),
     Exercise("group_of", "The ranks of a group over some axes", 3, "group_of", check_group_of,
              hidden=[{"meshes": (({"tp": 3, "cp": 2, "dp": 2, "pp": 1}, "dp-cp-tp-ep-pp"),
                                  ({"tp": 2, "cp": 2, "dp": 2, "ep": 4}, "cp-ep-tp-dp-pp")),
                       "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}],
-             off_limits=("course_lib.mesh.MeshShape.group_ranks", "course_lib.mesh.MeshShape.all_groups")),
+             off_limits=("course_lib.runtime.mesh.MeshShape.group_ranks",
+                         "course_lib.runtime.mesh.MeshShape.all_groups")),
     Exercise("mesh_problems", "Validate a mesh: which constraints break", 3, "mesh_problems", check_mesh_problems,
              hidden=[{"cases": ((GPTConfig(n_head=8, n_kv_head=1, d_model=64, seq_len=30, n_layer=6),
                                  {"tp": 2, "cp": 3, "pp": 4}, 12, 1),
                                 (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"pp": 2, "dp": 4}, 16, 2),
                                 (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"cp": 4, "dp": 2}, 10, 1))}],
-             off_limits=("course_lib.mesh.MeshShape.validate",)),
+             off_limits=("course_lib.runtime.mesh.MeshShape.validate",)),
     Exercise("predict_mesh", "Predict a mesh's memory and step time", 4, "predict_mesh", check_predict_mesh,
              hidden=[{"cases": (("llama3-8b", {"dp": 8, "tp": 2, "pp": 2}, planner.A100, 32, 2048, 1, 1, 0.4),
                                 ("llama2-70b", {"dp": 64, "tp": 8}, planner.A100, 512, 2048, 1, 3, 0.6),
                                 ("llama2-70b", {"dp": 4, "cp": 2, "tp": 8, "pp": 2}, planner.H100, 32, 2048, 1, 2,
                                  0.45))}],
-             off_limits=("course_lib.planner.predict", "course_lib.planner.plan")),
+             off_limits=("course_lib.planner.search.predict", "course_lib.planner.search.plan")),
     Exercise("average_dp_gradients", "Find the bug: DP x TP on four ranks", 5, "average_dp_gradients",
              check_average_dp_gradients, hidden=[{"orders": ("dp-tp-cp-ep-pp", "tp-dp-cp-ep-pp"), "batch": 8,
                                                   "seed": 2}]),
@@ -249,7 +250,7 @@ EXERCISES = [
              "add_grad_reduce", check_add_grad_reduce,
              hidden=[{"cases": (("gpipe", 4, 4, 1), ("zb_h1", 2, 3, 1), ("interleaved", 4, 8, 2), ("zb_h1", 3, 6, 1)),
                       "ranks": (("zb_h1", 4, 1),)}],
-             off_limits=("course_lib.schedule_run.add_grad_reduce",)),
+             off_limits=("course_lib.parallel.schedule_run.add_grad_reduce",)),
     Exercise("place_parameter", "Where a parameter lives on a mesh, and what its gradient needs", 4,
              "place_parameter", check_place_parameter, hidden=[ch08_placement.HIDDEN],
              off_limits=ch08_placement.OFF_LIMITS),

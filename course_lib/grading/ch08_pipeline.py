@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 
 import torch.distributed as dist
 
-from course_lib import schedules as S
 from course_lib.grading import core
 from course_lib.grading.ch08_placement import LAUNCH_TIMEOUT_S
 from course_lib.grading.core import (
@@ -22,11 +21,12 @@ from course_lib.grading.core import (
     run_check,
 )
 from course_lib.model_config import GPTConfig
+from course_lib.parallel import schedules as S
 from course_lib.parallel.compose import merge_composed, train_parallel
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.pp import PipelineParallel
-from course_lib.schedule_run import add_send_recv
-from course_lib.schedules import Action, Kind
+from course_lib.parallel.schedule_run import add_send_recv
+from course_lib.parallel.schedules import Action, Kind
 from course_lib.train import TrainConfig, compare, train_baseline
 
 # (schedule name, p, m, v): each is checked compute-only and with its transfers (``schedule_run.add_send_recv``)

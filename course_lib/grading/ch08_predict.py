@@ -11,14 +11,15 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable
 
-from course_lib import hardware, planner
+from course_lib.estimates import hardware
+from course_lib.estimates.memory_budget import GiB
 from course_lib.grading.core import (
     CheckFailed,
     CheckResult,
     run_check,
 )
-from course_lib.memory_budget import GiB
 from course_lib.model_config import PRESETS, GPTConfig, param_count
+from course_lib.planner import search as planner
 
 MEMORY_RTOL = 0.05
 """How far ``model_state_bytes`` may be from the library's estimator: the stated formula spreads every parameter

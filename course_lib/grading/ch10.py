@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from course_lib import checkpoint_interval
+from course_lib.failures import checkpoint_interval
+from course_lib.failures.restart import RunSettings, batch_of, build, train_step
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_equal, launch_check, run_check
-from course_lib.restart import RunSettings, batch_of, build, train_step
 
 GRADER_PARAMETERS = {"seed": 1}
 SETTINGS = RunSettings(steps=6, every=2, warmup=6)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.grading.off_limits import library_answer
-from course_lib.launch import RankError, RankTimeout, launch
+from course_lib.runtime.launch import RankError, RankTimeout, launch
 
 
 @dataclass
@@ -226,7 +226,8 @@ def waiting_location(stack: str, course_files: Sequence[str]) -> str:
 
 def launch_check(target: Callable[..., Any], world_size: int, *args: Any, timeout: float, hang_hint: str,
                  course_files: Sequence[str] | None = None, guard_errors: Collection[str] = ()) -> list[Any]:
-    """``course_lib.launch.launch(target, world_size, *args, timeout=timeout)``: what each rank returned, in rank
+    """``course_lib.runtime.launch.launch(target, world_size, *args, timeout=timeout)``: what each rank returned, in
+    rank
     order; a rank's exception or a hang becomes what a check reports.
 
     * A hang (``RankTimeout``): ``CheckFailed`` "ranks [..] of N did not finish within T s and were stopped",

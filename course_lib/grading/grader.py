@@ -60,9 +60,9 @@ from typing import Any
 import nbformat
 import psutil
 
-from course_lib._parent_death import arm_parent_death_signal
 from course_lib.grading import isolation
 from course_lib.grading.core import CheckResult, Exercise, time_limit
+from course_lib.runtime._parent_death import arm_parent_death_signal
 
 CELL_TIMEOUT_S = 120
 NOTEBOOK_TIMEOUT_S = 600

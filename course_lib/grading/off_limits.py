@@ -2,11 +2,11 @@
 scores nothing.
 
 Each ``Exercise`` names the library objects that *are* its answer (``off_limits``: dotted paths such as
-``"course_lib.schedules.zb_h1"`` or ``"course_lib.mesh.MeshShape.coords"``). Before any check runs,
+``"course_lib.parallel.schedules.zb_h1"`` or ``"course_lib.runtime.mesh.MeshShape.coords"``). Before any check runs,
 ``library_answer`` inspects the learner's answer statically, without running it:
 
 * a function: every global it loads, followed along attribute chains (``schedule_run.add_grad_reduce``,
-  ``course_lib.schedules.zb_h1``, ``ca.BlockAttention().merge``, a local holding ``MeshShape(...)`` and then
+  ``course_lib.parallel.schedules.zb_h1``, ``ca.BlockAttention().merge``, a local holding ``MeshShape(...)`` and then
   ``.coords``), every closure cell, every nested function, and every helper function or class of the learner's
   that it references, recursively;
 * a class: its bases (an off-limits class may not be subclassed), the methods it would inherit (an off-limits
@@ -132,7 +132,7 @@ def _code_references(code: types.CodeType, globals_: dict[str, Any],
 
 
 def _owner(path: str) -> Any:
-    """The class a method's dotted path goes through (``course_lib.mesh.MeshShape.coords`` -> ``MeshShape``)."""
+    """The class a method's dotted path goes through (``course_lib.runtime.mesh.MeshShape.coords`` -> ``MeshShape``)."""
     return resolve(path.rsplit(".", 1)[0])
 
 

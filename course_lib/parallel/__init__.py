@@ -11,7 +11,7 @@
 * ``pp``        pipeline parallelism (the ``PipelineParallel`` wrapper, schedules run on real ranks, ``train_pp``),
   ``pp_stages`` the plan and the stages, ``pp_executor`` the executor of one rank's actions, ``pp_split`` the
   I/W backward split, ``pp_balance`` stage balancing from measured costs (the layer-split rule they share with
-  ``memory`` is ``course_lib.pp_layers``), ``pp_fsdp`` ZeRO-3 / FSDP2 of the stages driven by the schedule's
+  ``memory`` is ``course_lib.parallel.pp_layers``), ``pp_fsdp`` ZeRO-3 / FSDP2 of the stages driven by the schedule's
   actions (gradients accumulated over the micro-batches, one reduce-scatter per step)
 * ``contract``  the base class of every wrapper; ``loop`` the one training loop every ``train_xx`` runs
 * ``placement`` where each parameter lives on every mesh axis (``Replicate``, ``Shard(dim)``, ``Partial``, recorded
@@ -38,7 +38,7 @@ against the single-process baseline of ``course_lib.train`` and against PyTorch'
 The wrapper contract
 --------------------
 Every parallelism (these, and tensor, context and expert parallelism) wraps a model the same way, so that
-they compose on one ``course_lib.mesh.Mesh`` of ranks and one training loop drives them all:
+they compose on one ``course_lib.runtime.mesh.Mesh`` of ranks and one training loop drives them all:
 
 * ``Wrapper(module, *, mesh=None, group=None, ...)`` is an ``nn.Module`` (a ``contract.ParallelWrapper``).
   ``mesh=`` resolves to ``mesh.group(*Wrapper.axes)`` (DP: ``"dp"``; ZeRO/FSDP: ``"dp", "cp"``; the pipeline:

@@ -1,6 +1,6 @@
 """Composing the axes: ``parallelize(model, mesh)`` applies TP, CP, EP, PP and DP / ZeRO in one fixed order.
 
-Each axis of a ``course_lib.mesh.Mesh`` is one in-place transform of the model (``course_lib.parallel.
+Each axis of a ``course_lib.runtime.mesh.Mesh`` is one in-place transform of the model (``course_lib.parallel.
 transforms``); composing them is applying them one after the other to the *same* model, each on its own group
 of the mesh, each recording where every parameter now lives (``placement``). The order is fixed, and it is the
 one torchtitan's ``parallelize_llama`` applies and Megatron-LM builds its model in:
@@ -64,7 +64,6 @@ import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.mesh import Mesh
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.moe import moe_aux_loss
@@ -82,10 +81,11 @@ from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.mesh_checkpoint import load_checkpoint, load_parameters, restore_optimizer, save_checkpoint
 from course_lib.parallel.moe_mesh import share_routing
 from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
+from course_lib.parallel.schedules import Schedule
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 from course_lib.parallel.tp import TensorParallel
 from course_lib.parallel.zero import ZeroDataParallel
-from course_lib.schedules import Schedule
+from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 

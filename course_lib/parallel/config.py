@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from course_lib.mesh import DEFAULT_ORDER, Mesh, MeshShape
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.cp import Algorithm
 from course_lib.parallel.cp_attention import Layout
-from course_lib.schedules import Schedule
+from course_lib.parallel.schedules import Schedule
+from course_lib.runtime.mesh import DEFAULT_ORDER, Mesh, MeshShape
 
 ZERO_WITH_PIPELINE = ("ZeRO-2 with pipeline parallelism is refused: a stage's gradients are complete only after its "
                       "last micro-batch, so they accumulate unsharded on the stage (torch.distributed.pipelining's "
@@ -102,7 +102,7 @@ class ParallelConfig:
     * degrees ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` and their ``order`` (fastest first, Megatron's
       ``tp-cp-ep-dp-pp`` by default): ``shape`` is their ``MeshShape``, ``mesh()`` builds the ``Mesh``;
     * ``dp_replicate`` (torchtitan's name): HSDP, dp = dp_replicate x dp_shard; with ``zero_stage=3`` FSDP2
-      shards over dp_shard and replicates over dp_replicate (``course_lib.mesh``'s rank layout). 1: plain FSDP;
+      shards over dp_shard and replicates over dp_replicate (``course_lib.runtime.mesh``'s rank layout). 1: plain FSDP;
     * ``zero_stage``: 0, the optimizer is replicated (gradients averaged by the data-parallel step); 1, a
       ``ShardedOptimizer`` partitions its state over dp x cp (with ep > 1 the experts' over edp:
       ``ep_mesh.ExpertShardedOptimizer``); 2, gradients reduce-scattered too (the flat ``ZeroDataParallel``); 3,

@@ -31,7 +31,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class HasGroups(Protocol):
-    """What a wrapper needs of ``course_lib.mesh.Mesh``: one process group for one or more named axes."""
+    """What a wrapper needs of ``course_lib.runtime.mesh.Mesh``: one process group for one or more named axes."""
 
     def group(self, *axes: str) -> dist.ProcessGroup: ...
 
@@ -47,7 +47,7 @@ def require_member(group: comm.Group, who: str) -> None:
     """A clear error when this rank is not in ``group`` (torch reports rank -1, and the wrapper would fail much
     later, deep in a collective)."""
     if not dist.is_initialized():
-        raise RuntimeError(f"{who} needs a process group: run it on ranks started by course_lib.launch.launch")
+        raise RuntimeError(f"{who} needs a process group: run it on ranks started by course_lib.runtime.launch.launch")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{who}: global rank {dist.get_rank()} is not a member of the group "
                          f"{dist.get_process_group_ranks(group)}; build the wrapper on the ranks of its group only "

@@ -77,7 +77,7 @@ def ring_sends_per_layer(cp: int) -> dict[str, int]:
 
 def activation_bytes_per_rank(cfg: GPTConfig, micro_batch: int, seq_len: int, cp: int,
                               element_bytes: int = 4) -> int:
-    """Activation bytes one CP rank saves for backward (what ``course_lib.memtrack`` measures), from the
+    """Activation bytes one CP rank saves for backward (what ``course_lib.measure.memtrack`` measures), from the
     estimator's adapted formula at s/cp tokens (``memory.model_activation_bytes``) and what ring attention saves
     differently from PyTorch's SDPA: un-repeated K,V under GQA (2e(h - h_kv) less per token and layer), a
     contiguous attention output that o_proj saves as a copy without RoPE too (e*h more), and the positions of
@@ -85,7 +85,7 @@ def activation_bytes_per_rank(cfg: GPTConfig, micro_batch: int, seq_len: int, cp
 
     Everything scales with s/cp except those positions: activation memory per rank falls as 1/cp.
     """
-    from course_lib.activation_memory import model_activation_bytes
+    from course_lib.estimates.activation_memory import model_activation_bytes
 
     n = micro_batch * seq_len // cp
     e, h, layers = element_bytes, cfg.d_model, cfg.n_layer

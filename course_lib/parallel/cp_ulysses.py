@@ -34,8 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from course_lib import collectives, comm
+from course_lib import comm
 from course_lib.parallel.cp_attention import AttentionStats, BlockAttention, check_qkv
+from course_lib.runtime import collectives
 
 __all__ = ["AllToAll", "UlyssesExchange", "check_ulysses_heads", "ulysses_attention", "ulysses_bytes_per_rank"]
 

@@ -58,13 +58,13 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.mesh import Mesh
 from course_lib.model import lm_loss
 from course_lib.model_config import GPTConfig, param_count
 from course_lib.moe import MoE, RoutingStats, expert_positions, moe_aux_loss, routing_entropy
 from course_lib.parallel import placement as P
 from course_lib.parallel.contract import ParallelWrapper, require_member
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
+from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 EP_AXIS = "ep"
@@ -317,7 +317,7 @@ class ExpertParallel(ParallelWrapper):
     """Wrap a model with MoE layers for expert parallelism (and data parallelism of everything else).
 
     Every ``MoE`` of ``module`` is replaced by ``layer_class(moe, ep_group, group)``, which keeps E/ep
-    experts. Groups (``course_lib.mesh``): ``mesh.group("ep")`` the all-to-all, ``mesh.group("edp")`` the ranks
+    experts. Groups (``course_lib.runtime.mesh``): ``mesh.group("ep")`` the all-to-all, ``mesh.group("edp")`` the ranks
     holding the same experts (their gradients are summed), ``mesh.group("dp", "cp")`` the dense data-parallel
     group (the wrapper's ``group``), whose ranks share the batch in group order. Without a mesh pass the groups:
     ``group`` (older name ``dense_group``; None: the whole world), ``ep_group`` (None: ``group``),

@@ -1,7 +1,7 @@
 """Expert parallelism among the other axes: which ranks hold which experts, and over which group each gradient and
 each optimizer shard lives.
 
-The mesh (``course_lib.mesh``) re-reads the dp x cp ranks of one (tp, pp) coordinate as ep x edp: the tokens of
+The mesh (``course_lib.runtime.mesh``) re-reads the dp x cp ranks of one (tp, pp) coordinate as ep x edp: the tokens of
 an MoE layer travel over ``"ep"`` (the all-to-alls of ``ExpertParallelMoE``), and an expert is replicated over
 ``"edp"`` (edp = dp x cp / ep, Megatron-Core's "expert data parallel" group). Per axis:
 
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from course_lib.mesh import Mesh
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.ep import ExpertParallel
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 from course_lib.parallel.tp import Style, gpt_plan
+from course_lib.runtime.mesh import Mesh
 
 
 def tp_plan(config: GPTConfig) -> dict[str, Style]:

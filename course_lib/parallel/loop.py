@@ -36,7 +36,7 @@ def build_model(cfg: GPTConfig, seed: int, model_fn: ModelFn | None = None, free
                 device: torch.device | None = None) -> nn.Module:
     """``model_fn(cfg, seed)`` (default ``GPT``) on ``device`` (default: ``launch.device()``, the rank's GPU
     under NCCL, else the CPU) with the parameters named in ``freeze`` set to requires_grad=False."""
-    from course_lib.launch import device as rank_device
+    from course_lib.runtime.launch import device as rank_device
 
     model = (model_fn or GPT)(cfg, seed).to(device or rank_device())
     names = dict(model.named_parameters())

@@ -50,10 +50,10 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.mesh import Mesh
 from course_lib.moe import MoE
 from course_lib.parallel.config import routing_refusal
 from course_lib.parallel.cp_attention import Layout, positions
+from course_lib.runtime.mesh import Mesh
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Pipeline parallelism from scratch: cut the GPT into stages, run any schedule of ``course_lib.schedules`` on real
+"""Pipeline parallelism from scratch: cut the GPT into stages, run any schedule of ``course_lib.parallel.schedules``
+on real
 ranks, and measure it.
 
 Stages. The model is cut into ``n = p * v`` contiguous (virtual) stages: stage 0 has the embeddings, the last stage
@@ -61,6 +62,7 @@ from course_lib.parallel.placement import merge_parameters
 from course_lib.parallel.pp_balance import LayerCosts, balance_stages, measure_layer_costs, stage_costs
 from course_lib.parallel.pp_executor import LossFn, PipelineExecutor, StepRecord, TimedAction
 from course_lib.parallel.pp_fsdp import StageSharding
+from course_lib.parallel.pp_layers import layer_split, stage_layers
 from course_lib.parallel.pp_split import backward_input, backward_weight
 from course_lib.parallel.pp_stages import (
     SCHEDULES,
@@ -73,9 +75,8 @@ from course_lib.parallel.pp_stages import (
     plan_pipeline,
     shares_weights,
 )
-from course_lib.pp_layers import layer_split, stage_layers
-from course_lib.schedule_run import Timeline, add_grad_reduce
-from course_lib.schedules import Schedule
+from course_lib.parallel.schedule_run import Timeline, add_grad_reduce
+from course_lib.parallel.schedules import Schedule
 from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 __all__ = [  # with what pp_stages / pp_layers / pp_balance / pp_split / pp_executor define, re-exported here

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from course_lib.data import global_batch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.pp_layers import stage_layers
+from course_lib.parallel.pp_layers import stage_layers
 
 
 def stage_costs(costs: Sequence[float], split: Sequence[int], first_extra: float = 0.0,

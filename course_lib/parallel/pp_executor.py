@@ -1,4 +1,5 @@
-"""The pipeline executor: runs one rank's action list of a schedule (``course_lib.schedules``) for one batch, on
+"""The pipeline executor: runs one rank's action list of a schedule (``course_lib.parallel.schedules``) for one batch,
+on
 real ranks, and records when each action ran.
 
 Transfers. The executor runs this rank's list of ``schedule_run.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
@@ -37,7 +38,7 @@ from course_lib.data import micro_batches
 from course_lib.model import lm_loss
 from course_lib.parallel.pp_split import backward_input, backward_weight
 from course_lib.parallel.pp_stages import PipelinePlan, Stage
-from course_lib.schedules import Action, Kind
+from course_lib.parallel.schedules import Action, Kind
 
 __all__ = ["LossFn", "PipelineExecutor", "StageEngine", "StepRecord", "TimedAction"]
 

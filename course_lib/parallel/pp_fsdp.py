@@ -37,7 +37,7 @@ Trade-off, per pipeline rank holding Ψ_s parameters of its stages, N data-paral
     ZeRO-3 x PP, reshard after F about (m + 1) all-gathers + one    the weights gathered except from each F to the
                                  reduce-scatter                     next B; 4 Ψ_s grads from the first B on
 
-Measured (``course_lib.memtrack.MemoryTracker``, dp 2 x pp 2, a 4-layer d=256 GPT, m = 4, fp32 AdamW): the peak
+Measured (``course_lib.measure.memtrack.MemoryTracker``, dp 2 x pp 2, a 4-layer d=256 GPT, m = 4, fp32 AdamW): the peak
 of one rank is 25.8 MiB under ZeRO-1 and 30.0 MiB under ZeRO-3 (the gathered stage next to its shards), but
 what stays resident between steps drops from 19.1 MiB to 12.6 MiB (weights and their gradients sharded).
 
@@ -64,7 +64,7 @@ from course_lib import comm
 from course_lib.parallel.contract import broadcast_from_first, require_member
 from course_lib.parallel.fsdp2 import PerParameterUnit, partial_shards, sum_partial_shards
 from course_lib.parallel.pp_stages import Stage
-from course_lib.schedules import Action, Kind
+from course_lib.parallel.schedules import Action, Kind
 
 __all__ = ["StageSharding"]
 

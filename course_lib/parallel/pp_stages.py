@@ -11,15 +11,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib import schedules as S
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
-from course_lib.pp_layers import layer_split, stage_layers
-from course_lib.schedule_run import add_send_recv, validate
-from course_lib.schedules import Schedule
+from course_lib.parallel import schedules as S
+from course_lib.parallel.pp_layers import layer_split, stage_layers
+from course_lib.parallel.schedule_run import add_send_recv, validate
+from course_lib.parallel.schedules import Schedule
 
 SCHEDULES: dict[str, str] = S.SCHEDULE_ALIASES
-"""Accepted names -> the builder in ``course_lib.schedules`` (its registry)."""
+"""Accepted names -> the builder in ``course_lib.parallel.schedules`` (its registry)."""
 
 
 # ------------------------------------------------------------------------------------------------ the plan

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from course_lib import comm
-from course_lib.launch import device
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper
+from course_lib.runtime.launch import device
 
 __all__ = ["DTensorCommLog", "DTensorTensorParallel", "dtensor_fsdp_tp_placements", "dtensor_plan"]
 

@@ -23,7 +23,7 @@ o / t >= e F / (2 B), a lower bound on each rank's output width. At high t the l
 the communication shows again (see ``hide_threshold_features``).
 
 On a laptop CPU the timing is emulated (``EmulatedCost``: a partial GEMM costs a sleep, a ring step completes
-no earlier than its emulated transfer time after issue), as ``course_lib.instrument`` emulates a device: the
+no earlier than its emulated transfer time after issue), as ``course_lib.measure.instrument`` emulates a device: the
 ranks then run side by side on 2 cores and the measured exposed time follows the schedule, not the OS.
 """
 

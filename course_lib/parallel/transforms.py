@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.mesh import Mesh
 from course_lib.model import GPT
 from course_lib.parallel import placement as P
 from course_lib.parallel.config import HSDP_NEEDS_FSDP, HSDP_WITH_PIPELINE, ZERO_WITH_PIPELINE
@@ -57,10 +56,11 @@ from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.ep import ExpertParallel
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.parallel.pp import LossFn, PipelineExecutor, PipelineParallel
+from course_lib.parallel.schedules import Schedule
 from course_lib.parallel.tp import Style, TensorParallel
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.parallel.zero_unit import FlatParamUnit
-from course_lib.schedules import Schedule
+from course_lib.runtime.mesh import Mesh
 
 __all__ = ["ZERO_WITH_PIPELINE", "apply_cp", "apply_data_parallel", "apply_ep", "apply_pp", "apply_tp",
            "reduce_partial_flat"]

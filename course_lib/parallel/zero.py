@@ -6,7 +6,7 @@ that redundancy by partitioning the states over the N_d data-parallel ranks; PyT
 "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12), arXiv:2304.11277) is the
 production form of the last stage. With Ψ parameters, K optimizer bytes per parameter and 16-bit weights and
 gradients, the model states per rank are (ZeRO, Sec. 5 and Figure 1;
-``course_lib.model_states.zero_memory_per_device``)::
+``course_lib.estimates.model_states.zero_memory_per_device``)::
 
     stage 0  plain DP                         (2 + 2 + K) Ψ
     stage 1  P_os      optimizer states       (2 + 2) Ψ + K Ψ / N_d

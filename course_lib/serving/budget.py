@@ -1,6 +1,7 @@
 """What one serving GPU holds and how fast it decodes: the inference budget turned into capacity and latency.
 
-Memory (``course_lib.memory.inference_memory``, the article's inference budget): weights + KV cache + workspace
+Memory (``course_lib.estimates.memory.inference_memory``, the article's inference budget): weights + KV cache +
+workspace
 + communication + headroom. What is left after weights and workspace, divided by one sequence's KV cache,
 is the number of sequences the GPU can keep in flight:
 
@@ -10,7 +11,7 @@ Time of one decode step per GPU (roofline, :mod:`course_lib.serving.roofline`, p
 
     step = max(FLOPs / peak, (weights + KV cache) / bandwidth) + 2 L x all_reduce(batch x h x 2 bytes, t)
 
-The all-reduce is priced by ``course_lib.cost.all_reduce_time``: by default the cheapest of the ring, one-shot
+The all-reduce is priced by ``course_lib.estimates.cost.all_reduce_time``: by default the cheapest of the ring, one-shot
 and two-shot algorithms (``allreduce="best"``: a decode step's few-kB all-reduce is latency-bound, and serving
 engines use one-shot kernels whose latency barely grows with t); ``allreduce="ring"`` prices NCCL's ring.
 Each sequence gets one token per step: inter-token latency = step; throughput = batch / step. Prefill of the
@@ -22,11 +23,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from course_lib import hardware
-from course_lib.cost import AllReduceAlgorithm, all_reduce_time
-from course_lib.layout import ParallelLayout, params_per_rank
-from course_lib.memory import inference_memory, kv_cache_bytes
-from course_lib.memory_budget import MemoryBudget
+from course_lib.estimates import hardware
+from course_lib.estimates.cost import AllReduceAlgorithm, all_reduce_time
+from course_lib.estimates.layout import ParallelLayout, params_per_rank
+from course_lib.estimates.memory import inference_memory, kv_cache_bytes
+from course_lib.estimates.memory_budget import MemoryBudget
 from course_lib.model_config import PRESETS, GPTConfig
 
 QUANTISATION: dict[str, float] = {"bf16": 2, "int8": 1, "int4": 0.5}
@@ -69,7 +70,7 @@ def predict(config: GPTConfig | str, gpu: str = "H100 80GB", *, batch: int = 1, 
             allreduce: AllReduceAlgorithm = "best") -> ServingPrediction:
     """Memory per GPU, max concurrent sequences and decode step time of ``config`` served with TP ``tp``.
 
-    ``gpu`` and ``link`` are keys of the hardware catalogue (``course_lib.hardware``); ``link=None`` is the
+    ``gpu`` and ``link`` are keys of the hardware catalogue (``course_lib.estimates.hardware``); ``link=None`` is the
     GPU's own link inside a server (``GPU.intra_link``: NVLink 4 for an H100)."""
     c = PRESETS[config] if isinstance(config, str) else config
     card = hardware.gpu(gpu)

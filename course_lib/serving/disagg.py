@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib import hardware
-from course_lib.memory import kv_cache_bytes
+from course_lib.estimates import hardware
+from course_lib.estimates.memory import kv_cache_bytes
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.serving.engine import Engine, Segment

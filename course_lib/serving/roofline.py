@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib import hardware
-from course_lib.memory import kv_cache_bytes
+from course_lib.estimates import hardware
+from course_lib.estimates.memory import kv_cache_bytes
 from course_lib.model_config import PRESETS, GPTConfig, param_count
 
 

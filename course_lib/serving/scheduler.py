@@ -87,7 +87,7 @@ class WallClock:
 
 class EmulatedClock(WallClock):
     """Wall clock of an emulated device: :meth:`step_done` sleeps until ``cost(work)`` seconds have passed since
-    :meth:`step_begin` (the same idea as ``course_lib.instrument.EmulatedDeviceGPT``: a sleep costs no CPU, as a
+    :meth:`step_begin` (the same idea as ``course_lib.measure.instrument.EmulatedDeviceGPT``: a sleep costs no CPU, as a
     GPU kernel is a wait from the host's side). ``overruns`` counts steps whose real compute took longer."""
 
     mode = "emulated device"

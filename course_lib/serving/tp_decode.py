@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.mesh import Mesh
 from course_lib.model import GPT, Block
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
+from course_lib.runtime.mesh import Mesh
 from course_lib.serving.engine import Engine, Segment, generate, sample
 from course_lib.serving.kv_cache import ContiguousKVCache, KVCache
 

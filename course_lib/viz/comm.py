@@ -15,9 +15,9 @@ Two layers, as every module of ``course_lib.viz``:
   size, world size and link. :meth:`CollectiveCostWidget.set` changes controls from code and returns the text
   the widget shows; every control has a stable ``description`` (``CONTROL_DESCRIPTIONS``) for browser tests.
 
-The model (``course_lib.cost``): a collective runs ``steps`` messages one after the other, each costing
+The model (``course_lib.estimates.cost``): a collective runs ``steps`` messages one after the other, each costing
 ``alpha + bytes_per_step / beta``. The links, their ``alpha`` (NCCL's per-step latency of a ring step) and
-``beta`` (vendors' bandwidth, one direction), come from the hardware catalogue ``course_lib.hardware.LINKS``,
+``beta`` (vendors' bandwidth, one direction), come from the hardware catalogue ``course_lib.estimates.hardware.LINKS``,
 each with its source; NCCL adds a fixed ~8 us per call (``baseLat``) that this model leaves out.
 """
 
@@ -33,10 +33,10 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from course_lib.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
-from course_lib.cost import collective_bytes_per_rank, collective_steps, collective_time
-from course_lib.hardware import LINKS, Link
-from course_lib.memory_budget import format_bytes
+from course_lib.estimates.cost import collective_bytes_per_rank, collective_steps, collective_time
+from course_lib.estimates.hardware import LINKS, Link
+from course_lib.estimates.memory_budget import format_bytes
+from course_lib.runtime.collectives import ring_all_gather_chunks, ring_reduce_scatter_chunks
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [

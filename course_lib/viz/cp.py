@@ -19,7 +19,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
-from course_lib.memory_budget import format_bytes
+from course_lib.estimates.memory_budget import format_bytes
 from course_lib.model_config import PRESETS
 from course_lib.parallel.cp import ring_kv_bytes
 from course_lib.parallel.cp_attention import LAYOUTS, Layout, all_positions, causal_pairs, imbalance

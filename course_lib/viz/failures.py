@@ -15,7 +15,7 @@ import ipywidgets as W
 import torch
 from matplotlib.figure import Figure
 
-from course_lib.checkpoint_interval import (
+from course_lib.failures.checkpoint_interval import (
     LLAMA3_405B,
     PublishedRun,
     best_interval,
@@ -24,7 +24,7 @@ from course_lib.checkpoint_interval import (
     goodput,
     young_interval,
 )
-from course_lib.stragglers import StepTimes
+from course_lib.failures.stragglers import StepTimes
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = ["GoodputWidget", "plot_goodput", "plot_step_times"]

@@ -2,18 +2,19 @@
 
 Two layers, as every module of ``course_lib.viz``:
 
-* :func:`plot_budget` is pure: budgets (bytes by category, e.g. :func:`course_lib.memory.training_memory`) in,
+* :func:`plot_budget` is pure: budgets (bytes by category, e.g. :func:`course_lib.estimates.memory.training_memory`) in,
   a matplotlib ``Figure`` out. One stacked bar per budget, one segment per category (drawn even when it is 0,
   so every bar has the same segments), horizontal lines at the capacity of common GPUs, and the verdict
   "fits" / "does not fit" on a chosen GPU above each bar.
 * :func:`memory_budget_widget` wires ipywidgets controls (model preset or sizes, precision, optimizer, batch,
   sequence, recomputation, ZeRO stage, DP/TP/PP/CP/EP degrees, training or inference, target GPU) to
-  :func:`course_lib.memory.training_memory` / :func:`course_lib.memory.inference_memory` and redraws.
+  :func:`course_lib.estimates.memory.training_memory` / :func:`course_lib.estimates.memory.inference_memory` and
+  redraws.
   :meth:`MemoryBudgetWidget.set` changes controls from code and returns the text the widget shows, so a test
   (or a notebook cell whose output nbval checks) can drive it without a browser. Every control has a stable
   ``description`` (listed in ``CONTROL_DESCRIPTIONS``) for browser tests.
 
-GPU capacities come from the hardware catalogue (``course_lib.hardware.GPUS``): vendors' "80GB" of HBM is
+GPU capacities come from the hardware catalogue (``course_lib.estimates.hardware.GPUS``): vendors' "80GB" of HBM is
 80 GiB, so the lines sit at the nominal size x 2^30 bytes, printed in decimal GB like every other number of the
 course (80 GiB = 85.9 GB). What a program can really allocate is a little less (the CUDA context, NCCL's own
 buffers, and what the driver keeps); the budgets' "headroom" category stands for that and for the allocator's
@@ -29,11 +30,11 @@ from typing import Any
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from course_lib import hardware
-from course_lib.hardware import GPU, GPUS
-from course_lib.layout import ParallelLayout
-from course_lib.memory import inference_memory, training_memory
-from course_lib.memory_budget import GB, GiB, MemoryBudget
+from course_lib.estimates import hardware
+from course_lib.estimates.hardware import GPU, GPUS
+from course_lib.estimates.layout import ParallelLayout
+from course_lib.estimates.memory import inference_memory, training_memory
+from course_lib.estimates.memory_budget import GB, GiB, MemoryBudget
 from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.viz.panel import ControlPanel, figure_png
 
@@ -70,7 +71,7 @@ def verdict(budget: Mapping[str, float], gpu: str | GPU = "H100 80GB") -> tuple[
 # The plot
 
 CATEGORY_COLORS: dict[str, str] = {
-    # training (course_lib.memory.TRAINING_CATEGORIES)
+    # training (course_lib.estimates.memory.TRAINING_CATEGORIES)
     "parameters": "#4C72B0",
     "gradients": "#DD8452",
     "optimizer_state": "#C44E52",
@@ -82,7 +83,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "weights": "#4C72B0",
     "kv_cache": "#55A868",
     "workspace": "#8172B3",
-    # the tracker's leftover (course_lib.memtrack.TRACKER_CATEGORIES)
+    # the tracker's leftover (course_lib.measure.memtrack.TRACKER_CATEGORIES)
     "other": "#8C8C8C",
 }
 
@@ -99,7 +100,8 @@ def plot_budget(budgets: Mapping[str, float] | Mapping[str, Mapping[str, float]]
                 ) -> Figure:
     """Stacked bars of bytes by category, one bar per budget, against GPU capacities.
 
-    ``budgets``: one budget (a :class:`~course_lib.memory_budget.MemoryBudget` or any {category: bytes}) or several
+    ``budgets``: one budget (a :class:`~course_lib.estimates.memory_budget.MemoryBudget` or any {category: bytes}) or
+    several
     ({bar label: budget}, e.g. {"estimate": est, "measured": dict(mt.category_peaks)}). Every bar gets one
     segment per category of the union of all budgets, in order; ``ax.containers[i]`` holds category ``i``'s
     segments and its label is the category name. ``gpus``: capacity lines (default: every GPU of ``hardware.GPUS``;

@@ -8,9 +8,9 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from course_lib import planner as P
-from course_lib.mesh import MeshShape
 from course_lib.model_config import PRESETS
+from course_lib.planner import search as P
+from course_lib.runtime.mesh import MeshShape
 from course_lib.viz.panel import ControlPanel, show_figures
 
 _COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",

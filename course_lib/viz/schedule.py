@@ -12,7 +12,8 @@ Two layers, as every module of ``course_lib.viz``:
   the boxes can be counted. :func:`plot_gantts` stacks several timelines (simulated above measured) on one time
   axis.
 * :func:`bubble_widget` wires ipywidgets controls (schedule, p, m, v, the cost of the last stage) to
-  ``course_lib.schedules`` and ``course_lib.cost``: it draws the Gantt chart of every rank, and prints the closed
+  ``course_lib.parallel.schedules`` and ``course_lib.estimates.cost``: it draws the Gantt chart of every rank, and
+  prints the closed
   formula's bubble fraction next to the simulated one and the peak number of micro-batches in flight per rank.
   Invalid combinations (interleaved 1F1B with m not a multiple of p) show a message instead of a chart.
   :meth:`BubbleWidget.set` changes controls from code and returns the text the widget shows; every control has a
@@ -36,10 +37,10 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from course_lib import cost
-from course_lib import schedules as S
-from course_lib.schedule_run import Simulation, Timeline, simulate
-from course_lib.schedules import Kind, Schedule
+from course_lib.estimates import cost
+from course_lib.parallel import schedules as S
+from course_lib.parallel.schedule_run import Simulation, Timeline, simulate
+from course_lib.parallel.schedules import Kind, Schedule
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [

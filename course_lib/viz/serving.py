@@ -20,8 +20,8 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from course_lib.hardware import GPUS
-from course_lib.memory_budget import GB
+from course_lib.estimates.hardware import GPUS
+from course_lib.estimates.memory_budget import GB
 from course_lib.model import GPT
 from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.serving.budget import QUANTISATION, predict

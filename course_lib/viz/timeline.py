@@ -1,7 +1,7 @@
 """Step timelines: where one data-parallel step spends its time on each rank, and which communication the
 backward pass hides.
 
-What is plotted is recorded on the ranks by ``course_lib.instrument`` (:class:`Span`,
+What is plotted is recorded on the ranks by ``course_lib.measure.instrument`` (:class:`Span`,
 ``RecordingDataParallel``, ``record_train_dp``, ``EmulatedDeviceGPT``: re-exported here for older imports);
 this module is pure:
 
@@ -25,7 +25,14 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from course_lib.instrument import KINDS, EmulatedDeviceGPT, RecordedRun, RecordingDataParallel, Span, record_train_dp
+from course_lib.measure.instrument import (
+    KINDS,
+    EmulatedDeviceGPT,
+    RecordedRun,
+    RecordingDataParallel,
+    Span,
+    record_train_dp,
+)
 
 __all__ = [
     "COLORS",

@@ -1,5 +1,5 @@
 """Bytes that leave a node, drawn: per axis order, per group, from a run's log next to the prediction; and a widget
-that predicts them for a real model and cluster under every axis order (``course_lib.topology``)."""
+that predicts them for a real model and cluster under every axis order (``course_lib.measure.topology``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import ClassVar
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from course_lib import topology
-from course_lib.mesh import MeshError, MeshShape
+from course_lib.measure import topology
 from course_lib.model_config import PRESETS
+from course_lib.runtime.mesh import MeshError, MeshShape
 from course_lib.viz.mesh import _COLOURS, draw_mesh
 from course_lib.viz.panel import ControlPanel, show_figures
 

@@ -27,10 +27,10 @@ from typing import Any
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from course_lib import hardware
-from course_lib.cost import collective_bytes_per_rank, collective_time, training_flops_per_token
-from course_lib.hardware import Link
-from course_lib.memory_budget import format_bytes
+from course_lib.estimates import hardware
+from course_lib.estimates.cost import collective_bytes_per_rank, collective_time, training_flops_per_token
+from course_lib.estimates.hardware import Link
+from course_lib.estimates.memory_budget import format_bytes
 from course_lib.model_config import PRESETS, GPTConfig, block_params
 from course_lib.viz.comm import format_seconds
 from course_lib.viz.panel import ControlPanel, figure_png

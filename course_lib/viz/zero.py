@@ -3,7 +3,7 @@
 Three layers, as every module of ``course_lib.viz``:
 
 * **Arithmetic** (pure): :func:`zero_breakdown` splits ZeRO's per-rank model states (Rajbhandari et al. 2020,
-  Sec. 5; ``course_lib.model_states.zero_memory_per_device``) into parameters, gradients and optimizer state;
+  Sec. 5; ``course_lib.estimates.model_states.zero_memory_per_device``) into parameters, gradients and optimizer state;
   :func:`reduction_factor` is stage 0's bytes over stage s's at N_d ranks, :func:`limit_factor` its value for
   N_d -> infinity and :func:`min_ranks_for` the smallest N_d that reaches a given factor. They check the articles'
   loose claims: "stage 1 ~4x, stage 2 ~8x" are the *limits* for K = 12 with 16-bit weights and gradients
@@ -13,7 +13,7 @@ Three layers, as every module of ``course_lib.viz``:
   category for stages 0-3 at one N_d next to the reduction factor against N_d; :class:`ZeroMemoryWidget`
   (:func:`zero_memory_widget`) wires a model preset, precision, optimizer, N_d, stage and GPU to it. Its
   :meth:`ZeroMemoryWidget.set` changes controls from code and returns the text it shows.
-* **The unit schedule**: :func:`record_zero_step` (a ``launch`` target in ``course_lib.instrument``, re-exported
+* **The unit schedule**: :func:`record_zero_step` (a ``launch`` target in ``course_lib.measure.instrument``, re-exported
   here) runs ``ZeroDataParallel`` with extra hooks that write compute markers ("forward", "forward_end", "backward",
   "optimizer") into the engine's own per-unit event list, between its collectives; :func:`simulate_timeline` (pure)
   lays one rank's events out on two lanes, compute and communication, with *modelled* durations (a block's forward
@@ -37,12 +37,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from course_lib import hardware
-from course_lib.instrument import record_zero_step
-from course_lib.memory import training_memory
-from course_lib.memory_budget import GB
+from course_lib.estimates import hardware
+from course_lib.estimates.memory import training_memory
+from course_lib.estimates.memory_budget import GB
+from course_lib.estimates.model_states import bytes_per_param, zero_memory_per_device
+from course_lib.measure.instrument import record_zero_step
 from course_lib.model_config import PRESETS, GPTConfig, param_count
-from course_lib.model_states import bytes_per_param, zero_memory_per_device
 from course_lib.viz.memory import CATEGORY_COLORS, PRECISION_OPTIONS
 from course_lib.viz.panel import ControlPanel, figure_png
 
@@ -331,7 +331,7 @@ def zero_memory_widget(model: str = "llama2-7b", draw: bool = True, **values: An
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Recording the unit schedule: on the ranks, ``course_lib.instrument.record_zero_step`` (re-exported here)
+# Recording the unit schedule: on the ranks, ``course_lib.measure.instrument.record_zero_step`` (re-exported here)
 
 
 # ----------------------------------------------------------------------------------------------------------------

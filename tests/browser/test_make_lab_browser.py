@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import my_copy
+from course_lib.course import my_copy
 from tests.browser.conftest import Lab, _start_server, _stop_server, require_playwright
 from tests.test_my_copy import _course, _git_status, _lab_command
 

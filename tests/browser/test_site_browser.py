@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import site
+from course_lib.course import site
 from tests.browser.conftest import ARTIFACTS
 
 

@@ -12,8 +12,8 @@ import math
 import re
 import time
 
-from course_lib.cost import collective_time
-from course_lib.memory_budget import format_bytes
+from course_lib.estimates.cost import collective_time
+from course_lib.estimates.memory_budget import format_bytes
 from course_lib.viz.comm import CONTROL_DESCRIPTIONS as COMM
 from course_lib.viz.comm import FITTED, CollectiveCostWidget, collective_cost_widget
 from course_lib.viz.memory import CONTROL_DESCRIPTIONS as MEMORY
@@ -151,7 +151,7 @@ def _expect_collective_cost(ui: WidgetUI, mirror: CollectiveCostWidget, shown: l
 def _expect_collective_cost_fitted(ui: WidgetUI, mirror: CollectiveCostWidget, shown: list[bytes],
                                    step: str) -> None:
     """On "this machine (fitted)": the page shows ``_fitted_pattern(mirror)``, and its measured numbers agree with
-    each other as ``course_lib.cost`` computes them (within the rounding of three significant digits)."""
+    each other as ``course_lib.estimates.cost`` computes them (within the rounding of three significant digits)."""
     pattern = _fitted_pattern(mirror)
     expect(ui.html(0), f"prediction after {step!r}").to_have_text(re.compile(pattern), use_inner_text=True)
     ui.lab.wait_kernel_idle()
@@ -167,8 +167,8 @@ def _expect_collective_cost_fitted(ui: WidgetUI, mirror: CollectiveCostWidget, s
                             ("bandwidth", bandwidth, b["steps"] * b["step_bytes"] / beta),
                             ("algbw", algbw, b["nbytes"] / t), ("busbw", busbw, algbw * b["busbw_factor"])):
         assert math.isclose(got, want, rel_tol=0.02, abs_tol=1e-9), (
-            f"{step}: the page's {name} {got:.4g} is not what course_lib.cost gives for its alpha {alpha:.4g} s and "
-            f"beta {beta:.4g} B/s: {want:.4g}")
+            f"{step}: the page's {name} {got:.4g} is not what course_lib.estimates.cost gives for its "
+            f"alpha {alpha:.4g} s and beta {beta:.4g} B/s: {want:.4g}")
 
 
 def test_collective_cost_widget(lab):

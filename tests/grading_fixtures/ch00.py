@@ -40,10 +40,10 @@ def kv_forgets_batch(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_valu
 
 
 def _search(model, gpu, seq_len, *, tps=(1, 2, 4, 8), sp=True, cap_gib=False):
-    from course_lib.hardware import GPUS
-    from course_lib.layout import ParallelLayout
-    from course_lib.memory import training_memory
-    from course_lib.memory_budget import GB
+    from course_lib.estimates.hardware import GPUS
+    from course_lib.estimates.layout import ParallelLayout
+    from course_lib.estimates.memory import training_memory
+    from course_lib.estimates.memory_budget import GB
 
     cap = GPUS[gpu].nominal_gib * 2**30 if not cap_gib else GPUS[gpu].nominal_gib * GB
     best = None

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.model import lm_loss
-from course_lib.schedules import Action, Kind, gpipe, one_f_one_b
+from course_lib.parallel.schedules import Action, Kind, gpipe, one_f_one_b
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from course_lib.restart import batch_of, build, capture_state, restore_state, train_step
+from course_lib.failures.restart import batch_of, build, capture_state, restore_state, train_step
 
 
 def checkpoint_rank0_rng_for_all(mode, rank, folder, model, optimizer, scheduler, sampler):

@@ -1,25 +1,24 @@
 """Answers that are the library's own implementation, called, wrapped or inherited: each must score 0 with a
 reason that says "write it yourself" (``course_lib.grading.off_limits``). Keyed (chapter, exercise)."""
 
-import course_lib.schedules
-from course_lib import schedule_run
-from course_lib import schedules as S
-from course_lib.collectives import ring_reduce_scatter as library_rs
-from course_lib.memory import kv_cache_bytes as library_kv
-from course_lib.mesh import MeshShape
+import course_lib.parallel.schedules
+from course_lib.estimates.memory import kv_cache_bytes as library_kv
 from course_lib.moe import expert_positions
 from course_lib.parallel import cp_attention as ca
-from course_lib.parallel import cp_ulysses, tp_layers
+from course_lib.parallel import cp_ulysses, schedule_run, tp_layers
 from course_lib.parallel import dp as dp_lib
 from course_lib.parallel import placement as placement_lib
+from course_lib.parallel import schedules as S
+from course_lib.parallel.schedules import one_f_one_b
 from course_lib.parallel.tp_comm import sequence_parallel_linears
-from course_lib.schedules import one_f_one_b
+from course_lib.runtime.collectives import ring_reduce_scatter as library_rs
+from course_lib.runtime.mesh import MeshShape
 from course_lib.serving.paged import PagedKVCache
 
 
 def zb_h1_by_full_path(p, m):
     """The issue's example: the library's ZB-H1 through its full dotted path."""
-    return course_lib.schedules.zb_h1(p, m)
+    return course_lib.parallel.schedules.zb_h1(p, m)
 
 
 def _my_helper(p, m):
