@@ -285,8 +285,7 @@ def test_launch_source_has_no_hard_coded_port():
 @pytest.mark.parametrize("env", ["unset", "own pid"])
 def test_importing_the_forkserver_preload_outside_a_forkserver_does_nothing(env):
     """``course_lib.runtime._forkserver`` arms signals and may ``os._exit(0)``: in the forkserver only. Imported
-    anywhere
-    else -- the caller after a launch (which sets COURSE_LAUNCH_CALLER_PID to its own pid), or a tool importing
+    anywhere else -- the caller after a launch (which sets COURSE_LAUNCH_CALLER_PID to its own pid), or a tool importing
     every module -- it must leave the process alone (it once ended a whole pytest run early, exit status 0)."""
     script = textwrap.dedent("""
         import os, signal

@@ -1,6 +1,5 @@
 """The learner's copy (``course_lib/course/my_copy.py``, ``make my-copy``, ``make lab``): running and saving a chapter
-in
-``make lab`` never changes a tracked file, a ``git pull`` brings new notebooks without touching the learner's
+in ``make lab`` never changes a tracked file, a ``git pull`` brings new notebooks without touching the learner's
 edits, and the project's JupyterLab settings turn the news toast off."""
 
 from __future__ import annotations

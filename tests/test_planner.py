@@ -13,8 +13,8 @@ from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.parallel import schedule_run as R
 from course_lib.parallel import schedules as S
 from course_lib.parallel.pp_layers import ends_split, layer_split
-from course_lib.planner.model import padded_vocab, peak_in_flight
 from course_lib.planner import search as P
+from course_lib.planner.model import padded_vocab, peak_in_flight
 from course_lib.runtime.mesh import MeshShape
 
 SMALL = dict(zero_stages=(1,), recomputes=("selective",), micro_batches=(1, 2))

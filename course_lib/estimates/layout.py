@@ -1,8 +1,7 @@
 """How a training job is split over GPUs (``ParallelLayout``), and the parameters each rank then holds.
 
 The layout is the estimators' (``course_lib.estimates.memory``, the planner, the serving budget); a composed run's
-mesh is
-``course_lib.parallel.config.ParallelConfig``. ``params_per_rank`` counts a rank's parameters before any ZeRO
+mesh is ``course_lib.parallel.config.ParallelConfig``. ``params_per_rank`` counts a rank's parameters before any ZeRO
 sharding: tensor parallelism splits the block matrices and the vocabulary, pipeline parallelism the layers
 (``course_lib.parallel.pp_layers.layer_split``, the runtime's rule), expert parallelism the experts.
 """

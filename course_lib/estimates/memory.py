@@ -9,10 +9,9 @@ Two budgets (as Viacheslav Dubrov's "Scaling LLMs with multi-GPU and multi-node 
 The estimators take a :class:`~course_lib.model_config.GPTConfig` (a preset with real shapes or a tiny one; MHA or
 GQA; dense or MoE), a precision policy, an optimizer, a micro-batch and a parallel layout, and return a
 :class:`~course_lib.estimates.memory_budget.MemoryBudget`: bytes per GPU by category, a read-only mapping with
-``.total`` and
-a readable ``str``. Their parts, each with its formula and source: bytes per parameter and ZeRO's sharding
-(``course_lib.estimates.model_states``), the parameters each rank holds (``course_lib.estimates.layout``), the saved
-activations
+``.total`` and a readable ``str``. Their parts, each with its formula and source: bytes per parameter and ZeRO's
+sharding (``course_lib.estimates.model_states``), the parameters each rank holds (``course_lib.estimates.layout``), the
+saved activations
 (``course_lib.estimates.activation_memory``).
 
 :class:`course_lib.measure.memtrack.MemoryTracker` measures the same categories inside a process, so that the estimate

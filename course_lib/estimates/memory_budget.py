@@ -2,8 +2,7 @@
 
 All sizes are in bytes; GB means 10^9 bytes, GiB 2^30. ``MemoryBudget`` is what ``course_lib.estimates.memory``'s
 ``training_memory`` and ``inference_memory`` return and what ``course_lib.measure.memtrack.MemoryTracker`` measures:
-bytes
-per category, a read-only mapping with ``.total`` and a readable ``str``. The checks refuse nonsense inputs of
+bytes per category, a read-only mapping with ``.total`` and a readable ``str``. The checks refuse nonsense inputs of
 every estimator (seq_len=0, micro_batch=-1, tp=0) by name, never replacing them by a default.
 """
 

@@ -301,9 +301,8 @@ def read_result(out: Path, log: str = "") -> RestartResult:
 
 def run_launched(out: Path, settings: RunSettings, nproc: int = 2, stop_at: int | None = None) -> RestartResult:
     """The same run on ``nproc`` ranks of ``course_lib.runtime.launch`` (no torchrun): uninterrupted, or, with
-    ``stop_at``,
-    stopped after its checkpoint at step ``stop_at`` and resumed by a second launch (attempt 1) -- a restart with
-    nothing killed, quick enough to try every piece left out."""
+    ``stop_at``, stopped after its checkpoint at step ``stop_at`` and resumed by a second launch (attempt 1) -- a
+    restart with nothing killed, quick enough to try every piece left out."""
     from course_lib.runtime.launch import launch  # the launcher is not needed by the torchrun script itself
 
     if stop_at is not None and (stop_at % settings.every or not 0 < stop_at < settings.steps):

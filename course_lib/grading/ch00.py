@@ -4,9 +4,8 @@
 2. ``zero_bytes_per_device(psi, n_d, stage, k)``: model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020).
 3. ``kv_cache_bytes(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value)``: the serving KV cache.
 4. ``fewest_gpus(model, gpu, seq_len)``: the smallest cluster whose busiest GPU holds a training step, searched
-   over ZeRO-3 x TP (with SP) x PP layouts with ``course_lib.estimates.memory.training_memory``; returns ``(n_gpus,
-   layout)``.
-   Any layout of the minimal size that fits is accepted (the check recomputes its budget).
+   over ZeRO-3 x TP (with SP) x PP layouts with ``course_lib.estimates.memory.training_memory``; returns
+   ``(n_gpus, layout)``. Any layout of the minimal size that fits is accepted (the check recomputes its budget).
 5. ``model_states_per_gpu(psi, tp, pp, dp, zero, k)``: find the bug in a colleague's per-GPU model states of a
    TP x PP x DP layout (ZeRO sharded over every GPU of the cluster instead of over the data-parallel ranks, which
    alone hold the same parameters); returns bytes per category.

@@ -9,8 +9,7 @@
    ring (reduce-scatter, then all-gather; its bytes are the ring's).
 
 The launched exercises run the learner's function on ``world_size`` real gloo ranks (``course_lib.runtime.launch``,
-with a
-time limit, so a deadlock fails the check instead of hanging it). On the ranks, the process group only lets
+with a time limit, so a deadlock fails the check instead of hanging it). On the ranks, the process group only lets
 point-to-point messages through: every byte sent and received is counted (``ProcessGroup.send``/``recv``, which
 ``dist.send``, ``isend``, ``batch_isend_irecv`` and ``course_lib.comm`` all end in), and a collective
 (``dist.all_reduce``, ``dist.reduce_scatter``, ...) raises. Chunking follows ``comm.chunk_numels``: a tensor of

@@ -227,8 +227,7 @@ def waiting_location(stack: str, course_files: Sequence[str]) -> str:
 def launch_check(target: Callable[..., Any], world_size: int, *args: Any, timeout: float, hang_hint: str,
                  course_files: Sequence[str] | None = None, guard_errors: Collection[str] = ()) -> list[Any]:
     """``course_lib.runtime.launch.launch(target, world_size, *args, timeout=timeout)``: what each rank returned, in
-    rank
-    order; a rank's exception or a hang becomes what a check reports.
+    rank order; a rank's exception or a hang becomes what a check reports.
 
     * A hang (``RankTimeout``): ``CheckFailed`` "ranks [..] of N did not finish within T s and were stopped",
       then ``hang_hint`` verbatim (the chapter's likely causes, with its leading punctuation), then, unless

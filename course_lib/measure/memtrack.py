@@ -1,9 +1,8 @@
 """Measured memory: a tracker of live tensor bytes by category, inside one process (each rank measures its own).
 
 ``MemoryTracker`` reports the same categories as the estimator in ``course_lib.estimates.memory`` (parameters,
-gradients,
-optimizer state, activations, other), their peak and the breakdown at the peak, so the estimate for the course's
-tiny GPT can be checked against what PyTorch really allocates. It counts tensor storages, not the allocator: no
+gradients, optimizer state, activations, other), their peak and the breakdown at the peak, so the estimate for the
+course's tiny GPT can be checked against what PyTorch really allocates. It counts tensor storages, not the allocator: no
 caching, fragmentation or kernel workspaces. Checked against ``torch.distributed._tools.mem_tracker.MemTracker``.
 """
 

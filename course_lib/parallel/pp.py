@@ -1,6 +1,5 @@
 """Pipeline parallelism from scratch: cut the GPT into stages, run any schedule of ``course_lib.parallel.schedules``
-on real
-ranks, and measure it.
+on real ranks, and measure it.
 
 Stages. The model is cut into ``n = p * v`` contiguous (virtual) stages: stage 0 has the embeddings, the last stage
 the final norm, the LM head and the loss, each stage a run of blocks (``split``: the number of blocks of each stage,

@@ -1,6 +1,5 @@
 """The pipeline executor: runs one rank's action list of a schedule (``course_lib.parallel.schedules``) for one batch,
-on
-real ranks, and records when each action ran.
+on real ranks, and records when each action ran.
 
 Transfers. The executor runs this rank's list of ``schedule_run.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
 an ``irecv`` that the compute action needing the data waits for; ``SEND_F`` / ``SEND_B`` post an ``isend`` waited

@@ -26,10 +26,10 @@ reduce-scatters each way (TP + SP): the same bytes (``tp_accounting``, with ever
 the TP regions see the full activation on every rank under plain TP; SP shards them along the sequence: each rank
 keeps s/t tokens there, an all-gather enters each TP region and a reduce-scatter leaves it. Activations per layer
 drop from sbh(10 + 24/t + 5as/(ht)) to sbh/t (34 + 5as/h)
-(``course_lib.estimates.activation_memory.activation_bytes_paper``).
-Replicated parameters used inside the sharded region (norm weights and biases, position embeddings, row-parallel
-biases) then get only the gradient of this rank's tokens: a partial sum that must be all-reduced over the TP group
-before the optimizer step -- a step production code has forgotten more than once.
+(``course_lib.estimates.activation_memory.activation_bytes_paper``). Replicated parameters used inside the sharded
+region (norm weights and biases, position embeddings, row-parallel biases) then get only the gradient of this rank's
+tokens: a partial sum that must be all-reduced over the TP group before the optimizer step -- a step production code has
+forgotten more than once.
 
 The ``TensorParallel`` wrapper applies a **plan** (module name pattern -> style, in the spirit of DTensor's
 ``parallelize_module``) to a single-process model by slicing its existing weights, so parity with one process holds

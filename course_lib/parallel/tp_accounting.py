@@ -109,8 +109,7 @@ def layer_activation_bytes_tp(cfg: GPTConfig, micro_batch: int, t: int, sequence
                               element_bytes: int = 4) -> float:
     """Activation bytes one transformer block of *this* implementation saves for backward, per rank:
     ``course_lib.estimates.activation_memory.layer_activation_bytes(formula="adapted", tp=t, sp=...)`` (what the
-    course's
-    eager block saves, Korthikanti et al.'s accounting with the /t parts split). Under SP the column-parallel
+    course's eager block saves, Korthikanti et al.'s accounting with the /t parts split). Under SP the column-parallel
     linears keep only the s/t input shard (``tp_comm.sequence_parallel_linears``), so for MHA without RoPE a TP + SP
     block holds exactly 1/t of one unsplit block, the paper's (sbh/t)(34 + 5as/h) adapted. Checked against
     ``MemoryTracker`` in tests/test_tp.py."""

@@ -4,8 +4,7 @@ per step (what the ring collectives of ``course_lib.comm`` move for this impleme
 
 The formulas they are checked against (ZeRO, Rajbhandari et al. 2020, Sec. 5 and 7; Ψ parameters, N data-parallel
 ranks, K optimizer bytes per parameter) are ``course_lib.estimates.model_states.zero_memory_per_device`` for memory
-and, for
-communication, 2 (N-1)/N V per step for stages 0-2 and 3 (N-1)/N V for stage 3 (V = Ψ x bytes per element).
+and, for communication, 2 (N-1)/N V per step for stages 0-2 and 3 (N-1)/N V for stage 3 (V = Ψ x bytes per element).
 """
 
 from __future__ import annotations

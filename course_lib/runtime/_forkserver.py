@@ -1,7 +1,6 @@
 """The launcher's forkserver preload: imported only inside the forkserver (``course_lib.runtime.launch`` names this
-module as
-its only preload), never by the caller. It makes the forkserver leave as soon as its caller has gone, however the
-caller died (SIGKILL, SIGTERM, SIGHUP, a kernel restart), even on a machine whose CPUs are all busy, and then
+module as its only preload), never by the caller. It makes the forkserver leave as soon as its caller has gone, however
+the caller died (SIGKILL, SIGTERM, SIGHUP, a kernel restart), even on a machine whose CPUs are all busy, and then
 preloads torch for the ranks.
 
 Linux tells a process when its parent dies (``prctl(PR_SET_PDEATHSIG)``): the kernel sends a chosen signal, with
@@ -17,8 +16,7 @@ removes the folders before the interpreter's slow teardown.
 
 The kernel sends the signal when the *thread* that started the forkserver ends, so the caller starts it from a
 thread that lives as long as the caller (``course_lib.runtime.launch._ensure_forkserver``). A caller that died before
-the
-signal was armed is found by its pid (``COURSE_LAUNCH_CALLER_PID``, set by the caller): we are no longer its
+the signal was armed is found by its pid (``COURSE_LAUNCH_CALLER_PID``, set by the caller): we are no longer its
 child. Elsewhere (macOS) the forkserver leaves when its preload is done and the pipe is closed.
 """
 

@@ -1,8 +1,7 @@
 """What one serving GPU holds and how fast it decodes: the inference budget turned into capacity and latency.
 
 Memory (``course_lib.estimates.memory.inference_memory``, the article's inference budget): weights + KV cache +
-workspace
-+ communication + headroom. What is left after weights and workspace, divided by one sequence's KV cache,
+workspace + communication + headroom. What is left after weights and workspace, divided by one sequence's KV cache,
 is the number of sequences the GPU can keep in flight:
 
     max concurrent sequences = floor((capacity / (1 + headroom) - weights - workspace - comm) / kv_per_sequence)

@@ -7,8 +7,7 @@ Scaling Transformer Inference", Sec. 2):
     bytes per token = 2 (K and V) x L x n_kv_heads x d_head x bytes per element
 
 times tokens times sequences (``course_lib.estimates.memory.kv_cache_bytes``). Under tensor parallelism a rank keeps
-only
-its own K/V heads (``n_kv_heads`` here is the *local* count).
+only its own K/V heads (``n_kv_heads`` here is the *local* count).
 
 Two layouts share one interface (``reserve``/``free``/``write``/``read``), so the engine and the scheduler never
 know which one they use:

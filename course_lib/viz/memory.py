@@ -9,8 +9,7 @@ Two layers, as every module of ``course_lib.viz``:
 * :func:`memory_budget_widget` wires ipywidgets controls (model preset or sizes, precision, optimizer, batch,
   sequence, recomputation, ZeRO stage, DP/TP/PP/CP/EP degrees, training or inference, target GPU) to
   :func:`course_lib.estimates.memory.training_memory` / :func:`course_lib.estimates.memory.inference_memory` and
-  redraws.
-  :meth:`MemoryBudgetWidget.set` changes controls from code and returns the text the widget shows, so a test
+  redraws. :meth:`MemoryBudgetWidget.set` changes controls from code and returns the text the widget shows, so a test
   (or a notebook cell whose output nbval checks) can drive it without a browser. Every control has a stable
   ``description`` (listed in ``CONTROL_DESCRIPTIONS``) for browser tests.
 
@@ -101,8 +100,7 @@ def plot_budget(budgets: Mapping[str, float] | Mapping[str, Mapping[str, float]]
     """Stacked bars of bytes by category, one bar per budget, against GPU capacities.
 
     ``budgets``: one budget (a :class:`~course_lib.estimates.memory_budget.MemoryBudget` or any {category: bytes}) or
-    several
-    ({bar label: budget}, e.g. {"estimate": est, "measured": dict(mt.category_peaks)}). Every bar gets one
+    several ({bar label: budget}, e.g. {"estimate": est, "measured": dict(mt.category_peaks)}). Every bar gets one
     segment per category of the union of all budgets, in order; ``ax.containers[i]`` holds category ``i``'s
     segments and its label is the category name. ``gpus``: capacity lines (default: every GPU of ``hardware.GPUS``;
     ``()`` for none, e.g. for the tiny model). ``target``: the GPU of the verdict written above each bar

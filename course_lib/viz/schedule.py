@@ -13,9 +13,8 @@ Two layers, as every module of ``course_lib.viz``:
   axis.
 * :func:`bubble_widget` wires ipywidgets controls (schedule, p, m, v, the cost of the last stage) to
   ``course_lib.parallel.schedules`` and ``course_lib.estimates.cost``: it draws the Gantt chart of every rank, and
-  prints the closed
-  formula's bubble fraction next to the simulated one and the peak number of micro-batches in flight per rank.
-  Invalid combinations (interleaved 1F1B with m not a multiple of p) show a message instead of a chart.
+  prints the closed formula's bubble fraction next to the simulated one and the peak number of micro-batches in flight
+  per rank. Invalid combinations (interleaved 1F1B with m not a multiple of p) show a message instead of a chart.
   :meth:`BubbleWidget.set` changes controls from code and returns the text the widget shows; every control has a
   stable ``description`` (``CONTROL_DESCRIPTIONS``) and the widget the CSS class ``course-bubble``, for browser
   tests.
