@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 
 from course_lib.planner import search as P
-from course_lib.planner.search import memory as planner_memory
-from course_lib.planner.search import published as PP
+from course_lib.planner import memory as planner_memory
+from course_lib.planner import published as PP
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib.planner.search import published as PP
+from course_lib.planner import published as PP
 
 RUNS = {r.name: r for r in PP.published_runs()}
 _CHECKS: dict[str, PP.PublishedCheck] = {}
