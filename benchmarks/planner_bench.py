@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 
-from course_lib.planner import search as P
 from course_lib.planner import memory as planner_memory
 from course_lib.planner import published as PP
+from course_lib.planner import search as P
 
 
 def main() -> None:

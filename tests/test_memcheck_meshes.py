@@ -34,10 +34,10 @@ from course_lib.estimates.layout import ParallelLayout
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import merge_composed
 from course_lib.parallel.config import ParallelConfig
-from course_lib.planner.memcheck import REL_TOL
 from course_lib.planner import memory as planner_memory
 from course_lib.planner import mesh_runs as M
 from course_lib.planner import model as planner_model
+from course_lib.planner.memcheck import REL_TOL
 from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, compare, train_baseline
 

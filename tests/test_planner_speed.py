@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from course_lib.estimates.memory import training_memory
+from course_lib.planner import memory as PM
+from course_lib.planner import published as PP
 from course_lib.planner import search as P
 from course_lib.planner.candidate import padded_config
 from course_lib.planner.search import cluster, plan
-from course_lib.planner import memory as PM
-from course_lib.planner import published as PP
 
 RUNS = {r.name: r for r in PP.published_runs()}
 
