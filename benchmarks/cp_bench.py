@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
+from course_lib.estimates.accounting import ring_kv_bytes, ring_sends_per_layer
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.parallel import cp_attention as ca
-from course_lib.parallel.cp import ring_kv_bytes, ring_sends_per_layer
 from course_lib.parallel.cp_ulysses import ulysses_attention, ulysses_bytes_per_rank
 from course_lib.runtime.launch import launch
 from course_lib.viz.cp import lockstep_work

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import dp, pp, zero
 from course_lib.runtime.device_audit import DeviceAudit
 from course_lib.runtime.launch import device
 from course_lib.train import TrainConfig, compare, train_baseline
@@ -40,9 +39,9 @@ def main() -> int:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = train_baseline(CFG, TC)
-    runs = {"DataParallel": lambda **kw: dp.train_dp(rank, world, CFG, TC, **kw),
-            "ZeroDataParallel(stage 3)": lambda **kw: zero.train_zero(rank, world, CFG, TC, 3, **kw),
-            "PipelineParallel(1f1b)": lambda **kw: pp.train_pp(rank, world, CFG, TC, "1f1b", 2, **kw)}
+    runs = {"DataParallel": lambda **kw: runs.train_dp(rank, world, CFG, TC, **kw),
+            "ZeroDataParallel(stage 3)": lambda **kw: runs.train_zero(rank, world, CFG, TC, 3, **kw),
+            "PipelineParallel(1f1b)": lambda **kw: runs.train_pp(rank, world, CFG, TC, "1f1b", 2, **kw)}
     failed = 0
     for name, run in runs.items():
         with DeviceAudit(device()) as audit:
@@ -59,7 +58,7 @@ def main() -> int:
         if result is not None and name.startswith("Pipeline"):
             parts = [None] * world
             dist.all_gather_object(parts, result)
-            result = pp.merge_results(parts)
+            result = runs.merge_results(parts)
         if error is None:
             report = compare(reference, result, rtol=1e-4, atol=1e-5)
             problems = ([] if report.ok else [str(report)]) + [str(f) for f in audit.findings]

@@ -28,9 +28,10 @@ import time
 import torch
 
 from course_lib.data import global_batch
+from course_lib.estimates import accounting
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import ep
+from course_lib.parallel import runs
 from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, train_baseline
 
@@ -47,21 +48,21 @@ def skewed_router(cfg: GPTConfig, seed: int) -> GPT:
     return model
 
 
-def _timed_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig) -> tuple[ep.EPResult, float]:
+def _timed_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig) -> tuple[runs.ComposedResult, float]:
     torch.set_num_threads(1)
     start = time.perf_counter()
-    result = ep.train_ep(rank, world_size, cfg, tc)
+    result = runs.train_ep(rank, world_size, cfg, tc)
     return result, time.perf_counter() - start
 
 
 def _balance(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, alphas: list[float]) -> dict:
     torch.set_num_threads(1)
-    return {a: ep.train_ep(rank, world_size, cfg.with_(aux_loss_coef=a), tc, model_fn=skewed_router) for a in alphas}
+    return {a: runs.train_ep(rank, world_size, cfg.with_(aux_loss_coef=a), tc, model_fn=skewed_router) for a in alphas}
 
 
 def _groups(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig) -> dict:
     torch.set_num_threads(1)
-    return {m: ep.train_ep(rank, world_size, cfg.with_(topk_group=m), tc) for m in (None, 1)}
+    return {m: runs.train_ep(rank, world_size, cfg.with_(topk_group=m), tc) for m in (None, 1)}
 
 
 def node_limited(world_size: int, steps: int = 3) -> None:
@@ -89,7 +90,7 @@ def main(world_size: int = 2, steps: int = 20, alpha: float = 0.05, repeats: int
     for step in range(tc.steps):
         recs = [r for res, _ in ranks for r in res.step_comm[step]]
         rows = sum(r.tensor_bytes for r in recs if r.op == "all_to_all" and r.tensor_bytes != cfg.n_expert * 8)
-        formula = 4 * L * ep.dispatch_bytes(T, cfg.top_k, h)
+        formula = 4 * L * accounting.dispatch_bytes(T, cfg.top_k, h)
         assert rows == formula, (step, rows, formula)
     print(f"bytes per step, {world_size} ranks, dropless: dispatch + combine fwd + bwd {rows:,} B == 4 x L x T*k*h*4 = "
           f"{formula:,} B (exact); count exchange {L} all_gather of {world_size * cfg.n_expert * 8} B + {L} "
@@ -110,7 +111,7 @@ def main(world_size: int = 2, steps: int = 20, alpha: float = 0.05, repeats: int
     for a, res in bal.items():
         ratios = []
         for step in res.routing:
-            slow, mean = ep.slowest_rank_load(step[0].kept_per_expert, world_size)
+            slow, mean = accounting.slowest_rank_load(step[0].kept_per_expert, world_size)
             ratios.append(slow / mean)
         print(f"alpha = {a:g}: slowest ep rank / mean, layer 0: first step {ratios[0]:.2f}x, last 5 steps "
               f"{statistics.fmean(ratios[-5:]):.2f}x")

@@ -10,7 +10,7 @@ emulated cost per action; costs F : B = 1 : 2 and W = B / 2 (I = W = F), the equ
 formula is stated. Interleaved chunks hold 1/v of a rank's layers and sleep 1/v of a stage's cost.
 
 Columns: ``formula`` is ``course_lib.estimates.cost.bubble_fraction``; ``measured`` is 1 - busy / (p x makespan) of one
-optimizer step (``pp.measured_bubble_fraction``), the median over the steps after the first (which warms up);
+optimizer step (``runs.measured_bubble_fraction``), the median over the steps after the first (which warms up);
 ``sim(meas)`` is ``schedule_run.simulate`` with each stage's mean measured duration of each kind of action (so it
 contains the real compute added to the sleeps, but no transfer time and no scheduling noise). Goal:
 |measured - formula| <= 0.05.
@@ -36,7 +36,7 @@ import time
 
 from course_lib.estimates import cost
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import pp
+from course_lib.parallel import runs
 from course_lib.parallel import schedules as S
 from course_lib.parallel.schedule_run import simulate
 from course_lib.runtime.launch import launch
@@ -51,14 +51,14 @@ def _all_schedules(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, 
     out = {}
     for name, (_, v) in SCHEDULES.items():
         emulate = (t_f / v, 2 * t_f / v, t_f / v)
-        out[name] = pp.train_pp(rank, world_size, cfg, tc, name, m, v, emulate=emulate)
+        out[name] = runs.train_pp(rank, world_size, cfg, tc, name, m, v, emulate=emulate)
     return out
 
 
-def _sim_with_measured_costs(ranks: list[pp.PPResult], step: int) -> float:
+def _sim_with_measured_costs(ranks: list[runs.PPResult], step: int) -> float:
     """The simulator run with each stage's mean measured duration of each kind of action: the bubble that the
     measured (slightly unequal) stage costs imply, without transfer times and without scheduling noise."""
-    timeline = pp.measured_timeline(ranks, step)
+    timeline = runs.measured_timeline(ranks, step)
     n_stages = ranks[0].plan.n_stages
     durations: dict[tuple[int, S.Kind], list[float]] = {}
     for rank in timeline:
@@ -77,10 +77,10 @@ def _sim_with_measured_costs(ranks: list[pp.PPResult], step: int) -> float:
     return simulate(compute, per_stage_costs=costs).bubble_fraction
 
 
-def _hop_ms(ranks: list[pp.PPResult], step: int) -> float:
+def _hop_ms(ranks: list[runs.PPResult], step: int) -> float:
     """Median delay, in ms, between the end of an action on one rank and the start of the action of the next rank
     that needed its output, when that rank sat idle waiting for it: the cost of one transfer on the critical path."""
-    timeline = pp.measured_timeline(ranks, step)
+    timeline = runs.measured_timeline(ranks, step)
     p = len(timeline)
     end = {a: e for rank in timeline for _, e, a in rank}
     delays = []
@@ -101,9 +101,9 @@ def _hop_ms(ranks: list[pp.PPResult], step: int) -> float:
     return statistics.median(delays) if delays else float("nan")
 
 
-def _extra_compute_ms(ranks: list[pp.PPResult], step: int, t_f: float) -> float:
+def _extra_compute_ms(ranks: list[runs.PPResult], step: int, t_f: float) -> float:
     """Mean real compute per action on top of the emulated sleep, in ms (what the tiny GPT itself costs)."""
-    timeline = pp.measured_timeline(ranks, step)
+    timeline = runs.measured_timeline(ranks, step)
     v = ranks[0].plan.v
     sleep = {S.Kind.F: t_f / v, S.Kind.B: 2 * t_f / v, S.Kind.I: t_f / v, S.Kind.W: t_f / v}
     return statistics.fmean((e - s - sleep[a.kind]) * 1e3 for rank in timeline for s, e, a in rank)
@@ -136,7 +136,7 @@ def main() -> None:
         for name, (cost_name, v) in SCHEDULES.items():
             ranks = [r[name] for r in per_rank]
             steps = range(1, args.steps)
-            measured = [pp.measured_bubble_fraction(ranks, k) for k in steps]
+            measured = [runs.measured_bubble_fraction(ranks, k) for k in steps]
             med = statistics.median(measured)
             formula = cost.bubble_fraction(cost_name, p, args.m, v)  # type: ignore[arg-type]
             sim = statistics.median(_sim_with_measured_costs(ranks, k) for k in steps)

@@ -2,13 +2,13 @@
 step time and bytes per step, measured side by side in one run, as ratios (ours / DTensor).
 
 Both live in the same ranks and train the same GPT (rotary positions, which DTensor's SP plan needs; same seed,
-same batch on every rank of the TP group), fp32, AdamW, with the same plan (``tp.gpt_plan`` / ``tp.dtensor_plan``).
+same batch on every rank of the TP group), fp32, AdamW, with the same plan (``tp.gpt_plan`` / ``oracles.dtensor_plan``).
 
 * **Time**: the median over ``--repeats`` training steps of each, interleaved (ours, DTensor, ours, ...) so that
   the machine's load drifts over both alike, each step after a barrier. Goal: ours / DTensor <= 1.1. CPU gloo is
   not NCCL: this says whether our Python (autograd Functions, the wrapper) costs more than DTensor's dispatch.
 * **Bytes**: what one rank sends per step (ring bytes, ``comm``'s convention), ours from the comm log, DTensor's
-  from ``tp.DTensorCommLog`` (its collectives logged below its dispatch). Goal: 1.00 — forward and backward issue
+  from ``oracles.DTensorCommLog`` (its collectives logged below its dispatch). Goal: 1.00 — forward and backward issue
   the same collectives. Under SP the norms' gradients are partial sums: ours adds them in one flat all-reduce;
   DTensor keeps them as ``Partial`` DTensors and all-reduces one each time an optimizer op reads it -- with
   AdamW (``foreach=False``: weight decay, first and second moment) 3 times per norm parameter, so the bytes ratio
@@ -37,7 +37,7 @@ from course_lib import comm
 from course_lib.data import global_batch
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import tp, tp_overlap
+from course_lib.parallel import oracles, tp, tp_overlap
 from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, make_optimizer
 
@@ -51,7 +51,7 @@ def _rank(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, sp: bool,
     ours = tp.TensorParallel(GPT(cfg, tc.seed), sequence_parallel=sp)
     opt_ours = make_optimizer(list(ours.parameters()), tc)
     theirs = GPT(cfg, tc.seed)
-    parallelize_module(theirs, init_device_mesh("cpu", (world_size,)), tp.dtensor_plan(cfg, sp))
+    parallelize_module(theirs, init_device_mesh("cpu", (world_size,)), oracles.dtensor_plan(cfg, sp))
     opt_theirs = make_optimizer(list(theirs.parameters()), tc)
     x, y = global_batch(0, tc.global_batch, cfg.seq_len, tc.seed)
 
@@ -71,7 +71,7 @@ def _rank(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, sp: bool,
 
     with comm.recording() as log:
         step_ours()
-    with tp.DTensorCommLog(world_size, rank) as dlog:
+    with oracles.DTensorCommLog(world_size, rank) as dlog:
         step_theirs()
     times: dict[str, list[float]] = {"ours": [], "dtensor": []}
     for _ in range(repeats):

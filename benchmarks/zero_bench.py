@@ -72,7 +72,7 @@ def _engine(kind: str, cfg: GPTConfig, tc: TrainConfig, mesh: Mesh) -> dict[str,
         if kind == "torch_2d":
             from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-            from course_lib.parallel.tp_dtensor import dtensor_plan
+            from course_lib.parallel.oracles import dtensor_plan
 
             parallelize_module(model, mesh.device_mesh("tp"), dtensor_plan(cfg))
             e["ctx"] = loss_parallel

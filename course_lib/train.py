@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -104,14 +104,21 @@ class TrainResult:
         return TrainResult(self.losses[step:], self.params, noise=self.noise)
 
 
-def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], tc: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer of ``tc`` over ``params`` (plain for-loop implementation: identical across layouts)."""
+def optimizer_spec(tc: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class of ``tc`` and its keywords (plain for-loop implementation: identical across layouts;
+    ZeRO-1 builds the same optimizer over each rank's partition)."""
     if tc.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay,
-                               foreach=False)
+        return torch.optim.SGD, {"lr": tc.lr, "momentum": tc.momentum, "weight_decay": tc.weight_decay,
+                                 "foreach": False}
     if tc.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, foreach=False)
+        return torch.optim.AdamW, {"lr": tc.lr, "weight_decay": tc.weight_decay, "foreach": False}
     raise ValueError(f"unknown optimizer {tc.optimizer!r}: use 'sgd' or 'adamw'")
+
+
+def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], tc: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``tc`` over ``params``."""
+    cls, kwargs = optimizer_spec(tc)
+    return cls(params, **kwargs)
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -26,7 +26,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from course_lib.parallel.dp import MODES, train_dp
+from course_lib.parallel.dp import MODES
+from course_lib.parallel.runs import train_dp
 from course_lib.runtime.launch import in_torchrun, launch
 from course_lib.train import PARITY_MODEL, TrainConfig, TrainResult, compare, train_baseline
 

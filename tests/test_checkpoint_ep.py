@@ -34,14 +34,16 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from course_lib.parallel.ep_mesh import ExpertShardedOptimizer
 
 from course_lib.model import GPTConfig
+from course_lib.parallel import checkpoint, runs
 from course_lib.parallel import compose as C
 from course_lib.parallel import mesh_checkpoint as MC
 from course_lib.parallel.config import ParallelConfig
-from course_lib.parallel.ep_mesh import ExpertShardedOptimizer
 from course_lib.parallel.loop import build_model
 from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -52,22 +54,22 @@ SAVE_AFTER = 2
 LAUNCH_TIMEOUT = 600
 
 SAVES = {  # name: (world size, mesh that trains 4 steps and saves after 2)
-    "ep2_edp2_zero1": (4, ParallelConfig(dp=4, ep=2, zero_stage=1)),  # both partitions real
-    "pp2_ep2_zero1": (4, ParallelConfig(dp=2, pp=2, ep=2, zero_stage=1)),  # edp 1: experts' plain AdamW
-    "tp2_ep2_zero1": (4, ParallelConfig(dp=2, tp=2, ep=2, zero_stage=1)),
-    "cp2_ep2_zero1": (4, ParallelConfig(dp=2, cp=2, ep=2, zero_stage=1)),  # the ep pairs are cp pairs
-    "ep2_zero1_2ranks": (2, ParallelConfig(dp=2, ep=2, zero_stage=1)),
+    "ep2_edp2_zero1": (4, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),  # both partitions real
+    "pp2_ep2_zero1": (4, ParallelConfig(MeshShape(dp=2, pp=2, ep=2), zero_stage=1)),  # edp 1: experts' plain AdamW
+    "tp2_ep2_zero1": (4, ParallelConfig(MeshShape(dp=2, tp=2, ep=2), zero_stage=1)),
+    "cp2_ep2_zero1": (4, ParallelConfig(MeshShape(dp=2, cp=2, ep=2), zero_stage=1)),  # the ep pairs are cp pairs
+    "ep2_zero1_2ranks": (2, ParallelConfig(MeshShape(dp=2, ep=2), zero_stage=1)),
 }
 
 RESUMES = {  # name: (the save it reads, world size, mesh that resumes for the last 2 steps)
-    "ep2_edp2_zero1_same_mesh": ("ep2_edp2_zero1", 4, ParallelConfig(dp=4, ep=2, zero_stage=1)),
-    "ep2_edp2_zero1_to_ep4_zero1": ("ep2_edp2_zero1", 4, ParallelConfig(dp=4, ep=4, zero_stage=1)),
-    "ep2_edp2_zero1_to_tp2_ep2_zero1": ("ep2_edp2_zero1", 4, ParallelConfig(dp=2, tp=2, ep=2, zero_stage=1)),
-    "pp2_ep2_zero1_to_ep2_edp2_zero1": ("pp2_ep2_zero1", 4, ParallelConfig(dp=4, ep=2, zero_stage=1)),
-    "tp2_ep2_zero1_to_pp2_ep2": ("tp2_ep2_zero1", 4, ParallelConfig(dp=2, pp=2, ep=2)),
-    "cp2_ep2_zero1_to_ep4_zero1": ("cp2_ep2_zero1", 4, ParallelConfig(dp=4, ep=4, zero_stage=1)),
-    "2ranks_to_ep2_edp2_zero1": ("ep2_zero1_2ranks", 4, ParallelConfig(dp=4, ep=2, zero_stage=1)),
-    "ep2_edp2_zero1_to_2ranks": ("ep2_edp2_zero1", 2, ParallelConfig(dp=2, ep=2, zero_stage=1)),
+    "ep2_edp2_zero1_same_mesh": ("ep2_edp2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),
+    "ep2_edp2_zero1_to_ep4_zero1": ("ep2_edp2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=4), zero_stage=1)),
+    "ep2_edp2_zero1_to_tp2_ep2_zero1": ("ep2_edp2_zero1", 4, ParallelConfig(MeshShape(dp=2, tp=2, ep=2), zero_stage=1)),
+    "pp2_ep2_zero1_to_ep2_edp2_zero1": ("pp2_ep2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),
+    "tp2_ep2_zero1_to_pp2_ep2": ("tp2_ep2_zero1", 4, ParallelConfig(MeshShape(dp=2, pp=2, ep=2))),
+    "cp2_ep2_zero1_to_ep4_zero1": ("cp2_ep2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=4), zero_stage=1)),
+    "2ranks_to_ep2_edp2_zero1": ("ep2_zero1_2ranks", 4, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),
+    "ep2_edp2_zero1_to_2ranks": ("ep2_edp2_zero1", 2, ParallelConfig(MeshShape(dp=2, ep=2), zero_stage=1)),
     "ep2_edp2_zero1_to_one_process": ("ep2_edp2_zero1", 1, ParallelConfig()),
 }
 
@@ -102,23 +104,23 @@ def _experts_not_partitioned(optimizer: torch.optim.Optimizer) -> dict[int, tupl
     return {k: (o, owns, part and k not in experts) for k, (o, owns, part) in _STEPPERS(optimizer).items()}
 
 
-def _run(rank: int, world_size: int, folder: str, name: str, *, save: bool) -> C.ComposedResult:
+def _run(rank: int, world_size: int, folder: str, name: str, *, save: bool) -> runs.ComposedResult:
     if save:
-        return C.train_parallel(rank, world_size, MOE, TC4, SAVES[name][1], checkpoint=C.Checkpointing(
+        return runs.train_parallel(rank, world_size, MOE, TC4, SAVES[name][1], checkpoint=runs.Checkpointing(
             save_to=f"{folder}/{name}", save_after=SAVE_AFTER))
     source, _, parallel = RESUMES[name]
-    return C.train_parallel(rank, world_size, MOE, TC4, parallel, checkpoint=C.Checkpointing(
+    return runs.train_parallel(rank, world_size, MOE, TC4, parallel, checkpoint=runs.Checkpointing(
         resume_from=f"{folder}/{source}"))
 
 
 def _refused(rank: int, world_size: int, folder: str) -> str:
     """Adam (not AdamW) in ``ExpertShardedOptimizer``: ``save_checkpoint`` refuses it and says why."""
-    parallel = ParallelConfig(dp=2, ep=2, zero_stage=1)
+    parallel = ParallelConfig(MeshShape(dp=2, ep=2), zero_stage=1)
     mesh = parallel.mesh()
     composed = C.parallelize(build_model(MOE, TC4.seed), mesh, parallel, global_batch=TC4.global_batch)
     optimizer = ExpertShardedOptimizer(list(composed.parameters()), composed.ep, mesh, torch.optim.Adam, lr=1e-3)
     try:
-        MC.save_checkpoint(composed, optimizer, 0, f"{folder}/adam")
+        checkpoint.save_whole(composed, optimizer, 0, f"{folder}/adam")
     except ValueError as e:
         return str(e)
     return "saved"
@@ -133,12 +135,12 @@ def _four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {n: _run(rank, world_size, folder, n, save=True) for n, (w, _) in SAVES.items() if w == 4}
     out |= {n: _run(rank, world_size, folder, n, save=False) for n, (_, w, _) in RESUMES.items() if w == 4}
     _shift_expert_states(Path(folder) / "ep2_edp2_zero1", Path(folder) / "shifted", rank)
-    out["expert_state_under_next_index"] = C.train_parallel(
-        rank, world_size, MOE, TC4, SAVES["ep2_edp2_zero1"][1], checkpoint=C.Checkpointing(
+    out["expert_state_under_next_index"] = runs.train_parallel(
+        rank, world_size, MOE, TC4, SAVES["ep2_edp2_zero1"][1], checkpoint=runs.Checkpointing(
             resume_from=f"{folder}/shifted"))
     with mock.patch.object(MC, "_steppers", _experts_not_partitioned):
-        C.train_parallel(rank, world_size, MOE, TrainConfig(steps=SAVE_AFTER, global_batch=8, optimizer="adamw"),
-                         SAVES["ep2_edp2_zero1"][1], checkpoint=C.Checkpointing(
+        runs.train_parallel(rank, world_size, MOE, TrainConfig(steps=SAVE_AFTER, global_batch=8, optimizer="adamw"),
+                         SAVES["ep2_edp2_zero1"][1], checkpoint=runs.Checkpointing(
                              save_to=f"{folder}/not_partitioned", save_after=SAVE_AFTER))
     return out
 
@@ -148,7 +150,7 @@ def _resume_small(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                            if w == world_size}
     if world_size == 1:  # one process steps every parameter: the missing states are named here
         try:
-            C.train_parallel(rank, world_size, MOE, TC4, ParallelConfig(), checkpoint=C.Checkpointing(
+            runs.train_parallel(rank, world_size, MOE, TC4, ParallelConfig(), checkpoint=runs.Checkpointing(
                 resume_from=f"{folder}/not_partitioned"))
             out["not_partitioned"] = "resumed"
         except ValueError as e:
@@ -165,8 +167,8 @@ def _results() -> dict[str, Any]:
         one = launch(_resume_small, 1, folder, timeout=LAUNCH_TIMEOUT)
     out: dict[str, Any] = {"refused": [r["refused"] for r in first], "not_partitioned": one[0]["not_partitioned"]}
     for per_rank in (first, four, two, one):
-        out |= {k: C.merge_composed([r[k] for r in per_rank]) for k, v in per_rank[0].items()
-                if isinstance(v, C.ComposedResult)}
+        out |= {k: runs.merge_composed([r[k] for r in per_rank]) for k, v in per_rank[0].items()
+                if isinstance(v, runs.ComposedResult)}
     return out
 
 

@@ -25,11 +25,13 @@ import pytest
 import torch
 
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import compose as C
 from course_lib.parallel import mesh_checkpoint as MC
+from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig
-from course_lib.parallel.placement import placements_of, set_placement, shard_like
+from course_lib.parallel.placement import placements_of, set_placement
+from course_lib.parallel.placement_ops import shard_like
 from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -41,14 +43,14 @@ SAVE_AFTER = 2
 LAUNCH_TIMEOUT = 300
 
 ROUND_TRIPS = {  # name: (model, mesh that saves, its world size, mesh that resumes (4 ranks))
-    "zero3_dp4_to_fsdp_dp2_tp2": (CFG, ParallelConfig(dp=4, zero_stage=3), 4,
-                                  ParallelConfig(dp=2, tp=2, zero_stage=3)),
-    "fsdp_dp2_tp2_to_zero2_dp4": (CFG, ParallelConfig(dp=2, tp=2, zero_stage=3), 4,
-                                  ParallelConfig(dp=4, zero_stage=2)),
-    "zero2_dp2_tp2_to_fsdp_dp4": (CFG, ParallelConfig(dp=2, tp=2, zero_stage=2), 4,
-                                  ParallelConfig(dp=4, zero_stage=3)),
-    "ep2_dp2_to_ep4": (MOE, ParallelConfig(dp=4, ep=2), 4, ParallelConfig(dp=4, ep=4)),
-    "zero1_dp2_to_dp4": (CFG, ParallelConfig(dp=2, zero_stage=1), 2, ParallelConfig(dp=4, zero_stage=1)),
+    "zero3_dp4_to_fsdp_dp2_tp2": (CFG, ParallelConfig(MeshShape(dp=4), zero_stage=3), 4,
+                                  ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3)),
+    "fsdp_dp2_tp2_to_zero2_dp4": (CFG, ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3), 4,
+                                  ParallelConfig(MeshShape(dp=4), zero_stage=2)),
+    "zero2_dp2_tp2_to_fsdp_dp4": (CFG, ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=2), 4,
+                                  ParallelConfig(MeshShape(dp=4), zero_stage=3)),
+    "ep2_dp2_to_ep4": (MOE, ParallelConfig(MeshShape(dp=4, ep=2)), 4, ParallelConfig(MeshShape(dp=4, ep=4))),
+    "zero1_dp2_to_dp4": (CFG, ParallelConfig(MeshShape(dp=2), zero_stage=1), 2, ParallelConfig(MeshShape(dp=4), zero_stage=1)),
 }
 
 
@@ -90,44 +92,44 @@ def _restore_first_shard(composed: MC.Parallelized, inner: torch.optim.Optimizer
     _RESTORE_FLAT(composed, inner, _FirstShard(unit), states)
 
 
-def _save(rank: int, world_size: int, folder: str, names: list[str]) -> dict[str, C.ComposedResult]:
+def _save(rank: int, world_size: int, folder: str, names: list[str]) -> dict[str, runs.ComposedResult]:
     out = {}
     for name in names:
         cfg, first, _, _ = ROUND_TRIPS[name]
-        out[name] = C.train_parallel(rank, world_size, cfg, TC4, first, checkpoint=C.Checkpointing(
+        out[name] = runs.train_parallel(rank, world_size, cfg, TC4, first, checkpoint=runs.Checkpointing(
             save_to=f"{folder}/{name}", save_after=SAVE_AFTER))
     return out
 
 
-def _suite4(rank: int, world_size: int, folder: str) -> dict[str, C.ComposedResult]:
+def _suite4(rank: int, world_size: int, folder: str) -> dict[str, runs.ComposedResult]:
     out = {f"uninterrupted_{k}": v for k, v in
            _save(rank, world_size, folder, [n for n, t in ROUND_TRIPS.items() if t[2] == 4]).items()}
     _, first, _, _ = ROUND_TRIPS["ep2_dp2_to_ep4"]
     with mock.patch.object(MC, "_names", _local_names):
-        C.train_parallel(rank, world_size, MOE, TrainConfig(steps=SAVE_AFTER, global_batch=8), first,
-                         checkpoint=C.Checkpointing(save_to=f"{folder}/experts_by_local_index",
+        runs.train_parallel(rank, world_size, MOE, TrainConfig(steps=SAVE_AFTER, global_batch=8), first,
+                         checkpoint=runs.Checkpointing(save_to=f"{folder}/experts_by_local_index",
                                                     save_after=SAVE_AFTER))
     for name, (cfg, _, _, second) in ROUND_TRIPS.items():
-        out[f"resumed_{name}"] = C.train_parallel(rank, world_size, cfg, TC4, second, checkpoint=C.Checkpointing(
+        out[f"resumed_{name}"] = runs.train_parallel(rank, world_size, cfg, TC4, second, checkpoint=runs.Checkpointing(
             resume_from=f"{folder}/{name}"))
     try:  # every rank reads the same files and raises before any collective
-        C.train_parallel(rank, world_size, MOE, TC4, ROUND_TRIPS["ep2_dp2_to_ep4"][3],
-                         checkpoint=C.Checkpointing(resume_from=f"{folder}/experts_by_local_index"))
+        runs.train_parallel(rank, world_size, MOE, TC4, ROUND_TRIPS["ep2_dp2_to_ep4"][3],
+                         checkpoint=runs.Checkpointing(resume_from=f"{folder}/experts_by_local_index"))
         out["experts_by_local_index"] = "resumed"
     except ValueError as e:
         out["experts_by_local_index"] = str(e)
     fsdp_tp = ROUND_TRIPS["zero3_dp4_to_fsdp_dp2_tp2"][3]
     with mock.patch.object(MC, "_cut", _cut_in_reverse_order):
-        out["resumed_cut_in_reverse_order"] = C.train_parallel(rank, world_size, CFG, TC4, fsdp_tp, checkpoint=(
-            C.Checkpointing(resume_from=f"{folder}/zero3_dp4_to_fsdp_dp2_tp2")))
+        out["resumed_cut_in_reverse_order"] = runs.train_parallel(rank, world_size, CFG, TC4, fsdp_tp, checkpoint=(
+            runs.Checkpointing(resume_from=f"{folder}/zero3_dp4_to_fsdp_dp2_tp2")))
     with mock.patch.object(MC, "_restore_flat", _restore_first_shard):
-        out["resumed_flat_state_at_offset_0"] = C.train_parallel(
+        out["resumed_flat_state_at_offset_0"] = runs.train_parallel(
             rank, world_size, CFG, TC4, ROUND_TRIPS["fsdp_dp2_tp2_to_zero2_dp4"][3],
-            checkpoint=C.Checkpointing(resume_from=f"{folder}/fsdp_dp2_tp2_to_zero2_dp4"))
+            checkpoint=runs.Checkpointing(resume_from=f"{folder}/fsdp_dp2_tp2_to_zero2_dp4"))
     _drop_optimizer_state(Path(folder) / "zero3_dp4_to_fsdp_dp2_tp2", Path(folder) / "no_optimizer_state", rank)
-    out["resumed_no_optimizer_state"] = C.train_parallel(
+    out["resumed_no_optimizer_state"] = runs.train_parallel(
         rank, world_size, CFG, TC4, ROUND_TRIPS["zero3_dp4_to_fsdp_dp2_tp2"][3],
-        checkpoint=C.Checkpointing(resume_from=f"{folder}/no_optimizer_state"))
+        checkpoint=runs.Checkpointing(resume_from=f"{folder}/no_optimizer_state"))
     return out
 
 
@@ -154,8 +156,8 @@ def _folder() -> str:
 def _results() -> dict[str, TrainResult]:
     two = launch(_save, 2, _folder(), [n for n, t in ROUND_TRIPS.items() if t[2] == 2], timeout=LAUNCH_TIMEOUT)
     four = launch(_suite4, 4, _folder(), timeout=LAUNCH_TIMEOUT)
-    out = {f"uninterrupted_{k}": C.merge_composed([r[k] for r in two]) for k in two[0]}
-    return out | {k: (C.merge_composed([r[k] for r in four]) if k.startswith(("resumed", "uninterrupted"))
+    out = {f"uninterrupted_{k}": runs.merge_composed([r[k] for r in two]) for k in two[0]}
+    return out | {k: (runs.merge_composed([r[k] for r in four]) if k.startswith(("resumed", "uninterrupted"))
                       else four[0][k]) for k in four[0]}
 
 

@@ -22,12 +22,13 @@ from course_lib.data import global_batch, shard
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
+from course_lib.parallel import runs
 from course_lib.parallel import schedules as S
 from course_lib.parallel.config import ParallelConfig
-from course_lib.parallel.ep import train_ep
-from course_lib.parallel.pp import PipelineExecutor, PipelineParallel
-from course_lib.parallel.schedule_run import add_grad_reduce, add_send_recv
-from course_lib.parallel.schedules import Action, Kind
+from course_lib.parallel.pp import PipelineParallel
+from course_lib.parallel.pp_executor import PipelineExecutor
+from course_lib.parallel.runs import train_ep
+from course_lib.parallel.schedules import Action, Kind, add_grad_reduce, add_send_recv
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh, MeshError, MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
@@ -43,16 +44,16 @@ LAUNCH_TIMEOUT = 300
 OTHER_ORDER = "dp-cp-ep-tp-pp"  # TP slowest but PP: TP groups span what the default order keeps together
 
 PARITY_4 = {  # name: the ParallelConfig of a 4-rank run
-    "dp2_tp2": ParallelConfig(dp=2, tp=2),
-    "tp2_cp2": ParallelConfig(tp=2, cp=2),
-    "dp2_cp2": ParallelConfig(dp=2, cp=2),
-    "dp2_pp2_1f1b": ParallelConfig(dp=2, pp=2),
-    "dp2_pp2_zb_h1": ParallelConfig(dp=2, pp=2, schedule="zb_h1"),
-    "dp2_pp2_interleaved_zero1": ParallelConfig(dp=2, pp=2, schedule="interleaved", v=2, zero_stage=1),
-    "tp2_pp2": ParallelConfig(tp=2, pp=2),
-    "dp2_tp2_zero1_sp": ParallelConfig(dp=2, tp=2, zero_stage=1, sequence_parallel=True),
-    "dp4_accumulation2": ParallelConfig(dp=4, accumulation=2),
-    "dp2_tp2_other_order": ParallelConfig(dp=2, tp=2, order=OTHER_ORDER),
+    "dp2_tp2": ParallelConfig(MeshShape(dp=2, tp=2)),
+    "tp2_cp2": ParallelConfig(MeshShape(tp=2, cp=2)),
+    "dp2_cp2": ParallelConfig(MeshShape(dp=2, cp=2)),
+    "dp2_pp2_1f1b": ParallelConfig(MeshShape(dp=2, pp=2)),
+    "dp2_pp2_zb_h1": ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1"),
+    "dp2_pp2_interleaved_zero1": ParallelConfig(MeshShape(dp=2, pp=2), schedule="interleaved", v=2, zero_stage=1),
+    "tp2_pp2": ParallelConfig(MeshShape(tp=2, pp=2)),
+    "dp2_tp2_zero1_sp": ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=1, sequence_parallel=True),
+    "dp4_accumulation2": ParallelConfig(MeshShape(dp=4), accumulation=2),
+    "dp2_tp2_other_order": ParallelConfig(MeshShape(dp=2, tp=2, order=OTHER_ORDER)),
 }
 
 
@@ -96,17 +97,17 @@ class ReduceBeforeLastW(PipelineParallel):
 
 
 MUTATIONS_4 = {  # name: (the run's ParallelConfig, the seam that breaks it)
-    "coords_in_another_order": (ParallelConfig(dp=2, tp=2), dict(mesh_class=CoordsInAnotherOrder)),
-    "dp_average_without_cp": (ParallelConfig(dp=2, cp=2), dict(mesh_class=DPWithoutCP)),
-    "pipeline_grad_reduce_skipped": (ParallelConfig(dp=2, pp=2), dict(executor_class=SkipGradReduce)),
-    "pipeline_grad_reduce_before_last_w": (ParallelConfig(dp=2, pp=2, schedule="zb_h1"),
+    "coords_in_another_order": (ParallelConfig(MeshShape(dp=2, tp=2)), dict(mesh_class=CoordsInAnotherOrder)),
+    "dp_average_without_cp": (ParallelConfig(MeshShape(dp=2, cp=2)), dict(mesh_class=DPWithoutCP)),
+    "pipeline_grad_reduce_skipped": (ParallelConfig(MeshShape(dp=2, pp=2)), dict(executor_class=SkipGradReduce)),
+    "pipeline_grad_reduce_before_last_w": (ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1"),
                                            dict(pipeline_class=ReduceBeforeLastW)),
 }
 
 CHECKPOINTS = {  # name: (mesh that saves after 2 steps, world size, mesh that resumes for 2 more, world size)
-    "dp4_to_dp2_tp2": (ParallelConfig(dp=4), 4, ParallelConfig(dp=2, tp=2), 4),
-    "pp2_to_pp1": (ParallelConfig(pp=2), 2, ParallelConfig(), 1),
-    "dp2_tp2_to_tp2_pp2": (ParallelConfig(dp=2, tp=2), 4, ParallelConfig(tp=2, pp=2), 4),
+    "dp4_to_dp2_tp2": (ParallelConfig(MeshShape(dp=4)), 4, ParallelConfig(MeshShape(dp=2, tp=2)), 4),
+    "pp2_to_pp1": (ParallelConfig(MeshShape(pp=2)), 2, ParallelConfig(), 1),
+    "dp2_tp2_to_tp2_pp2": (ParallelConfig(MeshShape(dp=2, tp=2)), 4, ParallelConfig(MeshShape(tp=2, pp=2)), 4),
 }
 
 
@@ -124,7 +125,7 @@ def _lifecycle(rank: int) -> dict[str, dict]:
         w = C.parallelize(model, mesh, global_batch=4)
         x, y = global_batch(0, 4, CFG.seq_len, 0)
         x, y = shard(x, mesh.coord("dp"), mesh.size("dp")), shard(y, mesh.coord("dp"), mesh.size("dp"))
-        got: dict = {"params": C.ComposedResult([], w.full_parameters(), rank=rank)}
+        got: dict = {"params": runs.ComposedResult([], w.full_parameters(), rank=rank)}
         dp_label = mesh.label("dp", "cp")
         with comm.recording() as log, w.no_sync():
             w.forward_backward(x, y)
@@ -141,33 +142,33 @@ def _lifecycle(rank: int) -> dict[str, dict]:
 def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
     out: dict[str, object] = {"lifecycle": _lifecycle(rank)}
     for name, parallel in PARITY_4.items():
-        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel)
+        out[name] = runs.train_parallel(rank, world_size, CFG, TC, parallel)
     for name, (parallel, seam) in MUTATIONS_4.items():
-        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel, **seam)
-    out["uninterrupted_dp4"] = C.train_parallel(rank, world_size, CFG, TC4, ParallelConfig(dp=4))
-    out["moe_dp4_ep2"] = C.train_parallel(rank, world_size, MOE, SGD, ParallelConfig(dp=4, ep=2))
+        out[name] = runs.train_parallel(rank, world_size, CFG, TC, parallel, **seam)
+    out["uninterrupted_dp4"] = runs.train_parallel(rank, world_size, CFG, TC4, ParallelConfig(MeshShape(dp=4)))
+    out["moe_dp4_ep2"] = runs.train_parallel(rank, world_size, MOE, SGD, ParallelConfig(MeshShape(dp=4, ep=2)))
     out["moe_train_ep"] = train_ep(rank, world_size, MOE, SGD, ep=2)
     for name, (first, n_first, _, _) in CHECKPOINTS.items():
         if n_first == world_size:
-            C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), first,
-                             checkpoint=C.Checkpointing(save_to=f"{folder}/{name}", save_after=2))
+            runs.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), first,
+                             checkpoint=runs.Checkpointing(save_to=f"{folder}/{name}", save_after=2))
     for name, (_, _, second, n_second) in CHECKPOINTS.items():
         if n_second == world_size:
-            out[f"resumed_{name}"] = C.train_parallel(rank, world_size, CFG, TC4, second,
-                                                      checkpoint=C.Checkpointing(resume_from=f"{folder}/{name}"))
+            out[f"resumed_{name}"] = runs.train_parallel(rank, world_size, CFG, TC4, second,
+                                                      checkpoint=runs.Checkpointing(resume_from=f"{folder}/{name}"))
     return out
 
 
 def _suite2(rank: int, world_size: int, folder: str) -> dict[str, object]:
-    out: dict[str, object] = {"tp2": C.train_parallel(rank, world_size, CFG, TC, ParallelConfig(tp=2)),
-                              "cp2": C.train_parallel(rank, world_size, CFG, TC, ParallelConfig(cp=2))}
-    C.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), ParallelConfig(pp=2),
-                     checkpoint=C.Checkpointing(save_to=f"{folder}/pp2_to_pp1", save_after=2))
+    out: dict[str, object] = {"tp2": runs.train_parallel(rank, world_size, CFG, TC, ParallelConfig(MeshShape(tp=2))),
+                              "cp2": runs.train_parallel(rank, world_size, CFG, TC, ParallelConfig(MeshShape(cp=2)))}
+    runs.train_parallel(rank, world_size, CFG, TrainConfig(steps=2, global_batch=8), ParallelConfig(MeshShape(pp=2)),
+                     checkpoint=runs.Checkpointing(save_to=f"{folder}/pp2_to_pp1", save_after=2))
     return out
 
 
 def _suite8(rank: int, world_size: int) -> dict[str, object]:
-    return {order: C.train_parallel(rank, world_size, CFG, TC, ParallelConfig(dp=2, tp=2, pp=2, order=order))
+    return {order: runs.train_parallel(rank, world_size, CFG, TC, ParallelConfig(MeshShape(dp=2, tp=2, pp=2, order=order)))
             for order in ("tp-cp-ep-dp-pp", OTHER_ORDER)}
 
 
@@ -198,7 +199,7 @@ def _reference(tc: TrainConfig, cfg: GPTConfig = CFG, accumulation: int = 1) -> 
 def _outcome(results: list) -> str:
     """'PASS' when the ranks' results merge and match the baseline; else why not."""
     try:
-        merged = C.merge_composed(results)
+        merged = runs.merge_composed(results)
     except ValueError as e:
         return f"merge failed: {e}"
     report = compare(_reference(TC), merged)
@@ -209,7 +210,7 @@ def _outcome(results: list) -> str:
 @pytest.mark.parametrize("name", sorted(PARITY_4))
 def test_composed_mesh_matches_one_process_at_4_ranks(name: str) -> None:
     acc = PARITY_4[name].accumulation
-    report = compare(_reference(TC, accumulation=acc), C.merge_composed(_results(4)[name]))
+    report = compare(_reference(TC, accumulation=acc), runs.merge_composed(_results(4)[name]))
     assert report.ok, f"{name}: {report}"
 
 
@@ -236,7 +237,7 @@ def test_dp_tp_pp_2x2x2_on_8_ranks(order: str) -> None:
 
 @pytest.mark.parity
 def test_expert_parallel_composes_with_data_parallel() -> None:
-    ours = C.merge_composed(_results(4)["moe_dp4_ep2"])
+    ours = runs.merge_composed(_results(4)["moe_dp4_ep2"])
     report = compare(_reference(SGD, MOE), ours)
     assert report.ok, str(report)
     library = _results(4)["moe_train_ep"][0]  # the chapter-07 helper: the same computation, bit for bit
@@ -256,14 +257,14 @@ def test_checkpoint_resumed_on_another_mesh_equals_the_uninterrupted_run(name: s
     n_second = CHECKPOINTS[name][3]
     if n_second == 1:
         _results(2)
-        resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4,
-                                          checkpoint=C.Checkpointing(resume_from=f"{_folder()}/{name}")))
+        resumed = runs.merge_composed(launch(runs.train_parallel, 1, CFG, TC4,
+                                          checkpoint=runs.Checkpointing(resume_from=f"{_folder()}/{name}")))
     else:
-        resumed = C.merge_composed(_results(4)[f"resumed_{name}"])
+        resumed = runs.merge_composed(_results(4)[f"resumed_{name}"])
     ref = _reference(TC4)
     report = compare(ref.from_step(2), resumed)
     assert report.ok, f"{name}: {report}"
-    uninterrupted = C.merge_composed(_results(4)["uninterrupted_dp4"])
+    uninterrupted = runs.merge_composed(_results(4)["uninterrupted_dp4"])
     assert compare(uninterrupted.from_step(2), resumed, noise=ref.noise).ok
 
 
@@ -280,8 +281,8 @@ def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
         part = torch.load(f, weights_only=True)
         part["optimizer"] = {n: {} for n in part["optimizer"]}
         torch.save(part, broken / f.name)
-    resumed = C.merge_composed(launch(C.train_parallel, 1, CFG, TC4,
-                                      checkpoint=C.Checkpointing(resume_from=str(broken))))
+    resumed = runs.merge_composed(launch(runs.train_parallel, 1, CFG, TC4,
+                                      checkpoint=runs.Checkpointing(resume_from=str(broken))))
     ref = _reference(TC4)
     assert not compare(ref.from_step(2), resumed).ok
 
@@ -289,7 +290,7 @@ def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
 @pytest.mark.parametrize("name", sorted(LIFECYCLE))
 def test_the_composed_wrapper_follows_the_contract(name: str) -> None:
     ranks = [r[name] for r in _results(4)["lifecycle"]]
-    merged = C.merge_composed([r["params"] for r in ranks])  # raises if two copies of a parameter differ
+    merged = runs.merge_composed([r["params"] for r in ranks])  # raises if two copies of a parameter differ
     if "pp" not in LIFECYCLE[name]:  # every rank now holds the first rank's initial weights (seed 0)
         assert all(torch.equal(t, GPT(CFG, seed=0).get_parameter(n).detach()) for n, t in merged.params.items())
     assert all(r["no_sync"] == 0 for r in ranks), f"{name}: no_sync() reduced gradients over dp"
@@ -359,25 +360,25 @@ def test_parallel_config_keeps_the_mesh_messages() -> None:
     """A bad degree is refused at construction with ``MeshShape``'s message; ``validate`` names every constraint
     the mesh breaks for the model and batch, each with its fix, as ``MeshShape.validate`` does."""
     with pytest.raises(MeshError, match=r"dp=0: every degree must be an int >= 1"):
-        ParallelConfig(dp=0)
+        ParallelConfig(MeshShape(dp=0))
     with pytest.raises(MeshError) as caught:
-        ParallelConfig(tp=8, pp=8).validate(CFG, global_batch=8)
+        ParallelConfig(MeshShape(tp=8, pp=8)).validate(CFG, global_batch=8)
     with pytest.raises(MeshError) as direct:
         MeshShape(tp=8, pp=8).validate(CFG, global_batch=8, seq_len=CFG.seq_len)
     assert caught.value.problems == direct.value.problems and len(direct.value.problems) >= 2
-    assert ParallelConfig(dp=2, tp=2, pp=2).shape == MeshShape(dp=2, tp=2, pp=2)
-    assert ParallelConfig(dp=2, tp=2, pp=2).world_size == 8
+    assert ParallelConfig(MeshShape(dp=2, tp=2, pp=2)).shape == MeshShape(dp=2, tp=2, pp=2)
+    assert ParallelConfig(MeshShape(dp=2, tp=2, pp=2)).world_size == 8
 
 
 def test_a_degree_passed_the_old_way_names_parallel_config() -> None:
     with pytest.raises(TypeError, match=r"dp is a field of ParallelConfig: pass train_parallel\(\.\.\., Parallel"):
-        C.train_parallel(0, 1, CFG, TC, dp=2)
+        runs.train_parallel(0, 1, CFG, TC, dp=2)
     with pytest.raises(TypeError, match="part classes"):
-        C.train_parallel(0, 1, CFG, TC, pipeline=PipelineParallel)
+        runs.train_parallel(0, 1, CFG, TC, pipeline=PipelineParallel)
 
 
 @pytest.mark.parity
 def test_parallelize_on_one_rank_is_the_model() -> None:
     """With every axis trivial, parallelize changes nothing: one process, the baseline's numbers."""
-    report = compare(_reference(TC), C.merge_composed(launch(C.train_parallel, 1, CFG, TC)))
+    report = compare(_reference(TC), runs.merge_composed(launch(runs.train_parallel, 1, CFG, TC)))
     assert report.ok and report.max_param_diff == 0.0, str(report)

@@ -30,6 +30,7 @@ from torch import nn
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
+from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.ep import ExpertParallel, ExpertParallelMoE
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
@@ -47,19 +48,19 @@ TC4 = TrainConfig(steps=4, global_batch=8, optimizer="adamw")
 LAUNCH_TIMEOUT = 600
 
 PARITY_4 = {  # name: (model, the ParallelConfig of a 4-rank run)
-    "dp2_pp2_ep2": (MOE, ParallelConfig(dp=2, pp=2, ep=2)),
-    "dp2_pp2_ep2_zero1": (MOE, ParallelConfig(dp=2, pp=2, ep=2, zero_stage=1)),
-    "dp2_pp2_ep2_zb_h1": (MOE, ParallelConfig(dp=2, pp=2, ep=2, schedule="zb_h1")),
-    "dp2_pp2_ep2_interleaved": (MOE.with_(n_layer=4), ParallelConfig(dp=2, pp=2, ep=2, schedule="interleaved", v=2)),
-    "dp4_ep2_zero1": (ROUTED, ParallelConfig(dp=4, ep=2, zero_stage=1)),
-    "dp2_tp2_ep2": (ROUTED, ParallelConfig(dp=2, tp=2, ep=2)),
-    "dp2_cp2_ep2": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2)),  # the ep pairs are cp pairs (cp before dp)
-    "dp2_cp2_ep2_ep_over_dp": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2, order="dp-cp-ep-tp-pp")),  # dp pairs
+    "dp2_pp2_ep2": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2))),
+    "dp2_pp2_ep2_zero1": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2), zero_stage=1)),
+    "dp2_pp2_ep2_zb_h1": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2), schedule="zb_h1")),
+    "dp2_pp2_ep2_interleaved": (MOE.with_(n_layer=4), ParallelConfig(MeshShape(dp=2, pp=2, ep=2), schedule="interleaved", v=2)),
+    "dp4_ep2_zero1": (ROUTED, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),
+    "dp2_tp2_ep2": (ROUTED, ParallelConfig(MeshShape(dp=2, tp=2, ep=2))),
+    "dp2_cp2_ep2": (ROUTED, ParallelConfig(MeshShape(dp=2, cp=2, ep=2))),  # the ep pairs are cp pairs (cp before dp)
+    "dp2_cp2_ep2_ep_over_dp": (ROUTED, ParallelConfig(MeshShape(dp=2, cp=2, ep=2, order="dp-cp-ep-tp-pp"))),  # dp pairs
 }
 
 PRODUCTION_8 = {  # DeepSeek-V3's shape (PP x EP x ZeRO-1, no TP), and every axis but CP at once
-    "dp4_pp2_ep2_zero1": (MOE, ParallelConfig(dp=4, pp=2, ep=2, zero_stage=1)),
-    "dp2_tp2_pp2_ep2": (MOE, ParallelConfig(dp=2, tp=2, pp=2, ep=2)),
+    "dp4_pp2_ep2_zero1": (MOE, ParallelConfig(MeshShape(dp=4, pp=2, ep=2), zero_stage=1)),
+    "dp2_tp2_pp2_ep2": (MOE, ParallelConfig(MeshShape(dp=2, tp=2, pp=2, ep=2))),
 }
 
 
@@ -122,41 +123,41 @@ def _zero1_over_dp(params: list, ep: ExpertParallel, mesh: Any, optimizer_cls: t
 
 
 MUTATIONS_4 = {  # name: (model, ParallelConfig, seams, what to patch)
-    "expert_grads_over_dp": (MOE, ParallelConfig(dp=2, pp=2, ep=2), dict(ep_class=ExpertsReducedOverDP), None),
-    "experts_by_tp_coordinate": (ROUTED, ParallelConfig(dp=2, tp=2, ep=2), dict(ep_class=ExpertsByTPCoordinate),
+    "expert_grads_over_dp": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2)), dict(ep_class=ExpertsReducedOverDP), None),
+    "experts_by_tp_coordinate": (ROUTED, ParallelConfig(MeshShape(dp=2, tp=2, ep=2)), dict(ep_class=ExpertsByTPCoordinate),
                                  None),
-    "stage_experts_indexed_locally": (MOE, ParallelConfig(dp=2, pp=2, ep=2), dict(ep_class=ExpertsIndexedLocally),
+    "stage_experts_indexed_locally": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2)), dict(ep_class=ExpertsIndexedLocally),
                                       None),
-    "cp_capacity_in_batch_order": (ROUTED, ParallelConfig(dp=2, cp=2, ep=2), dict(ep_class=BatchOrderQueues), None),
-    "zero1_experts_over_dp": (ROUTED, ParallelConfig(dp=4, ep=2, zero_stage=1), {}, _zero1_over_dp),
+    "cp_capacity_in_batch_order": (ROUTED, ParallelConfig(MeshShape(dp=2, cp=2, ep=2)), dict(ep_class=BatchOrderQueues), None),
+    "zero1_experts_over_dp": (ROUTED, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1), {}, _zero1_over_dp),
 }
 
 CHECKPOINTS = {  # name: (mesh that saves after 2 of 4 steps, mesh that resumes for the last 2), 4 ranks each;
     # dropless with the z-loss only, the pipeline's 2 micro-batches train the objective of one batch
-    "dp2_pp2_ep2_to_dp2_tp2_ep2": (ParallelConfig(dp=2, pp=2, ep=2), ParallelConfig(dp=2, tp=2, ep=2)),
+    "dp2_pp2_ep2_to_dp2_tp2_ep2": (ParallelConfig(MeshShape(dp=2, pp=2, ep=2)), ParallelConfig(MeshShape(dp=2, tp=2, ep=2))),
 }
 
 
 def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, (cfg, parallel) in PARITY_4.items():
-        out[name] = C.train_parallel(rank, world_size, cfg, TC, parallel)
+        out[name] = runs.train_parallel(rank, world_size, cfg, TC, parallel)
     for name, (cfg, parallel, seams, patch) in MUTATIONS_4.items():
         with mock.patch.object(C, "ExpertShardedOptimizer", patch) if patch else contextlib.nullcontext():
             try:
-                out[name] = C.train_parallel(rank, world_size, cfg, TC, parallel, **seams)
+                out[name] = runs.train_parallel(rank, world_size, cfg, TC, parallel, **seams)
             except (RuntimeError, ValueError) as e:  # a detected inconsistency is red as well
                 out[name] = f"raised: {e}"
     for name, (first, second) in CHECKPOINTS.items():
-        out[f"uninterrupted_{name}"] = C.train_parallel(rank, world_size, MOE, TC4, first, checkpoint=C.Checkpointing(
+        out[f"uninterrupted_{name}"] = runs.train_parallel(rank, world_size, MOE, TC4, first, checkpoint=runs.Checkpointing(
             save_to=f"{folder}/{name}", save_after=2))
-        out[f"resumed_{name}"] = C.train_parallel(rank, world_size, MOE, TC4, second, checkpoint=C.Checkpointing(
+        out[f"resumed_{name}"] = runs.train_parallel(rank, world_size, MOE, TC4, second, checkpoint=runs.Checkpointing(
             resume_from=f"{folder}/{name}"))
     return out
 
 
 def _suite8(rank: int, world_size: int) -> dict[str, object]:
-    return {name: C.train_parallel(rank, world_size, cfg, TC, parallel) for name, (cfg, parallel)
+    return {name: runs.train_parallel(rank, world_size, cfg, TC, parallel) for name, (cfg, parallel)
             in PRODUCTION_8.items()}
 
 
@@ -179,7 +180,7 @@ def _outcome(results: list, cfg: GPTConfig, parallel: ParallelConfig) -> str:
     if any(isinstance(r, str) for r in results):
         return next(r for r in results if isinstance(r, str))
     try:
-        merged = C.merge_composed(results)
+        merged = runs.merge_composed(results)
     except ValueError as e:
         return f"merge failed: {e}"
     report = compare(_reference(cfg, parallel.pp > 1), merged)
@@ -221,8 +222,8 @@ def test_mutation_fails(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_checkpoint_resumes_on_another_expert_parallel_mesh(name: str) -> None:
     results = _results()
-    uninterrupted = C.merge_composed(results[f"uninterrupted_{name}"])
-    resumed = C.merge_composed(results[f"resumed_{name}"])
+    uninterrupted = runs.merge_composed(results[f"uninterrupted_{name}"])
+    resumed = runs.merge_composed(results[f"resumed_{name}"])
     reference = _reference(MOE, True, TC4)
     assert compare(reference, uninterrupted).ok
     report = compare(uninterrupted.from_step(2), resumed, noise=reference.noise)
@@ -239,18 +240,18 @@ def test_checkpoint_resumes_on_another_expert_parallel_mesh(name: str) -> None:
 ])
 def test_expert_parallel_with_zero_2_or_3_is_refused(kw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
-        ParallelConfig(dp=4, ep=2, **kw).validate(MOE, global_batch=8)
+        ParallelConfig(MeshShape(dp=4, ep=2), **kw).validate(MOE, global_batch=8)
 
 
 def test_expert_parallel_with_sequence_parallel_is_refused() -> None:
     with pytest.raises(ValueError, match=r"ep > 1 with sequence_parallel: the MoE layers would see s/tp tokens"):
-        ParallelConfig(dp=2, tp=2, ep=2, sequence_parallel=True).validate(MOE, global_batch=8)
+        ParallelConfig(MeshShape(dp=2, tp=2, ep=2), sequence_parallel=True).validate(MOE, global_batch=8)
 
 
 @pytest.mark.parametrize("cfg", [ROUTED, BALANCED], ids=["capacity", "load_balancing"])
 def test_expert_parallel_pipeline_with_batch_wide_router_terms_is_refused(cfg: GPTConfig) -> None:
     with pytest.raises(ValueError, match=r"dp x cp = 2 and pp = 2: .*capacity_factor=None and aux_loss_coef=0"):
-        ParallelConfig(dp=2, pp=2, ep=2).validate(cfg, global_batch=8)
+        ParallelConfig(MeshShape(dp=2, pp=2, ep=2)).validate(cfg, global_batch=8)
 
 
 def test_the_expert_parallel_meshes_validate() -> None:

@@ -26,12 +26,14 @@ from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
+from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.fsdp2 import PerParameterUnit, dim0_chunk
+from course_lib.parallel.fsdp2_pipeline import StageSharding
 from course_lib.parallel.loop import train_loop
 from course_lib.parallel.pp import PipelineParallel
-from course_lib.parallel.pp_fsdp import StageSharding
 from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, make_optimizer, train_baseline
 from tests.test_compose import ReduceBeforeLastW  # REDUCE_GRAD after the last I: the W passes missed
 
@@ -44,15 +46,15 @@ SAVE_AFTER = 2
 LAUNCH_TIMEOUT = 600
 
 SCHEDULES_4 = {  # name: a dp 2 x pp 2 ZeRO-3 run
-    "1f1b": ParallelConfig(dp=2, pp=2, zero_stage=3, schedule="1f1b", microbatches=2),
-    "gpipe": ParallelConfig(dp=2, pp=2, zero_stage=3, schedule="gpipe", microbatches=4),
-    "zb_h1": ParallelConfig(dp=2, pp=2, zero_stage=3, schedule="zb_h1", microbatches=2),
-    "interleaved": ParallelConfig(dp=2, pp=2, zero_stage=3, schedule="interleaved", microbatches=2, v=2),
+    "1f1b": ParallelConfig(MeshShape(dp=2, pp=2), zero_stage=3, schedule="1f1b", microbatches=2),
+    "gpipe": ParallelConfig(MeshShape(dp=2, pp=2), zero_stage=3, schedule="gpipe", microbatches=4),
+    "zb_h1": ParallelConfig(MeshShape(dp=2, pp=2), zero_stage=3, schedule="zb_h1", microbatches=2),
+    "interleaved": ParallelConfig(MeshShape(dp=2, pp=2), zero_stage=3, schedule="interleaved", microbatches=2, v=2),
 }
 
 PRODUCTION_8 = {  # torchtitan's 3D mesh
-    "fsdp_tp_pp": ParallelConfig(dp=2, tp=2, pp=2, zero_stage=3),
-    "fsdp_tp_sp_pp": ParallelConfig(dp=2, tp=2, pp=2, zero_stage=3, sequence_parallel=True),
+    "fsdp_tp_pp": ParallelConfig(MeshShape(dp=2, tp=2, pp=2), zero_stage=3),
+    "fsdp_tp_sp_pp": ParallelConfig(MeshShape(dp=2, tp=2, pp=2), zero_stage=3, sequence_parallel=True),
 }
 
 
@@ -128,8 +130,8 @@ MUTATIONS_4 = {"reduce_scattered_every_microbatch_not_accumulated": NotAccumulat
                "first_microbatch_gradients_dropped": FirstMicrobatchDropped}
 
 ROUND_TRIPS = {  # name: (mesh that saves, mesh that resumes), 4 ranks each
-    "fsdp_dp2_pp2_to_fsdp_dp2_tp2": (SCHEDULES_4["1f1b"], ParallelConfig(dp=2, tp=2, zero_stage=3)),
-    "zero1_dp4_to_fsdp_dp2_pp2": (ParallelConfig(dp=4, zero_stage=1), SCHEDULES_4["1f1b"]),
+    "fsdp_dp2_pp2_to_fsdp_dp2_tp2": (SCHEDULES_4["1f1b"], ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3)),
+    "zero1_dp4_to_fsdp_dp2_pp2": (ParallelConfig(MeshShape(dp=4), zero_stage=1), SCHEDULES_4["1f1b"]),
 }
 
 
@@ -174,25 +176,25 @@ def _inspect(rank: int, sharding: type[StageSharding]) -> dict[str, Any]:
 def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, parallel in SCHEDULES_4.items():
-        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel)
+        out[name] = runs.train_parallel(rank, world_size, CFG, TC, parallel)
     for name, sharding in {**VARIANTS_4, **MUTATIONS_4}.items():
-        out[name] = C.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["1f1b"],
+        out[name] = runs.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["1f1b"],
                                      pipeline_class=_pipeline(sharding))
-    out["zb_h1_reduce_before_last_w"] = C.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["zb_h1"],
+    out["zb_h1_reduce_before_last_w"] = runs.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["zb_h1"],
                                                          pipeline_class=ReduceBeforeLastW)
     out["inspect"] = _inspect(rank, StageSharding)
     out["inspect_reshard"] = _inspect(rank, ReshardAfterForward)
     out["inspect_every_microbatch"] = _inspect(rank, ReduceEveryMicrobatch)
     for name, (first, second) in ROUND_TRIPS.items():
-        out[f"uninterrupted_{name}"] = C.train_parallel(rank, world_size, CFG, TC4, first, checkpoint=(
-            C.Checkpointing(save_to=f"{folder}/{name}", save_after=SAVE_AFTER)))
-        out[f"resumed_{name}"] = C.train_parallel(rank, world_size, CFG, TC4, second, checkpoint=(
-            C.Checkpointing(resume_from=f"{folder}/{name}")))
+        out[f"uninterrupted_{name}"] = runs.train_parallel(rank, world_size, CFG, TC4, first, checkpoint=(
+            runs.Checkpointing(save_to=f"{folder}/{name}", save_after=SAVE_AFTER)))
+        out[f"resumed_{name}"] = runs.train_parallel(rank, world_size, CFG, TC4, second, checkpoint=(
+            runs.Checkpointing(resume_from=f"{folder}/{name}")))
     return out
 
 
 def _suite8(rank: int, world_size: int) -> dict[str, object]:
-    return {name: C.train_parallel(rank, world_size, CFG, TC, parallel) for name, parallel in PRODUCTION_8.items()}
+    return {name: runs.train_parallel(rank, world_size, CFG, TC, parallel) for name, parallel in PRODUCTION_8.items()}
 
 
 @functools.cache
@@ -209,7 +211,7 @@ def _reference(tc: TrainConfig = TC) -> TrainResult:
 
 def _outcome(results: list, reference: TrainResult | None = None) -> str:
     try:
-        merged = C.merge_composed(results)
+        merged = runs.merge_composed(results)
     except ValueError as e:
         return f"merge failed: {e}"
     report = compare(reference or _reference(), merged)
@@ -298,8 +300,8 @@ def test_checkpoint_round_trip_to_another_mesh(name: str) -> None:
     """Saved after step 2 under one mesh, resumed under the other (FSDP x PP on either side): steps 3-4 equal
     the uninterrupted run and one process."""
     ref = _reference(TC4)
-    uninterrupted = C.merge_composed(_results()[f"uninterrupted_{name}"])
-    resumed = C.merge_composed(_results()[f"resumed_{name}"])
+    uninterrupted = runs.merge_composed(_results()[f"uninterrupted_{name}"])
+    resumed = runs.merge_composed(_results()[f"resumed_{name}"])
     report = compare(uninterrupted.from_step(SAVE_AFTER), resumed, noise=ref.noise)
     assert report.ok, f"{name}: resumed vs uninterrupted: {report}"
     assert compare(ref.from_step(SAVE_AFTER), resumed).ok, f"{name}: resumed vs one process"

@@ -19,6 +19,7 @@ import torch
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
+from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.cp import CPContext
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit
@@ -33,22 +34,22 @@ TC = TrainConfig(steps=2, global_batch=8, optimizer="adamw")
 LAUNCH_TIMEOUT = 600
 
 PAIRS_4 = {  # name: the ParallelConfig of a 4-rank run that the old structure refused
-    "zero2_x_tp": ParallelConfig(dp=2, tp=2, zero_stage=2),
-    "zero2_x_tp_sp": ParallelConfig(dp=2, tp=2, zero_stage=2, sequence_parallel=True),
-    "fsdp2_x_tp": ParallelConfig(dp=2, tp=2, zero_stage=3),
-    "fsdp2_x_tp_sp": ParallelConfig(dp=2, tp=2, zero_stage=3, sequence_parallel=True),
-    "fsdp2_x_cp": ParallelConfig(dp=2, cp=2, zero_stage=3),
-    "pp_x_cp": ParallelConfig(pp=2, cp=2),
-    "pp_x_cp_contiguous_allgather": ParallelConfig(pp=2, cp=2, cp_layout="contiguous", cp_algorithm="allgather"),
-    "pp_x_tp_sp": ParallelConfig(pp=2, tp=2, sequence_parallel=True),
-    "pp_zb_h1_x_tp_sp": ParallelConfig(pp=2, tp=2, sequence_parallel=True, schedule="zb_h1"),
+    "zero2_x_tp": ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=2),
+    "zero2_x_tp_sp": ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=2, sequence_parallel=True),
+    "fsdp2_x_tp": ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3),
+    "fsdp2_x_tp_sp": ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3, sequence_parallel=True),
+    "fsdp2_x_cp": ParallelConfig(MeshShape(dp=2, cp=2), zero_stage=3),
+    "pp_x_cp": ParallelConfig(MeshShape(pp=2, cp=2)),
+    "pp_x_cp_contiguous_allgather": ParallelConfig(MeshShape(pp=2, cp=2), cp_layout="contiguous", cp_algorithm="allgather"),
+    "pp_x_tp_sp": ParallelConfig(MeshShape(pp=2, tp=2), sequence_parallel=True),
+    "pp_zb_h1_x_tp_sp": ParallelConfig(MeshShape(pp=2, tp=2), sequence_parallel=True, schedule="zb_h1"),
 }
 
 
 PRODUCTION_8 = {  # scaled-down copies of the meshes of large runs, on 8 ranks
-    "tp2_cp2_pp2_sp": ParallelConfig(tp=2, cp=2, pp=2, sequence_parallel=True),  # a long-context dense run
-    "dp2_tp2_pp2_zero1_sp": ParallelConfig(dp=2, tp=2, pp=2, zero_stage=1, sequence_parallel=True),  # Megatron 3D
-    "fsdp2_tp2_cp2_sp": ParallelConfig(dp=2, tp=2, cp=2, zero_stage=3, sequence_parallel=True),  # torchtitan's
+    "tp2_cp2_pp2_sp": ParallelConfig(MeshShape(tp=2, cp=2, pp=2), sequence_parallel=True),  # a long-context dense run
+    "dp2_tp2_pp2_zero1_sp": ParallelConfig(MeshShape(dp=2, tp=2, pp=2), zero_stage=1, sequence_parallel=True),  # Megatron 3D
+    "fsdp2_tp2_cp2_sp": ParallelConfig(MeshShape(dp=2, tp=2, cp=2), zero_stage=3, sequence_parallel=True),  # torchtitan's
 }
 
 
@@ -119,7 +120,7 @@ def _mismatch(rank: int) -> str:
     from course_lib.runtime.mesh import Mesh
 
     try:
-        C.parallelize(GPT(CFG), Mesh(dp=4), ParallelConfig(dp=2, tp=2))
+        C.parallelize(GPT(CFG), Mesh(dp=4), ParallelConfig(MeshShape(dp=2, tp=2)))
     except ValueError as e:
         return str(e)
     return "accepted"
@@ -128,14 +129,14 @@ def _mismatch(rank: int) -> str:
 def _suite4(rank: int, world_size: int) -> dict[str, object]:
     out: dict[str, object] = {"placements": _placements(rank), "mismatch": _mismatch(rank)}
     for name, parallel in PAIRS_4.items():
-        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel)
+        out[name] = runs.train_parallel(rank, world_size, CFG, TC, parallel)
     for name, (parallel, seam) in MUTATIONS_4.items():
-        out[name] = C.train_parallel(rank, world_size, CFG, TC, parallel, **seam)
+        out[name] = runs.train_parallel(rank, world_size, CFG, TC, parallel, **seam)
     return out
 
 
 def _suite8(rank: int, world_size: int) -> dict[str, object]:
-    return {name: C.train_parallel(rank, world_size, CFG, TC, parallel) for name, parallel in PRODUCTION_8.items()}
+    return {name: runs.train_parallel(rank, world_size, CFG, TC, parallel) for name, parallel in PRODUCTION_8.items()}
 
 
 @functools.cache
@@ -151,7 +152,7 @@ def _reference() -> TrainResult:
 
 def _outcome(results: list) -> str:
     try:
-        merged = C.merge_composed(results)
+        merged = runs.merge_composed(results)
     except ValueError as e:
         return f"merge failed: {e}"
     report = compare(_reference(), merged)
@@ -200,7 +201,7 @@ def test_fsdp2_shards_the_tp_shard_again_on_dim_0() -> None:
 def test_zero_2_with_a_pipeline_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=r"ZeRO-2 with pipeline parallelism is refused: .* accumulate unsharded on "
                                          r"the stage .*nothing to save over ZeRO-1.*zero_stage=3"):
-        ParallelConfig(dp=2, pp=2, zero_stage=2).validate(CFG, global_batch=8)
+        ParallelConfig(MeshShape(dp=2, pp=2), zero_stage=2).validate(CFG, global_batch=8)
 
 
 def test_a_config_for_another_mesh_is_refused_with_the_fix() -> None:

@@ -36,7 +36,7 @@ from course_lib import comm
 from course_lib.data import global_batch, shard
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import compose, cp, dp, ep, pp, tp, zero
+from course_lib.parallel import compose, cp, dp, ep, pp, runs, tp, zero
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh
@@ -50,17 +50,17 @@ SGD = TrainConfig(steps=3, global_batch=8, optimizer="sgd", lr=1e-2)
 LAUNCH_TIMEOUT = 300
 
 DATA_FORMS = {  # name: (training helper, its variant keywords)
-    **{f"dp-{mode}": (dp.train_dp, {"mode": mode, "bucket_mb": 0.01}) for mode in dp.MODES},
-    **{f"zero-{stage}": (zero.train_zero, {"stage": stage}) for stage in range(4)},
+    **{f"dp-{mode}": (runs.train_dp, {"mode": mode, "bucket_mb": 0.01}) for mode in dp.MODES},
+    **{f"zero-{stage}": (runs.train_zero, {"stage": stage}) for stage in range(4)},
 }
 
 
 MODEL_FORMS = {  # name: (training helper, its keywords at 2 ranks, at 4 ranks (on the ranks: a Mesh), config)
-    "tp-sp": (tp.train_tp, lambda: {"sequence_parallel": True},
+    "tp-sp": (runs.train_tp, lambda: {"sequence_parallel": True},
               lambda: {"sequence_parallel": True, "mesh": Mesh(dp=2, tp=2)}, CFG),  # n_head=2: t <= 2
-    "cp": (cp.train_cp, dict, dict, CFG),
-    "cp-zero3": (cp.train_cp, lambda: {"zero_stage": 3}, lambda: {"zero_stage": 3, "mesh": Mesh(dp=2, cp=2)}, CFG),
-    "ep": (ep.train_ep, dict, lambda: {"ep": 2}, MOE),
+    "cp": (runs.train_cp, dict, dict, CFG),
+    "cp-zero3": (runs.train_cp, lambda: {"zero_stage": 3}, lambda: {"zero_stage": 3, "mesh": Mesh(dp=2, cp=2)}, CFG),
+    "ep": (runs.train_ep, dict, lambda: {"ep": 2}, MOE),
 }
 
 
@@ -213,18 +213,18 @@ def _suite(rank: int, world_size: int) -> dict:
             kw = kw2() if world_size == 2 else kw4()
             runs[name, accumulation] = fn(rank, world_size, cfg, SGD, accumulation=accumulation, **kw)
     runs["refused"] = _refused_forward(rank)
-    runs["pp-gpt"] = pp.train_pp(rank, world_size, CFG, SGD, "1f1b", 4)
-    runs["pp-seq"] = pp.train_pp(rank, world_size, CFG, SGD, "gpipe", 2, model_fn=seq_model)
+    runs["pp-gpt"] = runs.train_pp(rank, world_size, CFG, SGD, "1f1b", 4)
+    runs["pp-seq"] = runs.train_pp(rank, world_size, CFG, SGD, "gpipe", 2, model_fn=seq_model)
     for name in WRAPPERS:
         runs["lifecycle", name] = _lifecycle(rank, name)
     runs["errors"] = _errors(rank)
     if world_size == 4:
         grid = Mesh(dp=2, tp=2)  # dp groups {0, 2} and {1, 3}: not contiguous
-        runs["mesh", "dp"] = dp.train_dp(rank, world_size, CFG, SGD, mesh=grid)
-        runs["mesh", "zero"] = zero.train_zero(rank, world_size, CFG, SGD, 3, mesh=grid)
+        runs["mesh", "dp"] = runs.train_dp(rank, world_size, CFG, SGD, mesh=grid)
+        runs["mesh", "zero"] = runs.train_zero(rank, world_size, CFG, SGD, 3, mesh=grid)
         runs["mesh", "dp-ranks"] = grid.ranks("dp")
         line = Mesh(pp=2, dp=2)
-        runs["mesh", "pp"] = pp.train_pp(rank, world_size, CFG, SGD, "1f1b", 2, mesh=line)
+        runs["mesh", "pp"] = runs.train_pp(rank, world_size, CFG, SGD, "1f1b", 2, mesh=line)
         runs["mesh", "pp-ranks"] = line.ranks("pp")
         runs["mesh", "tp-ranks"] = grid.ranks("tp")
     return runs
@@ -320,7 +320,7 @@ def test_no_sync_reduces_gradients_once_per_step(world_size):
 @pytest.mark.parametrize("model", ["gpt", "seq"])
 def test_the_pipeline_wraps_a_gpt_or_any_sequential(world_size, model):
     ranks = [runs[f"pp-{model}"] for runs in suite(world_size)]
-    assert_parity(pp.merge_results(ranks), f"pipeline of a {model}", model)
+    assert_parity(runs.merge_results(ranks), f"pipeline of a {model}", model)
     assert all(len(r.step_comm) == SGD.steps and r.step_comm[0] for r in ranks)
     assert all(r.step_comm[0] == r.steps[0].comm for r in ranks)
 
@@ -363,7 +363,7 @@ def test_wrappers_on_mesh_sub_groups():
     groups = {tuple(r["mesh", "pp-ranks"]) for r in ranks}
     assert len(groups) == 2
     for members in groups:
-        assert_parity(pp.merge_results([ranks[i]["mesh", "pp"] for i in members]), f"pipeline on ranks {members}")
+        assert_parity(runs.merge_results([ranks[i]["mesh", "pp"] for i in members]), f"pipeline on ranks {members}")
     assert [r["mesh", "tp-ranks"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for rank, runs in enumerate(ranks):  # tp-sp and cp-zero3 ran on the tp / cp groups of a dp x tp / dp x cp grid
         assert {r.group for r in runs["tp-sp", 1].step_comm[0]} == {"tp"}, rank

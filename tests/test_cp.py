@@ -25,19 +25,14 @@ import pytest
 import torch
 
 from course_lib.data import global_batch
+from course_lib.estimates.accounting import activation_bytes_per_rank, ring_kv_bytes, ring_sends_per_layer
 from course_lib.estimates.activation_memory import model_activation_bytes
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, lm_loss
 from course_lib.parallel import cp_attention as ca
-from course_lib.parallel.cp import (
-    ContextParallel,
-    CPAttention,
-    activation_bytes_per_rank,
-    ring_kv_bytes,
-    ring_sends_per_layer,
-    train_cp,
-)
+from course_lib.parallel.cp import ContextParallel, CPAttention
 from course_lib.parallel.cp_ulysses import AllToAll, UlyssesExchange, ulysses_attention, ulysses_bytes_per_rank
+from course_lib.parallel.runs import train_cp
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh
 from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline

@@ -14,11 +14,12 @@ import torch
 from course_lib import comm
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import compose, dp, pp, zero
+from course_lib.parallel import dp, runs, zero, zero_unit
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.runtime.device_audit import DeviceAudit
 from course_lib.runtime.launch import device, launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -44,7 +45,7 @@ class Float64Losses(dp.DataParallel):
         return losses / self.world_size
 
 
-class DevicelessShardGrad(zero.FlatParamUnit):
+class DevicelessShardGrad(zero_unit.FlatParamUnit):
     def reduce_gradients(self) -> torch.Tensor:
         return super().reduce_gradients() + torch.zeros(self.layout.shard_numel)
 
@@ -54,17 +55,17 @@ class DevicelessZero(zero.ZeroDataParallel):
 
 
 RUNS = {
-    **{f"dp-{m}": functools.partial(dp.train_dp, mode=m, bucket_mb=0.001) for m in dp.MODES},
-    **{f"zero-{s}": functools.partial(zero.train_zero, stage=s) for s in range(4)},
-    "zero-3-bf16": functools.partial(zero.train_zero, stage=3, param_dtype=torch.bfloat16),
-    "fsdp2": functools.partial(zero.train_zero, stage=3, wrapper_class=FSDP2DataParallel),
-    **{f"pp-{s}": functools.partial(pp.train_pp, schedule=s, microbatches=2) for s in ("1f1b", "zb_h1")},
-    **{f"composed-{axis}2": functools.partial(compose.train_parallel, parallel=ParallelConfig(**{axis: 2}))
+    **{f"dp-{m}": functools.partial(runs.train_dp, mode=m, bucket_mb=0.001) for m in dp.MODES},
+    **{f"zero-{s}": functools.partial(runs.train_zero, stage=s) for s in range(4)},
+    "zero-3-bf16": functools.partial(runs.train_zero, stage=3, param_dtype=torch.bfloat16),
+    "fsdp2": functools.partial(runs.train_zero, stage=3, wrapper_class=FSDP2DataParallel),
+    **{f"pp-{s}": functools.partial(runs.train_pp, schedule=s, microbatches=2) for s in ("1f1b", "zb_h1")},
+    **{f"composed-{axis}2": functools.partial(runs.train_parallel, parallel=ParallelConfig(**{axis: 2}))
        for axis in ("tp", "cp", "pp")},
-    "composed-tp2-sp": functools.partial(compose.train_parallel, parallel=ParallelConfig(tp=2, sequence_parallel=True)),
-    "broken-buckets": functools.partial(dp.train_dp, wrapper_class=DevicelessBuckets),
-    "broken-float64": functools.partial(dp.train_dp, wrapper_class=Float64Losses),
-    "broken-zero": functools.partial(zero.train_zero, stage=2, wrapper_class=DevicelessZero),
+    "composed-tp2-sp": functools.partial(runs.train_parallel, parallel=ParallelConfig(MeshShape(tp=2), sequence_parallel=True)),
+    "broken-buckets": functools.partial(runs.train_dp, wrapper_class=DevicelessBuckets),
+    "broken-float64": functools.partial(runs.train_dp, wrapper_class=Float64Losses),
+    "broken-zero": functools.partial(runs.train_zero, stage=2, wrapper_class=DevicelessZero),
 }
 
 

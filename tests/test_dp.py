@@ -25,9 +25,10 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch, shard
+from course_lib.estimates import accounting
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import dp
+from course_lib.parallel import dp, oracles, runs
 from course_lib.runtime.launch import RankError, RankTimeout, launch
 from course_lib.train import (
     TrainConfig,
@@ -120,12 +121,12 @@ def _parity_suite(rank: int, world_size: int) -> dict:
     runs = {}
     for opt, tc in OPTS.items():
         for mode in dp.MODES:
-            runs["dp", mode, opt] = dp.train_dp(rank, world_size, CFG, tc, mode=mode, bucket_mb=BUCKET_MB)
-        runs["torch_ddp", opt] = dp.train_torch_ddp(rank, world_size, CFG, tc)
+            runs["dp", mode, opt] = runs.train_dp(rank, world_size, CFG, tc, mode=mode, bucket_mb=BUCKET_MB)
+        runs["torch_ddp", opt] = oracles.train_torch_ddp(rank, world_size, CFG, tc)
     for mode in dp.MODES:
-        runs["accum", mode, "sgd"] = dp.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
+        runs["accum", mode, "sgd"] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                                  accumulation=2)
-    runs["accum", "overlapped", "adamw"] = dp.train_dp(rank, world_size, CFG, ADAMW, mode="overlapped",
+    runs["accum", "overlapped", "adamw"] = runs.train_dp(rank, world_size, CFG, ADAMW, mode="overlapped",
                                                        bucket_mb=BUCKET_MB, accumulation=2)
     return runs
 
@@ -134,18 +135,18 @@ def _special_suite(rank: int, world_size: int) -> dict:
     runs = _parity_suite(rank, world_size)  # its SGD runs give the counts of naive, bucketed 0.1, overlapped 0.1
     one_step = TrainConfig(optimizer="sgd", steps=1)
     for mb in (0.0, 0.05, 1000.0):
-        runs["dp", "bucketed", "sgd", mb] = dp.train_dp(rank, world_size, CFG, one_step, mode="bucketed", bucket_mb=mb)
+        runs["dp", "bucketed", "sgd", mb] = runs.train_dp(rank, world_size, CFG, one_step, mode="bucketed", bucket_mb=mb)
     for mode in dp.MODES:
-        runs["tied", mode] = dp.train_dp(rank, world_size, TIED, SGD, mode=mode, bucket_mb=BUCKET_MB)
-        runs["frozen", mode] = dp.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
+        runs["tied", mode] = runs.train_dp(rank, world_size, TIED, SGD, mode=mode, bucket_mb=BUCKET_MB)
+        runs["frozen", mode] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                            freeze=FROZEN)
     for mode in ("naive", "overlapped"):
         for find in (True, False):
-            runs["extras", mode, find] = dp.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
+            runs["extras", mode, find] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                                      model_fn=GPTWithExtras, find_unused_parameters=find)
-    runs["broken", "no_divide"] = dp.train_dp(rank, world_size, CFG, SGD, mode="bucketed", bucket_mb=BUCKET_MB,
+    runs["broken", "no_divide"] = runs.train_dp(rank, world_size, CFG, SGD, mode="bucketed", bucket_mb=BUCKET_MB,
                                               wrapper_class=NoDivide)
-    runs["broken", "drop_last_bucket"] = dp.train_dp(rank, world_size, CFG, ADAMW, mode="bucketed",
+    runs["broken", "drop_last_bucket"] = runs.train_dp(rank, world_size, CFG, ADAMW, mode="bucketed",
                                                      bucket_mb=BUCKET_MB, wrapper_class=DropLastBucket)
     # broadcast_parameters: every rank starts from its own seed and ends with rank 0's weights
     model = GPT(CFG, seed=100 + rank)
@@ -195,7 +196,7 @@ def special_runs() -> list[dict]:
 # Helpers
 
 
-def _check_every_rank(ref: TrainResult, per_rank: list[TrainResult], label: str) -> dp.DPResult:
+def _check_every_rank(ref: TrainResult, per_rank: list[TrainResult], label: str) -> runs.RunResult:
     """Rank 0 matches ``ref`` (``course_lib.train``'s noise rule), and every replica is bitwise identical to rank 0."""
     report = assert_parity(ref, per_rank[0])
     print(f"{label}: {report}")
@@ -222,7 +223,7 @@ def _expected_buckets(sizes: list[int], cap_mb: float) -> list[int]:
     return buckets + ([current] if current else [])
 
 
-def _grad_records(res: dp.DPResult, step: int) -> list[comm.CommRecord]:
+def _grad_records(res: runs.RunResult, step: int) -> list[comm.CommRecord]:
     return [r for r in res.step_comm[step] if r.op == "all_reduce"]
 
 
@@ -268,8 +269,8 @@ def test_gradient_accumulation_with_no_sync(parity_runs, mode, opt):
 
 
 def test_global_batch_arithmetic():
-    assert dp.global_batch_size(micro_batch=1, accumulation_steps=2, dp_degree=4) == SGD.global_batch
-    assert dp.allreduce_bytes_per_rank(1000, 4) == 1500
+    assert accounting.global_batch_size(micro_batch=1, accumulation_steps=2, dp_degree=4) == SGD.global_batch
+    assert accounting.allreduce_bytes_per_rank(1000, 4) == 1500
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -23,10 +23,12 @@ import pytest
 import torch
 
 from course_lib.data import global_batch
+from course_lib.estimates import accounting
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.moe import MoE, Routing, expert_capacity, expert_positions, moe_aux_loss
 from course_lib.parallel import ep as E
+from course_lib.parallel import oracles, runs
 from course_lib.runtime.launch import RankError, launch
 from course_lib.train import (
     TrainConfig,
@@ -158,7 +160,7 @@ CASES = {
     "sigmoid_bias_update_drops": (BIASED, {"bias_update_rate": BIAS_RATE}),
     "node_limited_drops": (NODE_LIMITED, {}),
     "grouped_free": (NODE_LIMITED.with_(topk_group=None), {}),
-    "torch_all_to_all": (DROPS, {"layer_class": E.TorchAllToAllMoE}),
+    "torch_all_to_all": (DROPS, {"layer_class": oracles.TorchAllToAllMoE}),
     "no_combine_weights": (BASE, {"layer_class": NoCombineWeights}),
     "f_not_divided_by_k": (BASE.with_(aux_loss_coef=0.1), {"layer_class": FractionNotDividedByK}),
     "shared_twice": (DEEPSEEK, {"layer_class": SharedTwice}),
@@ -173,11 +175,11 @@ lr-sized steps -- the conditioning note of ``course_lib.train``. With the aux lo
 
 def _run_cases(rank, world_size, cases, tc):
     torch.set_num_threads(1)
-    return {name: E.train_ep(rank, world_size, cfg, tc, **kw) for name, (cfg, kw) in cases.items()}
+    return {name: runs.train_ep(rank, world_size, cfg, tc, **kw) for name, (cfg, kw) in cases.items()}
 
 
 @functools.cache
-def results(world: int) -> list[dict[str, E.EPResult]]:
+def results(world: int) -> list[dict[str, runs.ComposedResult]]:
     cases = CASES | (EPXDP if world == 4 else {})
     return launch(_run_cases, world, cases, TC, timeout=LAUNCH_TIMEOUT)
 
@@ -340,18 +342,18 @@ def test_aux_loss_under_accumulation_is_per_micro_batch():
 
 
 def test_mixtral_budget_from_its_preset():
-    b = E.moe_budget(PRESETS["mixtral-8x7b"])
+    b = accounting.moe_budget(PRESETS["mixtral-8x7b"])
     assert round(b["total_params"] / 1e9, 1) == 46.7 and round(b["active_params"] / 1e9, 1) == 12.9
     assert b["total_params"] < 8 * 7e9  # not 56B: the experts share attention, embeddings and norms
     assert b["weight_bytes"] == 2 * b["total_params"] and b["forward_flops_per_token"] == 2 * b["active_params"]
 
 
 def test_slowest_rank_load():
-    assert E.slowest_rank_load([10, 10, 10, 10], 2) == (20, 20.0)
-    assert E.slowest_rank_load([40, 0, 0, 0], 2) == (40, 20.0)
-    assert E.slowest_rank_load([40, 0, 0, 0], 2, capacity=10) == (10, 5.0)
+    assert accounting.slowest_rank_load([10, 10, 10, 10], 2) == (20, 20.0)
+    assert accounting.slowest_rank_load([40, 0, 0, 0], 2) == (40, 20.0)
+    assert accounting.slowest_rank_load([40, 0, 0, 0], 2, capacity=10) == (10, 5.0)
     with pytest.raises(ValueError, match="divide"):
-        E.slowest_rank_load([1, 2, 3], 2)
+        accounting.slowest_rank_load([1, 2, 3], 2)
 
 
 def test_config_errors():
@@ -439,10 +441,10 @@ def test_comm_log_equals_the_formula(world):
         tokens = [[r for r in mine if r.op == "all_to_all" and r.tensor_bytes != BASE.n_expert * 8]
                   for mine in recs]
         total = sum(r.tensor_bytes for mine in tokens for r in mine)
-        assert total == 4 * L * E.dispatch_bytes(TOKENS, k, h)
+        assert total == 4 * L * accounting.dispatch_bytes(TOKENS, k, h)
         sent = sum(r.sent_bytes for mine in tokens for r in mine)
         assert sent == sum(r.recv_bytes for mine in tokens for r in mine)
-        assert abs(sent / total - E.leaving_fraction(world)) < 0.2  # near-uniform router at initialisation
+        assert abs(sent / total - accounting.leaving_fraction(world)) < 0.2  # near-uniform router at initialisation
     # with drops: only the kept assignments travel
     dropped = res[0]["top2_drops_aux_z"]
     kept = sum(sum(s.kept_per_expert) for s in dropped.routing[-1])
@@ -502,7 +504,7 @@ def test_bias_update_changes_the_routing():
 
 def _train_one(rank, world_size, cfg, layer_class):
     torch.set_num_threads(1)
-    return E.train_ep(rank, world_size, cfg, TC, layer_class=layer_class)
+    return runs.train_ep(rank, world_size, cfg, TC, layer_class=layer_class)
 
 
 @pytest.mark.slow
@@ -524,7 +526,7 @@ def _expect_errors(rank, world_size, bad):
     messages = []
     for cfg, ep, _ in bad:
         try:
-            E.train_ep(rank, world_size, cfg, TrainConfig(steps=1, global_batch=4), ep=ep)
+            runs.train_ep(rank, world_size, cfg, TrainConfig(steps=1, global_batch=4), ep=ep)
             messages.append("no error")
         except ValueError as exc:
             messages.append(str(exc))

@@ -4,7 +4,7 @@ At 4 ranks, dp = dp_replicate 2 x dp_shard 2 (torchtitan's layout, ``course_lib.
 faster one, so the shard groups are {0, 1}, {2, 3} and the replicate groups {0, 2}, {1, 3}, which is also what
 ``init_device_mesh((2, 2), ("dp_replicate", "dp_shard"))`` builds):
 
-* the composed run (``ParallelConfig(dp=4, dp_replicate=2, zero_stage=3)``, AdamW, 3 steps) matches
+* the composed run (``ParallelConfig(MeshShape(dp=4, dp_replicate=2), zero_stage=3)``, AdamW, 3 steps) matches
   ``train_baseline`` within ``compare``'s fp32-noise tolerance, every replica bit-for-bit equal; its comm log
   holds one reduce-scatter over "dp_shard" and one all-reduce over "dp_replicate" per unit and step;
 * in bf16 compute (fp32 master shards) it matches the baseline within NOISE_MULTIPLE x the bf16 noise of this
@@ -30,15 +30,16 @@ import tempfile
 
 import pytest
 import torch
+from course_lib.parallel.transforms import apply_data_parallel
 
 from course_lib.data import global_batch, shard
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.compose import Checkpointing, merge_composed, train_parallel
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
-from course_lib.parallel.placement import Replicate, Shard, describe, merge_parameters, placements_of
-from course_lib.parallel.transforms import apply_data_parallel
+from course_lib.parallel.placement import Replicate, Shard, placements_of
+from course_lib.parallel.placement_ops import describe, merge_parameters
+from course_lib.parallel.runs import Checkpointing, merge_composed, train_parallel
 from course_lib.parallel.zero_unit import default_units
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh, MeshError, MeshShape
@@ -50,7 +51,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 HSDP = {"dp": 4, "dp_replicate": 2}
 AXES = ("dp_replicate", "dp_shard")
 SAVE_AFTER = 1
-RESUME_ON = {"hsdp": ParallelConfig(**HSDP, zero_stage=3), "zero2_dp4": ParallelConfig(dp=4, zero_stage=2)}
+RESUME_ON = {"hsdp": ParallelConfig(**HSDP, zero_stage=3), "zero2_dp4": ParallelConfig(MeshShape(dp=4), zero_stage=2)}
 
 
 class SkipsReplicaAllReduce(PerParameterUnit):
@@ -205,7 +206,7 @@ def test_bad_splits_and_stages_are_refused_with_the_fix():
                                         r"\[1, 2, 4\], or dp a multiple of 3"):
         MeshShape(dp=4, dp_replicate=3)
     with pytest.raises(MeshError, match=r"dp_replicate=0: every degree must be an int >= 1"):
-        ParallelConfig(dp=4, dp_replicate=0)
+        ParallelConfig(MeshShape(dp=4, dp_replicate=0))
     for stage in (0, 1, 2):
         with pytest.raises(ValueError, match=rf"dp_replicate=2 is hybrid sharding .* with zero_stage={stage} "
                                              r"nothing is sharded .*: use zero_stage=3, or dp_replicate=1"):

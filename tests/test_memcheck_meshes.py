@@ -32,18 +32,19 @@ import pytest
 
 from course_lib.estimates.layout import ParallelLayout
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.compose import merge_composed
 from course_lib.parallel.config import ParallelConfig
+from course_lib.parallel.runs import merge_composed
 from course_lib.planner import memory as planner_memory
 from course_lib.planner import mesh_runs as M
 from course_lib.planner import model as planner_model
 from course_lib.planner.memcheck import REL_TOL
 from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, compare, train_baseline
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, d_model=32, bias=False)
 TC = TrainConfig(steps=2, global_batch=8, optimizer="adamw", lr=1e-3, seed=0)
-FSDP_TP = ParallelConfig(dp=2, tp=2, zero_stage=3, sequence_parallel=True)
+FSDP_TP = ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3, sequence_parallel=True)
 LAUNCH_TIMEOUT = 300
 
 
@@ -130,7 +131,7 @@ def test_a_planner_that_forgets_a_division_goes_red(monkeypatch: pytest.MonkeyPa
 
 def test_candidate_of_refuses_tp_without_sp() -> None:
     with pytest.raises(ValueError, match="sequence_parallel=True"):
-        M.candidate_of(ParallelConfig(dp=2, tp=2), 8)
+        M.candidate_of(ParallelConfig(MeshShape(dp=2, tp=2)), 8)
 
 
 def test_train_measured_refuses_a_mesh_of_another_size() -> None:

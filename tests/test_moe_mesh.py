@@ -20,8 +20,10 @@ from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.moe import MoE
 from course_lib.parallel import compose as C
+from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig
 from course_lib.runtime.launch import launch
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -76,23 +78,23 @@ shard_local_model = _with_layer(ShardLocalMoE)
 dropped_stage_loss_model = _with_layer(DroppedStageLossMoE)
 
 CASES_2 = {  # name: (config, ParallelConfig, train_parallel keywords, baseline accumulation)
-    "dp2": (MOE, ParallelConfig(dp=2), {}, 1),
-    "cp2_zigzag": (MOE, ParallelConfig(cp=2), {}, 1),
-    "cp2_contiguous": (MOE, ParallelConfig(cp=2, cp_layout="contiguous"), {}, 1),
-    "dp2_accumulation2": (MOE, ParallelConfig(dp=2, accumulation=2), {}, 2),
-    "pp2_1f1b": (MOE, ParallelConfig(pp=2), {}, 2),
-    "pp2_zb_h1": (MOE, ParallelConfig(pp=2, schedule="zb_h1"), {}, 2),
+    "dp2": (MOE, ParallelConfig(MeshShape(dp=2)), {}, 1),
+    "cp2_zigzag": (MOE, ParallelConfig(MeshShape(cp=2)), {}, 1),
+    "cp2_contiguous": (MOE, ParallelConfig(MeshShape(cp=2), cp_layout="contiguous"), {}, 1),
+    "dp2_accumulation2": (MOE, ParallelConfig(MeshShape(dp=2), accumulation=2), {}, 2),
+    "pp2_1f1b": (MOE, ParallelConfig(MeshShape(pp=2)), {}, 2),
+    "pp2_zb_h1": (MOE, ParallelConfig(MeshShape(pp=2), schedule="zb_h1"), {}, 2),
 }
 MUTATIONS_2 = {
-    "dp2_shard_local": (MOE, ParallelConfig(dp=2), {"model_fn": shard_local_model}, 1),
-    "cp2_shard_local": (MOE, ParallelConfig(cp=2), {"model_fn": shard_local_model}, 1),
-    "pp2_stage_loss_dropped": (MOE, ParallelConfig(pp=2), {"model_fn": dropped_stage_loss_model}, 2),
-    "pp2_stage_loss_unreported": (MOE, ParallelConfig(pp=2), {"composed_class": UnreportedStageLosses}, 2),
+    "dp2_shard_local": (MOE, ParallelConfig(MeshShape(dp=2)), {"model_fn": shard_local_model}, 1),
+    "cp2_shard_local": (MOE, ParallelConfig(MeshShape(cp=2)), {"model_fn": shard_local_model}, 1),
+    "pp2_stage_loss_dropped": (MOE, ParallelConfig(MeshShape(pp=2)), {"model_fn": dropped_stage_loss_model}, 2),
+    "pp2_stage_loss_unreported": (MOE, ParallelConfig(MeshShape(pp=2)), {"composed_class": UnreportedStageLosses}, 2),
 }
 CASES_4 = {
-    "dp4_ep2": (MOE, ParallelConfig(dp=4, ep=2), {}, 1),
-    "dp2_cp2": (MOE, ParallelConfig(dp=2, cp=2), {}, 1),
-    "dp2_pp2_z_loss_only": (Z_ONLY, ParallelConfig(dp=2, pp=2), {}, 2),
+    "dp4_ep2": (MOE, ParallelConfig(MeshShape(dp=4, ep=2)), {}, 1),
+    "dp2_cp2": (MOE, ParallelConfig(MeshShape(dp=2, cp=2)), {}, 1),
+    "dp2_pp2_z_loss_only": (Z_ONLY, ParallelConfig(MeshShape(dp=2, pp=2)), {}, 2),
 }
 ALL = CASES_2 | MUTATIONS_2 | CASES_4
 
@@ -102,10 +104,10 @@ def _run(rank: int, world_size: int, names: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for name in names:
         cfg, parallel, kw, _ = ALL[name]
-        out[name] = C.train_parallel(rank, world_size, cfg, SGD, parallel, **kw)
+        out[name] = runs.train_parallel(rank, world_size, cfg, SGD, parallel, **kw)
     if world_size == 4:
         try:
-            C.train_parallel(rank, world_size, MOE, SGD, ParallelConfig(dp=2, pp=2))
+            runs.train_parallel(rank, world_size, MOE, SGD, ParallelConfig(MeshShape(dp=2, pp=2)))
             out["refused"] = None
         except ValueError as e:
             out["refused"] = str(e)
@@ -126,7 +128,7 @@ def _reference(cfg: GPTConfig, accumulation: int):
 
 def _report(name: str):
     cfg, parallel, _, acc = ALL[name]
-    return compare(_reference(cfg, acc), C.merge_composed(_results(parallel.world_size)[name]))
+    return compare(_reference(cfg, acc), runs.merge_composed(_results(parallel.world_size)[name]))
 
 
 @pytest.mark.parity

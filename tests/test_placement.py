@@ -26,6 +26,7 @@ import functools
 
 import pytest
 import torch
+from course_lib.parallel.mesh_checkpoint import _cut, _gather
 from torch import nn
 from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
@@ -34,11 +35,10 @@ from course_lib.data import global_batch, shard
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.moe import moe_aux_loss
+from course_lib.parallel import oracles, placement_ops, tp, tp_layers
 from course_lib.parallel import placement as P
-from course_lib.parallel import tp
 from course_lib.parallel.compose import Parallelized
 from course_lib.parallel.ep import ExpertParallel
-from course_lib.parallel.mesh_checkpoint import _cut, _gather
 from course_lib.parallel.tp_comm import all_gather_along
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.runtime.launch import launch
@@ -57,7 +57,7 @@ TIMEOUT = 300
 # Mutations
 
 
-class RowRecordedOnDim0(tp.RowParallelLinear):
+class RowRecordedOnDim0(tp_layers.RowParallelLinear):
     """Slices the input features (dim 1) but records the weight as ``Shard(0)``."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -66,7 +66,7 @@ class RowRecordedOnDim0(tp.RowParallelLinear):
         P.set_placement(self.weight, "tp", P.Shard(0))
 
 
-class MLPWithWrongRowRecord(tp.TensorParallelMLP):
+class MLPWithWrongRowRecord(tp_layers.TensorParallelMLP):
     def __init__(self, mlp, group=None, sequence_parallel=False) -> None:
         super().__init__(mlp, group, sequence_parallel)
         bias = self.fc2.bias.data if self.fc2.bias is not None else None
@@ -119,7 +119,7 @@ def _dtensor_rows(ws: int, sp: bool, tp_class: type[tp.TensorParallel]) -> list[
 
     x, y = global_batch(0, BATCH, CFG.seq_len, 0)
     theirs = GPT(CFG, 0)
-    parallelize_module(theirs, init_device_mesh("cpu", (ws,)), tp.dtensor_plan(CFG, sp))
+    parallelize_module(theirs, init_device_mesh("cpu", (ws,)), oracles.dtensor_plan(CFG, sp))
     with loss_parallel():
         lm_loss(theirs(x), y).backward()
     ours = tp_class(GPT(CFG, 0), sequence_parallel=sp)
@@ -140,12 +140,12 @@ def _tp_checks(ws: int, sp: bool, tp_class: type[tp.TensorParallel] = tp.TensorP
     init, grads, ref_norm = _reference(CFG)
     model = tp_class(GPT(CFG, 0), sequence_parallel=sp)
     groups = model.groups
-    out = {"gather": _equal(P.full_parameters(model.module, groups), init)}
+    out = {"gather": _equal(placement_ops.full_parameters(model.module, groups), init)}
     x, y = global_batch(0, BATCH, CFG.seq_len, 0)
     model.loss(model(x), y).backward()
     model.finish_gradient_sync()
     params = dict(model.module.named_parameters())
-    out["grads"] = all(_close(P.full_tensor(p, groups, p.grad), grads[n]) for n, p in params.items())
+    out["grads"] = all(_close(placement_ops.full_tensor(p, groups, p.grad), grads[n]) for n, p in params.items())
     # the former TensorParallel.grad_norm: the shards' squares all-reduced, the replicated ones once
     sq_sh, sq_rep = torch.zeros(()), torch.zeros(())
     for p in params.values():
@@ -155,18 +155,18 @@ def _tp_checks(ws: int, sp: bool, tp_class: type[tp.TensorParallel] = tp.TensorP
         else:
             sq_rep += sq
     torch.distributed.all_reduce(sq_sh)
-    norm = P.grad_norm(model.module, groups)
+    norm = placement_ops.grad_norm(model.module, groups)
     out["norm_bitwise"] = torch.equal(norm, (sq_sh + sq_rep).sqrt())
     out["norm_vs_torch"] = abs(float(norm) - ref_norm) <= REL * ref_norm
     # the former all-gather per shard dim, and the checkpoint's cut of the whole tensor, both exact
-    out["former_gather"] = all(torch.equal(P.full_tensor(p, groups), all_gather_along(
+    out["former_gather"] = all(torch.equal(placement_ops.full_tensor(p, groups), all_gather_along(
         p.detach(), P.placement(p, "tp").dim, None) if isinstance(P.placement(p, "tp"), P.Shard) else p.detach())
         for p in params.values())
-    out["cut"] = all(torch.equal(P.shard_like(P.full_tensor(p, groups, p.grad), p, groups), p.grad)
+    out["cut"] = all(torch.equal(placement_ops.shard_like(placement_ops.full_tensor(p, groups, p.grad), p, groups), p.grad)
                      for p in params.values())
     before = {n: p.grad.clone() for n, p in params.items()}
     max_norm = 0.5 * float(norm)
-    clipped = P.clip_grad_norm_(model.module, max_norm, groups)
+    clipped = placement_ops.clip_grad_norm_(model.module, max_norm, groups)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s coefficient
     out["clip"] = torch.equal(clipped, norm) and all(torch.equal(p.grad, before[n] * coef) for n, p in params.items())
     return out
@@ -179,7 +179,7 @@ def _ep_checks(ws: int, record_list: bool = True) -> dict:
         for layer in model.layers:
             del layer.experts._course_placements
     groups = {"ep": model.ep_group}
-    full = P.full_parameters(model.module, groups)
+    full = placement_ops.full_parameters(model.module, groups)
     out = {"gather": _equal(full, init)}
     x, y = (shard(t, torch.distributed.get_rank(), ws) for t in global_batch(0, BATCH, MOE.seq_len, 0))
     (lm_loss(model(x), y) + moe_aux_loss(model)).backward()
@@ -193,7 +193,7 @@ def _ep_checks(ws: int, record_list: bool = True) -> dict:
             else:
                 sq_dense += p.grad.float().pow(2).sum()
     torch.distributed.all_reduce(sq_expert, group=model.ep_group)
-    out["norm_bitwise"] = torch.equal(P.grad_norm(model.module, groups), (sq_expert + sq_dense).sqrt())
+    out["norm_bitwise"] = torch.equal(placement_ops.grad_norm(model.module, groups), (sq_expert + sq_dense).sqrt())
     return out
 
 
@@ -218,7 +218,7 @@ def _zero_checks(ws: int, stage: int) -> dict:
     out["former_gather"] = _equal({n: former[n] for n, _ in model.named_parameters()}, init)
     x, y = (shard(t, rank, ws) for t in global_batch(0, BATCH, CFG.seq_len, 0))
     lm_loss(zdp(x), y).backward()
-    norm = float(P.grad_norm(shards, {"dp": None}))
+    norm = float(placement_ops.grad_norm(shards, {"dp": None}))
     out["norm_vs_torch"] = abs(norm - ref_norm) <= REL * ref_norm
     return out
 
@@ -231,7 +231,7 @@ def _composed_checks(ws: int, **axes: int) -> dict:
     x, y = (shard(t, mesh.coord("dp"), mesh.size("dp")) for t in global_batch(0, BATCH, CFG.seq_len, 0))
     composed.forward_backward(x, y)
     composed.finish_gradient_sync()
-    norm = float(P.grad_norm(composed.module, mesh, disjoint=("pp",) if mesh.size("pp") > 1 else ()))
+    norm = float(placement_ops.grad_norm(composed.module, mesh, disjoint=("pp",) if mesh.size("pp") > 1 else ()))
     held = {n for n, p in composed.module.named_parameters() if any(p is q for q in composed.parameters())}
     out = {"gather": all(torch.equal(t, init[n]) for n, t in full.items()), "names": sorted(full),
            "held": sorted(held) == sorted(full),
@@ -247,16 +247,16 @@ def _padding_checks(rank: int) -> dict:
     full = torch.arange(9.0).view(3, 3)
     p = torch.zeros(2, 3)
     P.set_placement(p, "dp", P.Shard(0, size=3))
-    piece = P.shard_like(full, p, {"dp": None})
+    piece = placement_ops.shard_like(full, p, {"dp": None})
     padded = torch.cat([full, torch.zeros(1, 3)])[2 * rank:2 * rank + 2]
-    out = {"piece": torch.equal(piece, padded), "whole": torch.equal(P.full_tensor(p, {"dp": None}, piece), full)}
+    out = {"piece": torch.equal(piece, padded), "whole": torch.equal(placement_ops.full_tensor(p, {"dp": None}, piece), full)}
     chunk = torch.zeros(2 - rank, 3)  # torch.chunk's pieces, as FSDP2 keeps them: 2 rows and 1, no padding
     P.set_placement(chunk, "dp", P.Shard(0, size=3))
-    chunk_piece = P.shard_like(full, chunk, {"dp": None})
+    chunk_piece = placement_ops.shard_like(full, chunk, {"dp": None})
     out["chunk"] = (torch.equal(chunk_piece, full[2 * rank:2 * rank + 2])
-                    and torch.equal(P.full_tensor(chunk, {"dp": None}, chunk_piece), full))
+                    and torch.equal(placement_ops.full_tensor(chunk, {"dp": None}, chunk_piece), full))
     try:
-        P.shard_like(full[:, :2], p, {"dp": None})
+        placement_ops.shard_like(full[:, :2], p, {"dp": None})
         out["misfit"] = False
     except ValueError as e:
         out["misfit"] = "not the parameter's" in str(e)
@@ -277,8 +277,8 @@ def _fsdp2_checks(ws: int) -> dict:
     model = GPT(cfg, 0)
     FSDP2DataParallel(model, group=None)
     groups = {"dp": None}
-    return {"gather": all(torch.equal(P.full_tensor(p, groups), init[n].detach()) for n, p in model.named_parameters()),
-            "cut": all(torch.equal(P.shard_like(init[n].detach(), p, groups), p.detach())
+    return {"gather": all(torch.equal(placement_ops.full_tensor(p, groups), init[n].detach()) for n, p in model.named_parameters()),
+            "cut": all(torch.equal(placement_ops.shard_like(init[n].detach(), p, groups), p.detach())
                        for n, p in model.named_parameters()),
             "uneven": any(p.shape[0] * ws != init[n].shape[0] for n, p in model.named_parameters())}
 
@@ -394,11 +394,11 @@ def test_fsdp2_shards_are_gathered_and_cut_by_their_placements():
 
 def test_merge_parameters_joins_and_refuses_drift():
     a, b = {"x": torch.zeros(2)}, {"x": torch.zeros(2), "y": torch.ones(1)}
-    assert P.merge_parameters([a, b]).keys() == {"x", "y"}
+    assert placement_ops.merge_parameters([a, b]).keys() == {"x", "y"}
     with pytest.raises(ValueError, match="held by two ranks"):
-        P.merge_parameters([a, b], exclusive=True)
+        placement_ops.merge_parameters([a, b], exclusive=True)
     with pytest.raises(ValueError, match="x differs between rank 0 and rank 1"):
-        P.merge_parameters([a, {"x": torch.ones(2)}])
+        placement_ops.merge_parameters([a, {"x": torch.ones(2)}])
 
 
 def test_a_padded_shard_round_trips_and_a_misfit_is_refused():

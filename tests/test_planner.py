@@ -178,7 +178,7 @@ def test_uneven_pipelines_are_planned_and_memory_counts_every_stage():
 
 
 def test_the_library_pipeline_cuts_the_planners_split_and_trains_like_one_process():
-    from course_lib.parallel.pp import merge_results, train_pp
+    from course_lib.parallel.runs import merge_results, train_pp
     from course_lib.runtime.launch import launch
     from course_lib.train import TrainConfig, assert_parity, train_baseline
 

@@ -36,9 +36,10 @@ import torch
 from course_lib.data import global_batch, micro_batches
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import pp
+from course_lib.parallel import oracles, pp_balance, pp_executor, pp_split, pp_stages, runs
 from course_lib.parallel import schedules as S
-from course_lib.parallel.schedule_run import add_send_recv, simulate
+from course_lib.parallel.schedule_run import simulate
+from course_lib.parallel.schedules import add_send_recv
 from course_lib.runtime.launch import RankError, launch
 from course_lib.train import (
     UNIT_ROUNDOFF,
@@ -66,7 +67,7 @@ def _config(p: int, v: int) -> GPTConfig:
     return CFG8 if p * v > CFG.n_layer else CFG
 
 
-class NoLossScaling(pp.PipelineExecutor):
+class NoLossScaling(pp_executor.PipelineExecutor):
     """A common bug: each micro-batch back-propagates its full mean loss, not loss / m."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -84,35 +85,35 @@ def _run_all(rank: int, world_size: int, runs: dict) -> dict:
     return out
 
 
-def _on_pairs(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, **kwargs) -> pp.PPResult:
+def _on_pairs(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, **kwargs) -> runs.PPResult:
     """Two pipelines side by side on a 4-rank world, on sub-groups {0, 2} and {1, 3} (group rank != global rank)."""
     import torch.distributed as dist
 
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    return pp.train_pp(rank, world_size, cfg, tc, group=groups[rank % 2], **kwargs)
+    return runs.train_pp(rank, world_size, cfg, tc, group=groups[rank % 2], **kwargs)
 
 
 def _runs(p: int) -> dict:
     runs = {}
     for name, v in SCHEDULES.items():
         kwargs = {"schedule": name, "microbatches": M, "v": v}
-        runs["ours", name] = (pp.train_pp, _config(p, v), ADAMW, kwargs)
-        runs["torch", name] = (pp.train_torch_pp, _config(p, v), ADAMW, kwargs)
+        runs["ours", name] = (runs.train_pp, _config(p, v), ADAMW, kwargs)
+        runs["torch", name] = (oracles.train_torch_pp, _config(p, v), ADAMW, kwargs)
     if p == 4:
         runs["pairs",] = (_on_pairs, CFG, ADAMW, {"schedule": "zb_h1", "microbatches": M})
     if p == 2:
         for name in ("1f1b", "zb_h1"):
-            runs["ours", name, "uneven"] = (pp.train_pp, CFG, ADAMW, {"schedule": name, "microbatches": M,
+            runs["ours", name, "uneven"] = (runs.train_pp, CFG, ADAMW, {"schedule": name, "microbatches": M,
                                                                        "split": [1, 3]})
-        runs["torch", "1f1b", "uneven"] = (pp.train_torch_pp, CFG, ADAMW, {"schedule": "1f1b", "microbatches": M,
+        runs["torch", "1f1b", "uneven"] = (oracles.train_torch_pp, CFG, ADAMW, {"schedule": "1f1b", "microbatches": M,
                                                                            "split": [1, 3]})
         for opt, tc in (("sgd", SGD), ("adamw", ADAMW)):
-            runs["good", opt] = (pp.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M})
-            runs["broken", opt] = (pp.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M,
+            runs["good", opt] = (runs.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M})
+            runs["broken", opt] = (runs.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M,
                                                           "executor_class": NoLossScaling})
         three_steps = TrainConfig(steps=3, global_batch=8)  # step 0 warms up (lazy inits)
         for name in ("gpipe", "zb_h1"):
-            runs["emulated", name] = (pp.train_pp, CFG, three_steps, {"schedule": name, "microbatches": M,
+            runs["emulated", name] = (runs.train_pp, CFG, three_steps, {"schedule": name, "microbatches": M,
                                                                    "emulate": EMULATE})
     return runs
 
@@ -123,7 +124,7 @@ def _launched(p: int) -> tuple[dict, list[dict]]:
     return runs, launch(_run_all, p, runs, timeout=LAUNCH_TIMEOUT)
 
 
-def result(p: int, key: tuple) -> list[pp.PPResult]:
+def result(p: int, key: tuple) -> list[runs.PPResult]:
     """Every rank's result of run ``key`` at degree p."""
     _, per_rank = _launched(p)
     return [r[key] for r in per_rank]
@@ -187,7 +188,7 @@ PARITY = [(p, name) for p in (2, 4) for name in SCHEDULES]
 @pytest.mark.parametrize(("p", "name"), PARITY)
 def test_every_schedule_matches_the_baseline(p, name):
     cfg = _config(p, SCHEDULES[name])
-    report = compare(baseline(cfg, ADAMW), pp.merge_results(result(p, ("ours", name))))
+    report = compare(baseline(cfg, ADAMW), runs.merge_results(result(p, ("ours", name))))
     assert report.ok, str(report)
 
 
@@ -195,14 +196,14 @@ def test_every_schedule_matches_the_baseline(p, name):
 @pytest.mark.parametrize(("p", "name"), PARITY)
 def test_every_schedule_equals_one_process_accumulating_the_same_micro_batches_bit_for_bit(p, name):
     cfg = _config(p, SCHEDULES[name])
-    exact(accumulated(cfg, ADAMW, M), pp.merge_results(result(p, ("ours", name))))
+    exact(accumulated(cfg, ADAMW, M), runs.merge_results(result(p, ("ours", name))))
 
 
 @pytest.mark.parity
 @pytest.mark.parametrize(("p", "name"), PARITY)
 def test_torch_pipelining_on_the_same_stages_gives_the_same_bits(p, name):
-    ours = pp.merge_results(result(p, ("ours", name)))
-    theirs = pp.merge_results(result(p, ("torch", name)))
+    ours = runs.merge_results(result(p, ("ours", name)))
+    theirs = runs.merge_results(result(p, ("torch", name)))
     exact(theirs, ours)
     assert compare(baseline(_config(p, SCHEDULES[name]), ADAMW), theirs).ok
 
@@ -213,8 +214,8 @@ def test_an_uneven_split_matches_the_baseline_and_torch(name):
     ours = result(2, ("ours", name, "uneven"))
     assert [sorted({k.split(".")[1] for k in r.params if k.startswith("blocks.")}) for r in ours] == \
         [["0"], ["1", "2", "3"]]
-    assert compare(baseline(CFG, ADAMW), pp.merge_results(ours)).ok
-    exact(pp.merge_results(result(2, ("torch", "1f1b", "uneven"))), pp.merge_results(ours))
+    assert compare(baseline(CFG, ADAMW), runs.merge_results(ours)).ok
+    exact(runs.merge_results(result(2, ("torch", "1f1b", "uneven"))), runs.merge_results(ours))
 
 
 def test_the_loss_is_reported_on_every_rank_and_params_keep_global_names():
@@ -223,7 +224,7 @@ def test_the_loss_is_reported_on_every_rank_and_params_keep_global_names():
         ranks = result(p, ("ours", name))
         assert all(r.losses == ranks[0].losses for r in ranks) and len(ranks[0].losses) == ADAMW.steps
         cfg = _config(p, SCHEDULES[name])
-        assert set(pp.merge_results(ranks).params) == set(dict(GPT(cfg).named_parameters()))
+        assert set(runs.merge_results(ranks).params) == set(dict(GPT(cfg).named_parameters()))
         assert sum(len(r.params) for r in ranks) == len(dict(GPT(cfg).named_parameters()))
     two = result(2, ("ours", "interleaved"))  # v = 2: rank 0 holds stages 0 and 2, i.e. blocks 0 and 2
     assert two[0].stages == [0, 2] and two[1].stages == [1, 3]
@@ -235,11 +236,11 @@ def test_the_loss_is_reported_on_every_rank_and_params_keep_global_names():
 @pytest.mark.parity
 def test_without_dividing_the_loss_by_m_parity_fails():
     for opt, tc in (("sgd", SGD), ("adamw", ADAMW)):
-        assert compare(baseline(CFG, tc), pp.merge_results(result(2, ("good", opt)))).ok
-    sgd = compare(baseline(CFG, SGD), pp.merge_results(result(2, ("broken", "sgd"))))
+        assert compare(baseline(CFG, tc), runs.merge_results(result(2, ("good", opt)))).ok
+    sgd = compare(baseline(CFG, SGD), runs.merge_results(result(2, ("broken", "sgd"))))
     assert not sgd.ok and sgd.max_param_diff > 1e-3 and sgd.max_loss_diff > 1e-3, str(sgd)
     # AdamW hides it from the loss curve (its update barely depends on the gradient's scale), not from the weights
-    adamw = compare(baseline(CFG, ADAMW), pp.merge_results(result(2, ("broken", "adamw"))))
+    adamw = compare(baseline(CFG, ADAMW), runs.merge_results(result(2, ("broken", "adamw"))))
     assert adamw.max_loss_diff < 1e-5 and adamw.max_param_diff > 1e-5 and not adamw.ok, str(adamw)
 
 
@@ -248,7 +249,7 @@ def test_one_rank_runs_every_stage_in_process():
     """p = 1 (the launcher runs it in this process): stages hand over locally, no message at all."""
     for name, v in (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1)):
         with one_thread():
-            (res,) = launch(pp.train_pp, 1, CFG, ADAMW, name, 2, v)
+            (res,) = launch(runs.train_pp, 1, CFG, ADAMW, name, 2, v)
         assert compare(baseline(CFG, ADAMW), res).ok, name
         assert not [c for step in res.steps for c in step.comm]
 
@@ -257,7 +258,7 @@ def test_one_rank_runs_every_stage_in_process():
 def test_two_pipelines_on_sub_groups_talk_to_global_ranks():
     ranks = result(4, ("pairs",))
     for pair in ((0, 2), (1, 3)):
-        exact(accumulated(CFG, ADAMW, M), pp.merge_results([ranks[r] for r in pair]))
+        exact(accumulated(CFG, ADAMW, M), runs.merge_results([ranks[r] for r in pair]))
         first, last = ranks[pair[0]], ranks[pair[1]]
         assert first.rank == 0 and last.rank == 1  # ranks within the group
         sends = [c for c in first.steps[0].comm if c.op == "send"]
@@ -271,8 +272,8 @@ def test_two_pipelines_on_sub_groups_talk_to_global_ranks():
 
 def _stage_and_batch(index: int, n_stages: int = 2):
     model = GPT(CFG, seed=1)
-    plan = pp.plan_pipeline(CFG, n_stages, "1f1b", 2)
-    stage = pp.Stage(model, index, n_stages, plan.layers[index])
+    plan = pp_stages.plan_pipeline(CFG, n_stages, "1f1b", 2)
+    stage = pp_stages.Stage(model, index, n_stages, plan.layers[index])
     x, y = global_batch(0, 2, CFG.seq_len)
     h = stage.embed(x) if stage.is_first else torch.randn(2, CFG.seq_len, CFG.d_model, generator=torch.Generator()
                                                           .manual_seed(index))
@@ -297,11 +298,11 @@ def test_i_then_w_gives_exactly_the_gradients_of_one_backward(index):
         stage.zero_grad(set_to_none=True)
 
         x, out, g = run()
-        dx, groups = pp.backward_input(out, g, x, params)
+        dx, groups = pp_split.backward_input(out, g, x, params)
         assert torch.equal(dx, want_x)
         assert all(q.grad is None for q in params), "I must not compute weight gradients"
         assert sum(len(grp.params) for grp in groups) == len(params)
-        pp.backward_weight(groups)
+        pp_split.backward_weight(groups)
     for q, w in zip(params, want, strict=True):
         assert torch.equal(q.grad, w)
 
@@ -315,9 +316,9 @@ def test_a_weight_used_twice_in_a_stage_gets_its_gradient_once():
     want_x, want = x.grad.clone(), [q.grad.clone() for q in lin.parameters()]
     lin.zero_grad(set_to_none=True)
     x2 = x.detach().clone().requires_grad_(True)
-    dx, groups = pp.backward_input(torch.tanh(lin(torch.tanh(lin(x2)))).sum(), None, x2, list(lin.parameters()))
+    dx, groups = pp_split.backward_input(torch.tanh(lin(torch.tanh(lin(x2)))).sum(), None, x2, list(lin.parameters()))
     assert [len(g.nodes) for g in groups] == [2]  # one group: the weight's (and bias') two uses
-    pp.backward_weight(groups)
+    pp_split.backward_weight(groups)
     torch.testing.assert_close(dx, want_x, rtol=1e-6, atol=1e-7)
     for q, w in zip(lin.parameters(), want, strict=True):
         torch.testing.assert_close(q.grad, w, rtol=1e-6, atol=1e-7)
@@ -385,14 +386,14 @@ def test_the_timeline_follows_the_schedule_and_its_dependencies(p, name):
                     producer = [ended[k] for k in ended if k.stage == a.stage + 1 and k.microbatch == a.microbatch
                                 and k.kind in (S.Kind.B, S.Kind.I)]
                     assert t.start >= producer[0]
-        fraction = pp.measured_bubble_fraction(ranks, step)
+        fraction = runs.measured_bubble_fraction(ranks, step)
         assert 0.0 < fraction < 1.0
 
 
 def _bubble_vs_simulation(name: str, step: int) -> tuple[float, float, float]:
     """(measured, simulated with this step's mean measured cost of each kind of action, closed formula)."""
     ranks = result(2, ("emulated", name))
-    timeline = pp.measured_timeline(ranks, step)
+    timeline = runs.measured_timeline(ranks, step)
     done = [(e - s, a.kind) for rank in timeline for s, e, a in rank]
     mean = {k: sum(d for d, kind in done if kind is k) / max(1, sum(kind is k for _, kind in done)) for k in S.Kind}
     w = mean[S.Kind.W] if name == "zb_h1" else 0.0
@@ -400,7 +401,7 @@ def _bubble_vs_simulation(name: str, step: int) -> tuple[float, float, float]:
     compute = [[a for a in rank if a.is_compute] for rank in ranks[0].plan.actions]
     predicted = simulate(compute, per_stage_costs=[(mean[S.Kind.F], b, w)] * 2).bubble_fraction
     formula = simulate(compute, *EMULATE).bubble_fraction  # gpipe 0.2, zb_h1 1/13 for these costs
-    return pp.measured_bubble_fraction(ranks, step), predicted, formula
+    return runs.measured_bubble_fraction(ranks, step), predicted, formula
 
 
 @pytest.mark.parametrize("name", ["gpipe", "zb_h1"])
@@ -414,8 +415,8 @@ def test_the_measured_bubble_of_an_emulated_device_matches_the_simulator(name):
 
 
 def test_zero_bubble_idles_less_than_gpipe_when_measured():
-    gpipe = min(pp.measured_bubble_fraction(result(2, ("emulated", "gpipe")), step) for step in (1, 2))
-    zb = min(pp.measured_bubble_fraction(result(2, ("emulated", "zb_h1")), step) for step in (1, 2))
+    gpipe = min(runs.measured_bubble_fraction(result(2, ("emulated", "gpipe")), step) for step in (1, 2))
+    zb = min(runs.measured_bubble_fraction(result(2, ("emulated", "zb_h1")), step) for step in (1, 2))
     assert zb < gpipe - 0.05, (zb, gpipe)
 
 
@@ -443,21 +444,21 @@ def test_zero_bubble_idles_less_than_gpipe_when_measured():
 def test_bad_plans_are_explained(kwargs, message):
     kwargs = {"cfg": CFG} | kwargs
     with pytest.raises(ValueError, match=message):
-        pp.plan_pipeline(**kwargs)
+        pp_stages.plan_pipeline(**kwargs)
 
 
 def test_a_custom_schedule_is_validated_and_used():
-    plan = pp.plan_pipeline(CFG, 2, S.one_f_one_b(2, 4), microbatches=4)
+    plan = pp_stages.plan_pipeline(CFG, 2, S.one_f_one_b(2, 4), microbatches=4)
     assert plan.schedule == "custom" and plan.actions == add_send_recv(S.one_f_one_b(2, 4))
     broken = S.one_f_one_b(2, 4)
     broken[0] = broken[0][::-1]  # backwards before forwards
     with pytest.raises(ValueError, match="runs before"):
-        pp.plan_pipeline(CFG, 2, broken, microbatches=4)
+        pp_stages.plan_pipeline(CFG, 2, broken, microbatches=4)
 
 
 def test_train_pp_refuses_bad_input_on_the_ranks_before_any_message():
     with pytest.raises(RankError) as info:
-        launch(pp.train_pp, 2, CFG, ADAMW, "1f1b", 3, timeout=60)
+        launch(runs.train_pp, 2, CFG, ADAMW, "1f1b", 3, timeout=60)
     assert info.value.exc_type == "ValueError"
     assert "does not split into m=3 equal micro-batches" in str(info.value)
 
@@ -465,9 +466,9 @@ def test_train_pp_refuses_bad_input_on_the_ranks_before_any_message():
 def test_merge_refuses_overlapping_or_disagreeing_ranks():
     a = TrainResult([1.0], {"x": torch.zeros(1)})
     with pytest.raises(ValueError, match="held by two ranks"):
-        pp.merge_results([a, TrainResult([1.0], {"x": torch.zeros(1)})])
+        runs.merge_results([a, TrainResult([1.0], {"x": torch.zeros(1)})])
     with pytest.raises(ValueError, match="different losses"):
-        pp.merge_results([a, TrainResult([2.0], {"y": torch.zeros(1)})])
+        runs.merge_results([a, TrainResult([2.0], {"y": torch.zeros(1)})])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -478,9 +479,9 @@ def _brute_force(costs, n_stages, first=0.0, last=0.0, memory=None, limit=None):
     best = None
     for cuts in itertools.combinations(range(1, len(costs)), n_stages - 1):
         split = [b - a for a, b in itertools.pairwise((0, *cuts, len(costs)))]
-        if memory is not None and max(pp.stage_costs(memory, split)) > limit:
+        if memory is not None and max(pp_balance.stage_costs(memory, split)) > limit:
             continue
-        worst = max(pp.stage_costs(costs, split, first, last))
+        worst = max(pp_balance.stage_costs(costs, split, first, last))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -488,14 +489,14 @@ def _brute_force(costs, n_stages, first=0.0, last=0.0, memory=None, limit=None):
 def test_the_balancer_finds_the_optimal_split_by_hand():
     # equal counts [2, 2, 2] cost (3, 11, 2): the slow layers 2 and 3 must go to different stages
     costs = [1, 2, 9, 2, 1, 1]
-    assert max(pp.stage_costs(costs, [2, 2, 2])) == 11
-    assert pp.balance_stages(costs, 3) == [2, 1, 3]  # stages cost 3, 9, 4: the slowest layer alone
+    assert max(pp_balance.stage_costs(costs, [2, 2, 2])) == 11
+    assert pp_balance.balance_stages(costs, 3) == [2, 1, 3]  # stages cost 3, 9, 4: the slowest layer alone
     # a heavy head (final norm + LM head + loss) pulls layers towards the first stages
-    assert pp.balance_stages([1, 1, 1, 1], 2, last_extra=2.0) == [3, 1]
-    assert pp.balance_stages([1, 1, 1, 1], 2, first_extra=2.0) == [1, 3]
+    assert pp_balance.balance_stages([1, 1, 1, 1], 2, last_extra=2.0) == [3, 1]
+    assert pp_balance.balance_stages([1, 1, 1, 1], 2, first_extra=2.0) == [1, 3]
     # memory: stages of at most 2 units; the unconstrained optimum [3, 1] would need 3
-    assert pp.balance_stages([1, 1, 1, 3], 2) == [3, 1]
-    assert pp.balance_stages([1, 1, 1, 3], 2, memory=[1, 1, 1, 1], memory_limit=2) == [2, 2]
+    assert pp_balance.balance_stages([1, 1, 1, 3], 2) == [3, 1]
+    assert pp_balance.balance_stages([1, 1, 1, 3], 2, memory=[1, 1, 1, 1], memory_limit=2) == [2, 2]
 
 
 def test_the_balancer_is_optimal_on_random_costs():
@@ -505,19 +506,19 @@ def test_the_balancer_is_optimal_on_random_costs():
         k = rng.randint(1, n)
         costs = [rng.choice([0.5, 1, 2, 3, 7]) for _ in range(n)]
         first, last = rng.choice([0, 1.5]), rng.choice([0, 4])
-        split = pp.balance_stages(costs, k, first_extra=first, last_extra=last)
+        split = pp_balance.balance_stages(costs, k, first_extra=first, last_extra=last)
         assert len(split) == k and min(split) >= 1 and sum(split) == n
-        assert max(pp.stage_costs(costs, split, first, last)) == _brute_force(costs, k, first, last)
+        assert max(pp_balance.stage_costs(costs, split, first, last)) == _brute_force(costs, k, first, last)
         memory = [rng.choice([1, 2]) for _ in range(n)]
         limit = max(memory) + rng.choice([0, 1, 2])
         want = _brute_force(costs, k, first, last, memory, limit)
         if want is None:
             with pytest.raises(ValueError, match="memory_limit"):
-                pp.balance_stages(costs, k, first, last, memory, limit)
+                pp_balance.balance_stages(costs, k, first, last, memory, limit)
         else:
-            split = pp.balance_stages(costs, k, first, last, memory, limit)
-            assert max(pp.stage_costs(memory, split)) <= limit
-            assert max(pp.stage_costs(costs, split, first, last)) == want
+            split = pp_balance.balance_stages(costs, k, first, last, memory, limit)
+            assert max(pp_balance.stage_costs(memory, split)) <= limit
+            assert max(pp_balance.stage_costs(costs, split, first, last)) == want
 
 
 @pytest.mark.parametrize(
@@ -527,14 +528,14 @@ def test_the_balancer_is_optimal_on_random_costs():
 )
 def test_the_balancer_explains_bad_inputs(args, message):
     with pytest.raises(ValueError, match=message):
-        pp.balance_stages(*args)
+        pp_balance.balance_stages(*args)
 
 
 def test_measured_layer_costs_feed_the_balancer():
     with one_thread():
-        costs = pp.measure_layer_costs(CFG, micro_batch=2, repeats=2)
+        costs = pp_balance.measure_layer_costs(CFG, micro_batch=2, repeats=2)
     assert len(costs.blocks) == CFG.n_layer
     assert costs.embed > 0 and costs.head > 0 and min(costs.blocks) > 0
     split = costs.balance(2)
     assert sum(split) == CFG.n_layer and len(split) == 2
-    assert pp.plan_pipeline(CFG, 2, "1f1b", 4, split=split).split == split
+    assert pp_stages.plan_pipeline(CFG, 2, "1f1b", 4, split=split).split == split

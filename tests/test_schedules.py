@@ -10,14 +10,16 @@ import math
 
 import pytest
 
-from course_lib.parallel.schedule_run import add_send_recv, peak_in_flight, simulate, validate
+from course_lib.parallel.schedule_run import peak_in_flight, simulate
 from course_lib.parallel.schedules import (
     Action,
     Kind,
     ScheduleError,
+    add_send_recv,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
+    validate,
     zb_h1,
 )
 

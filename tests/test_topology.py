@@ -33,8 +33,8 @@ from course_lib.measure.topology import (
     record_flows,
 )
 from course_lib.model import GPT
-from course_lib.parallel.compose import merge_composed
 from course_lib.parallel.config import ParallelConfig
+from course_lib.parallel.runs import merge_composed
 from course_lib.planner.memcheck import check_run, format_checks, model_state_check, train_tracked
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh, MeshShape
@@ -47,7 +47,7 @@ TP_FIRST, DP_FIRST = "tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp"
 
 
 def run(order: str, **kwargs) -> list:
-    return launch(train_tracked, DP * TP, CFG, TC, ParallelConfig(dp=DP, tp=TP, order=order),
+    return launch(train_tracked, DP * TP, CFG, TC, ParallelConfig(MeshShape(dp=DP, tp=TP, order=order)),
                   data_parallel_class=RingDataParallel, timeout=180, **kwargs)
 
 
@@ -218,7 +218,7 @@ def test_pipeline_of_four_on_two_nodes():
     """PP 4 on two nodes of 2: only the stage 1 <-> 2 edge crosses, m activations forward and m gradients back,
     measured; each rank's model states are those of its stage (it holds the whole model)."""
     cfg, m = CFG.with_(n_layer=4), 4
-    results = launch(train_tracked, 4, cfg, TC, ParallelConfig(pp=4, microbatches=m), timeout=180)
+    results = launch(train_tracked, 4, cfg, TC, ParallelConfig(MeshShape(pp=4), microbatches=m), timeout=180)
     shape = MeshShape(pp=4)
     got = cross_from_log(results, shape, 0)
     assert got == cross_node_bytes(predicted_flows(cfg, shape, TC.global_batch, microbatches=m), GPN)
@@ -232,7 +232,7 @@ def test_dp_tp_pp_2x2x2_on_two_nodes_of_four():
     """The chapter's 8-rank run: with Megatron's order only PP's edge crosses the two nodes of 4 (measured), TP
     and DP stay inside; the ring model of TP and of the pipeline's DP all-reduce agrees with the arithmetic."""
     cfg, m = CFG.with_(n_layer=4), 2
-    results = launch(train_tracked, 8, cfg, TC, ParallelConfig(dp=2, tp=2, pp=2, microbatches=m), timeout=240)
+    results = launch(train_tracked, 8, cfg, TC, ParallelConfig(MeshShape(dp=2, tp=2, pp=2), microbatches=m), timeout=240)
     shape = MeshShape(dp=2, tp=2, pp=2)  # (its parity with one process: tests/test_compose.py)
     flows = flows_from_log([r.step_comm[0] for r in results], shape)
     predicted = predicted_flows(cfg, shape, TC.global_batch, microbatches=m, dp_kind=comm.MODELLED)

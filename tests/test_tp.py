@@ -27,13 +27,15 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.data import global_batch
+from course_lib.estimates import accounting
 from course_lib.estimates.activation_memory import layer_activation_bytes
 from course_lib.layers import MLP, Attention
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, Block, lm_loss
 from course_lib.model_config import GPTConfig, param_count
-from course_lib.parallel import tp, tp_overlap
-from course_lib.parallel.placement import Partial, Shard, clip_grad_norm_, placement
+from course_lib.parallel import oracles, tp, tp_comm, tp_layers, tp_overlap
+from course_lib.parallel.placement import Partial, Shard, placement
+from course_lib.parallel.placement_ops import clip_grad_norm_
 from course_lib.parallel.pp_stages import Stage
 from course_lib.parallel.tp_comm import SequenceParallelLinears, reduce_scatter_along, split_along
 from course_lib.runtime.launch import RankError, RankTimeout, launch
@@ -66,7 +68,7 @@ LAUNCH_TIMEOUT = 240
 # Variants that must fail
 
 
-class MLPWithoutFBackward(tp.TensorParallelMLP):
+class MLPWithoutFBackward(tp_layers.TensorParallelMLP):
     """Enters the region with a plain identity: the backward all-reduce of f is missing (what a bare
     ``dist.all_reduce`` in forward, invisible to autograd, amounts to)."""
 
@@ -90,15 +92,15 @@ class SavesGathered:
     [b, s, h] instead of the s/t shard, so SP shrinks only the norms' activations."""
 
     def project(self, x: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, ...]:
-        x = tp.gather_from_sequence_parallel_region(x, self.group)
+        x = tp_comm.gather_from_sequence_parallel_region(x, self.group)
         return tuple(F.linear(x, m.weight, m.bias) for m in linears)
 
 
-class SavesGatheredAttention(SavesGathered, tp.TensorParallelAttention):
+class SavesGatheredAttention(SavesGathered, tp_layers.TensorParallelAttention):
     pass
 
 
-class SavesGatheredMLP(SavesGathered, tp.TensorParallelMLP):
+class SavesGatheredMLP(SavesGathered, tp_layers.TensorParallelMLP):
     pass
 
 
@@ -127,8 +129,8 @@ class NoRegatherProject:
 
 
 class NoRegather(tp.TensorParallel):
-    attention_class = type("NoRegatherAttention", (NoRegatherProject, tp.TensorParallelAttention), {})
-    mlp_class = type("NoRegatherMLP", (NoRegatherProject, tp.TensorParallelMLP), {})
+    attention_class = type("NoRegatherAttention", (NoRegatherProject, tp_layers.TensorParallelAttention), {})
+    mlp_class = type("NoRegatherMLP", (NoRegatherProject, tp_layers.TensorParallelMLP), {})
 
 
 class OverlappedTP(tp.TensorParallel):
@@ -137,7 +139,7 @@ class OverlappedTP(tp.TensorParallel):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for m in self.module.modules():
-            if isinstance(m, tp.TensorParallelModule):
+            if isinstance(m, tp_layers.TensorParallelModule):
                 m.comm_overlap = True
 
 
@@ -145,11 +147,11 @@ class GathersLogits(tp.TensorParallel):
     """Gathers the full logits and uses the ordinary cross-entropy: right numbers, b*s*V bytes instead of 3*b*s."""
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        full = tp.gather_from_tensor_parallel_region(logits, self.group)
+        full = tp_comm.gather_from_tensor_parallel_region(logits, self.group)
         return lm_loss(full, targets)
 
 
-class InterleavedGQA(tp.TensorParallelAttention):
+class InterleavedGQA(tp_layers.TensorParallelAttention):
     """Maps query head j to K/V head j mod n_kv (interleaved) instead of j // (n_head / n_kv)."""
 
     def kv_head_of(self, q_head: torch.Tensor) -> torch.Tensor:
@@ -228,14 +230,14 @@ def _layer_suite(rank: int, world_size: int) -> dict:
         cfg = GPTConfig(mlp=mlp, bias=True)
         for sp in (False, True):
             ref = MLP(cfg)
-            out["mlp", mlp, sp] = _check_layer(ref, tp.TensorParallelMLP(ref, sequence_parallel=sp), x, t, r, sp)
+            out["mlp", mlp, sp] = _check_layer(ref, tp_layers.TensorParallelMLP(ref, sequence_parallel=sp), x, t, r, sp)
         ref = MLP(cfg)
         out["mlp_no_f", mlp] = _check_layer(ref, MLPWithoutFBackward(ref), x, t, r, False)
     for name, cfg in {"mha": GPTConfig(), "gqa": GPTConfig(n_kv_head=2), "gqa_rope": GQA.with_(bias=True)}.items():
         for sp in (False, True):
             torch.manual_seed(3)
             ref = Attention(cfg)
-            out["attn", name, sp] = _check_layer(ref, tp.TensorParallelAttention(ref, sequence_parallel=sp),
+            out["attn", name, sp] = _check_layer(ref, tp_layers.TensorParallelAttention(ref, sequence_parallel=sp),
                                                  x, t, r, sp)
         ref = Attention(cfg)
         try:
@@ -244,16 +246,16 @@ def _layer_suite(rank: int, world_size: int) -> dict:
             out["attn_interleaved", name] = str(e)
     # column with gather_output, row with a replicated input
     lin = nn.Linear(64, 32)
-    out["column_gather"] = _check_layer(lin, tp.ColumnParallelLinear.from_linear(lin, gather_output=True), x, t, r,
+    out["column_gather"] = _check_layer(lin, tp_layers.ColumnParallelLinear.from_linear(lin, gather_output=True), x, t, r,
                                         False)
     lin = nn.Linear(64, 32)
-    out["row_split_input"] = _check_layer(lin, tp.RowParallelLinear.from_linear(lin, input_is_parallel=False), x,
+    out["row_split_input"] = _check_layer(lin, tp_layers.RowParallelLinear.from_linear(lin, input_is_parallel=False), x,
                                           t, r, False)
     # embedding
     emb = nn.Embedding(256, 64)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(5))
     for sp in (False, True):
-        par = tp.VocabParallelEmbedding(emb, sequence_parallel=sp)
+        par = tp_layers.VocabParallelEmbedding(emb, sequence_parallel=sp)
         with comm.recording() as log:
             got = par(ids)
         w = _rand(2, 8, 64, seed=9)
@@ -291,7 +293,7 @@ def _layer_suite(rank: int, world_size: int) -> dict:
         block = Block(CFG)
         if sp != "unsplit":
             attn, mlp = (SavesGatheredAttention, SavesGatheredMLP) if sp == "regather_skipped" else \
-                (tp.TensorParallelAttention, tp.TensorParallelMLP)
+                (tp_layers.TensorParallelAttention, tp_layers.TensorParallelMLP)
             block.attn = attn(block.attn, sequence_parallel=bool(sp))
             block.mlp = mlp(block.mlp, sequence_parallel=bool(sp))
         xb = _rand(4, CFG.seq_len, CFG.d_model, seed=13)
@@ -311,7 +313,7 @@ def _layer_suite(rank: int, world_size: int) -> dict:
         ref_loss.backward()
         shard = logits.chunk(t, dim=-1)[r].clone().requires_grad_(True)
         with comm.recording() as fwd:
-            loss = tp.vocab_parallel_cross_entropy(shard, targets)
+            loss = tp_layers.vocab_parallel_cross_entropy(shard, targets)
         with comm.recording() as bwd:
             loss.backward()
         out["ce", scale] = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
@@ -360,10 +362,10 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
         "mesh_and_group": lambda: tp.TensorParallel(GPT(CFG), mesh=object(),
                                                     group=torch.distributed.group.WORLD),
         "no_plan": lambda: tp.TensorParallel(nn.Linear(4, 4)),
-        "targets": lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.zeros(2, 4, dtype=torch.long)),
-        "target_range": lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64),
+        "targets": lambda: tp_layers.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.zeros(2, 4, dtype=torch.long)),
+        "target_range": lambda: tp_layers.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64),
                                                                 torch.full((2, 3), 64 * world_size)),
-        "negative_target": lambda: tp.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.full((2, 3), -1)),
+        "negative_target": lambda: tp_layers.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.full((2, 3), -1)),
     }
     out = {}
     for name, build in cases.items():
@@ -379,7 +381,7 @@ def _model_suite(rank: int, world_size: int) -> dict:
     runs: dict = {}
     for name, (cfg, tc, sp, cls, clip) in RUNS.items():
         try:
-            runs[name] = tp.train_tp(rank, world_size, cfg, tc, sequence_parallel=sp, tp_class=cls,
+            runs[name] = runs.train_tp(rank, world_size, cfg, tc, sequence_parallel=sp, tp_class=cls,
                                      clip_grad_norm=clip)
         except RuntimeError as e:  # a broken variant may be refused on every rank (the wrong GQA map at t=2)
             if not name.startswith("broken"):
@@ -387,12 +389,12 @@ def _model_suite(rank: int, world_size: int) -> dict:
             runs[name] = str(e)
     # over a mesh's TP group: all ranks at t=2; at 4 ranks two TP groups of 2 (dp=2), each its own replica
     mesh = Mesh(tp=2) if world_size == 2 else Mesh(dp=2, tp=2)
-    runs["mesh"] = tp.train_tp(rank, world_size, CFG, SGD, mesh=mesh, sequence_parallel=True)
+    runs["mesh"] = runs.train_tp(rank, world_size, CFG, SGD, mesh=mesh, sequence_parallel=True)
     runs["errors"] = _errors(rank, world_size)
     return runs
 
 
-ROPE = GPTConfig(bias=False, pos="rope")  # DTensor's SP plan needs rotary positions (see tp.dtensor_plan)
+ROPE = GPTConfig(bias=False, pos="rope")  # DTensor's SP plan needs rotary positions (see oracles.dtensor_plan)
 ROPE_SWIGLU = ROPE.with_(mlp="swiglu", norm="rmsnorm")
 DTENSOR_RUNS = {  # name -> (cfg, tc, sequence_parallel)
     "sgd": (ROPE, SGD, False),
@@ -405,8 +407,8 @@ DTENSOR_RUNS = {  # name -> (cfg, tc, sequence_parallel)
 def _dtensor_suite(rank: int, world_size: int) -> dict:
     runs = {}
     for name, (cfg, tc, sp) in DTENSOR_RUNS.items():
-        runs["ours", name] = tp.train_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
-        runs["dtensor", name] = tp.train_dtensor_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
+        runs["ours", name] = runs.train_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
+        runs["dtensor", name] = oracles.train_dtensor_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
     return runs
 
 
@@ -472,7 +474,7 @@ def baseline(cfg: GPTConfig, tc: TrainConfig, clip: float | None = None) -> Trai
 
 
 def _expected_ops(cfg: GPTConfig, tc: TrainConfig, t: int, sp: bool) -> list[tuple[str, int]]:
-    return [(c.op, c.tensor_bytes) for c in tp.step_collectives(cfg, tc.global_batch, t, sp)]
+    return [(c.op, c.tensor_bytes) for c in accounting.step_collectives(cfg, tc.global_batch, t, sp)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -584,7 +586,7 @@ def test_activation_memory_with_and_without_sp_matches_formula(layers):
     t, per_rank = layers
     for res in per_rank:
         for sp in (False, True):
-            assert res["activations", sp] == tp.layer_activation_bytes_tp(CFG, 4, t, sp), (t, sp)
+            assert res["activations", sp] == accounting.layer_activation_bytes_tp(CFG, 4, t, sp), (t, sp)
         assert res["activations", True] * t == res["activations", "unsplit"]
         assert res["activations", "regather_skipped"] > res["activations", True]
     assert per_rank[0]["activations", False] == layer_activation_bytes(CFG, 4, CFG.seq_len, tp=t, formula="adapted",
@@ -650,7 +652,7 @@ def test_comm_log_equals_formula(models, name):
     cfg, tc, sp, *_ = RUNS[name]
     expected = _expected_ops(cfg, tc, t, sp)
     v = tc.global_batch * cfg.seq_len * cfg.d_model * 4
-    blocks = [c for c in tp.step_collectives(cfg, tc.global_batch, t, sp) if c.where.startswith("blocks.0.")]
+    blocks = [c for c in accounting.step_collectives(cfg, tc.global_batch, t, sp) if c.where.startswith("blocks.0.")]
     assert [c.tensor_bytes for c in blocks] == [v] * (10 if sp else 4)  # SP: + 2 backward re-gathers
     for r, res in enumerate(per_rank):
         for step, records in enumerate(res[name].step_comm):
@@ -670,8 +672,8 @@ def test_sp_moves_tp_bytes_plus_the_backward_regathers(models):
         return sum(r.sent_bytes for r in per_rank[0][name].step_comm[0] if r.tensor_bytes == v)
 
     ends = 2 * 2 * (t - 1) * v // t  # the embedding's and the LM head's all-reduce (SP: RS + AG each)
-    assert block_bytes("sgd") == CFG.n_layer * tp.block_bytes_per_rank(8, 32, 64, t, 4) + ends
-    assert block_bytes("sgd_sp") == (CFG.n_layer * tp.block_bytes_per_rank(8, 32, 64, t, 4, sequence_parallel=True)
+    assert block_bytes("sgd") == CFG.n_layer * accounting.block_bytes_per_rank(8, 32, 64, t, 4) + ends
+    assert block_bytes("sgd_sp") == (CFG.n_layer * accounting.block_bytes_per_rank(8, 32, 64, t, 4, sequence_parallel=True)
                                      + ends + (t - 1) * v // t)  # + the LM head's re-gather
     assert block_bytes("sgd_sp") - block_bytes("sgd") == (2 * CFG.n_layer + 1) * (t - 1) * v // t
 
@@ -704,7 +706,7 @@ def test_overlapped_tp_replaces_the_forward_all_gathers_by_ring_sends(models):
     one s/t shard: the same bytes, by our own send/recv."""
     t, per_rank = models
     v = 8 * GQA.seq_len * GQA.d_model * 4
-    planned = tp.step_collectives(GQA, 8, t, True)
+    planned = accounting.step_collectives(GQA, 8, t, True)
     gathers = [c for c in planned if c.phase == "forward" and c.op == "all_gather"]
     for res in per_rank:
         step = res["overlap_sgd_sp"].step_comm[0]
@@ -798,7 +800,7 @@ def test_ledger_equals_dtensors_collectives(dtensor, name):
     per parameter when the optimizer first reads its Partial gradient; the same bytes in more calls."""
     t, per_rank = dtensor
     cfg, tc, sp = DTENSOR_RUNS[name]
-    regathers = {i for i, c in enumerate(tp.step_collectives(cfg, tc.global_batch, t, sp)) if c.regather}
+    regathers = {i for i, c in enumerate(accounting.step_collectives(cfg, tc.global_batch, t, sp)) if c.regather}
     assert len(regathers) == (2 * cfg.n_layer + 1 if sp else 0)
     for res in per_rank:
         ours_all, theirs = res["ours", name].step_comm[0], res["dtensor", name].step_comm[0]

@@ -3,7 +3,7 @@
 import pytest
 from matplotlib.colors import to_hex
 
-from course_lib.parallel.zero import FlatLayout
+from course_lib.parallel.zero_unit import FlatLayout
 from course_lib.viz.flat_layout import PAD_COLOR, PARAM_COLORS, plot_flat_layout
 
 

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from course_lib.data import global_batch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import dp
+from course_lib.parallel import dp, runs
 from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig
 from course_lib.viz import timeline as tl
@@ -147,7 +147,7 @@ def _record_suite(rank: int, world_size: int) -> dict:
     runs = {}
     for mode in dp.MODES:
         runs[mode] = tl.record_train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB)
-        runs["plain", mode] = dp.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB)
+        runs["plain", mode] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB)
     for mode in dp.MODES:
         runs["slow", mode] = tl.record_train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                                 link_gbps=LINK_GBPS)
@@ -233,7 +233,7 @@ def test_input_stall_is_recorded_once_per_step_on_the_stalled_rank_only():
             "input", "forward", "backward", "forward", "backward"]
 
 
-def compare_equal(a: dp.DPResult, b: dp.DPResult) -> bool:
+def compare_equal(a: runs.RunResult, b: runs.RunResult) -> bool:
     return a.losses == b.losses and all(torch.equal(a.params[k], b.params[k]) for k in b.params)
 
 

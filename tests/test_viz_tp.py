@@ -10,10 +10,10 @@ matplotlib.use("Agg")
 import pytest
 from matplotlib.figure import Figure
 
+from course_lib.estimates.accounting import block_bytes_per_rank
 from course_lib.estimates.cost import collective_time
 from course_lib.estimates.hardware import LINKS, Link, gpu
 from course_lib.model_config import PRESETS, block_params
-from course_lib.parallel.tp import block_bytes_per_rank
 from course_lib.viz import tp as vt
 
 NVLINK, PCIE, IB = LINKS["NVLink 4 (H100)"], LINKS["PCIe 4.0 x16"], LINKS["InfiniBand NDR 400G"]

@@ -26,10 +26,11 @@ import torch
 
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
+from course_lib.estimates import accounting
 from course_lib.estimates.model_states import zero_memory_per_device
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import zero
+from course_lib.parallel import checkpoint, oracles, runs, zero, zero_unit
 from course_lib.runtime.launch import launch
 from course_lib.train import (
     Fp32Noise,
@@ -65,14 +66,14 @@ def assert_ok(ref: TrainResult, got: TrainResult, what: str, noise: Fp32Noise | 
 # What the ranks run (module-level: shipped to the ranks by value, see conftest)
 
 
-class OwnerOffsetUnit(zero.FlatParamUnit):
+class OwnerOffsetUnit(zero_unit.FlatParamUnit):
     """Every rank takes the shard of its right neighbour: a wrong owner offset (consistent on all ranks)."""
 
     def bounds(self) -> tuple[int, int]:
-        return zero.shard_bounds((self.shard_rank + 1) % self.world_size, self.layout.shard_numel)
+        return zero_unit.shard_bounds((self.shard_rank + 1) % self.world_size, self.layout.shard_numel)
 
 
-class NoAverageUnit(zero.FlatParamUnit):
+class NoAverageUnit(zero_unit.FlatParamUnit):
     """Reduce-scatter sums the gradients and nobody divides by N."""
 
     def average(self, g: torch.Tensor) -> None:
@@ -88,11 +89,11 @@ class NoAverage(zero.ZeroDataParallel):
 
 
 def _broken_owner_offset(rank, world_size, tc):
-    return zero.train_zero(rank, world_size, CFG, tc, 3, wrapper_class=OwnerOffset)
+    return runs.train_zero(rank, world_size, CFG, tc, 3, wrapper_class=OwnerOffset)
 
 
 def _broken_no_average(rank, world_size, tc):
-    return zero.train_zero(rank, world_size, CFG, tc, 2, wrapper_class=NoAverage)
+    return runs.train_zero(rank, world_size, CFG, tc, 2, wrapper_class=NoAverage)
 
 
 def _accumulate(rank, world_size, stage, m):
@@ -118,38 +119,38 @@ def _accumulate(rank, world_size, stage, m):
 def _suite_dp2(rank, world_size, ckpt):
     runs = {}
     for stage in (0, 1, 2, 3):
-        runs["zero", stage, "adamw"] = zero.train_zero(rank, world_size, CFG, ADAMW, stage)
+        runs["zero", stage, "adamw"] = runs.train_zero(rank, world_size, CFG, ADAMW, stage)
     for stage in (1, 2, 3):
-        runs["zero", stage, "sgd"] = zero.train_zero(rank, world_size, CFG, SGD, stage)
-    runs["prefetch"] = zero.train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
-    runs["raf", True] = zero.train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=True)
-    runs["raf", False] = zero.train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=False)
-    runs["fsdp2"] = zero.train_fsdp2(rank, world_size, CFG, ADAMW)
+        runs["zero", stage, "sgd"] = runs.train_zero(rank, world_size, CFG, SGD, stage)
+    runs["prefetch"] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
+    runs["raf", True] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=True)
+    runs["raf", False] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=False)
+    runs["fsdp2"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
     for stage in (1, 2, 3):
-        runs["bf16", stage] = zero.train_zero(rank, world_size, CFG, ADAMW, stage, param_dtype=torch.bfloat16)
+        runs["bf16", stage] = runs.train_zero(rank, world_size, CFG, ADAMW, stage, param_dtype=torch.bfloat16)
     for stage in (2, 3):
         runs["accumulate", stage] = _accumulate(rank, world_size, stage, m=2)
     runs["broken", "owner_offset"] = _broken_owner_offset(rank, world_size, ADAMW)
     runs["broken", "no_average"] = _broken_no_average(rank, world_size, SGD)
     for stage in (1, 2, 3):  # stop after STOP_AT steps with a checkpoint, resume in a fresh engine
         path = f"{ckpt}/dp2_stage{stage}"
-        runs["stopped", stage] = zero.train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), stage,
+        runs["stopped", stage] = runs.train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), stage,
                                                  save_to=path)
-        runs["resumed", stage] = zero.train_zero(rank, world_size, CFG, ADAMW, stage, resume_from=path)
+        runs["resumed", stage] = runs.train_zero(rank, world_size, CFG, ADAMW, stage, resume_from=path)
     return runs
 
 
 def _suite_dp4(rank, world_size, ckpt):
     runs = {}
     for stage in (0, 1, 2, 3):
-        runs["zero", stage, "adamw"] = zero.train_zero(rank, world_size, CFG, ADAMW, stage)
-    runs["zero", 3, "sgd"] = zero.train_zero(rank, world_size, CFG, SGD, 3)
-    runs["prefetch"] = zero.train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
-    runs["fsdp2"] = zero.train_fsdp2(rank, world_size, CFG, ADAMW)
+        runs["zero", stage, "adamw"] = runs.train_zero(rank, world_size, CFG, ADAMW, stage)
+    runs["zero", 3, "sgd"] = runs.train_zero(rank, world_size, CFG, SGD, 3)
+    runs["prefetch"] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
+    runs["fsdp2"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
     # re-sharding: checkpoints written by 2 ranks, read by 4 (same stage, and stage 1 -> stage 3)
-    runs["from_dp2", 3] = zero.train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage3")
-    runs["from_dp2", 1] = zero.train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage1")
-    runs["stopped", 2] = zero.train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), 2,
+    runs["from_dp2", 3] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage3")
+    runs["from_dp2", 1] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage1")
+    runs["stopped", 2] = runs.train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), 2,
                                          save_to=f"{ckpt}/dp4_stage2")
     return runs
 
@@ -180,7 +181,7 @@ def runs(request):
 
 def test_flat_layout_offsets_padding_and_owners():
     shapes = [(3, 5), (7,), (2, 2, 2)]  # 15 + 7 + 8 = 30 elements
-    layout = zero.FlatLayout.build(["a", "b", "c"], shapes, world_size=4)
+    layout = zero_unit.FlatLayout.build(["a", "b", "c"], shapes, world_size=4)
     assert layout.offsets == (0, 15, 22)
     assert (layout.numel, layout.padded_numel, layout.shard_numel) == (30, 32, 8)
     ranges = [layout.bounds(r) for r in range(4)]
@@ -189,25 +190,25 @@ def test_flat_layout_offsets_padding_and_owners():
     views = layout.views(flat)
     assert [tuple(v.shape) for v in views] == shapes
     assert views[1].tolist() == list(range(15, 22)) and views[1].data_ptr() == flat[15:].data_ptr()
-    assert zero.FlatLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
-    assert zero.FlatLayout.build(["a"], [(8,)], 4).padded_numel == 8  # no padding when N divides
+    assert zero_unit.FlatLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    assert zero_unit.FlatLayout.build(["a"], [(8,)], 4).padded_numel == 8  # no padding when N divides
 
 
 def test_comm_formula_is_2_psi_and_3_psi():
     n, sizes = 4, [8, 12, 20]  # padded unit sizes, root last
     v = 4 * sum(sizes)
     ring = v * (n - 1) // n
-    assert zero.comm_bytes_per_step(sizes, n, 0) == {"all_reduce": 2 * ring, "all_gather": 0, "reduce_scatter": 0}
+    assert accounting.comm_bytes_per_step(sizes, n, 0) == {"all_reduce": 2 * ring, "all_gather": 0, "reduce_scatter": 0}
     # stage 0 does not pad: 10 elements over 4 ranks make ring chunks 3, 3, 2, 2 -- per-rank counts differ
-    assert [zero.comm_bytes_per_step([10], n, 0, rank=r)["all_reduce"] for r in range(n)] == [
+    assert [accounting.comm_bytes_per_step([10], n, 0, rank=r)["all_reduce"] for r in range(n)] == [
         4 * (7 + 7), 4 * (7 + 8), 4 * (8 + 8), 4 * (8 + 7)]
     for stage in (1, 2):
-        assert sum(zero.comm_bytes_per_step(sizes, n, stage).values()) == 2 * ring
-    assert sum(zero.comm_bytes_per_step(sizes, n, 3, reshard_after_forward=True).values()) == 3 * ring
-    assert sum(zero.comm_bytes_per_step(sizes, n, 3, reshard_after_forward=False).values()) == 2 * ring
-    assert sum(zero.comm_bytes_per_step(sizes, n, 3).values()) == 3 * ring - 4 * 20 * (n - 1) // n  # root kept
+        assert sum(accounting.comm_bytes_per_step(sizes, n, stage).values()) == 2 * ring
+    assert sum(accounting.comm_bytes_per_step(sizes, n, 3, reshard_after_forward=True).values()) == 3 * ring
+    assert sum(accounting.comm_bytes_per_step(sizes, n, 3, reshard_after_forward=False).values()) == 2 * ring
+    assert sum(accounting.comm_bytes_per_step(sizes, n, 3).values()) == 3 * ring - 4 * 20 * (n - 1) // n  # root kept
     with pytest.raises(ValueError, match="multiples"):
-        zero.comm_bytes_per_step([7], 4, 1)
+        accounting.comm_bytes_per_step([7], 4, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ def test_collectives_per_unit_per_step_and_exact_bytes(runs2, key):
         assert names == ["blocks.0", "blocks.1", "blocks.2", ""] and len(run.comm) == ADAMW.steps
         stage = key[1] if key[0] == "zero" else 3
         raf = key[1] if key[0] == "raf" else None
-        expected_bytes = zero.comm_bytes_per_step(padded, n, stage, raf, rank=rank)
+        expected_bytes = accounting.comm_bytes_per_step(padded, n, stage, raf, rank=rank)
         for step, (log, events) in enumerate(zip(run.comm, run.events, strict=True)):
             for op in ("all_reduce", "all_gather", "reduce_scatter"):
                 per_block, per_root = EXPECTED_CALLS[key].get(op, (0, 0))
@@ -462,7 +463,7 @@ def _continue_in_one_process(path):
     """Load a sharded checkpoint into a plain GPT and its plain AdamW, finish the run in this process."""
     model = GPT(CFG, seed=ADAMW.seed)
     opt = make_optimizer(list(model.parameters()), ADAMW)
-    start = zero.load_into_model(model, opt, path)
+    start = checkpoint.load_sharded_into_model(model, opt, path)
     losses = []
     for step in range(start, ADAMW.steps):
         x, y = global_batch(step, ADAMW.global_batch, CFG.seq_len, ADAMW.seed)
@@ -479,7 +480,7 @@ def _continue_in_one_process(path):
 def test_a_sharded_checkpoint_becomes_a_single_process_one(ckpt, runs2, runs4, name, world_size):
     runs = runs2 if world_size == 2 else runs4
     stopped = runs[0]["stopped", int(name[-1])]
-    params, states, step = zero.load_full_state_dict(ckpt / name)
+    params, states, step = checkpoint.load_sharded_state_dict(ckpt / name)
     assert step == STOP_AT
     assert params.keys() == stopped.params.keys()
     assert all(torch.equal(params[k], stopped.params[k]) for k in params)  # the saved weights, bit for bit
@@ -518,7 +519,7 @@ def _errors(rank, world_size, ckpt):
         out["accumulate"] = str(e)
     other = zero.ZeroDataParallel(GPT(CFG.with_(n_layer=2)), stage=3)
     try:
-        zero.load_checkpoint(other, make_optimizer(other.parameters(), ADAMW), f"{ckpt}/dp2_stage3")
+        checkpoint.load_sharded(other, make_optimizer(other.parameters(), ADAMW), f"{ckpt}/dp2_stage3")
         out["mismatch"] = "no error"
     except ValueError as e:
         out["mismatch"] = str(e)
@@ -537,7 +538,7 @@ def test_errors_are_explained(ckpt, runs2):
 @pytest.mark.parity
 def test_stage_invariants_hold_on_one_rank_too():
     def one(rank, world_size):
-        return zero.train_zero(rank, world_size, CFG, ADAMW, 3)
+        return runs.train_zero(rank, world_size, CFG, ADAMW, 3)
 
     (run,) = launch(one, 1)
     assert_ok(baseline(ADAMW), run, "stage 3 on a single rank")

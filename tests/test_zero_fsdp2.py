@@ -38,16 +38,16 @@ from course_lib.estimates.model_states import zero_memory_per_device
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import zero
+from course_lib.parallel import oracles
 from course_lib.parallel.contract import ParallelWrapper
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
-from course_lib.parallel.fsdp_torch import TorchFullyShard
 from course_lib.parallel.loop import train_loop
+from course_lib.parallel.oracles import TorchFullyShard
 from course_lib.parallel.placement import Shard, placement
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer, partition
+from course_lib.parallel.sharding import model_state_bytes
 from course_lib.parallel.tp import TensorParallel
 from course_lib.parallel.tp_comm import all_gather_along
-from course_lib.parallel.zero_accounting import model_state_bytes
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
@@ -191,7 +191,7 @@ def _tracked_step(rank, world_size, wrapper_class):
 
 def _suite(rank, world_size):
     runs = {}
-    fsdp2 = functools.partial(zero.train_zero, rank, world_size, CFG, wrapper_class=FSDP2DataParallel)
+    fsdp2 = functools.partial(runs.train_zero, rank, world_size, CFG, wrapper_class=FSDP2DataParallel)
     for name, tc in (("sgd", SGD), ("adamw", ADAMW)):
         runs["fsdp2", name] = fsdp2(tc, 3)
         runs["sharded_optimizer", name] = _sharded_optimizer(rank, world_size, tc)
@@ -200,7 +200,7 @@ def _suite(rank, world_size):
     for raf in (True, False):
         runs["fsdp2", f"reshard={raf}"] = fsdp2(ADAMW, 3, reshard_after_forward=raf)
         runs["probe", raf] = _reshard_probe(rank, world_size, raf)
-    runs["fully_shard"] = zero.train_fsdp2(rank, world_size, CFG, ADAMW)
+    runs["fully_shard"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
     for dtype in DTYPES:
         for kind in ("ours", "fully_shard"):
             runs["shards", kind, dtype] = _module_shards(rank, world_size, kind, DTYPES[dtype])

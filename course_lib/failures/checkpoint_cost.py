@@ -30,8 +30,9 @@ import torch.distributed.checkpoint as dcp
 from course_lib.data import global_batch, shard
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
+from course_lib.parallel.checkpoint import load_whole as load_checkpoint
+from course_lib.parallel.checkpoint import save_whole as save_checkpoint
 from course_lib.parallel.compose import parallelize
-from course_lib.parallel.mesh_checkpoint import load_checkpoint, save_checkpoint
 from course_lib.runtime.mesh import Mesh
 
 BYTES_PER_PARAMETER = 12

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
+from course_lib.estimates import accounting
 from course_lib.grading import core
 from course_lib.grading.core import (
     CheckFailed,
@@ -287,7 +288,7 @@ def check_dp_bytes_per_step(fn: Callable[[int, int, int, int], float],
     """``fn(n_params, bytes_per_grad, n, accumulation)`` must return 2 (n-1)/n x n_params x bytes_per_grad."""
     def body() -> str:
         for n_params, es, n, m in cases:
-            want = dp.allreduce_bytes_per_rank(n_params * es, n)
+            want = accounting.allreduce_bytes_per_rank(n_params * es, n)
             expect_number(fn(n_params, es, n, m), want, f"dp_bytes_per_step(n_params={n_params:,}, bytes_per_grad="
                           f"{es}, n={n}, accumulation={m})")
         return f"{len(cases)} cases correct"

@@ -43,7 +43,7 @@ from course_lib.grading.core import (
     guard_visible_checks,
     run_check,
 )
-from course_lib.parallel.zero import FlatLayout
+from course_lib.parallel.zero_unit import FlatLayout
 
 GRADER_PARAMETERS = {"seed": 1, "world_size": 2}
 LAUNCH_TIMEOUT_S = 30.0

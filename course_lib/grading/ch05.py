@@ -36,8 +36,9 @@ from course_lib.grading import core
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import pp, schedules
-from course_lib.parallel.schedule_run import simulate, validate
+from course_lib.parallel import pp_layers, pp_stages, schedules
+from course_lib.parallel.schedule_run import simulate
+from course_lib.parallel.schedules import validate
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 30.0
@@ -120,10 +121,10 @@ def _p2p_log(log: list[tuple[str, int, str, int]]) -> contextlib.AbstractContext
     return core.patch_process_group((*core.PG_POINT_TO_POINT, *core.PG_COLLECTIVES), wrap)
 
 
-def _stage(rank: int, p: int, seed: int) -> pp.Stage:
+def _stage(rank: int, p: int, seed: int) -> pp_stages.Stage:
     """Stage ``rank`` of ``p``, the first stages one block longer where p does not divide the blocks (3: 2, 1, 1)."""
     split = [_CFG.n_layer // p + (i < _CFG.n_layer % p) for i in range(p)]
-    return pp.Stage(GPT(_CFG, seed=seed), rank, p, pp.stage_layers(pp.layer_split(_CFG.n_layer, p, split))[rank])
+    return pp_stages.Stage(GPT(_CFG, seed=seed), rank, p, pp_layers.stage_layers(pp_layers.layer_split(_CFG.n_layer, p, split))[rank])
 
 
 def _pipeline_on_rank(rank: int, world_size: int, fn: Callable[..., Any], m: int, batch: int,

@@ -17,7 +17,7 @@
 6. ``add_grad_reduce(schedule)``: pipeline x data parallelism as a schedule transform, one ``REDUCE_GRAD`` per
    stage right after its last weight-gradient action (B, or W under zero bubble); checked as data on 1F1B,
    interleaved and ZB-H1 schedules (with and without transfers), then on 4 real ranks: ``train_parallel`` on
-   ``ParallelConfig(dp=2, pp=2, schedule="zb_h1")`` with a ``PipelineParallel`` whose ``place_grad_reduce`` is the
+   ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with a ``PipelineParallel`` whose ``place_grad_reduce`` is the
    learner's function, against one process (``train_baseline``).
 7. ``place_parameter(name, shape, n_layer, parallel)``: where a parameter lives on a mesh and what its gradient
    needs (``ch08_placement``), checked on 4 real ranks against the placements the library's transforms record.

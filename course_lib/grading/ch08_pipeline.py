@@ -2,7 +2,7 @@
 
 ``add_grad_reduce(schedule)``: one ``REDUCE_GRAD`` per stage right after its last weight-gradient action (B, or W
 under zero bubble); checked as data on 1F1B, interleaved and ZB-H1 schedules (with and without transfers), then on
-4 real ranks: ``train_parallel`` on ``ParallelConfig(dp=2, pp=2, schedule="zb_h1")`` with a ``PipelineParallel``
+4 real ranks: ``train_parallel`` on ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with a ``PipelineParallel``
 whose ``place_grad_reduce`` is the learner's function, against one process (``train_baseline``).
 """
 
@@ -22,11 +22,11 @@ from course_lib.grading.core import (
 )
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import schedules as S
-from course_lib.parallel.compose import merge_composed, train_parallel
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.pp import PipelineParallel
-from course_lib.parallel.schedule_run import add_send_recv
-from course_lib.parallel.schedules import Action, Kind
+from course_lib.parallel.runs import merge_composed, train_parallel
+from course_lib.parallel.schedules import Action, Kind, add_send_recv
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, compare, train_baseline
 
 # (schedule name, p, m, v): each is checked compute-only and with its transfers (``schedule_run.add_send_recv``)
@@ -136,7 +136,7 @@ def _pp_dp_on_rank(rank: int, world_size: int, fn: Callable, schedule: str, micr
                    seed: int) -> tuple[Any, list[str]]:
     probe = GradReduceProbe.with_transform(fn)
     result = train_parallel(rank, world_size, _PP_CFG, TrainConfig(steps=2, global_batch=8, seed=seed),
-                            ParallelConfig(dp=2, pp=2, schedule=schedule, microbatches=microbatches),
+                            ParallelConfig(MeshShape(dp=2, pp=2), schedule=schedule, microbatches=microbatches),
                             pipeline_class=probe)
     return result, list(probe.problems)
 
@@ -161,7 +161,7 @@ def _on_ranks(fn: Callable, schedule: str, microbatches: int, seed: int, timeout
 
 def check_grad_reduce_on_ranks(fn: Callable, schedule: str = "zb_h1", microbatches: int = 2, seed: int = 0,
                                timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """Only the on-rank half of ``check_add_grad_reduce``: ``train_parallel`` on ``ParallelConfig(dp=2, pp=2)`` with
+    """Only the on-rank half of ``check_add_grad_reduce``: ``train_parallel`` on ``ParallelConfig(MeshShape(dp=2, pp=2))`` with
     ``GradReduceProbe.with_transform(fn)`` against ``train_baseline`` (parity at ``train.compare``'s tolerance)."""
     return run_check("add_grad_reduce on ranks", lambda: _on_ranks(fn, schedule, microbatches, seed, timeout))
 

@@ -31,6 +31,7 @@ from course_lib.model_config import GPTConfig
 from course_lib.parallel.compose import parallelize
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.placement import Replicate, placements_of
+from course_lib.runtime.mesh import MeshShape
 
 LAUNCH_TIMEOUT_S = 40.0
 """A launched check stops the ranks after this long (below the grader's 60 s per check)."""
@@ -38,10 +39,10 @@ KEYS = ("placements", "stage", "local_shape", "grad")
 GRAD_OPS = ("all_reduce_sum", "all_reduce_mean", "reduce_scatter_mean")
 
 PLACE_CFG = GPTConfig(vocab_size=250, seq_len=16, n_layer=4, n_head=4, d_model=32, bias=False)
-PLACE_MESHES = (ParallelConfig(dp=2, tp=2, sequence_parallel=True),
-                ParallelConfig(dp=2, tp=2, zero_stage=3, sequence_parallel=True),
-                ParallelConfig(tp=2, pp=2, sequence_parallel=True),
-                ParallelConfig(dp=2, cp=2, zero_stage=3))
+PLACE_MESHES = (ParallelConfig(MeshShape(dp=2, tp=2), sequence_parallel=True),
+                ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3, sequence_parallel=True),
+                ParallelConfig(MeshShape(tp=2, pp=2), sequence_parallel=True),
+                ParallelConfig(MeshShape(dp=2, cp=2), zero_stage=3))
 """The visible check's meshes (4 ranks each): SP's partial norms, FSDP + TP's padded vocabulary rows (125 over 2),
 a pipeline's stage boundary, ZeRO-3 over dp x cp."""
 
@@ -166,8 +167,8 @@ def check_place_parameter(fn: Callable, cfg: GPTConfig = PLACE_CFG, meshes: tupl
 
 
 HIDDEN = {"cfg": GPTConfig(vocab_size=254, seq_len=16, n_layer=4, n_head=4, d_model=32, bias=False),
-          "meshes": (ParallelConfig(pp=2, dp=2), ParallelConfig(tp=2, cp=2, sequence_parallel=True),
-                     ParallelConfig(dp=4, zero_stage=3), ParallelConfig(dp=2, tp=2, zero_stage=3))}
+          "meshes": (ParallelConfig(MeshShape(pp=2, dp=2)), ParallelConfig(MeshShape(tp=2, cp=2), sequence_parallel=True),
+                     ParallelConfig(MeshShape(dp=4), zero_stage=3), ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3))}
 """The grader's meshes: a pipeline with data parallelism (4 blocks), TP x CP + SP, ZeRO-3 over 4 (254 rows: 64
 on rank 0), FSDP + TP without SP (127 rows: 64)."""
 

@@ -13,10 +13,10 @@ plots what these record).
   ``link_gbps`` (an **emulated link**: every collective completes no earlier than its ring bytes over that
   bandwidth after the previous one; the extra time is a sleep, which costs no CPU -- nor would a slower wire;
   the real all-reduce still runs, so the gradients are unchanged). :func:`record_train_dp` runs
-  ``dp.train_dp`` with it (a ``launch`` target) and returns the spans with the run.
+  ``runs.train_dp`` with it (a ``launch`` target) and returns the spans with the run.
 * :class:`EmulatedDeviceGPT` gives each rank an **emulated device** (compute costs a sleep proportional to its
   FLOPs), for timelines on a machine with fewer free cores than ranks.
-* :func:`record_zero_step` runs ``zero.train_zero``'s loop with compute markers in ZeRO's per-unit event list
+* :func:`record_zero_step` runs ``runs.train_zero``'s loop with compute markers in ZeRO's per-unit event list
   (``course_lib.viz.zero`` lays them out and draws them).
 """
 
@@ -38,7 +38,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import dp, zero
+from course_lib.parallel import dp, runs, zero
 from course_lib.parallel.loop import build_model, train_loop
 from course_lib.train import TrainConfig, make_optimizer
 
@@ -261,7 +261,7 @@ class RecordedRun:
     """What :func:`record_train_dp` returns on each rank: the ``DPResult`` and this rank's spans (with the
     optimizer spans added from ``DPResult.timeline``)."""
 
-    result: dp.DPResult
+    result: runs.RunResult
     spans: list[Span] = field(repr=False)
 
 
@@ -270,9 +270,9 @@ def record_train_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig 
                     bucket_mb: float = dp.DEFAULT_BUCKET_MB, accumulation: int = 1,
                     input_delay_s: Mapping[int, float] | None = None, link_gbps: float | None = None,
                     model_fn: dp.ModelFn | None = None) -> RecordedRun:
-    """``dp.train_dp`` with :class:`RecordingDataParallel` (a ``launch`` target, like ``train_dp``)."""
+    """``runs.train_dp`` with :class:`RecordingDataParallel` (a ``launch`` target, like ``train_dp``)."""
     wrapper = functools.partial(RecordingDataParallel, input_delay_s=input_delay_s, link_gbps=link_gbps)
-    res = dp.train_dp(rank, world_size, cfg, tc, mode=mode, bucket_mb=bucket_mb, accumulation=accumulation,
+    res = runs.train_dp(rank, world_size, cfg, tc, mode=mode, bucket_mb=bucket_mb, accumulation=accumulation,
                       model_fn=model_fn, wrapper_class=wrapper)  # type: ignore[arg-type]
     rec = RecordingDataParallel.last
     assert rec is not None

@@ -46,11 +46,11 @@ from typing import Any
 import torch
 
 from course_lib import comm
+from course_lib.estimates.accounting import PlannedCollective, step_collectives
 from course_lib.estimates.layout import ParallelLayout, params_per_rank
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.pp_layers import layer_split
-from course_lib.parallel.tp import PlannedCollective, step_collectives
 from course_lib.runtime.collectives import ring_all_reduce
 from course_lib.runtime.mesh import MeshShape
 

@@ -1,17 +1,16 @@
-"""The wrapper contract every parallelism follows (the rules are listed in ``course_lib.parallel``'s docstring).
+"""The contract every data-parallel form and the composed run follow, so that one training loop drives them:
 
-``ParallelWrapper`` is the base class: it resolves ``mesh=`` / ``group=`` to one process group, refuses a rank
-that is not in that group, keeps the hooks it installs so that ``remove_hooks()`` can take them all off, and
-gives the default (no-op) steps of the training-loop interface that a form overrides where it has work to do:
-
-    wrapper = Form(model, mesh=mesh)                 # or group=...; initial weights identical over the group
-    opt = torch.optim.AdamW(wrapper.parameters())    # what the optimizer steps (shards, for ZeRO)
+    wrapper = DataParallel(model, mesh=mesh)         # or ZeroDataParallel, FSDP2, parallelize(...)
+    opt = torch.optim.AdamW(wrapper.parameters())    # what this rank's optimizer steps (shards, for ZeRO)
     for i, (x, y) in enumerate(micro):
         with wrapper.no_sync() if i < m - 1 else contextlib.nullcontext():
             wrapper.forward_backward(x, y, lm_loss, 1 / m)
     wrapper.finish_gradient_sync()                   # after the last backward, before the step
     opt.step()
     wrapper.after_step()                             # after the step
+
+``ParallelWrapper`` resolves ``mesh=`` / ``group=`` to one process group, refuses a rank that is not in it, keeps
+the hooks it installs for ``remove_hooks`` and gives no-op defaults for the steps a form has nothing to do in.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class HasGroups(Protocol):
-    """What a wrapper needs of ``course_lib.runtime.mesh.Mesh``: one process group for one or more named axes."""
+    """What a form needs of ``course_lib.runtime.mesh.Mesh``: the process group of one or more axes."""
 
     def group(self, *axes: str) -> dist.ProcessGroup: ...
 
@@ -44,27 +43,18 @@ def resolve_group(mesh: HasGroups | None, group: comm.Group, axes: tuple[str, ..
 
 
 def require_member(group: comm.Group, who: str) -> None:
-    """A clear error when this rank is not in ``group`` (torch reports rank -1, and the wrapper would fail much
-    later, deep in a collective)."""
+    """A clear error when this rank is not in ``group`` (torch would fail later, deep in a collective)."""
     if not dist.is_initialized():
-        raise RuntimeError(f"{who} needs a process group: run it on ranks started by course_lib.runtime.launch.launch")
+        raise RuntimeError(f"{who} needs a process group: run it on ranks started by course_lib.runtime.launch")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{who}: global rank {dist.get_rank()} is not a member of the group "
-                         f"{dist.get_process_group_ranks(group)}; build the wrapper on the ranks of its group only "
+                         f"{dist.get_process_group_ranks(group)}; build it on the ranks of its group only "
                          f"(or pass the group this rank belongs to, e.g. mesh.group(axis))")
 
 
-def module_device(module: nn.Module) -> torch.device:
-    """The device of the module's first parameter or buffer (CPU for an empty module)."""
-    for t in [*module.parameters(), *module.buffers()]:
-        return t.device
-    return torch.device("cpu")
-
-
 def broadcast_from_first(module: nn.Module, group: comm.Group) -> None:
-    """Make every rank's parameters and buffers equal to those of the group's first rank (one logged broadcast
-    per tensor; tied parameters once). DDP and FSDP do this at construction, so replicas start identical even
-    when each rank initialised its model differently."""
+    """Every rank's parameters and buffers := those of the group's first rank (one logged broadcast each, tied
+    parameters once): replicas start identical however each rank initialised its model, as DDP does."""
     src = comm.global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -72,16 +62,14 @@ def broadcast_from_first(module: nn.Module, group: comm.Group) -> None:
 
 
 class ParallelWrapper(nn.Module):
-    """Base of every wrapper: ``module`` (the wrapped model), ``group`` (the process group it works over),
-    ``rank`` / ``world_size`` in that group, and the training-loop interface with no-op defaults."""
+    """Base of every form the loop drives: ``module``, its process ``group`` (``mesh.group(*axes)`` or
+    ``group=``), ``rank`` / ``world_size`` in it, and the loop's steps with no-op defaults."""
 
-    axes: tuple[str, ...] = ("dp",)
-    """The mesh axes whose group the form works over (``mesh.group(*axes)``)."""
+    axes: tuple[str, ...] = ("dp", "cp")
 
     batch_wide_loss: bool = False
-    """True when the loss is not a mean over rows (an MoE's router losses depend on the whole batch of one
-    forward): the loop then cuts each step's batch into micro-batches *before* the ranks' slices, so that every
-    micro-batch holds the same rows as on one process (``train_baseline(..., accumulation=m)``)."""
+    """True when the loss is no mean over rows (an MoE's router losses): the loop then cuts each step's batch
+    into micro-batches before the ranks' slices, so each micro-batch holds the rows it holds on one process."""
 
     def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None) -> None:
         super().__init__()
@@ -97,22 +85,17 @@ class ParallelWrapper(nn.Module):
         return self.module(*args, **kwargs)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of this rank's outputs: the LM loss (a form whose outputs differ overrides it: TP's
-        vocab-parallel cross-entropy, EP's added router losses)."""
         return lm_loss(logits, targets)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
                          scale: float = 1.0) -> float:
-        """One micro-batch: ``loss_fn(self(x), y) * scale`` back-propagated (``loss_fn`` None: ``self.loss``);
-        returns the scaled loss. (The pipeline overrides it: there forward and backward interleave over
-        micro-batches.)"""
+        """One micro-batch: ``loss_fn(self(x), y) * scale`` back-propagated; returns the scaled loss."""
         loss = (loss_fn or self.loss)(self(x).float(), y) * scale
         loss.backward()
         return loss.item()
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
-        """The per-step losses of this rank -> the global-batch means (one call after training): the mean of
-        the ranks' means, as each rank's slice is equally large. Float32: a payload every backend accepts."""
+        """This rank's per-step losses -> the global-batch means: the mean over the group of equal slices."""
         losses = local.to(torch.float32)
         if self.world_size > 1:
             comm.all_reduce(losses, group=self.group)
@@ -128,10 +111,10 @@ class ParallelWrapper(nn.Module):
             self._require_sync = saved
 
     def finish_gradient_sync(self) -> None:
-        """Call after the last backward, before ``optimizer.step()`` (no-op where backward already reduced)."""
+        """After the last backward, before ``optimizer.step()``."""
 
     def after_step(self) -> None:
-        """Call after ``optimizer.step()`` (no-op where nothing has to follow the step)."""
+        pass
 
     def remove_hooks(self) -> None:
         """Remove every hook this wrapper installed."""

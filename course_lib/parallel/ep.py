@@ -1,56 +1,26 @@
-"""Expert parallelism from scratch: the experts of every MoE layer spread over the ranks of an ``ep`` group, tokens
+"""Expert parallelism from scratch: each MoE layer's experts spread over the ranks of an ``ep`` group, tokens
 sent to their experts and back by two uneven all-to-alls that autograd differentiates.
 
-A mixture-of-experts layer (``course_lib.moe.MoE``) holds E expert MLPs but each token uses only k of them:
-parameters grow with E, FLOPs per token with k. Expert parallelism stores E/ep experts per rank and moves the
-*tokens* instead of the weights (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021). Per MoE
-layer, on every rank of the ep group, with its own T_r tokens (its shard of the batch)::
+An MoE layer (``course_lib.moe.MoE``) holds E expert MLPs of which each token uses k: parameters grow with E,
+FLOPs per token with k. Expert parallelism keeps E/ep experts per rank and moves the *tokens* (GShard, Lepikhin
+et al. 2020; Switch, Fedus et al. 2021). Per layer and rank: route (the router is replicated); all-gather the
+routed counts per expert over the ranks of the batch (capacity C = ceil(cf T k / E) over the whole batch, each
+rank's place in every expert's queue, f_i of the balance loss); all-to-all the kept counts (the splits); dispatch
+each kept (token, expert) row to the expert's owner; run the local experts; combine back. Dispatch and combine
+each carry T k h bytes per layer forward (summed over the ranks), again in backward with the splits swapped.
 
-    route        logits -> top-k experts and combine weights of each token            (local, router replicated)
-    count        all_gather the routed counts per expert over every rank of the batch  (W x E int64)
-                 -> global capacity C = ceil(cf * T * k / E), each rank's place in every expert's queue, the
-                    kept counts of every (rank, expert), f_i of the load-balancing loss
-                 all_to_all the kept counts per expert to the experts' owners (E int64) -- the receive splits
-    dispatch     all_to_all_single with uneven splits: each kept (token, expert) row goes to the expert's owner
-    experts      each local expert runs on the rows it received
-    combine      all_to_all_single back (the transposed splits); each token sums weight x expert output
-
-Bytes (h = d_model, s = bytes per element, T = tokens of the whole batch): dispatch and combine each carry the
-T*k*h*s bytes of the kept assignments per layer forward, summed over the ranks (T*k*h*s when nothing is dropped),
-and the same again in backward, where the gradient of each all-to-all is the all-to-all with the splits swapped.
-The fraction that leaves a rank is what it routes to other ranks' experts: (ep-1)/ep under uniform routing. The
-count exchange adds W*E*8 (all_gather, modelled ring bytes) and E*8 (all_to_all) per layer forward.
-
-Why the counts are exchanged *globally*: the single-process MoE computes its capacity over the T tokens of the
-whole batch and queues assignments in token order. For the same router decisions (parity), every rank uses the
-global T and starts its queue positions after the assignments of the ranks before it (their shards come first
-in the batch). Each rank also derives, from the gathered counts, how many rows each peer will send it, and checks
-that against what the peers announce: a rank that computed its capacity from its own counts only raises a clear
-error instead of leaving its peers waiting in a mismatched all-to-all.
-
-Gradients. Each rank back-propagates its own local-mean loss; the backward all-to-alls bring every peer's
-gradient to the experts, so an expert's gradient is the *sum* over the ep ranks' losses. The dense part (attention,
-norms, embeddings, router) is replicated on all W = ep x dp ranks and averaged over them as data parallelism;
-the experts are replicated over the dp ranks that hold the same shard and summed over those, then both are
-divided by W: the gradient of the mean loss over the global batch. An expert that no token of the whole batch
-reached keeps ``.grad = None`` (as on one process, where the optimizer then skips it). With tensor, pipeline or
-context parallelism as well, every group is the one of this rank's (tp, pp) coordinate (``ep_mesh``).
-
-The auxiliary losses under data parallelism and accumulation ("per global micro-batch"): f_i and the mean P_i
-are over every token of one forward across all the ranks (f_i from the count exchange; each rank sums its own
-tokens' probabilities, scaled so the mean over ranks is the whole batch's loss). With m accumulation steps the
-loss of a step is the mean of the m micro-batches' losses, as ``train_baseline(..., accumulation=m)`` computes
-it: f_i * P_i is not linear in the batch, so m micro-batches of B/m do *not* give the aux loss of one batch of B.
-
-Production versions of the same steps: Megatron-Core's ``MoEAlltoAllTokenDispatcher`` (and its all-gather and
-"flex" dispatchers), torchtitan's MoE with ``all_to_all_single_autograd``, DeepSpeed-MoE, DeepEP's kernels.
+Counts are exchanged globally so that every rank uses the single-process capacity and queue order (parity);
+each rank checks what its peers announce against the counts, so a rank that computed another capacity raises
+instead of hanging a mismatched all-to-all. The backward all-to-alls bring every peer's gradient to the
+experts: an expert's gradient is already the sum over its ep peers' tokens. Expert parallelism reduces nothing
+else: ``apply_ep`` records on each expert parameter ``Replicate()`` on "edp" (its copies live on the dp x cp / ep
+ranks holding the same experts) and data parallelism reduces it there. Chapter 07 builds the layer first.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,14 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.model import lm_loss
-from course_lib.model_config import GPTConfig, param_count
-from course_lib.moe import MoE, RoutingStats, expert_positions, moe_aux_loss, routing_entropy
+from course_lib.moe import MoE, RoutingStats, expert_positions, routing_entropy
 from course_lib.parallel import placement as P
-from course_lib.parallel.contract import ParallelWrapper, require_member
-from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
-from course_lib.runtime.mesh import Mesh
-from course_lib.train import TrainConfig, TrainResult, make_optimizer
 
 EP_AXIS = "ep"
 """The mesh axis the experts of every MoE layer are split over."""
@@ -297,225 +261,37 @@ class ExpertParallelMoE(MoE):
         return self.attach_router_loss(out.view_as(x), loss)
 
 
-class TorchAllToAllMoE(ExpertParallelMoE):
-    """The same layer with PyTorch's differentiable all-to-all,
-    ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what torchtitan's MoE uses; a
-    private module, pinned to the course's torch): the second oracle. Its traffic is not in the comm log."""
-
-    def all_to_all(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-        group = self.ep_group if self.ep_group is not None else dist.group.WORLD
-        return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The wrapper
-
-
-class ExpertParallel(ParallelWrapper):
-    """Wrap a model with MoE layers for expert parallelism (and data parallelism of everything else).
-
-    Every ``MoE`` of ``module`` is replaced by ``layer_class(moe, ep_group, group)``, which keeps E/ep
-    experts. Groups (``course_lib.runtime.mesh``): ``mesh.group("ep")`` the all-to-all, ``mesh.group("edp")`` the ranks
-    holding the same experts (their gradients are summed), ``mesh.group("dp", "cp")`` the dense data-parallel
-    group (the wrapper's ``group``), whose ranks share the batch in group order. Without a mesh pass the groups:
-    ``group`` (older name ``dense_group``; None: the whole world), ``ep_group`` (None: ``group``),
-    ``expert_dp_group`` (None: no expert replicas). At construction the dense parameters and buffers are
-    broadcast from the dense group's first rank and the experts over their expert-dp group, so every replica
-    starts equal. The loss is the LM loss plus the router losses (``loss``); they depend on the whole batch of a
-    forward (``batch_wide_loss``), so the loop cuts micro-batches from the global batch first.
-    ``bias_update_rate`` gamma > 0 (sigmoid router): after each optimizer step every layer's selection bias moves
-    by gamma * sign(mean load - load_i), the loads counted over the step's whole batch (``MoE.balance_bias_``,
-    DeepSeek-V3's auxiliary-loss-free balancing): the same counts on every rank, so the bias stays replicated.
-
-    Usage, one step::
-
-        model = ExpertParallel(GPT(cfg), mesh=Mesh(dp=4, ep=2))
-        loss = lm_loss(model(x), y) + moe_aux_loss(model); loss.backward()
-        model.finish_gradient_sync(); opt.step(); model.after_step()
-    """
-
-    axes = ("dp", "cp")
-    batch_wide_loss = True
-
-    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, group: comm.Group = None,
-                 ep_group: comm.Group = None, expert_dp_group: comm.Group = None, dense_group: comm.Group = None,
-                 layer_class: type[ExpertParallelMoE] = ExpertParallelMoE, broadcast: bool = True,
-                 bias_update_rate: float = 0.0) -> None:
-        if group is not None and dense_group is not None:
-            raise ValueError("ExpertParallel: group= and dense_group= are the same group: pass one")
-        super().__init__(module, mesh=mesh, group=group if group is not None else dense_group)
-        dense_group = self.group
-        if mesh is not None:
-            ep_group = mesh.group("ep")
-            expert_dp_group = mesh.group("edp") if mesh.size("edp") > 1 else None
-        elif ep_group is None:
-            ep_group = dense_group
-        for g in (ep_group, expert_dp_group):
-            if g is not None:
-                require_member(g, type(self).__name__)
-        self.ep_group, self.expert_dp_group, self.dense_group = ep_group, expert_dp_group, dense_group
-        edp = dist.get_world_size(expert_dp_group) if expert_dp_group is not None else 1
-        if dist.get_world_size(ep_group) * edp != self.world_size:
-            raise ValueError(f"ep x edp = {dist.get_world_size(ep_group)} x {edp} must equal the dense "
-                             f"data-parallel size {self.world_size}")
-        self.layers: list[ExpertParallelMoE] = []
-        for name, m in list(module.named_modules()):
-            if isinstance(m, MoE) and not isinstance(m, ExpertParallelMoE):
-                parent, _, child = name.rpartition(".")
-                layer = layer_class(m, ep_group, dense_group)
-                setattr(module.get_submodule(parent) if parent else module, child, layer)
-                self.layers.append(layer)
-        if not self.layers:
-            raise ValueError("the module has no MoE layer: expert parallelism needs GPTConfig(n_expert > 0)")
-        if bias_update_rate and any(layer.router_kind != "sigmoid" for layer in self.layers):
-            raise ValueError(f"bias_update_rate={bias_update_rate} needs GPTConfig(router='sigmoid'): the softmax "
-                             f"router has no selection bias to move")
-        self.bias_update_rate = bias_update_rate
-        expert_ids = {id(p) for layer in self.layers for p in layer.experts.parameters()}
-        self.expert_params = [p for p in module.parameters() if id(p) in expert_ids]
-        self.dense_params = [p for p in module.parameters() if id(p) not in expert_ids]
-        if broadcast:
-            with torch.no_grad():
-                for t in [*self.dense_params, *module.buffers()]:
-                    comm.broadcast(t.detach(), group_ranks(dense_group)[0], group=dense_group)
-                if expert_dp_group is not None:
-                    for p in self.expert_params:
-                        comm.broadcast(p.detach(), group_ranks(expert_dp_group)[0], group=expert_dp_group)
-
-    def hold(self, params: Iterable[nn.Parameter]) -> None:
-        """Reduce only the gradients of ``params`` from now on: a pipeline rank's stages (``ep_mesh``); the other
-        stages' parameters are trained on other ranks."""
-        held = {id(p) for p in params}
-        self.dense_params = [p for p in self.dense_params if id(p) in held]
-        self.expert_params = [p for p in self.expert_params if id(p) in held]
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The LM loss of this rank's rows plus the router losses of the forward (``moe_aux_loss``), as
-        ``train_baseline`` computes it."""
-        return lm_loss(logits, targets) + moe_aux_loss(self.module)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradients are only averaged in ``finish_gradient_sync``, so every backward already accumulates locally;
-        this block changes nothing. (The all-to-alls are part of forward and backward and cannot be skipped.)"""
-        yield
-
-    def _sum_then_divide(self, params: list[nn.Parameter], group: comm.Group, reduce: bool) -> None:
-        """One flat all-reduce (sum) of the gradients of ``params`` over ``group``, then / W. None counts as 0."""
-        if not params:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        if reduce:
-            comm.all_reduce(flat, group=group)
-        flat.div_(self.world_size)
-        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.grad = g.view_as(p).clone()
-
-    def finish_gradient_sync(self) -> None:
-        """After the last backward, before ``optimizer.step()``: dense gradients summed over all W ranks, expert
-        gradients over the expert-dp group, both / W; experts unused by the whole batch this step get None."""
-        with torch.no_grad():
-            self._sum_then_divide(self.dense_params, self.dense_group, self.world_size > 1)
-            self._sum_then_divide(self.expert_params, self.expert_dp_group, self.expert_dp_group is not None)
-            for layer in self.layers:
-                for e, expert in zip(layer.expert_ids, layer.experts, strict=True):
-                    if layer.step_kept[e] == 0:
-                        for p in expert.parameters():
-                            p.grad = None
-
-    def after_step(self) -> None:
-        """After ``optimizer.step()``: the bias update from this step's routed counts (``bias_update_rate``), then
-        start the next step's counts. (This wrapper installs no hooks -- it synchronises in
-        ``finish_gradient_sync`` -- so ``remove_hooks`` has none to remove.)"""
-        for layer in self.layers:
-            if self.bias_update_rate:
-                layer.balance_bias_(layer.step_routed, self.bias_update_rate)
-            layer.step_kept.zero_()
-            layer.step_routed.zero_()
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the unsharded model by its single-process name: the experts all-gathered over the
-        ep group (``placement.full_parameters``; a collective: every rank calls it)."""
-        return P.full_parameters(self.module, {EP_AXIS: self.ep_group})
-
-    full_params = full_parameters
-    """The chapter's older name for ``full_parameters``."""
+def apply_ep(model: nn.Module, ep_group: comm.Group, batch_group: comm.Group, *,
+             layer: Callable[[MoE, comm.Group, comm.Group], ExpertParallelMoE] = ExpertParallelMoE
+             ) -> list[ExpertParallelMoE]:
+    """Expert parallelism of ``model`` in place: every ``MoE`` becomes ``layer(moe, ep_group, batch_group)``
+    (``ExpertParallelMoE``), keeping this rank's E/ep experts; ``batch_group``: every rank whose shard belongs
+    to the same batch, in batch order (dp x cp). Each expert parameter is recorded ``Replicate()`` on "edp" (where
+    data parallelism reduces it). Returns the new layers."""
+    layers = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, MoE) and not isinstance(m, ExpertParallelMoE):
+            parent, _, child = name.rpartition(".")
+            new = layer(m, ep_group, batch_group)
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+            layers.append(new)
+    if not layers:
+        raise ValueError("the model has no MoE layer: expert parallelism needs GPTConfig(n_expert > 0)")
+    for p in (q for new in layers for q in new.experts.parameters()):
+        P.set_placement(p, "edp", P.Replicate())
+    return layers
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The training loop
-
-
-@dataclass
-class EPResult(TrainResult):
-    """``TrainResult`` plus, per step, this rank's communication records (``step_comm``) and the routing
-    statistics of every MoE layer in the step's last micro-batch (``routing[step][layer]``)."""
-
-    step_comm: list[list[comm.CommRecord]] = field(default_factory=list, repr=False)
-    routing: list[list[EPRoutingStats]] = field(default_factory=list, repr=False)
-    timeline: list[StepTime] = field(default_factory=list, repr=False)
-
-
-def train_ep(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *, ep: int | None = None,
-             mesh: Mesh | None = None, accumulation: int = 1, model_fn: ModelFn | None = None,
-             freeze: Sequence[str] = (), layer_class: type[ExpertParallelMoE] = ExpertParallelMoE,
-             wrapper_class: type[ExpertParallel] = ExpertParallel, bias_update_rate: float = 0.0) -> EPResult:
-    """Train with expert parallelism of degree ``ep`` (default: every rank) over the data-parallel ranks: the
-    mesh ``Mesh(dp=world_size, ep=ep)`` unless one is given (a ``launch`` target running ``loop.train_loop``;
-    ``MeshError`` names what does not fit). Each step the global batch is split into ``accumulation``
-    micro-batches and each micro-batch into one shard per rank; the loss is LM + router losses. Returns the
-    global-batch mean loss per step (comparable with ``train_baseline(cfg, tc, accumulation=...)``), the full
-    parameters and, per step, the routing statistics of the last micro-batch (the loop's ``on_step_end``).
-    ``bias_update_rate``: the auxiliary-loss-free bias step (``ExpertParallel``)."""
-    tc = tc or TrainConfig()
-    mesh = mesh or Mesh(dp=world_size, ep=ep or world_size)
-    if mesh.size("tp", "pp", "cp") != 1:
-        raise ValueError("train_ep runs EP x DP only (tp = pp = cp = 1); composing more axes is chapter 08's")
-    mesh.shape.validate(cfg)
-    model = wrapper_class(build_model(cfg, tc.seed, model_fn, freeze), mesh=mesh, layer_class=layer_class,
-                          bias_update_rate=bias_update_rate)
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
-    routing: list[list[EPRoutingStats]] = []
-    out = train_loop(model, opt, cfg, tc, data_rank=model.rank, data_size=model.world_size,
-                     accumulation=accumulation,
-                     on_step_end=lambda step: routing.append([layer.stats for layer in model.layers]))
-    return EPResult(out.losses, model.full_params(), out.step_comm, routing, out.timeline)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Formulas
-
-
-def dispatch_bytes(n_tokens: int, top_k: int, d_model: int, element_size: int = 4) -> int:
-    """Bytes the dispatch all-to-all carries per MoE layer forward, summed over the ranks, nothing dropped:
-    T * k * h * s. Combine carries the same; backward repeats both."""
-    return n_tokens * top_k * d_model * element_size
-
-
-def leaving_fraction(ep: int) -> float:
-    """Share of a rank's dispatched rows that go to another rank under uniform routing: (ep - 1) / ep."""
-    return (ep - 1) / ep
-
-
-def moe_budget(cfg: GPTConfig, bytes_per_param: float = 2.0) -> dict[str, float]:
-    """What an MoE stores vs what a token computes: total and active parameters (``param_count``), the bytes of
-    all weights, and forward FLOPs per token of the active ones (2 per active parameter, attention scores
-    excluded). For Mixtral 8x7B: 46.7B stored, 12.9B active -- not 8 x 7B = 56B, because the experts share the
-    attention, embeddings and norms."""
-    total, active = param_count(cfg), param_count(cfg, active_only=True)
-    return {"total_params": total, "active_params": active, "weight_bytes": total * bytes_per_param,
-            "forward_flops_per_token": 2 * active, "active_fraction": active / total}
-
-
-def slowest_rank_load(tokens_per_expert: Sequence[int], ep: int, capacity: int | None = None) -> tuple[int, float]:
-    """(rows the busiest ep rank's experts process, mean over ranks), experts placed contiguously, each expert
-    capped at ``capacity``. An all-to-all step lasts as long as its slowest rank."""
-    E = len(tokens_per_expert)
-    if E % ep:
-        raise ValueError(f"{E} experts do not divide over ep={ep} ranks")
-    kept = [min(c, capacity) if capacity is not None else c for c in tokens_per_expert]
-    per_rank = [sum(kept[j * E // ep:(j + 1) * E // ep]) for j in range(ep)]
-    return max(per_rank), sum(per_rank) / ep
-
+def end_step(layers: Sequence[ExpertParallelMoE], bias_update_rate: float = 0.0) -> None:
+    """After the optimizer step: with ``bias_update_rate`` gamma > 0 each layer's selection bias moves by gamma x
+    sign(mean load - load_i) from the step's routed counts over the whole batch (DeepSeek-V3's
+    auxiliary-loss-free balancing; the same counts on every rank, so the bias stays replicated); then the
+    next step's counts start."""
+    if bias_update_rate and any(layer.router_kind != "sigmoid" for layer in layers):
+        raise ValueError(f"bias_update_rate={bias_update_rate} needs GPTConfig(router='sigmoid'): the softmax "
+                         f"router has no selection bias to move")
+    for layer in layers:
+        if bias_update_rate:
+            layer.balance_bias_(layer.step_routed, bias_update_rate)
+        layer.step_kept.zero_()
+        layer.step_routed.zero_()

@@ -1,64 +1,26 @@
-"""FSDP2-style per-parameter sharding: the module's parameters *are* their dim-0 shards, as ``fully_shard`` has it.
+"""FSDP2's per-parameter sharding, from scratch: the module's parameters *are* their dim-0 shards.
 
-The flat-parameter form (``zero``; FSDP1, DeepSpeed) concatenates a unit's parameters into one buffer and gives
-rank r a contiguous slice of it: a slice that may start in the middle of one weight and end in the middle of
-another, so the optimizer sees one flat vector per unit and no parameter keeps its shape. PyTorch's FSDP2
-(``fully_shard``; its design is in PyTorch issue #114299, "Per-Parameter-Sharding FSDP") shards *each parameter*
-on dim 0 instead and **replaces the module's parameter by its shard** (a ``DTensor`` with ``Shard(0)``). A
-[d0, ...] weight is cut into chunks of c = ceil(d0 / N) rows (``torch.chunk``'s rule): rank r holds rows
-[r c, min((r+1) c, d0)) -- the last ranks fewer, possibly none -- stored in a buffer padded to c rows so that
-every rank's chunk has the same size for the collectives. This module does the same with plain tensors (and
-``tests/test_zero_fsdp2.py`` finds its parameters and gradient shards bit for bit equal to ``fully_shard``'s):
+The flat form (``zero``) gives rank r a contiguous slice of a unit's concatenated parameters, which may start
+inside one weight and end inside another. PyTorch's FSDP2 (``fully_shard``, PyTorch issue #114299) shards *each
+parameter* on dim 0 and replaces the module's parameter by its shard: a [d0, ...] weight is cut into chunks of
+c = ceil(d0 / N) rows (``torch.chunk``'s rule), kept in a buffer padded to c rows. Before a unit's forward the
+shards are all-gathered into full weights put in their place; after it, the full weights are freed and the
+shards put back; after backward every shard has a gradient of its own shape, the reduce-scatter of the full
+gradients averaged over the group. The optimizer, clipping and checkpoints see ordinary named parameters, and
+a TP shard is simply sharded again (FSDP + TP, "2D"). Mixed precision (``MixedPrecisionPolicy``):
+``param_dtype`` for the gathered weights, ``reduce_dtype`` for the reduce-scatter, fp32 master shards.
 
-* after wrapping, ``model.named_parameters()`` are the shards: ``nn.Parameter`` s of the chunk's shape (a view
-  of the padded buffer), fp32, registered under the model's own names, each recorded ``Shard(0)`` on ``"dp"``
-  (``course_lib.parallel.placement``). The optimizer is built on ``model.parameters()`` (or the wrapper's
-  ``parameters()``: the same tensors);
-* before a unit's forward its shards are all-gathered into full ``nn.Parameter`` s of the compute dtype, which
-  are put *in place of* the shards in the module (``module._parameters[name]``, what FSDP2's
-  ``FSDPParam.to_unsharded`` does) so that the model code runs unchanged; after the forward the full weights'
-  storage is freed and the shards are put back (``reshard_after_forward=True``), or both stay until the unit's
-  backward is done (``False``; ``None``, FSDP2's default, keeps only the root's, which backward needs first);
-* after backward every shard has a ``.grad`` of its own shape in the master dtype (fp32): the reduce-scatter of
-  the full gradients, averaged over the group. The full weights have ``.grad`` None again;
-* ``full_state_dict()`` all-gathers the whole fp32 tensors, by the model's names.
-
-What that buys: the optimizer, gradient clipping and the checkpoints see ordinary named parameters of their own
-(shard) shape -- no flat-to-parameter bookkeeping; it composes with tensor parallelism (a TP-sharded weight is
-sharded again on dim 0, each parameter on its own, where a flat buffer mixes weights TP split differently); per
-parameter dtypes and ``requires_grad`` are no problem.
-
-What it costs: the collectives still work on one buffer per unit (one all-gather, one reduce-scatter, as in
-the flat form), laid out rank-major -- for each rank r the r-th chunk of every parameter, back to back -- so rank
-r sends its chunks without a copy, but the gathered buffer must be *copied out* into each full parameter (its
-rows are spread over N segments) and the gradients *copied in* before the reduce-scatter: two copies of the
-unit per step that the flat form avoids (FSDP2's "all-gather copy-out" and "reduce-scatter copy-in"), plus up
-to N - 1 padding rows per parameter instead of N - 1 elements per unit.
-
-Mixed precision (FSDP2's ``MixedPrecisionPolicy``): ``param_dtype`` (bf16 or fp16) is the compute dtype -- the
-shards are cast before the all-gather, so the gathered weights and their gradients are 16-bit -- while the
-shards stay fp32 (the master weights the optimizer updates). ``reduce_dtype`` is the dtype of the gradient
-reduce-scatter: ``None`` (the policy's default) reduces in ``param_dtype``, ``torch.float32`` casts the 16-bit
-gradients up first; either way the reduced shard is cast to fp32 for the optimizer. The mean over N is a
-division by N after the sum in fp32 and bf16 (whose range holds the sum); in fp16 it is split into a division
-before and one after the sum (``divide_factors``), as FSDP2 does against fp16's overflow.
-
-**HSDP** (hybrid sharding; PyTorch's ``fully_shard`` on a 2-D mesh, placements ``(Replicate(), Shard(0))``):
-on a mesh with ``dp_replicate`` = R > 1 the shards live on the ``dp_shard`` group (S = dp / R ranks; with
-``cp`` too, "dp_shard+cp") and are replicated over the ``dp_replicate`` group. The gradient of a unit is
-reduce-scattered over the shard group, then its shard all-reduced over the replicate group, and divided by
-S x R: the mean over all dp x cp ranks, on 1/S of the bytes for the cross-replica (often cross-node) step
-(FSDP2's ``foreach_reduce``: pre-divide, reduce-scatter, all-reduce, post-divide). Recorded placements:
-``{"dp_replicate": Replicate(), "dp_shard": Shard(0)}``, DTensor's order.
-
-``PerParameterUnit`` is a ``zero`` unit of this kind (stage 3), run by the same hook engine:
-``FSDP2DataParallel`` is ``ZeroDataParallel`` with these units.
+Units are the modules given (default: every block, then the root: ``fully_shard`` on each). Parameters in no
+unit stay whole, replicated, their gradients all-reduced (``fully_shard`` on sub-modules with ``replicate`` on
+the root). **HSDP** (a mesh with ``dp_replicate`` > 1): shards over ``dp_shard`` (x cp), replicated over
+``dp_replicate``: reduce-scatter, then all-reduce of the shard, divided by every data rank (FSDP2's
+``foreach_reduce``). Chapter 03 derives it; ``tests/test_zero_fsdp2.py`` matches ``fully_shard`` bit for bit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,18 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm
-from course_lib.parallel.contract import ParallelWrapper
-from course_lib.parallel.placement import (
-    Partial,
-    Replicate,
-    Shard,
-    clear_placement,
-    copy_placements,
-    placements_of,
-    set_placement,
-)
-from course_lib.parallel.zero import ZeroDataParallel
-from course_lib.parallel.zero_unit import FlatLayout, FlatParamUnit, UnitState
+from course_lib.parallel import dp_reduce as R
+from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
+from course_lib.parallel.placement import Replicate, Shard, clear_placement, copy_placements, set_placement
+from course_lib.parallel.sharding import UnitSchedule, UnitState, model_state_bytes
 
 MIXED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,7 +45,7 @@ def dim0_chunk(size: int, world_size: int, index: int) -> tuple[int, int]:
     return lo, min(lo + c, size)
 
 
-class PerParameterUnit(FlatParamUnit):
+class PerParameterUnit:
     """One unit whose parameters are sharded one by one on dim 0 (see the module docstring).
 
     Per parameter i (shape [d0, *rest], c_i = ceil(d0 / N) rows, k_i = c_i x prod(rest) elements):
@@ -106,6 +60,7 @@ class PerParameterUnit(FlatParamUnit):
     Seams: ``chunk_rows`` (which rows this rank keeps) and ``divide_factors`` (how the sum becomes a mean)."""
 
     flat = False
+    """Not one flat buffer: each parameter is its own dim-0 shard (what checkpoints read)."""
 
     def __init__(self, name: str, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], stage: int,
                  group: comm.Group = None, param_dtype: torch.dtype = torch.float32,
@@ -152,14 +107,17 @@ class PerParameterUnit(FlatParamUnit):
                 self.padded.append(pad)
                 self.shards.append(shard)
                 self.params.append(full)
-        self.layout = FlatLayout(tuple(n for n, _ in named_params), tuple(self.shapes), tuple(self.offsets),
-                                 sum(math.prod(s) for s in self.shapes), self.world_size * self.segment,
-                                 self.world_size)
+        self.names = [n for n, _ in named_params]
+        self.axis = "dp"
         self.reshard_after_forward = True
         self.grads_ready, self.backward_started, self.reduced = 0, False, False
         self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.state = UnitState.UNSHARDED
         self.reshard()  # frees the full weights and registers the shards in the module
+
+    @property
+    def label(self) -> str:
+        return self.name or "(root)"
 
     def record_placements(self, axis: str, replicate_axis: str | None = None) -> None:
         """Record every shard ``Shard(0, size=d0)`` on ``axis`` (the key of the group it is sharded over: "dp",
@@ -237,7 +195,7 @@ class PerParameterUnit(FlatParamUnit):
     def gather_full(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unit, full, fp32 (the master shards), on the CPU, by name (a collective)."""
         _, gathered, _ = self._all_gather(self.padded, torch.float32)
-        return {name: self._full(gathered, i).cpu().clone() for i, name in enumerate(self.layout.names)}
+        return {name: self._full(gathered, i).cpu().clone() for i, name in enumerate(self.names)}
 
     # ---- parameters
 
@@ -291,7 +249,7 @@ class PerParameterUnit(FlatParamUnit):
         unit's own tensors freed: the module runs on its own afterwards (``FSDP2DataParallel.remove_hooks``)."""
         full = self.gather_full()
         self.reshard()
-        self._install([nn.Parameter(full[n].to(self.device)) for n in self.layout.names])
+        self._install([nn.Parameter(full[n].to(self.device)) for n in self.names])
 
     # ---- gradients
 
@@ -349,80 +307,97 @@ class PerParameterUnit(FlatParamUnit):
         pass
 
 
-def partial_shards(units: Sequence[PerParameterUnit], has_mesh: bool, owner: str) -> dict[str, list[nn.Parameter]]:
-    """Axis -> the shards whose gradient is partial over it (recorded ``Partial()`` there: GQA's replicated K/V,
-    a norm under sequence parallelism). Without a mesh there is no group to sum them over: a ``ValueError``."""
-    partial: dict[str, list[nn.Parameter]] = {}
-    for unit in units:
-        for name, s in zip(unit.layout.names, unit.shards, strict=True):
-            for axis in (a for a, where in placements_of(s).items() if isinstance(where, Partial)):
-                if not has_mesh:
-                    raise ValueError(f"rank {dist.get_rank()}: {name!r} has a partial gradient over axis {axis!r}; "
-                                     f"pass mesh= so that {owner} can sum it over that axis's group")
-                partial.setdefault(axis, []).append(s)
-    return partial
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Every transformer block (``model.blocks``), then the root: ``fully_shard`` on each, bottom-up."""
+    blocks = getattr(model, "blocks", None)
+    return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
 
 
-def sum_partial_shards(partial: dict[str, list[nn.Parameter]], mesh: Any) -> None:
-    """Sum the partial gradient shards over their axis's group (``mesh.group(axis)``): one all-reduce per axis,
-    in one flat buffer; a shard without a gradient counts as zeros, so that every rank sends the same bytes."""
-    for axis, shards in partial.items():
-        grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in shards]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group=mesh.group(axis))
-        for s, g in zip(shards, flat.split([g.numel() for g in grads]), strict=True):
-            s.grad = g.view_as(s)
+class FSDP2DataParallel(ParallelWrapper):
+    """FSDP2 of ``module`` over ``mesh.group("dp", "cp")`` (HSDP: ``"dp_shard", "cp"``) or ``group``: the
+    module's parameters become their shards, the optimizer is built on ``model.parameters()``.
 
+    ``units``: the modules sharded, bottom-up (default ``default_units``); the parameters of none stay
+    replicated. ``reshard_after_forward``: None frees every unit but the root after forward, True every unit,
+    False none. ``param_dtype`` / ``reduce_dtype``: the mixed-precision policy. ``unit``: the unit factory
+    (``PerParameterUnit``; a variant overrides ``chunk_rows`` or ``divide_factors``). On a model another axis
+    transformed (TP first), each local tensor is sharded again and a ``Partial()`` gradient is summed over its
+    axis after the reduce-scatter (``dp_reduce``), which needs ``mesh``."""
 
-class FSDP2DataParallel(ZeroDataParallel):
-    """ZeRO-3 / FSDP with per-parameter dim-0 shards (``PerParameterUnit``), FSDP2's contract: the module's
-    parameters are the shards, the optimizer is built on ``model.parameters()``. ``param_dtype`` /
-    ``reduce_dtype``: the mixed-precision policy (module docstring). Everything else is ``ZeroDataParallel``'s
-    (hooks, prefetch order, ``reshard_after_forward``, ``no_sync``, ``full_state_dict``).
-
-    On a model another axis has already transformed (FSDP + TP, "2D": ``TensorParallel`` first, then this over
-    ``mesh``'s dp group) every local tensor is sharded again on dim 0, and a parameter recorded ``Partial()`` on
-    an axis (a replicated weight whose gradient is each TP rank's share: GQA's K/V, a norm under sequence
-    parallelism) has its gradient shard summed over that axis's group in ``finish_gradient_sync`` -- after the
-    dp reduce-scatter, on 1/N of the bytes (both are sums, so the order does not matter).
-
-    HSDP (module docstring): on a ``mesh`` with ``dp_replicate`` > 1 the wrapper's ``group`` is the shard group
-    (``mesh.group("dp_shard", "cp")``, torchtitan's ``dp_shard_cp``) and ``replicate_group`` the replicas'
-    (``mesh.group("dp_replicate")``); ``broadcast`` then also copies the first replica's shards to the others,
-    and ``reduce_losses`` averages over both groups."""
-
-    unit_class = PerParameterUnit
-
-    def __init__(self, module: nn.Module, stage: int = 3, *, reduce_dtype: torch.dtype | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, stage: int = 3, *, mesh: HasGroups | None = None,
+                 group: comm.Group = None, units: Iterable[nn.Module] | None = None, prefetch: bool = False,
+                 reshard_after_forward: bool | None = None, param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype | None = None, broadcast: bool = True,
+                 unit: type[PerParameterUnit] = PerParameterUnit) -> None:
         if stage != 3:
             raise ValueError(f"per-parameter sharding is ZeRO stage 3 (FSDP); got stage={stage}")
         if reduce_dtype not in (None, *MIXED_DTYPES):
             raise ValueError(f"reduce_dtype must be None or one of {MIXED_DTYPES}, got {reduce_dtype}")
-        mesh = kwargs.get("mesh")
         hybrid = mesh is not None and hasattr(mesh, "size") and mesh.size("dp_replicate") > 1
         if hybrid:
-            self.axes = ("dp_shard", "cp")  # the group the shards live on (ParallelWrapper resolves it)
-        super().__init__(module, 3, **kwargs)
-        self.reduce_dtype = reduce_dtype
-        for unit in self.units:
-            unit.reduce_dtype = reduce_dtype
+            self.axes = ("dp_shard", "cp")  # the group the shards live on
+        super().__init__(module, mesh=mesh, group=group)
+        self.param_dtype, self.mesh = param_dtype, mesh
+        self.groups = mesh if mesh is not None else {R.DATA: self.group}
+        if broadcast:
+            broadcast_from_first(module, self.group)
+        self.events: list[tuple[str, str]] = []
+        modules = list(default_units(module) if units is None else units)
+        paths = {m: name for name, m in module.named_modules()}
+        owned: set[int] = set()
+        self.units: list[PerParameterUnit] = []
+        for m in modules:
+            if m not in paths:
+                raise ValueError(f"unit {type(m).__name__} is not a submodule of the model")
+            prefix = paths[m] + "." if paths[m] else ""
+            named = [(prefix + n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned]
+            if not named:
+                continue
+            owned.update(id(p) for _, p in named)
+            self.units.append(unit(paths[m], m, named, 3, self.group, param_dtype, self.events))
+            self.units[-1].reduce_dtype = reduce_dtype
+            owned.update(id(s) for s in self.units[-1].shards)  # the shards it registered in m
+        self.replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in owned]
+        """The trainable parameters in no unit: whole on every rank, their gradients all-reduced."""
+        self.root = self.units[-1] if self.units and self.units[-1].module is module else None
+        self.axis = "dp+cp" if mesh is not None and mesh.size("cp") > 1 else "dp"
         self.replicate_group: comm.Group = None
         if hybrid:
-            self._hybrid(mesh, kwargs.get("broadcast", True))
-        self.partial = partial_shards(self.units, mesh is not None, type(self).__name__)
-        self._mesh = mesh
+            self._hybrid(mesh, broadcast)
+        else:
+            for u in self.units:
+                u.record_placements(self.axis)
+        for u in self.units:
+            u.reshard_after_forward = (u is not self.root) if reshard_after_forward is None \
+                else bool(reshard_after_forward)
+        self.data_size = self.world_size * (dist.get_world_size(self.replicate_group) if hybrid else 1)
+        self.peak_bytes = {"parameters": 0, "gradients": 0}
+        self.schedule = UnitSchedule(self.units, self.root, 3, prefetch, lambda: self._require_sync,
+                                     self._sample)
+        self._sample()
 
     def _hybrid(self, mesh: Any, broadcast: bool) -> None:
         """HSDP: every unit's shards replicated over ``mesh.group("dp_replicate")``, recorded so."""
         self.replicate_group = mesh.group("dp_replicate")
         self.axis = "dp_shard+cp" if mesh.size("cp") > 1 else "dp_shard"
-        for unit in self.units:
-            unit.set_replicate(self.replicate_group)
-            unit.record_placements(self.axis, "dp_replicate")
+        for u in self.units:
+            u.set_replicate(self.replicate_group)
+            u.record_placements(self.axis, "dp_replicate")
             if broadcast:  # the shard groups agree with their first rank; now the replicas with the first's
-                for pad in unit.padded:
+                for pad in u.padded:
                     comm.broadcast(pad, comm.global_rank(self.replicate_group, 0), group=self.replicate_group)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The shards and the replicated parameters: the module's own trainable parameters."""
+        return iter([*[s for u in self.units for s in u.shards], *self.replicated])
+
+    def after_step(self) -> None:
+        self._sample()
+
+    def finish_gradient_sync(self) -> None:
+        """The replicated parameters' gradients averaged (``dp_reduce``); the partial shards summed."""
+        R.reduce_gradients(self.replicated, self.groups, self.data_size)
+        R.sum_partials([s for u in self.units for s in u.shards], self.groups)
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
         """The mean over the shard group, then (HSDP) over the replicas: every data-parallel rank's."""
@@ -432,13 +407,23 @@ class FSDP2DataParallel(ZeroDataParallel):
         comm.all_reduce(losses, group=self.replicate_group)
         return losses / dist.get_world_size(self.replicate_group)
 
-    def finish_gradient_sync(self) -> None:
-        """Sum the partial gradient shards over their axis (``sum_partial_shards``)."""
-        sum_partial_shards(self.partial, self._mesh)
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full and fp32, by the model's names (a collective)."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            out.update(u.gather_full())
+        for name, p in self.module.named_parameters():
+            out.setdefault(name, p.detach().float().cpu().clone())
+        return {name: out[name] for name, _ in self.module.named_parameters()}
 
     def remove_hooks(self) -> None:
-        """Remove every hook and give the module full fp32 parameters again (a collective: the master shards
-        are all-gathered), so that it runs on its own with the current weights; the wrapper is spent."""
-        for unit in self.units:
-            unit.restore_full()
-        ParallelWrapper.remove_hooks(self)
+        """Remove every hook and give the module full fp32 parameters again (a collective): spent."""
+        for u in self.units:
+            u.restore_full()
+        self.schedule.remove()
+        super().remove_hooks()
+
+    def _sample(self) -> None:
+        now = model_state_bytes(self.units, self.param_dtype)
+        for k in self.peak_bytes:
+            self.peak_bytes[k] = max(self.peak_bytes[k], now[k])

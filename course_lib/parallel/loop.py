@@ -26,7 +26,7 @@ from course_lib import comm
 from course_lib.data import global_batch, micro_batches, shard
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.contract import LossFn, ParallelWrapper, module_device
+from course_lib.parallel.contract import LossFn, ParallelWrapper
 from course_lib.train import TrainConfig
 
 ModelFn = Callable[[GPTConfig, int], nn.Module]
@@ -135,3 +135,10 @@ def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: 
                                      [b - a for a, b in zip([0, *marks[:-1]], marks, strict=True)]))
     out.losses = wrapper.reduce_losses(torch.tensor(local, dtype=torch.float32, device=device)).tolist()
     return out
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of the module's first parameter or buffer (CPU for an empty module)."""
+    for t in [*module.parameters(), *module.buffers()]:
+        return t.device
+    return torch.device("cpu")

@@ -1,44 +1,21 @@
 """MoE routing on any mesh: capacity, queue positions and the router losses of the single-process model.
 
-An MoE layer's capacity C = ceil(cf * T * k / E), its queues (``model.expert_positions``) and the load-balancing
-loss alpha * E * sum_i f_i P_i depend on *every* token of the forward's micro-batch: they are not sums over
-tokens, so a rank that computes them on its own shard trains another objective (on dp = 2 with capacity and the
-aux loss: the loss off by 1.1e-3 after two SGD steps). The z-loss is a mean over tokens and splits exactly.
+An MoE layer's capacity C = ceil(cf T k / E), its queues (``moe.expert_positions``) and the load-balancing loss
+alpha E sum_i f_i P_i depend on *every* token of the forward's micro-batch: a rank that computed them on its own
+shard would train another objective, one that depends on the mesh. So the ranks that hold shares of the same
+micro-batch exchange their routing (the z-loss, a mean over tokens, splits exactly):
 
-The semantics, and why: **exchange, not per-shard**. The ranks that hold shares of the same micro-batch
-exchange their routing, so every mesh trains the one model ``train_baseline`` trains; a per-shard definition
-would make the objective depend on the mesh (dp = 2 and dp = 4 would train different models), which is what the
-course's parity checks exist to exclude. Who shares a micro-batch:
+* data- and context-parallel ranks (dp x cp): ``RoutingShards.gather`` all-gathers each rank's (global token
+  index, k expert ids), (k + 1) T_r int64 per layer forward, and sorts them into the single-process token order;
+  every rank runs the queues on the whole micro-batch and keeps its own tokens; P_i and the z-loss sum this
+  rank's tokens times W / T, so the mean over the W ranks is the micro-batch's loss;
+* tensor-parallel ranks see the same tokens; expert-parallel layers exchange their counts themselves (``ep``);
+* pipeline stages each back-propagate their layers' router loss through the layer's output with the weight
+  1/m the pipeline gives each micro-batch (Megatron-Core's ``MoEAuxLossAutoScaler``), and its value is added to
+  the reported loss (``MeshRouting.add_stage_losses``).
 
-* data- and context-parallel ranks (``mesh.group("dp", "cp")``): rows of the micro-batch (dp) and tokens of
-  those rows at their layout's positions (cp). ``RoutingShards.gather`` all-gathers each rank's (global token
-  index, k expert ids), int64, (k + 1) * T_r * 8 bytes a rank per MoE layer forward (modelled: an all_gather), and
-  sorts them into the single-process token order: row after row, position after position. Each rank then runs
-  the single-process queues on the whole micro-batch and keeps its own rows; f_i is the micro-batch's; P_i and
-  the z-loss sum this rank's tokens times W / T, so the mean over the W ranks (what their gradient average and
-  ``reduce_losses`` take) is the micro-batch's loss (``MoE.router_loss``). Nothing is exchanged when neither
-  capacity nor f_i is needed.
-* tensor-parallel ranks see the same tokens: the same routing, nothing to exchange.
-* expert-parallel ranks: ``ExpertParallelMoE`` exchanges its counts itself (over the same dense group); under
-  a pipeline its router loss back-propagates through its output like any stage's (below).
-* pipeline stages see the same micro-batch one after another, each with its own MoE layers. Only the last stage
-  computes a loss, so each layer's router loss is back-propagated through the layer's own output
-  (``MoE.backward_scale``, Megatron-Core's ``MoEAuxLossAutoScaler``) with the weight the pipeline gives each
-  micro-batch's loss (1 / m), and its value is added to the reported loss (``MeshRouting.add_stage_losses``: a
-  sum over the pp group, a mean over dp x cp). The micro-batch is the pipeline's: the semantics of
-  ``train_baseline(cfg, tc, accumulation=m)``.
-
-Refused (``share_routing`` raises, and ``config.check_composable`` with ``config.routing_refusal``): dp x cp > 1
-with pp > 1 when capacity or the load-balancing loss is on, with or without expert parallelism (whose ep ranks
-are dp x cp ranks) -- the loop gives each data-parallel rank its contiguous rows and the pipeline cuts those into
-m pieces, so the union of the dp ranks' j-th pipeline micro-batches is not the j-th piece of the batch, and no
-single-process run has that micro-batch (the fix: give dp rank r the rows cat_j shard(piece_j, r, dp); the
-z-loss alone composes).
-
-What a composed wrapper calls (``compose.Parallelized``): ``routing = share_routing(model, mesh, cp_layout=...,
-microbatches=m if pp > 1 else None)`` once, after expert parallelism replaced its layers and before the
-pipeline cuts the model; and in ``reduce_losses``, after the pipeline's or data parallelism's reduction,
-``routing.add_stage_losses(losses)`` when ``routing`` is not None.
+With a pipeline and dp x cp > 1, capacity and the balance loss are refused (``config.routing_refusal``): the
+pipeline cuts each data rank's rows into its own micro-batches, whose union is no micro-batch of one process.
 """
 
 from __future__ import annotations
@@ -51,7 +28,6 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.moe import MoE
-from course_lib.parallel.config import routing_refusal
 from course_lib.parallel.cp_attention import Layout, positions
 from course_lib.runtime.mesh import Mesh
 
@@ -143,18 +119,13 @@ def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
     """Make every MoE layer of ``model`` route as on one process on ``mesh`` (the module docstring): their
     ``shards`` over dp x cp (not for ``ExpertParallelMoE`` layers, which exchange their counts themselves) and,
     with a pipeline of ``microbatches`` = m, their router losses back-propagated with weight 1/m. None for a
-    model without MoE, or with ep > 1 and no pipeline (``ExpertParallel`` adds their losses). ``ValueError`` for
-    dp x cp > 1 with pp > 1 and a batch-wide router term (``config.routing_refusal``; with ep > 1 the same rule
-    is ``config.check_composable``'s, checked before the layers are built)."""
+    model without MoE, or with ep > 1 and no pipeline (the composed loss adds their losses). What cannot be
+    built is refused before (``config.check_composable``)."""
     layers = moe_layers(model)
     pipelined = microbatches is not None and mesh.size("pp") > 1
     expert_parallel = mesh.size("ep") > 1
     if not layers or (expert_parallel and not pipelined and mesh.size("cp") == 1):
         return None
-    why = routing_refusal(mesh.size("dp", "cp"), mesh.size("pp"), any(m.capacity_factor is not None for m in layers),
-                          any(m.aux_loss_coef for m in layers)) if pipelined and not expert_parallel else ""
-    if why:
-        raise ValueError(f"rank {dist.get_rank()}: {why}")
     size = mesh.size("dp", "cp")
     data_group = mesh.group("dp", "cp") if size > 1 else None
     for layer in layers:  # expert-parallel layers need the token order only for capacity with cp

@@ -1,26 +1,17 @@
-"""The pipeline executor: runs one rank's action list of a schedule (``course_lib.parallel.schedules``) for one batch,
-on real ranks, and records when each action ran.
+"""The pipeline executor: runs one rank's action list (``schedules``) for one batch on real ranks, and records
+when each action ran.
 
-Transfers. The executor runs this rank's list of ``schedule_run.add_send_recv(schedule)``: ``RECV_F`` / ``RECV_B`` post
-an ``irecv`` that the compute action needing the data waits for; ``SEND_F`` / ``SEND_B`` post an ``isend`` waited
-for at the end of the step. A receive is posted one compute action ahead (as torch's runtime batches it with the
-previous action), so the message travels while this rank computes; posting it only when needed cost up to 150 ms
-of extra idle per message on a loaded 2-core machine. All go through ``course_lib.comm`` (logged). Every message
-is one activation (forward) or one activation gradient (backward) of shape [b, s, h], fp32, so per optimizer
-step (n = p v stages)::
+Transfers: ``RECV_F`` / ``RECV_B`` post an ``irecv`` the consuming compute action waits for (posted one compute
+action ahead, as torch's runtime batches it with the previous one, so the message travels while this rank
+computes); ``SEND_F`` / ``SEND_B`` post an ``isend`` waited for at the end of the step; all through
+``course_lib.comm`` (logged). Each message is one activation (forward) or its gradient (backward) of
+[b, s, h], so per step 2 (n - 1) m messages of b s h x 4 bytes (n = p v stages: interleaving crosses about v
+times as many boundaries, which buys its v times smaller bubble).
 
-    messages   = 2 (n - 1) m  sends (and as many receives) over all ranks: n - 1 boundaries, both ways
-    bytes each = b * s * h * 4 = (B / m) * seq_len * d_model * 4
-
-With v = 1 that is 2 (p - 1) m; interleaving crosses (p v - 1) boundaries instead of (p - 1), about v times the
-point-to-point traffic, which is what buys its v times smaller bubble.
-
-Each compute action (F, B, and the split backward's I and W of ``pp_split``) records its start, end and the time
-it waited for its input (``TimedAction``); ``emulate=(t_f, t_b, t_w)`` makes each action also sleep that long (the
-emulated-device mode for timing lessons on a small CPU). ``pp_stages`` builds the plan and the stages,
-``course_lib.parallel.pp`` wraps them (``PipelineParallel``) and trains (``train_pp``). Under ZeRO-3 an ``engine``
-(``pp_fsdp.StageSharding``) runs before and after each compute action: it gathers the stage's shards and frees
-them, as the schedule's actions say, and ``REDUCE_GRAD`` reduce-scatters the accumulated gradients.
+Each compute action (F, B, and ``pp_split``'s I and W) records its start, end and wait (``TimedAction``);
+``emulate=(t_f, t_b, t_w)`` adds that much sleep (the emulated device). ``REDUCE_GRAD`` calls
+``grad_reduce(stage)``, the data-parallel step; under ZeRO-3 an ``engine`` (``fsdp2_pipeline``) gathers the
+stage's shards before each compute action and frees them after.
 """
 
 from __future__ import annotations
@@ -33,7 +24,6 @@ from typing import Any, Protocol
 import torch
 
 from course_lib import comm
-from course_lib.data import micro_batches
 from course_lib.model import lm_loss
 from course_lib.parallel.pp_split import backward_input, backward_weight
 from course_lib.parallel.pp_stages import PipelinePlan, Stage
@@ -45,7 +35,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StageEngine(Protocol):
-    """What the executor calls around each compute action of a stage (``pp_fsdp.StageSharding``)."""
+    """What the executor calls around each compute action of a stage (``fsdp2_pipeline.StageSharding``)."""
 
     def before(self, action: Action) -> None: ...
 
@@ -100,10 +90,10 @@ class PipelineExecutor:
         """Each message holds 1 / sequence_shards of the tokens (tp under sequence parallelism: the hidden state
         between TP regions is sequence-sharded, so a stage sends its s/tp tokens, a tp-th of the traffic)."""
         self.grad_reduce: Callable[[int], None] | None = None
-        """What ``REDUCE_GRAD`` of a stage calls (``PipelineParallel`` sets it when it has a ``grad_group``)."""
+        """What ``REDUCE_GRAD`` of a stage calls (set by ``PipelineParallel.connect``: the data-parallel step)."""
         self.engine: StageEngine | None = None
-        """What runs around each compute action (``pp_fsdp.StageSharding``: gather the stage's shards before,
-        free them after), set by ``PipelineParallel.enable_sharding``."""
+        """What runs around each compute action (``fsdp2_pipeline.StageSharding``: gather the stage's shards before,
+        free them after), set by ``PipelineParallel.connect``."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
@@ -127,7 +117,9 @@ class PipelineExecutor:
         """One pass of the schedule over the micro-batches of (x, y); gradients accumulate into ``.grad``.
         Returns the unscaled micro-batch losses (on the rank of the last stage, else []) and the timeline."""
         plan = self.plan
-        micro = micro_batches(x, y, plan.m)
+        if x.shape[0] % plan.m:
+            raise ValueError(f"a batch of {x.shape[0]} rows does not split into m={plan.m} micro-batches")
+        micro = list(zip(x.chunk(plan.m), y.chunk(plan.m), strict=True))
         # every message: one [b, s / sequence_shards, h] tensor (sequence parallelism: each TP rank's s/tp tokens)
         self._shape = (x.shape[0] // plan.m, x.shape[1] // self.sequence_shards, *self.hidden_shape)
         self._ctx: dict[tuple[int, int], dict[str, Any]] = {}

@@ -1,17 +1,13 @@
-"""The backward pass split in two for zero-bubble schedules: ``I`` (input gradient) and ``W`` (weight gradients).
+"""The backward split in two for zero-bubble schedules: ``I`` (the input gradient) and ``W`` (the weights').
 
-Split backward (zero-bubble, ``I`` and ``W``). ``B`` is one ``backward`` (input and weight gradients together).
-``I`` computes only the gradient of the stage input -- the one the previous stage waits for -- with
-``torch.autograd.grad(output, inputs=[input], retain_graph=True)``; ``W`` computes the weight gradients later,
-when the schedule has a gap. What ``I`` keeps for ``W`` (as ``torch.distributed.pipelining``'s
-``stage_backward_input`` / ``stage_backward_weight`` do): for every weight, the graph nodes where its gradient
-branches off the input-gradient path (a linear layer's matmul, a LayerNorm) and the gradient that arrived at each
-of them during ``I`` (captured by a pre-hook). ``W`` restarts back-propagation from those nodes with those
-gradients (``torch.autograd.grad`` from ``GradientEdge`` s), so it only does the weight part (g^T x per linear
-layer), not the whole backward again. Memory: until ``W`` the micro-batch's graph and its stored layer inputs stay
-alive (the ``W`` needs them), which is why ``schedule_run.peak_in_flight`` counts a micro-batch until its ``W``; the
-nodes above the captured points are freed after ``I``. Stage 0's embedding lookup has no input gradient: its whole
-backward is weight work and runs in ``W``.
+``B`` is one backward. ``I`` computes only the gradient of the stage input, the one the previous stage waits for
+(``torch.autograd.grad(output, inputs=[input], retain_graph=True)``); ``W`` the weight gradients later, when the
+schedule has a gap. ``I`` keeps, for every weight, the graph nodes where its gradient branches off the
+input-gradient path and the gradient that reached each (a pre-hook); ``W`` restarts back-propagation from those
+nodes (``GradientEdge``), so it does only the weight part (g^T x per linear), as ``torch.distributed.pipelining``'s
+``stage_backward_input`` / ``stage_backward_weight`` do. Until ``W`` the micro-batch's graph stays alive
+(``schedule_run.peak_in_flight`` counts it until its W). Stage 0's embedding has no input gradient: its whole
+backward is weight work, in ``W``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ explains the placement and runs the stages.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,8 +16,7 @@ from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import schedules as S
 from course_lib.parallel.pp_layers import layer_split, stage_layers
-from course_lib.parallel.schedule_run import add_send_recv, validate
-from course_lib.parallel.schedules import Schedule
+from course_lib.parallel.schedules import Schedule, add_send_recv, validate
 
 SCHEDULES: dict[str, str] = S.SCHEDULE_ALIASES
 """Accepted names -> the builder in ``course_lib.parallel.schedules`` (its registry)."""
@@ -49,6 +49,10 @@ class PipelinePlan:
 
     def rank_of(self, stage: int) -> int:
         return stage % self.p
+
+    def with_actions(self, actions: Schedule) -> PipelinePlan:
+        """The same plan running ``actions`` (the schedule with its ``REDUCE_GRAD`` actions added)."""
+        return dataclasses.replace(self, actions=actions)
 
 
 def plan_pipeline(cfg: GPTConfig | int, p: int, schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1,

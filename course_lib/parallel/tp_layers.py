@@ -1,22 +1,18 @@
-"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3), each built from an existing
-single-process module by slicing its weights, so parity with that module holds by construction:
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019, section 3), each built from an existing module by
+slicing its weights, so parity with that module holds by construction:
 
-* ``ColumnParallelLinear``: ``Y_i = X A_i``, the output features split (rows of ``nn.Linear``'s [out, in] weight);
+* ``ColumnParallelLinear``: ``Y_i = X A_i``, the output features split (rows of ``nn.Linear``'s weight);
 * ``RowParallelLinear``: ``Z = sum_i Y_i B_i``, the input features split, then g (all-reduce);
 * ``TensorParallelMLP``: column then row, one f in and one g out (GELU or SwiGLU);
-* ``TensorParallelAttention``: split by heads (GQA K/V split by heads when t divides n_kv_head, else replicated);
-* ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy``: the vocabulary split, the loss from the logit
-  shards with three all-reduces of b*s scalars instead of an all-gather of b*s*V logits;
-* ``SequenceParallelPositionEmbedding``: learned positions under sequence parallelism (Korthikanti et al. 2022).
+* ``TensorParallelAttention``: split by heads (GQA's K/V split by heads when t divides n_kv_head, else
+  replicated, each rank reading the heads its query heads use);
+* ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy``: the vocabulary split, the loss from the
+  logit shards (3 all-reduces of b*s scalars, never the b*s*V logits);
+* ``SequenceParallelPositionEmbedding``: learned positions under sequence parallelism.
 
-Every layer is a ``TensorParallelModule``: it records on each parameter its placement on the ``"tp"`` axis
-(``course_lib.parallel.placement``): ``Shard(0)`` for a column-parallel weight and bias and the vocabulary rows,
-``Shard(1)`` for a row-parallel weight, ``Partial()`` for a replicated parameter whose gradient is only this
-rank's share (a row-parallel bias or a norm under SP, replicated GQA K/V), ``Replicate()`` otherwise -- what
-DTensor's ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` give the same weights. The
-``TensorParallel`` wrapper of ``course_lib.parallel.tp`` and the generic gather / clip / checkpoint functions
-read only these records; ``enter``/``leave`` are the f/g (or SP all-gather/reduce-scatter) of
-``course_lib.parallel.tp_comm``.
+Each layer records the placement of its parameters on "tp" (``Shard(0)`` column and vocabulary slices,
+``Shard(1)`` row slices, ``Partial()`` replicated weights whose gradient is this rank's share), as DTensor's
+``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` would. f and g are ``tp_comm``'s.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ from course_lib.parallel.tp_comm import (
     sequence_parallel_linears,
     split_along,
 )
-from course_lib.parallel.tp_overlap import collective_matmul
 
 __all__ = [
     "TP_AXIS",
@@ -104,9 +99,10 @@ class TensorParallelModule(nn.Module):
     """The base of every layer here: its group, its degree and rank, f and g. Each layer records the ``"tp"``
     placement of every parameter it holds (see the module docstring)."""
 
-    comm_overlap: bool = False
-    """Under SP, run the column-parallel GEMMs as a collective matmul (``tp_overlap``): the all-gather's ring
-    steps overlapped with partial GEMMs. Set it on the layers (or a subclass); the numbers are the same."""
+    sp_matmul: Any = None
+    """Under SP, the function that runs the column-parallel GEMMs on the sequence shard (None: Megatron-LM's
+    ``tp_comm.sequence_parallel_linears``; ``tp_overlap.collective_matmul`` overlaps the all-gather's ring
+    steps with partial GEMMs, set by ``tp.apply_tp(sp_matmul=...)``); the numbers are the same."""
 
     def __init__(self, group: comm.Group, sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -126,13 +122,10 @@ class TensorParallelModule(nn.Module):
 
         Without SP: f, then each linear. Under SP, Megatron-LM's form (``tp_comm.sequence_parallel_linears``):
         one all-gather of the s/t shard feeds all of them, and only the shard is saved for backward, which
-        all-gathers it again for the weight gradients; with ``comm_overlap`` the forward all-gather is a ring
-        overlapped with partial GEMMs (``tp_overlap.collective_matmul``)."""
+        all-gathers it again for the weight gradients (or ``sp_matmul``)."""
         if self.sequence_parallel:
             pairs = [(m.weight, m.bias) for m in linears]
-            if self.comm_overlap:
-                return collective_matmul(x, pairs, self.group)
-            return sequence_parallel_linears(x, pairs, self.group)
+            return (self.sp_matmul or sequence_parallel_linears)(x, pairs, self.group)
         x = self.enter(x)
         return tuple(F.linear(x, m.weight, m.bias) for m in linears)
 
@@ -255,7 +248,7 @@ class TensorParallelAttention(TensorParallelModule):
     MHA when n_kv_head = n_head). When t divides n_kv_head the K/V projections are split by heads too (rank r
     holds K/V heads [r n_kv/t, (r+1) n_kv/t), exactly those its query heads read); otherwise they are replicated
     in full (vLLM does the same for serving) and each rank picks the heads it needs: their weight gradients are
-    then partial sums, all-reduced over the group by ``TensorParallel.finish_gradient_sync``.
+    then partial sums (recorded ``Partial()``), summed over tp by data parallelism.
     """
 
     context: Any = None
@@ -301,12 +294,14 @@ class TensorParallelAttention(TensorParallelModule):
         if not bool(((kv_local >= 0) & (kv_local < k.shape[1])).all()):
             raise RuntimeError(f"query heads {q_heads.tolist()} read K/V heads {(kv_local + self.kv_offset).tolist()},"
                                f" but this rank holds K/V heads {self.kv_offset}..{self.kv_offset + k.shape[1] - 1}")
-        held = k.shape[1]
-        rep = self.local_heads // held if self.local_heads % held == 0 else 0
-        if rep and torch.equal(kv_local, torch.arange(held, device=x.device).repeat_interleave(rep)):
-            if rep > 1:  # the single-process model's contiguous GQA map (MHA: nothing to do)
+        used = torch.unique(kv_local)  # sorted: the K/V heads this rank's query heads read
+        rep = self.local_heads // used.numel()
+        if torch.equal(kv_local, used.repeat_interleave(rep)):  # the contiguous GQA map: each used head rep x
+            if used.numel() < k.shape[1]:  # replicated K/V: keep the heads this rank reads
+                k, v = k.index_select(1, used), v.index_select(1, used)
+            if rep > 1 and self.context is None:  # the ring expands per block: it sends only the K/V heads
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        else:  # replicated K/V (or another map): pick each query head's K/V head
+        else:  # another map: pick each query head's K/V head
             k, v = k.index_select(1, kv_local), v.index_select(1, kv_local)
         y = self.attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -358,7 +353,7 @@ class VocabParallelEmbedding(TensorParallelModule):
 
 class SequenceParallelPositionEmbedding(TensorParallelModule):
     """Learned positions under SP: the full (replicated) table, but each rank adds the rows of its own s/t
-    positions, so the weight's gradient is a partial sum (all-reduced by the wrapper)."""
+    positions, so the weight's gradient is a partial sum (recorded ``Partial()``)."""
 
     def __init__(self, emb: nn.Embedding, group: comm.Group = None) -> None:
         super().__init__(group)

@@ -1,7 +1,9 @@
-"""One ZeRO / FSDP unit: the parameters of one module in one flat buffer, sharded over the ranks (``FlatLayout``
-says which element of which parameter lives where and which rank owns it; ``FlatParamUnit`` gathers, frees,
-and reduces; ``default_units`` says which modules become units). ``course_lib.parallel.zero`` explains the design
-and runs the units from hooks.
+"""One flat ZeRO / FSDP1 unit: the parameters of one module in one flat buffer, sharded over the ranks.
+
+``FlatLayout`` says which element of which parameter lives where and which rank owns it (rank r owns elements
+[r S, (r+1) S) of the buffer padded to a multiple of N); ``FlatParamUnit`` gathers, frees and reduces it;
+``default_units`` picks the modules (every block, then the root). ``zero`` runs the units from the hooks of
+``sharding``.
 """
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.parallel import placement as P
+from course_lib.parallel.sharding import UnitState
 
 # ----------------------------------------------------------------------------------------------------------------
 # Flat layout: which element of which parameter lives where, and which rank owns it
@@ -69,17 +71,6 @@ class FlatLayout:
         """Each parameter's slice of ``flat``, shaped like the parameter (views: no copy)."""
         return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes, strict=True)]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"params": [{"name": n, "shape": list(s), "offset": o}
-                           for n, s, o in zip(self.names, self.shapes, self.offsets, strict=True)],
-                "numel": self.numel, "padded_numel": self.padded_numel, "world_size": self.world_size}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> FlatLayout:
-        ps = d["params"]
-        return cls(tuple(p["name"] for p in ps), tuple(tuple(p["shape"]) for p in ps),
-                   tuple(p["offset"] for p in ps), d["numel"], d["padded_numel"], d["world_size"])
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # One unit
@@ -89,26 +80,6 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     """Units bottom-up: one per transformer block (``model.blocks``), then the root for everything else."""
     blocks = getattr(model, "blocks", None)
     return [*blocks, model] if isinstance(blocks, nn.ModuleList) else [model]
-
-
-class ShardedModel(Protocol):
-    """What the byte accounting (``zero_accounting``) and the checkpoints (``zero_checkpoint``) read of a
-    ``zero.ZeroDataParallel``: its units and how it shards them (so that neither imports the engine)."""
-
-    units: list[FlatParamUnit]
-    stage: int
-    param_dtype: torch.dtype
-    group: comm.Group
-    rank: int
-    world_size: int
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
-
-
-class UnitState(Enum):
-    SHARDED = "sharded"  # only the shard exists; the full buffer has 0 bytes of storage
-    GATHERING = "gathering"  # an async all-gather into the full buffer is in flight (prefetch)
-    UNSHARDED = "unsharded"  # the full buffer holds every rank's shard: the module can run
 
 
 class FlatParamUnit:
@@ -201,9 +172,13 @@ class FlatParamUnit:
 
     def gather_full(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unit, full, fp32, on the CPU, by name (a collective over the group): the flat
-        shard gathered as its placement says (``placement.full_tensor``), cut into the parameters."""
-        flat = P.full_tensor(self.shard, {self.axis: self.group})
-        return {name: view.cpu().clone() for name, view in zip(self.layout.names, self.layout.views(flat), strict=True)}
+        shards all-gathered, cut into the parameters."""
+        flat = self.shard.detach().float()
+        if self.layout.world_size > 1:
+            flat = self.shard.new_empty(self.layout.padded_numel)
+            comm.all_gather(flat, self.shard.detach(), group=self.group)
+        views = self.layout.views(flat)
+        return {name: view.cpu().clone() for name, view in zip(self.layout.names, views, strict=True)}
 
     # ---- the seams a variant overrides
 

@@ -28,9 +28,10 @@ from course_lib.estimates.memory import training_memory
 from course_lib.estimates.model_states import OptimizerName
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.compose import ComposedResult, parallelize, seams_of
+from course_lib.parallel.compose import parallelize, seams_of
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.loop import build_model, train_loop
+from course_lib.parallel.runs import ComposedResult
 from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, make_optimizer
 

@@ -27,10 +27,12 @@ from course_lib import comm
 from course_lib.estimates.model_states import bytes_per_param
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.compose import ComposedResult, Parallelized, train_parallel
+from course_lib.parallel.compose import Parallelized
 from course_lib.parallel.config import ParallelConfig
+from course_lib.parallel.runs import ComposedResult, train_parallel
 from course_lib.planner.memory import _stage_memory
 from course_lib.planner.model import Candidate
+from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig
 
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
@@ -56,19 +58,19 @@ class MeshRun:
 
 
 PRODUCTION_MESHES: tuple[MeshRun, ...] = (
-    MeshRun("TP x CP x PP + SP", ParallelConfig(tp=2, cp=2, pp=2, sequence_parallel=True),
+    MeshRun("TP x CP x PP + SP", ParallelConfig(MeshShape(tp=2, cp=2, pp=2), sequence_parallel=True),
             "Llama 3 405B's 128K-context phase: TP 8 x CP 16 x PP 16 x DP 8 + SP (Llama Team, 'The Llama 3 Herd "
             "of Models', 2024, Sec. 3.3.2)",
             "every degree 2 and DP 1, on 8 ranks; the tiny GPT: 4 blocks, 16-token sequences"),
-    MeshRun("FSDP2 x TP x CP + SP", ParallelConfig(dp=2, tp=2, cp=2, zero_stage=3, sequence_parallel=True),
+    MeshRun("FSDP2 x TP x CP + SP", ParallelConfig(MeshShape(dp=2, tp=2, cp=2), zero_stage=3, sequence_parallel=True),
             "torchtitan's long-context shape: FSDP2 (dp_shard) x TP x CP + SP (Liang et al., 'TorchTitan', "
             "2024, Sec. 3)",
             "every degree 2, on 8 ranks; the tiny GPT: 4 blocks, 16-token sequences"),
-    MeshRun("FSDP2 x TP x PP", ParallelConfig(dp=2, tp=2, pp=2, zero_stage=3, sequence_parallel=True),
+    MeshRun("FSDP2 x TP x PP", ParallelConfig(MeshShape(dp=2, tp=2, pp=2), zero_stage=3, sequence_parallel=True),
             "torchtitan's 3D: FSDP2 x TP 8 x PP 8 for Llama 3.1 405B on 512 H100s (Liang et al., 'TorchTitan', "
             "2024)",
             "every degree 2, on 8 ranks; the tiny GPT: 4 blocks, 16-token sequences; 2 micro-batches, 1F1B"),
-    MeshRun("PP x EP x DP + ZeRO-1", ParallelConfig(dp=4, pp=2, ep=2, zero_stage=1),
+    MeshRun("PP x EP x DP + ZeRO-1", ParallelConfig(MeshShape(dp=4, pp=2, ep=2), zero_stage=1),
             "DeepSeek-V3: PP 16 x EP 64 x ZeRO-1 DP on 2048 H800s, no TP (DeepSeek-AI, 'DeepSeek-V3 Technical "
             "Report', 2024, Sec. 3.2)",
             "DP 4 x PP 2 x EP 2 on 8 ranks; 4 experts, top-2, the z-loss only (capacity and the balance loss "
@@ -101,9 +103,7 @@ def candidate_of(parallel: ParallelConfig, global_batch: int) -> Candidate:
 
 def config_of(cand: Candidate, global_batch: int) -> ParallelConfig:
     """The ``ParallelConfig`` that trains the planner's ``cand`` (its micro-batches per pipeline, SP with TP)."""
-    return ParallelConfig(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp, ep=cand.ep, zero_stage=cand.zero,
-                          sequence_parallel=cand.tp > 1, schedule=cand.schedule, v=cand.v,
-                          microbatches=cand.microbatches(global_batch) if cand.pp > 1 else 2)
+    return ParallelConfig(MeshShape(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp, ep=cand.ep), zero_stage=cand.zero, sequence_parallel=cand.tp > 1, schedule=cand.schedule, v=cand.v, microbatches=cand.microbatches(global_batch) if cand.pp > 1 else 2)
 
 
 def planner_states(cfg: GPTConfig, cand: Candidate, global_batch: int, stage: int,

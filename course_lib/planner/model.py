@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from course_lib.estimates import cost
+from course_lib.estimates.accounting import ring_kv_bytes
 from course_lib.estimates.activation_memory import layer_activation_bytes
 from course_lib.estimates.hardware import attention_length_factor
 from course_lib.estimates.layout import ParallelLayout
 from course_lib.estimates.memory_budget import GiB, MemoryBudget
 from course_lib.model_config import GPTConfig, dense_twin
-from course_lib.parallel.cp import ring_kv_bytes
 from course_lib.planner.candidate import (
     _COST_NAME,
     SCHEDULES,

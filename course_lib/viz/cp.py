@@ -19,9 +19,9 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
+from course_lib.estimates.accounting import ring_kv_bytes
 from course_lib.estimates.memory_budget import format_bytes
 from course_lib.model_config import PRESETS
-from course_lib.parallel.cp import ring_kv_bytes
 from course_lib.parallel.cp_attention import LAYOUTS, Layout, all_positions, causal_pairs, imbalance
 from course_lib.viz.panel import ControlPanel, figure_png
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from course_lib.parallel.zero import FlatLayout
+from course_lib.parallel.zero_unit import FlatLayout
 
 __all__ = ["PARAM_COLORS", "plot_flat_layout"]
 

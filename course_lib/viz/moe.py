@@ -24,8 +24,8 @@ import ipywidgets as W
 import torch
 from matplotlib.figure import Figure
 
+from course_lib.estimates.accounting import slowest_rank_load
 from course_lib.moe import expert_capacity
-from course_lib.parallel.ep import slowest_rank_load
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = ["CONTROL_DESCRIPTIONS", "DispatchPlan", "MoEDispatchWidget", "dispatch_plan", "load_ratio",

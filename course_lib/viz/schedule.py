@@ -38,8 +38,8 @@ from matplotlib.patches import Patch
 
 from course_lib.estimates import cost
 from course_lib.parallel import schedules as S
-from course_lib.parallel.schedule_run import Simulation, Timeline, simulate
-from course_lib.parallel.schedules import Kind, Schedule
+from course_lib.parallel.schedule_run import Simulation, simulate
+from course_lib.parallel.schedules import Kind, Schedule, Timeline
 from course_lib.viz.panel import ControlPanel, figure_png
 
 __all__ = [

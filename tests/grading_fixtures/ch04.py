@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import comm
-from course_lib.parallel import tp
+from course_lib.parallel import tp_comm
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -141,22 +141,22 @@ def _emb_rows(ids, weight, mask=True, hi_inclusive=False):
 
 def emb_clamps_without_masking(ids, weight):
     """Clamps the shifted ids into the shard but never zeroes the foreign ones: every rank adds an edge row."""
-    return tp.reduce_from_tensor_parallel_region(_emb_rows(ids, weight, mask=False))
+    return tp_comm.reduce_from_tensor_parallel_region(_emb_rows(ids, weight, mask=False))
 
 
 def emb_ids_modulo_shard(ids, weight):
     """Looks up ids % (V/t) on every rank: each rank adds a row, whether the id is its own or not."""
-    return tp.reduce_from_tensor_parallel_region(F.embedding(ids % weight.shape[0], weight))
+    return tp_comm.reduce_from_tensor_parallel_region(F.embedding(ids % weight.shape[0], weight))
 
 
 def emb_mask_off_by_one(ids, weight):
     """Treats local id V/t as inside the shard: the first id of the next shard is also looked up here."""
-    return tp.reduce_from_tensor_parallel_region(_emb_rows(ids, weight, hi_inclusive=True))
+    return tp_comm.reduce_from_tensor_parallel_region(_emb_rows(ids, weight, hi_inclusive=True))
 
 
 def emb_sums_the_gradient_too(ids, weight):
     """g, then f: an all-reduce backward as well, so the shard's gradient is t times one process's."""
-    return tp.copy_to_tensor_parallel_region(tp.reduce_from_tensor_parallel_region(_emb_rows(ids, weight)))
+    return tp_comm.copy_to_tensor_parallel_region(tp_comm.reduce_from_tensor_parallel_region(_emb_rows(ids, weight)))
 
 
 def emb_gathers_the_table(ids, weight):
@@ -242,7 +242,7 @@ def _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="holders", interleave=Fals
     elif group is not None and reduce == "world":
         wk, wv = _SumOver.apply(wk, None), _SumOver.apply(wv, None)
     if f:
-        x = tp.copy_to_tensor_parallel_region(x)
+        x = tp_comm.copy_to_tensor_parallel_region(x)
     q, k, v = (F.linear(x, w).view(b, s, -1, d).transpose(1, 2) for w in (wq, wk, wv))
     q_heads = torch.arange(q.shape[1]) + r * q.shape[1]
     if interleave:
@@ -251,7 +251,7 @@ def _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="holders", interleave=Fals
         first = r * k.shape[1] if n_kv_head % t == 0 else r // (t // n_kv_head)
         reads = q_heads // (n_head // n_kv_head) - first
     y = F.scaled_dot_product_attention(q, k.index_select(1, reads), v.index_select(1, reads), is_causal=True)
-    return tp.reduce_from_tensor_parallel_region(F.linear(y.transpose(1, 2).reshape(b, s, -1), wo))
+    return tp_comm.reduce_from_tensor_parallel_region(F.linear(y.transpose(1, 2).reshape(b, s, -1), wo))
 
 
 def gqa_kv_grads_not_summed(x, wq, wk, wv, wo, n_head, n_kv_head):
@@ -281,7 +281,7 @@ def gqa_coalesced_kv_reduce(x, wq, wk, wv, wo, n_head, n_kv_head):
 
 def ce_gathers_the_logits(logits, targets):
     """Right loss, but all-gathers the b*s*V logits."""
-    return F.cross_entropy(tp.gather_from_tensor_parallel_region(logits), targets)
+    return F.cross_entropy(tp_comm.gather_from_tensor_parallel_region(logits), targets)
 
 
 def ce_without_the_global_max(logits, targets):

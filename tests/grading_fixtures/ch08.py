@@ -5,8 +5,7 @@ import math
 import torch.distributed as dist
 
 from course_lib.model_config import param_count
-from course_lib.parallel.schedule_run import add_grad_reduce
-from course_lib.parallel.schedules import Action, Kind
+from course_lib.parallel.schedules import Action, Kind, add_grad_reduce
 
 
 def coords_slowest_first(rank, degrees, order):

@@ -5,7 +5,7 @@ import course_lib.parallel.schedules
 from course_lib.estimates.memory import kv_cache_bytes as library_kv
 from course_lib.moe import expert_positions
 from course_lib.parallel import cp_attention as ca
-from course_lib.parallel import cp_ulysses, schedule_run, tp_layers
+from course_lib.parallel import cp_ulysses, tp_layers
 from course_lib.parallel import dp as dp_lib
 from course_lib.parallel import placement as placement_lib
 from course_lib.parallel import schedules as S
@@ -37,7 +37,7 @@ def one_f_one_b_imported(p, m, rank):
 
 def add_grad_reduce_wrapped(schedule):
     """The library's placement of REDUCE_GRAD, wrapped."""
-    return schedule_run.add_grad_reduce(schedule)
+    return schedules.add_grad_reduce(schedule)
 
 
 class FixedKernelInherits(ca.BlockAttention):
