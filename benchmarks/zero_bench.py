@@ -1,7 +1,7 @@
 """Our ZeRO-3, in its flat form (``course_lib.parallel.zero``) and in FSDP2's per-parameter form
 (``course_lib.parallel.fsdp2``), against PyTorch's FSDP2 (``fully_shard``): peak memory per rank and step time,
 measured side by side in one run, as ratios (ours / PyTorch's). With ``--tp 2``: FSDP + TP ("2D", torchtitan's
-default) on a dp x tp mesh -- our ``TensorParallel`` then ``FSDP2DataParallel`` over the dp group, which shards
+default) on a dp x tp mesh -- our ``apply_tp`` then ``FSDP2DataParallel`` over the dp group, which shards
 every TP-local tensor again on dim 0 -- against PyTorch's own 2D: ``parallelize_module`` (DTensor, the course's
 plan in DTensor's styles) on the tp sub-mesh, then ``fully_shard`` on the dp sub-mesh, with ``loss_parallel``.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 import warnings
@@ -62,9 +63,11 @@ def _engine(kind: str, cfg: GPTConfig, tc: TrainConfig, mesh: Mesh) -> dict[str,
         e.update(call=zdp, after=zdp.after_step, extra=list(zdp.parameters()))  # the flat shards: not the module's
     elif kind in ("per_param", "fsdp_tp"):  # the module's parameters are the shards; the gathered weights tracked
         if kind == "fsdp_tp":
-            from course_lib.parallel.tp import TensorParallel
+            from course_lib.parallel.tp import apply_tp
+            from course_lib.parallel.tp_layers import vocab_parallel_cross_entropy
 
-            e["loss"] = TensorParallel(model, group=mesh.group("tp")).loss  # vocab-parallel cross-entropy
+            apply_tp(model, mesh.group("tp"))
+            e["loss"] = functools.partial(vocab_parallel_cross_entropy, group=mesh.group("tp"))
         zdp = FSDP2DataParallel(model, group=mesh.group("dp"))
         e.update(call=zdp, extra=[p for u in zdp.units for p in u.params])
     else:  # PyTorch's: fully_shard on every block, then the root; 2D: DTensor TP on the tp sub-mesh first

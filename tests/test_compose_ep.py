@@ -183,7 +183,7 @@ def _outcome(results: list, cfg: GPTConfig, parallel: ParallelConfig) -> str:
         merged = runs.merge_composed(results)
     except ValueError as e:
         return f"merge failed: {e}"
-    report = compare(_reference(cfg, parallel.pp > 1), merged)
+    report = compare(_reference(cfg, parallel.shape.pp > 1), merged)
     return "PASS" if report.ok else str(report)
 
 

@@ -65,7 +65,7 @@ def _stage_means(runs: list) -> dict[int, float]:
 
 def _mismatches(parallel: ParallelConfig, runs: list, cfg: GPTConfig = CFG) -> list[str]:
     cand = M.candidate_of(parallel, TC.global_batch)
-    whole_tensors = parallel.ep > 1 and parallel.zero_stage == 1  # ExpertShardedOptimizer: compare stage means
+    whole_tensors = parallel.shape.ep > 1 and parallel.zero_stage == 1  # ExpertShardedOptimizer: compare stage means
     means = _stage_means(runs)
     bad = []
     for result, measured in runs:
@@ -95,7 +95,7 @@ def _pipeline_sharded(mesh: M.MeshRun) -> list:
     reason = ("the tracker sees a pipeline stage's FSDP shards, not the full weights and gradients the schedule "
               "gathers during the step (module docstring)")
     return [pytest.mark.xfail(strict=True, reason=reason)] if mesh.parallel.zero_stage == 3 and \
-        mesh.parallel.pp > 1 else []
+        mesh.parallel.shape.pp > 1 else []
 
 
 @pytest.mark.slow

@@ -124,7 +124,8 @@ def _p2p_log(log: list[tuple[str, int, str, int]]) -> contextlib.AbstractContext
 def _stage(rank: int, p: int, seed: int) -> pp_stages.Stage:
     """Stage ``rank`` of ``p``, the first stages one block longer where p does not divide the blocks (3: 2, 1, 1)."""
     split = [_CFG.n_layer // p + (i < _CFG.n_layer % p) for i in range(p)]
-    return pp_stages.Stage(GPT(_CFG, seed=seed), rank, p, pp_layers.stage_layers(pp_layers.layer_split(_CFG.n_layer, p, split))[rank])
+    layers = pp_layers.stage_layers(pp_layers.layer_split(_CFG.n_layer, p, split))
+    return pp_stages.Stage(GPT(_CFG, seed=seed), rank, p, layers[rank])
 
 
 def _pipeline_on_rank(rank: int, world_size: int, fn: Callable[..., Any], m: int, batch: int,

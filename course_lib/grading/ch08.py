@@ -17,8 +17,8 @@
 6. ``add_grad_reduce(schedule)``: pipeline x data parallelism as a schedule transform, one ``REDUCE_GRAD`` per
    stage right after its last weight-gradient action (B, or W under zero bubble); checked as data on 1F1B,
    interleaved and ZB-H1 schedules (with and without transfers), then on 4 real ranks: ``train_parallel`` on
-   ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with a ``PipelineParallel`` whose ``place_grad_reduce`` is the
-   learner's function, against one process (``train_baseline``).
+   ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with the learner's function as the pipeline's
+   ``place_grad_reduce``, against one process (``train_baseline``).
 7. ``place_parameter(name, shape, n_layer, parallel)``: where a parameter lives on a mesh and what its gradient
    needs (``ch08_placement``), checked on 4 real ranks against the placements the library's transforms record.
 """
@@ -181,19 +181,23 @@ _RANK_CFG = GPTConfig(vocab_size=256, seq_len=8, n_layer=1, n_head=2, d_model=16
 
 
 def _dp_tp_step(rank: int, world_size: int, fn: Callable, order: str, batch: int, seed: int) -> dict[str, Any]:
-    from course_lib.parallel.tp import TensorParallel
+    from course_lib.parallel.dp_reduce import sum_partials
+    from course_lib.parallel.placement_ops import full_parameters
+    from course_lib.parallel.tp import apply_tp
+    from course_lib.parallel.tp_layers import vocab_parallel_cross_entropy
 
     mesh = Mesh(dp=2, tp=2, order=order)
-    tp = TensorParallel(GPT(_RANK_CFG, seed=seed), mesh=mesh)
+    model = GPT(_RANK_CFG, seed=seed)
+    apply_tp(model, mesh.group("tp"))
     x, y = global_batch(seed, batch, _RANK_CFG.seq_len, seed)
     xd, yd = shard(x, mesh.coord("dp"), 2), shard(y, mesh.coord("dp"), 2)
-    tp.loss(tp(xd), yd).backward()
-    tp.finish_gradient_sync()
-    fn(list(tp.parameters()), mesh)
+    vocab_parallel_cross_entropy(model(xd), yd, mesh.group("tp")).backward()
+    sum_partials(model.parameters(), mesh)  # TP's partial sums: what the library's data-parallel step adds
+    fn(list(model.parameters()), mesh)
     with torch.no_grad():
-        for p in tp.parameters():
+        for p in model.parameters():
             p -= 0.5 * p.grad
-    return tp.full_parameters()
+    return full_parameters(model, mesh)
 
 
 def check_average_dp_gradients(fn: Callable, orders: tuple[str, ...] = ("tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp"),

@@ -2,14 +2,15 @@
 
 ``add_grad_reduce(schedule)``: one ``REDUCE_GRAD`` per stage right after its last weight-gradient action (B, or W
 under zero bubble); checked as data on 1F1B, interleaved and ZB-H1 schedules (with and without transfers), then on
-4 real ranks: ``train_parallel`` on ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with a ``PipelineParallel``
-whose ``place_grad_reduce`` is the learner's function, against one process (``train_baseline``).
+4 real ranks: ``train_parallel`` on ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with the learner's
+function as the pipeline's ``place_grad_reduce``, against one process (``train_baseline``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch.distributed as dist
 
@@ -21,9 +22,9 @@ from course_lib.grading.core import (
     run_check,
 )
 from course_lib.model_config import GPTConfig
+from course_lib.parallel import compose as C
 from course_lib.parallel import schedules as S
 from course_lib.parallel.config import ParallelConfig
-from course_lib.parallel.pp import PipelineParallel
 from course_lib.parallel.runs import merge_composed, train_parallel
 from course_lib.parallel.schedules import Action, Kind, add_send_recv
 from course_lib.runtime.mesh import MeshShape
@@ -100,57 +101,48 @@ def _check_transform(fn: Callable, schedule: S.Schedule, what: str) -> None:
 _PP_CFG = GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, bias=False)
 
 
-class GradReduceProbe(PipelineParallel):
-    """The pipeline the check trains: ``place_grad_reduce`` is ``transform`` (the learner's ``add_grad_reduce``),
-    and before each step's data-parallel average it notes in ``problems``, for every stage of this rank, what
-    went wrong in the schedule as it ran: no ``REDUCE_GRAD``, or weight-gradient actions after it (the
-    all-reduce had already started, so the average misses them). Build one per run with ``with_transform``."""
+def _probe(run: C.Parallelized) -> None:
+    """A last composition step: before each step's data-parallel reduction completes, check for every stage of
+    this rank the schedule as it ran: no ``REDUCE_GRAD``, or weight-gradient actions after it (the all-reduce
+    had already started, so the average misses them); the first problem stops the run with its reason."""
+    finish = run.dp.finish_gradient_sync
 
-    transform: ClassVar[Callable[[S.Schedule], S.Schedule]]
-    problems: ClassVar[list[str]]
-
-    @classmethod
-    def with_transform(cls, fn: Callable[[S.Schedule], S.Schedule]) -> type[GradReduceProbe]:
-        return type("LearnersPipeline", (cls,), {"transform": staticmethod(fn), "problems": []})
-
-    def place_grad_reduce(self, actions: S.Schedule) -> S.Schedule:
-        return type(self).transform(actions)
-
-    def finish_gradient_sync(self) -> None:
-        ran = [t.action for t in self.timelines[-1]]
-        for stage in sorted(int(s) for s in self.stages):
+    def checked() -> None:
+        ran = [t.action for t in run.pipe.timelines[-1]]
+        for stage in sorted(int(s) for s in run.pipe.stages):
             where = f"rank {dist.get_rank()} (pipeline stage {stage})"
             at = [i for i, a in enumerate(ran) if a.kind is Kind.REDUCE_GRAD and a.stage == stage]
             kind = _weight_kind(ran, stage)
             late = [str(a) for a in ran[at[0] + 1:] if a.kind is kind and a.stage == stage] if at else []
             if not at:
-                self.problems.append(f"{where} ran no REDUCE_GRAD: its gradients were never averaged over the "
-                                     "data-parallel replicas")
-            elif late:
-                self.problems.append(f"{where} ran {', '.join(late)} after its REDUCE_GRAD: the all-reduce had "
-                                     "already started, so the data-parallel average missed those weight gradients")
-        super().finish_gradient_sync()
+                raise CheckFailed(f"{where} ran no REDUCE_GRAD: its gradients were never averaged over the "
+                                  "data-parallel replicas")
+            if late:
+                raise CheckFailed(f"{where} ran {', '.join(late)} after its REDUCE_GRAD: the all-reduce had "
+                                  "already started, so the data-parallel average missed those weight gradients")
+        finish()
+
+    run.dp.finish_gradient_sync = checked
 
 
 def _pp_dp_on_rank(rank: int, world_size: int, fn: Callable, schedule: str, microbatches: int,
-                   seed: int) -> tuple[Any, list[str]]:
-    probe = GradReduceProbe.with_transform(fn)
-    result = train_parallel(rank, world_size, _PP_CFG, TrainConfig(steps=2, global_batch=8, seed=seed),
-                            ParallelConfig(MeshShape(dp=2, pp=2), schedule=schedule, microbatches=microbatches),
-                            pipeline_class=probe)
-    return result, list(probe.problems)
+                   seed: int) -> Any:
+    steps = C.with_step(C.STEPS, C.pipeline_parallel, functools.partial(C.pipeline_parallel, place_grad_reduce=fn))
+    return train_parallel(rank, world_size, _PP_CFG, TrainConfig(steps=2, global_batch=8, seed=seed),
+                          ParallelConfig(MeshShape(dp=2, pp=2), schedule=schedule, microbatches=microbatches),
+                          steps=(*steps, _probe))
 
 
 def _on_ranks(fn: Callable, schedule: str, microbatches: int, seed: int, timeout: float) -> str:
     what = f"on 4 ranks (dp=2 x pp=2, {schedule}, m={microbatches})"
-    results = core.launch_check(_pp_dp_on_rank, 4, fn, schedule, microbatches, seed, timeout=timeout,
-                                hang_hint=": does every rank's schedule still hold every transfer, once each?")
-    problems = list(dict.fromkeys(p for _, found in results for p in found))  # each step notes the same
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckFailed(f"{what}: {problems[0]}{more}")
     try:
-        merged = merge_composed([r for r, _ in results])
+        results = core.launch_check(_pp_dp_on_rank, 4, fn, schedule, microbatches, seed, timeout=timeout,
+                                    hang_hint=": does every rank's schedule still hold every transfer, once each?",
+                                    guard_errors=(CheckFailed.__name__,))
+    except CheckFailed as err:
+        raise CheckFailed(f"{what}: {str(err).split(': ', 1)[-1]}") from None
+    try:
+        merged = merge_composed(results)
     except ValueError as err:
         raise CheckFailed(f"{what}: {err}") from None
     report = compare(train_baseline(_PP_CFG, TrainConfig(steps=2, global_batch=8, seed=seed)), merged)
@@ -161,8 +153,8 @@ def _on_ranks(fn: Callable, schedule: str, microbatches: int, seed: int, timeout
 
 def check_grad_reduce_on_ranks(fn: Callable, schedule: str = "zb_h1", microbatches: int = 2, seed: int = 0,
                                timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """Only the on-rank half of ``check_add_grad_reduce``: ``train_parallel`` on ``ParallelConfig(MeshShape(dp=2, pp=2))`` with
-    ``GradReduceProbe.with_transform(fn)`` against ``train_baseline`` (parity at ``train.compare``'s tolerance)."""
+    """Only the on-rank half of ``check_add_grad_reduce``: ``train_parallel`` on dp=2 x pp=2 with ``fn`` placing
+    the ``REDUCE_GRAD`` actions, against ``train_baseline`` (parity at ``train.compare``'s tolerance)."""
     return run_check("add_grad_reduce on ranks", lambda: _on_ranks(fn, schedule, microbatches, seed, timeout))
 
 

@@ -66,8 +66,8 @@ def reference_grad(placements: dict[str, str], parallel: ParallelConfig) -> list
     """The gradient's collectives from its placements: a sum over each ``P`` axis, then the data-parallel mean
     (a reduce-scatter when the parameter is sharded over that group, an all-reduce otherwise)."""
     steps = [("all_reduce_sum", a) for a, w in placements.items() if w == "P"]
-    if parallel.dp * parallel.cp > 1:
-        key = "dp+cp" if parallel.cp > 1 else "dp"
+    if parallel.shape.dp * parallel.shape.cp > 1:
+        key = "dp+cp" if parallel.shape.cp > 1 else "dp"
         steps.append(("reduce_scatter_mean" if placements.get(key, "").startswith("S") else "all_reduce_mean", key))
     return steps
 
@@ -107,8 +107,8 @@ def _hint(key: str, want: Any, got: Any, parallel: ParallelConfig, name: str) ->
                     "S(0) on tp, row-parallel ones (o_proj, fc2) S(1)")
         return "list every axis it is not replicated on, and only those"
     if key == "stage":
-        return (f"the {parallel.pp} stages hold equal runs of blocks; the first stage also holds the embeddings, the "
-                "last the final norm and the head")
+        return (f"the {parallel.shape.pp} stages hold equal runs of blocks; the first stage also holds the "
+                "embeddings, the last the final norm and the head")
     if key == "local_shape":
         return ("TP's slice first, then ZeRO-3's dim-0 shard of that slice: ceil(n / N) rows on rank 0 (the last "
                 "ranks hold the padding)")
@@ -167,8 +167,10 @@ def check_place_parameter(fn: Callable, cfg: GPTConfig = PLACE_CFG, meshes: tupl
 
 
 HIDDEN = {"cfg": GPTConfig(vocab_size=254, seq_len=16, n_layer=4, n_head=4, d_model=32, bias=False),
-          "meshes": (ParallelConfig(MeshShape(pp=2, dp=2)), ParallelConfig(MeshShape(tp=2, cp=2), sequence_parallel=True),
-                     ParallelConfig(MeshShape(dp=4), zero_stage=3), ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3))}
+          "meshes": (ParallelConfig(MeshShape(pp=2, dp=2)),
+                     ParallelConfig(MeshShape(tp=2, cp=2), sequence_parallel=True),
+                     ParallelConfig(MeshShape(dp=4), zero_stage=3),
+                     ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3))}
 """The grader's meshes: a pipeline with data parallelism (4 blocks), TP x CP + SP, ZeRO-3 over 4 (254 rows: 64
 on rank 0), FSDP + TP without SP (127 rows: 64)."""
 

@@ -273,7 +273,7 @@ def record_train_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig 
     """``runs.train_dp`` with :class:`RecordingDataParallel` (a ``launch`` target, like ``train_dp``)."""
     wrapper = functools.partial(RecordingDataParallel, input_delay_s=input_delay_s, link_gbps=link_gbps)
     res = runs.train_dp(rank, world_size, cfg, tc, mode=mode, bucket_mb=bucket_mb, accumulation=accumulation,
-                      model_fn=model_fn, wrapper_class=wrapper)  # type: ignore[arg-type]
+                      model_fn=model_fn, data_parallel=wrapper)  # type: ignore[arg-type]
     rec = RecordingDataParallel.last
     assert rec is not None
     spans = list(rec.spans)

@@ -30,8 +30,7 @@ bytes per group when the run is what the arithmetic says it is.
 
 To have *measured* bytes for the gradient sync, ``RingDataParallel`` replaces ``DataParallel``'s backend
 all-reduce (its ``all_reduce`` seam) by the course's own ring (``collectives.ring_all_reduce``: isend/irecv, every
-message logged with its peer); ``compose.train_parallel(..., parallel, data_parallel_class=RingDataParallel)`` runs a
-composed mesh with it.
+message logged with its peer); ``ring_data_parallel`` is the composition's data-parallel step with it.
 """
 
 from __future__ import annotations
@@ -44,11 +43,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.estimates.accounting import PlannedCollective, step_collectives
 from course_lib.estimates.layout import ParallelLayout, params_per_rank
 from course_lib.model_config import GPTConfig
+from course_lib.parallel.compose import Parallelized
 from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.pp_layers import layer_split
 from course_lib.runtime.collectives import ring_all_reduce
@@ -258,5 +259,12 @@ class RingDataParallel(DataParallel):
     message is a logged isend/irecv with its peer, so the gradient sync's bytes across nodes are *measured*.
     Blocking (the ring runs when the bucket is launched); use ``mode="bucketed"``."""
 
-    def all_reduce(self, tensor: torch.Tensor, label: str, async_op: bool) -> None:
-        ring_all_reduce(tensor, group=self.group)
+    def all_reduce(self, tensor: torch.Tensor, group: comm.Group, async_op: bool) -> None:
+        if dist.get_world_size(group) > 1:
+            ring_all_reduce(tensor, group=group)
+
+
+def ring_data_parallel(run: Parallelized) -> None:
+    """The composition's data-parallel step with ``RingDataParallel`` (every gradient byte measured):
+    ``train_tracked(..., steps=compose.with_step(compose.STEPS, compose.data_parallel, ring_data_parallel))``."""
+    run.dp = RingDataParallel(run.module, mesh=run.mesh, mode="bucketed")

@@ -413,7 +413,8 @@ class FSDP2DataParallel(ParallelWrapper):
         for u in self.units:
             out.update(u.gather_full())
         for name, p in self.module.named_parameters():
-            out.setdefault(name, p.detach().float().cpu().clone())
+            if name not in out:
+                out[name] = p.detach().float().cpu().clone()
         return {name: out[name] for name, _ in self.module.named_parameters()}
 
     def remove_hooks(self) -> None:

@@ -41,7 +41,8 @@ class PipelineParallel(ParallelWrapper):
     micro-batches (forward and backward interleave: a pipeline has no separate forward) and returns the mean
     micro-batch loss on the last stage's rank (0.0 elsewhere; ``reduce_losses`` broadcasts it).
     ``sequence_shards``: each message holds 1/sequence_shards of the tokens (tp under sequence parallelism).
-    ``executor``: the executor's class (a variant overrides ``scale_loss``)."""
+    ``executor``: the executor's class (a variant overrides ``scale_loss``); ``place_grad_reduce``: where the
+    ``REDUCE_GRAD`` actions go when data parallelism connects (``schedules.add_grad_reduce``)."""
 
     axes = ("pp",)
 
@@ -49,7 +50,8 @@ class PipelineParallel(ParallelWrapper):
                  group: comm.Group = None, schedule: str | Schedule = "1f1b", microbatches: int = 4,
                  v: int = 1, split: Sequence[int] | None = None, global_batch: int | None = None,
                  loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
-                 sequence_shards: int = 1, executor: type[PipelineExecutor] = PipelineExecutor) -> None:
+                 sequence_shards: int = 1, executor: type[PipelineExecutor] = PipelineExecutor,
+                 place_grad_reduce: Callable[[Schedule], Schedule] = add_grad_reduce) -> None:
         parts = pipeline_parts(module)
         held = module if isinstance(module, nn.Module) else nn.ModuleList([parts.first, *parts.blocks,
                                                                             parts.last])
@@ -62,7 +64,7 @@ class PipelineParallel(ParallelWrapper):
                                   global_batch)
         self.stages = nn.ModuleDict({str(s): Stage(parts, s, self.plan.n_stages, self.plan.layers[s])
                                      for s in self.plan.stages_of(self.rank)})
-        self.parts = parts
+        self.parts, self.place_grad_reduce = parts, place_grad_reduce
         self.executor = executor({int(k): st for k, st in self.stages.items()}, self.plan, self.rank,
                                  self.group, loss_fn, emulate)
         self.executor.sequence_shards = sequence_shards
@@ -76,11 +78,11 @@ class PipelineParallel(ParallelWrapper):
     def connect(self, grad_reduce: Callable[[int], None] | None = None,
                 engine: StageEngine | None = None) -> None:
         """Hand the stages' gradients to data parallelism: ``grad_reduce(stage)`` runs at each stage's
-        ``REDUCE_GRAD`` action (added after its last B, or last W, unless the schedule has them already);
+        ``REDUCE_GRAD`` action (placed by ``place_grad_reduce``: after its last B, or last W);
         ``engine.before / after`` run around every compute action (ZeRO-3's gathers)."""
         if grad_reduce is not None:
             if not any(a.kind.name == "REDUCE_GRAD" for rank in self.plan.actions for a in rank):
-                self.plan = self.plan.with_actions(add_grad_reduce(self.plan.actions))
+                self.plan = self.plan.with_actions(self.place_grad_reduce(self.plan.actions))
                 self.executor.plan, self.executor.actions = self.plan, self.plan.actions[self.rank]
             self.executor.grad_reduce = grad_reduce
         self.executor.engine = engine

@@ -119,7 +119,8 @@ class ZeroDataParallel(ParallelWrapper):
         for u in self.units:
             out.update(u.gather_full())
         for name, p in self.module.named_parameters():  # frozen parameters were never sharded
-            out.setdefault(name, p.detach().float().cpu().clone())
+            if name not in out:
+                out[name] = p.detach().float().cpu().clone()
         return {name: out[name] for name, _ in self.module.named_parameters()}
 
     def _sample(self) -> None:

@@ -19,7 +19,7 @@ agree to the byte; the optimizer's measured state has 4 more bytes per parameter
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from course_lib.estimates.memory import training_memory
 from course_lib.estimates.model_states import OptimizerName
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.compose import parallelize, seams_of
+from course_lib.parallel.compose import STEPS, Step, parallelize
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.loop import build_model, train_loop
 from course_lib.parallel.runs import ComposedResult
@@ -99,20 +99,18 @@ class TrackedRun(ComposedResult):
 
 
 def train_tracked(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig,
-                  parallel: ParallelConfig | None = None, *, mesh_class: type[Mesh] = Mesh,
-                  **parts: Any) -> TrackedRun:
-    """``compose.train_parallel``'s run (replicated optimizer, no checkpoints) on the mesh of ``parallel`` with
+                  parallel: ParallelConfig | None = None, *, steps: Sequence[Step] = STEPS,
+                  mesh_fn: Callable[[ParallelConfig], Mesh] | None = None) -> TrackedRun:
+    """``runs.train_parallel``'s run (replicated optimizer, no checkpoints) on the mesh of ``parallel`` with
     every step under a ``MemoryTracker`` of what this rank trains: its pipeline stages (the rank holds the whole
-    model, it trains those) or its whole (TP-sharded) model. ``parts``: the part classes of ``parallelize``
-    (``compose.SEAMS``); ``mesh_class`` is a seam for tests (a mesh that builds its groups wrong). A ``launch``
-    target."""
+    model, it trains those) or its whole (TP-sharded) model. ``steps``: the composition (``compose.with_step``
+    swaps one); ``mesh_fn``: how the mesh is built (a test's wrong mesh). A ``launch`` target."""
     parallel = parallel or ParallelConfig()
     if parallel.zero_stage:
         raise ValueError("train_tracked runs a replicated optimizer: zero_stage=0")
-    mesh = parallel.mesh(mesh_class)
+    mesh = (mesh_fn or ParallelConfig.mesh)(parallel)
     model = build_model(cfg, tc.seed)
-    composed = parallelize(model, mesh, global_batch=tc.global_batch, **parallel.options(),
-                           **seams_of("train_tracked", parts))
+    composed = parallelize(model, mesh, parallel, global_batch=tc.global_batch, steps=steps)
     optimizer = make_optimizer(list(composed.parameters()), tc)
     trained = list(composed.pipe.stages.values()) if composed.pipe is not None else [model]
     with MemoryTracker(trained, optimizer) as tracker:

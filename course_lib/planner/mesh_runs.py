@@ -19,15 +19,16 @@ down; a new entry is one ``MeshRun`` (the chapter prints every row from its fiel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from course_lib import comm
 from course_lib.estimates.model_states import bytes_per_param
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.compose import Parallelized
+from course_lib.parallel.compose import STEPS, Parallelized
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.runs import ComposedResult, train_parallel
 from course_lib.planner.memory import _stage_memory
@@ -90,20 +91,23 @@ def describe(parallel: ParallelConfig) -> str:
 def candidate_of(parallel: ParallelConfig, global_batch: int) -> Candidate:
     """The planner's ``Candidate`` for a ``ParallelConfig`` (no recomputation; SP is the planner's whenever
     tp > 1, so ``parallel`` must set it then)."""
-    if parallel.tp > 1 and not parallel.sequence_parallel:
+    if parallel.shape.tp > 1 and not parallel.sequence_parallel:
         raise ValueError(f"{parallel}: the planner prices tp > 1 with sequence parallelism; set "
                          "sequence_parallel=True to compare with it")
     if not isinstance(parallel.schedule, str):
         raise ValueError("the planner knows the schedules by name: give ParallelConfig(schedule=...) a string")
-    micro = global_batch // (parallel.dp * parallel.microbatches) if parallel.pp > 1 else global_batch // parallel.dp
-    return Candidate(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep,
+    s = parallel.shape
+    micro = global_batch // (s.dp * parallel.microbatches) if s.pp > 1 else global_batch // s.dp
+    return Candidate(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep,
                      zero=parallel.zero_stage, micro_batch=max(micro, 1), recompute="none",
                      schedule=parallel.schedule, v=parallel.v)  # type: ignore[arg-type]
 
 
 def config_of(cand: Candidate, global_batch: int) -> ParallelConfig:
     """The ``ParallelConfig`` that trains the planner's ``cand`` (its micro-batches per pipeline, SP with TP)."""
-    return ParallelConfig(MeshShape(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp, ep=cand.ep), zero_stage=cand.zero, sequence_parallel=cand.tp > 1, schedule=cand.schedule, v=cand.v, microbatches=cand.microbatches(global_batch) if cand.pp > 1 else 2)
+    return ParallelConfig(MeshShape(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp, ep=cand.ep),
+                          zero_stage=cand.zero, sequence_parallel=cand.tp > 1, schedule=cand.schedule, v=cand.v,
+                          microbatches=cand.microbatches(global_batch) if cand.pp > 1 else 2)
 
 
 def planner_states(cfg: GPTConfig, cand: Candidate, global_batch: int, stage: int,
@@ -123,17 +127,13 @@ def planner_states(cfg: GPTConfig, cand: Candidate, global_batch: int, stage: in
     return {c: budget[c] / per[c][0] * per[c][1] for c in MODEL_STATES}
 
 
-class TrackedParallelized(Parallelized):
-    """``Parallelized`` that starts a ``MemoryTracker`` over what this rank trains (its pipeline stages or the
-    whole sharded model) once built; ``train_measured`` stops it after the run. The optimizer's state is seen
-    by the tracker's optimizer-step hooks (``ShardedOptimizer`` steps a local optimizer of its partition)."""
-
-    tracker: ClassVar[MemoryTracker | None] = None
-
-    def __init__(self, model: Any, mesh: Any, **kwargs: Any) -> None:
-        super().__init__(model, mesh, **kwargs)
-        trained = list(self.pipe.stages.values()) if self.pipe is not None else [model]
-        type(self).tracker = MemoryTracker(trained).__enter__()
+def track_memory(run: Parallelized, trackers: list[MemoryTracker]) -> None:
+    """A last composition step: a ``MemoryTracker`` over what this rank trains (its pipeline stages or the
+    whole sharded model), started once the model is built; ``train_measured`` stops it after the run. The
+    optimizer's state is seen by the tracker's optimizer-step hooks (``ShardedOptimizer`` steps a local
+    optimizer of its partition)."""
+    trained = list(run.pipe.stages.values()) if run.pipe is not None else [run.module]
+    trackers.append(MemoryTracker(trained).__enter__())
 
 
 def train_measured(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig,
@@ -148,12 +148,14 @@ def train_measured(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig,
         if parallel.world_size != world_size:
             raise ValueError(f"rank {rank}: {parallel} needs {parallel.world_size} ranks, the launch has "
                              f"{world_size}; launch each world size on its own")
+        trackers: list[MemoryTracker] = []
         try:
-            result = train_parallel(rank, world_size, model, tc, parallel, composed_class=TrackedParallelized)
+            result = train_parallel(rank, world_size, model, tc, parallel,
+                                    steps=(*STEPS, functools.partial(track_memory, trackers=trackers)))
         finally:
-            tracker, TrackedParallelized.tracker = TrackedParallelized.tracker, None
-            if tracker is not None:
+            for tracker in trackers:
                 tracker.__exit__(None, None, None)
+        tracker = trackers[0]
         out.append((result, {c: float(tracker.category_peaks[c]) for c in MODEL_STATES}))
     return out
 

@@ -269,25 +269,25 @@ def _place(name, shape, n_layer, parallel, *, sp_partial=True, data_group=None, 
     """A right ``place_parameter`` with one of the knobs turned to a plausible mistake."""
     module = name.split(".")[-2]
     local, placements = list(shape), {}
-    if parallel.tp > 1:
+    if parallel.shape.tp > 1:
         dim = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "fc1": 0, "tok_emb": 0, "lm_head": 0, "o_proj": 1, "fc2": 1}
         if module in dim:
             placements["tp"] = f"S({dim[module]})"
-            local[dim[module]] //= parallel.tp
+            local[dim[module]] //= parallel.shape.tp
         elif parallel.sequence_parallel and sp_partial:
             placements["tp"] = "P"
-    group = data_group or ("dp+cp" if parallel.cp > 1 else "dp")
-    ranks = parallel.dp if data_group == "dp" else parallel.dp * parallel.cp
+    group = data_group or ("dp+cp" if parallel.shape.cp > 1 else "dp")
+    ranks = parallel.shape.dp if data_group == "dp" else parallel.shape.dp * parallel.shape.cp
     if parallel.zero_stage == 3 and ranks > 1:
         placements[group] = "S(0)"
         local[0] = math.ceil(local[0] / ranks) if ceil else local[0] // ranks
     if name.startswith("blocks."):
         block = int(name.split(".")[1])
-        stage = block % parallel.pp if stage_rule == "modulo" else block // (n_layer // parallel.pp)
+        stage = block % parallel.shape.pp if stage_rule == "modulo" else block // (n_layer // parallel.shape.pp)
     else:
-        stage = 0 if module in ("tok_emb", "pos_emb") else parallel.pp - 1
+        stage = 0 if module in ("tok_emb", "pos_emb") else parallel.shape.pp - 1
     grad = [("all_reduce_sum", axis) for axis, where in placements.items() if where == "P"]
-    if parallel.dp * parallel.cp > 1:
+    if parallel.shape.dp * parallel.shape.cp > 1:
         grad.append((zero3_grad if group in placements else "all_reduce_mean", group))
     return {"placements": placements, "stage": stage, "local_shape": tuple(local), "grad": grad}
 
