@@ -404,7 +404,7 @@ EXERCISES = [
     Exercise("dp_bytes_per_step", "Bytes per rank and optimizer step", 2, "dp_bytes_per_step",
              check_dp_bytes_per_step,
              hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}],
-             off_limits=("course_lib.parallel.dp.allreduce_bytes_per_rank",
+             off_limits=("course_lib.estimates.accounting.allreduce_bytes_per_rank",
                          "course_lib.estimates.cost.collective_bytes_per_rank")),
     Exercise("overlap_buckets", "Overlapped, bucketed gradient hooks", 4, "overlap_buckets", check_overlap_buckets,
              hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3},

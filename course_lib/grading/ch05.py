@@ -255,8 +255,8 @@ def check_colleague_on_shape(colleague: Callable[..., Any], shape_fn: Callable[[
     return run_check("the colleague's step on your shape", body)
 
 
-PIPELINE_OFF_LIMITS = ("course_lib.parallel.pp.PipelineParallel", "course_lib.parallel.pp.TorchPipeline",
-                       "course_lib.parallel.pp.train_pp", "course_lib.parallel.pp_executor.PipelineExecutor",
+PIPELINE_OFF_LIMITS = ("course_lib.parallel.pp.PipelineParallel", "course_lib.parallel.oracles.TorchPipeline",
+                       "course_lib.parallel.runs.train_pp", "course_lib.parallel.pp_executor.PipelineExecutor",
                        "torch.distributed.pipelining.Schedule1F1B", "torch.distributed.pipelining.ScheduleGPipe",
                        "torch.distributed.pipelining.PipelineStage")
 """The library's pipeline runners, and PyTorch's: each runs the whole step."""

@@ -254,7 +254,7 @@ EXERCISES = [
              "add_grad_reduce", check_add_grad_reduce,
              hidden=[{"cases": (("gpipe", 4, 4, 1), ("zb_h1", 2, 3, 1), ("interleaved", 4, 8, 2), ("zb_h1", 3, 6, 1)),
                       "ranks": (("zb_h1", 4, 1),)}],
-             off_limits=("course_lib.parallel.schedule_run.add_grad_reduce",)),
+             off_limits=("course_lib.parallel.schedules.add_grad_reduce",)),
     Exercise("place_parameter", "Where a parameter lives on a mesh, and what its gradient needs", 4,
              "place_parameter", check_place_parameter, hidden=[ch08_placement.HIDDEN],
              off_limits=ch08_placement.OFF_LIMITS),
