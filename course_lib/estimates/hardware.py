@@ -157,8 +157,8 @@ LINKS: dict[str, Link] = {lk.name: lk for lk in (
 _Entry = TypeVar("_Entry", GPU, Link)
 
 
-def _lookup(table: dict[str, _Entry], key: str | _Entry, kind: type[_Entry], what: str) -> _Entry:
-    if isinstance(key, kind):
+def _lookup(table: dict[str, _Entry], key: str | _Entry, what: str) -> _Entry:
+    if not isinstance(key, str):
         return key
     if key not in table:
         raise ValueError(f"unknown {what} {key!r}; the catalogue has {list(table)}")
@@ -167,12 +167,12 @@ def _lookup(table: dict[str, _Entry], key: str | _Entry, kind: type[_Entry], wha
 
 def gpu(key: str | GPU) -> GPU:
     """The catalogue's GPU ``key`` (a :class:`GPU` is returned as it is)."""
-    return _lookup(GPUS, key, GPU, "GPU")
+    return _lookup(GPUS, key, "GPU")
 
 
 def link(key: str | Link) -> Link:
     """The catalogue's link ``key`` (a :class:`Link` is returned as it is)."""
-    return _lookup(LINKS, key, Link, "link")
+    return _lookup(LINKS, key, "link")
 
 
 FLASH_ATTENTION_BY_LENGTH: dict[str, tuple[tuple[int, float], ...]] = {

@@ -175,6 +175,7 @@ HIDDEN = {"cfg": GPTConfig(vocab_size=254, seq_len=16, n_layer=4, n_head=4, d_mo
 on rank 0), FSDP + TP without SP (127 rows: 64)."""
 
 OFF_LIMITS = ("course_lib.parallel.placement.placements_of", "course_lib.parallel.placement.placement",
-              "course_lib.parallel.placement_ops.placement_table", "course_lib.parallel.oracles.dtensor_fsdp_tp_placements",
+              "course_lib.parallel.placement_ops.placement_table",
+              "course_lib.parallel.oracles.dtensor_fsdp_tp_placements",
               "course_lib.parallel.compose.parallelize")
 """The library's placement records and the transforms that write them: the exercise's answer."""

@@ -114,8 +114,8 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag", microbatches: int | None = None,
-                  shards_class: type[RoutingShards] = RoutingShards) -> MeshRouting | None:
+def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
+                  microbatches: int | None = None) -> MeshRouting | None:
     """Make every MoE layer of ``model`` route as on one process on ``mesh`` (the module docstring): their
     ``shards`` over dp x cp (not for ``ExpertParallelMoE`` layers, which exchange their counts themselves) and,
     with a pipeline of ``microbatches`` = m, their router losses back-propagated with weight 1/m. None for a
@@ -130,7 +130,7 @@ def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
     data_group = mesh.group("dp", "cp") if size > 1 else None
     for layer in layers:  # expert-parallel layers need the token order only for capacity with cp
         if size > 1 and (not expert_parallel or (mesh.size("cp") > 1 and layer.capacity_factor is not None)):
-            layer.shards = shards_class(data_group, size, mesh.coord("dp"), mesh.size("cp"), mesh.coord("cp"),
+            layer.shards = RoutingShards(data_group, size, mesh.coord("dp"), mesh.size("cp"), mesh.coord("cp"),
                                         cp_layout)
         if pipelined:
             layer.backward_scale = 1.0 / microbatches

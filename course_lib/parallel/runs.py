@@ -43,7 +43,7 @@ from course_lib.parallel.ep import EPRoutingStats, ExpertParallelMoE
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.placement_ops import clip_grad_norm_, full_parameters, merge_parameters
 from course_lib.parallel.pp import PipelineParallel
-from course_lib.parallel.pp_executor import PipelineExecutor, StepRecord
+from course_lib.parallel.pp_executor import StepRecord
 from course_lib.parallel.pp_stages import PipelinePlan
 from course_lib.parallel.schedules import Schedule, Timeline
 from course_lib.parallel.sharding import model_state_bytes
@@ -194,14 +194,14 @@ def train_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
              schedule: str | Schedule = "1f1b", microbatches: int = 4, v: int = 1, split: Sequence[int] | None = None,
              *, mesh: HasGroups | None = None, group: comm.Group = None, model_fn: ModelFn | None = None,
              freeze: Sequence[str] = (), loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
-             executor: type[PipelineExecutor] = PipelineExecutor) -> PPResult:
+             **options: Any) -> PPResult:
     """Pipeline parallelism over ``group`` / ``mesh``'s pp axis (chapter 05): p * v stages, ``schedule``
-    over ``microbatches`` micro-batches per step; every rank steps its own stages' parameters."""
+    over ``microbatches`` micro-batches per step; every rank steps its own stages' parameters. ``options``:
+    ``PipelineParallel``'s others (``executor``: a variant's class)."""
     tc = tc or TrainConfig()
     model = build_model(cfg, tc.seed, model_fn, freeze)
     pipe = PipelineParallel(model, mesh=mesh, group=group, schedule=schedule, microbatches=microbatches, v=v,
-                            split=split, global_batch=tc.global_batch, loss_fn=loss_fn, emulate=emulate,
-                            executor=executor)
+                            split=split, global_batch=tc.global_batch, loss_fn=loss_fn, emulate=emulate, **options)
     opt = make_optimizer(list(pipe.parameters()), tc)
     spans: list[tuple[float, float]] = []
 

@@ -1,0 +1,158 @@
+"""The library's shape, read from its source (ast, nothing imported): what a learner must open to read one axis,
+which layer may import which, where gradients are reduced, and how many class-valued parameters it has.
+
+* Reading paths: each axis module's transitive import closure inside ``course_lib`` (less what every learner
+  already knows: the GPT and the comm layer) stays within its budget and pulls in no other axis module.
+* Layers: a module imports only from its own layer or those below (no cycle between modules either).
+* Only data parallelism reduces gradients: every call of a reducing collective outside the data-parallel
+  modules is one of the listed, non-gradient reductions (a loss, a norm, TP's f/g on activations, ...).
+* Class-valued parameters (``type[...]``, or a default that is a class): at most ``MAX_CLASS_VALUED``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIB = ROOT / "course_lib"
+
+AXES = {  # axis module: budget in lines for its closure less KNOWN
+    "course_lib.parallel.dp": 600, "course_lib.parallel.sharded_optimizer": 300, "course_lib.parallel.zero": 1000,
+    "course_lib.parallel.fsdp2": 1000, "course_lib.parallel.tp": 1200, "course_lib.parallel.pp": 1400,
+    "course_lib.parallel.cp": 900, "course_lib.parallel.ep": 900,
+}
+KNOWN = {"course_lib", "course_lib.parallel", "course_lib.model", "course_lib.model_config", "course_lib.layers",
+         "course_lib.moe", "course_lib.comm"}
+"""What every learner knows before any axis: the GPT (START_HERE) and the instrumented comm layer (chapter 01)."""
+
+LAYERS = ["core", "runtime", "parallel", "estimates", "measure", "planner", "failures", "serving", "viz",
+          "grading", "course"]
+"""Bottom to top: a module may import its own package and the packages before it. ``core`` is the top level
+(the GPT, comm, data, the baseline)."""
+
+DATA_PARALLEL = {"dp", "dp_reduce", "sharded_optimizer", "zero", "zero_unit", "sharding", "fsdp2",
+                 "fsdp2_pipeline"}
+"""The data-parallel modules of ``course_lib.parallel``: the only ones that may reduce gradients."""
+
+NOT_GRADIENTS = {  # (module, function) -> what the reduction is, outside the data-parallel modules
+    ("contract", "reduce_losses"): "the per-step losses, averaged over the data ranks",
+    ("tp_comm", "all_reduce_sum"): "TP's g: the row-parallel activations (and f's backward: their gradient)",
+    ("tp_comm", "reduce_scatter_along"): "SP's reduce-scatter of activations (or of their gradient)",
+    ("tp_layers", "forward"): "the vocab-parallel cross-entropy's max, target logit and denominator",
+    ("placement_ops", "grad_norm"): "the squares of the gradient norm, summed over the axes that split them",
+    ("moe_mesh", "add_stage_losses"): "the router losses of the stages, summed over pp and averaged over dp",
+    ("cp_attention", "backward"): "the all-gather attention's dK, dV: activation gradients, reduce-scattered",
+}
+REDUCING = {"all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_reduce_flat"}
+
+MAX_CLASS_VALUED = 13
+"""Today: the forms runs.train_dp and train_zero take, the unit factories of ZeRO and FSDP2, the pipeline's
+executor, CP's attention module, EP's layer, serving's engine (2), the optimizer class of ZeRO-1 (2, as
+``ZeroRedundancyOptimizer``'s), the baseline's model class, the grading's refused exception class."""
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module(p): p for p in LIB.rglob("*.py")}
+TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
+
+
+def _imports(mod: str) -> set[str]:
+    """Every course_lib module ``mod`` imports (module level and inside functions)."""
+    pkg = mod if MODULES[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(TREES[mod]):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out |= {base, *(f"{base}.{a.name}" for a in node.names)}
+    return {m for m in out if m in MODULES}
+
+
+def _closure(mod: str) -> set[str]:
+    seen, todo = set(), [mod]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += _imports(m) - seen
+    return seen
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and (LIB / parts[1]).is_dir() else "core"
+
+
+def test_every_axis_reads_within_its_budget_and_alone():
+    report = []
+    for mod, budget in AXES.items():
+        closure = _closure(mod) - KNOWN
+        lines = sum(len(MODULES[m].read_text().splitlines()) for m in closure)
+        others = sorted((closure & set(AXES)) - {mod})
+        if lines > budget or others:
+            report.append(f"{mod}: {lines} lines (budget {budget}), other axes {others}")
+    assert not report, report
+
+
+def test_no_import_runs_up_a_layer_and_no_module_cycle():
+    upward = [f"{m} ({_layer(m)}) imports {i} ({_layer(i)})" for m in MODULES for i in _imports(m)
+              if LAYERS.index(_layer(i)) > LAYERS.index(_layer(m))]
+    assert not upward, upward
+    cycles = [m for m in MODULES if any(m in _closure(i) for i in _imports(m) if i != m)]
+    assert not cycles, f"modules on an import cycle: {sorted(cycles)}"
+
+
+def _reductions() -> list[tuple[str, str, str]]:
+    """(module, enclosing function, callee) for every reducing collective called in course_lib.parallel."""
+    out = []
+    for mod, tree in TREES.items():
+        if not mod.startswith("course_lib.parallel."):
+            continue
+        for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            for call in [n for n in ast.walk(fn) if isinstance(n, ast.Call)]:
+                name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+                if name in REDUCING:
+                    out.append((mod.rsplit(".", 1)[1], fn.name, name))
+    return out
+
+
+def test_only_data_parallelism_reduces_gradients():
+    found = _reductions()
+    assert any(m in DATA_PARALLEL for m, _, _ in found), "the scan found no reduction at all: it is broken"
+    outside = sorted({(m, f) for m, f, _ in found if m not in DATA_PARALLEL} - set(NOT_GRADIENTS))
+    assert not outside, (f"reducing collectives outside the data-parallel modules {sorted(DATA_PARALLEL)}: "
+                         f"{outside}; reduce gradients through dp_reduce, or list a non-gradient reduction")
+    stale = sorted(set(NOT_GRADIENTS) - {(m, f) for m, f, _ in found})
+    assert not stale, f"listed reductions that no longer exist: {stale}"
+
+
+def _class_valued() -> list[str]:
+    classes = {n.name for t in TREES.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    out = []
+    for mod, tree in TREES.items():
+        for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            args = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+            defaults = [None] * (len(fn.args.posonlyargs) + len(fn.args.args) - len(fn.args.defaults))
+            defaults += [*fn.args.defaults, *fn.args.kw_defaults]
+            for a, d in zip(args, defaults, strict=True):
+                typed = a.annotation is not None and ast.unparse(a.annotation).startswith("type[")
+                if typed or (isinstance(d, ast.Name) and d.id in classes):
+                    out.append(f"{mod}.{fn.name}({a.arg})")
+    return out
+
+
+def test_few_class_valued_parameters():
+    found = _class_valued()
+    assert found, "the scan found none: it is broken (runs.train_dp takes data_parallel=DataParallel)"
+    assert len(found) <= MAX_CLASS_VALUED, found
