@@ -34,7 +34,6 @@ from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_f
 
 Mode = Literal["naive", "bucketed", "overlapped", "scheduled"]
 MODES: tuple[Mode, ...] = ("naive", "bucketed", "overlapped", "scheduled")
-MiB = 1024 * 1024
 DEFAULT_BUCKET_MB = 25.0
 """DDP's default ``bucket_cap_mb``."""
 
@@ -66,7 +65,6 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[li
 class Bucket:
     """The gradients of ``params`` back to back in ``buffer``, reduced over the group of axis key ``key``."""
 
-    index: int
     params: list[nn.Parameter]
     key: str
     buffer: torch.Tensor
@@ -98,7 +96,7 @@ class DataParallel(ParallelWrapper):
         super().__init__(module, mesh=mesh, group=group)
         self.mode: Mode = mode
         self.groups = mesh if mesh is not None else {R.DATA: self.group}
-        self.bucket_bytes = int(bucket_mb * MiB)
+        self.bucket_bytes = int(bucket_mb * 2**20)
         self.find_unused_parameters = find_unused_parameters
         if broadcast:
             if mesh is not None:
@@ -124,7 +122,7 @@ class DataParallel(ParallelWrapper):
         for members in assign_buckets(params, self.bucket_bytes):
             ps = [params[i] for i in members]
             buffer = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-            out.append(Bucket(len(out), ps, R.data_axis(ps[0]), buffer))
+            out.append(Bucket(ps, R.data_axis(ps[0]), buffer))
         return out
 
     # -- the loop's steps -------------------------------------------------------------------------------------
@@ -153,7 +151,12 @@ class DataParallel(ParallelWrapper):
             return
         if not self._unsynced:
             self._arm()
-        for b in self.build_buckets([p for p in params if p.requires_grad][::-1]):
+        params = [p for p in params if p.requires_grad]
+        done = {id(p) for b in self._launched for p in b.params}
+        if any(id(p) in done for p in params):
+            raise RuntimeError(f"rank {self.rank}: launch() of parameters already reduced this step: a stage "
+                               "reduced twice (two REDUCE_GRAD actions for one stage?)")
+        for b in self.build_buckets(params[::-1]):
             self.launch_bucket(b, async_op=True)
 
     def finish_gradient_sync(self) -> None:
@@ -166,8 +169,8 @@ class DataParallel(ParallelWrapper):
         with torch.no_grad():
             had = [p.grad is not None for p in self.params]
             if self.mode == "naive":
-                for i, p in enumerate(self.params):
-                    self.launch_bucket(Bucket(i, [p], R.data_axis(p), R.flatten_grads([p])), False)
+                for p in self.params:
+                    self.launch_bucket(Bucket([p], R.data_axis(p), R.flatten_grads([p])), False)
             elif self.mode == "bucketed":
                 for b in self.buckets:
                     self.launch_bucket(b, async_op=False)
