@@ -54,8 +54,8 @@ def group_of(groups: Groups, key: str) -> comm.Group:
     try:
         return axis_group(groups, key)
     except KeyError as e:
-        raise KeyError(f"rank {dist.get_rank()}: a gradient must be reduced over {key!r} but no group is given for "
-                       f"it ({e.args[0]}): build the data-parallel form with mesh= (a Mesh has every axis)") from None
+        raise KeyError(f"a gradient must be reduced over {key!r} but no group is given for it ({e.args[0]}): "
+                       f"build the data-parallel form with mesh= (a Mesh has every axis)") from None
 
 
 def flatten_grads(params: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
