@@ -67,7 +67,7 @@ def test_flatten_and_split_back_is_exact_and_a_missing_gradient_counts_as_zeros(
 def test_a_missing_group_names_the_axis_and_the_fix():
     p = nn.Parameter(torch.ones(2))
     P.set_placement(p, "tp", P.Partial())
-    with pytest.raises(KeyError, match="'tp'.*mesh="):
+    with pytest.raises(KeyError, match=r"'tp'.*mesh="):
         R.group_of({"dp+cp": None}, "tp")
 
 
