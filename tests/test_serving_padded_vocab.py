@@ -23,6 +23,7 @@ from course_lib.serving.roofline import StepCost
 from course_lib.serving.scheduler import Scheduler, SimClock
 from course_lib.serving.speculative import draft_from_layers, speculative_generate
 from course_lib.serving.tp_decode import tp_generate
+from tests.test_serving import one_thread  # noqa: F401  (autouse: one thread for these tiny matrices)
 
 VOCAB = 200
 CFG = GPTConfig(vocab_size=VOCAB, make_vocab_size_divisible_by=128, seq_len=64, n_kv_head=2, pos="rope",
@@ -30,14 +31,6 @@ CFG = GPTConfig(vocab_size=VOCAB, make_vocab_size_divisible_by=128, seq_len=64, 
 COST = StepCost.for_model("llama3-8b", "H100 80GB", overhead_s=1e-3)
 NEW = 12
 TRACE = dict(n=10, rate=400.0, vocab_size=VOCAB, short_prompt=(2, 6), long_prompt=(14, 20), output=(2, 16), seed=3)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
