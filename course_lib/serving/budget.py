@@ -34,7 +34,7 @@ QUANTISATION: dict[str, float] = {"bf16": 2, "int8": 1, "int4": 0.5}
 """Bytes per weight. The KV cache stays bf16 here (2 bytes) whatever the weights."""
 TOKEN_BUDGET = 8192
 """Tokens one engine step may carry: vLLM V1's ``max_num_batched_tokens`` for its API server on a GPU of 70 GiB or
-more that is not an A100 (16384 for the offline ``LLM`` class; 2048 and 8192 on smaller GPUs):
+more that is not an A100 (its offline ``LLM`` class: 16384; on smaller GPUs and A100s: 2048 served, 8192 offline),
 ``EngineArgs.get_batch_defaults`` in vllm/engine/arg_utils.py."""
 
 
@@ -108,8 +108,9 @@ class ServingPrediction:
 def serving_budget(config: GPTConfig | str, *, batch: int, context: int, weight_bytes: float = 2, tp: int = 1,
                    token_budget: int = TOKEN_BUDGET, headroom: float = 0.10) -> MemoryBudget:
     """Memory per GPU while serving ``batch`` sequences of ``context`` tokens: their weights and KV cache, and the
-    workspace and communication buffers of one engine step of ``token_budget`` tokens spread over
-    min(batch, token_budget) sequences (vLLM's profiling step; rounded up to whole tokens per sequence)."""
+    workspace and communication buffers of one engine step of ``token_budget`` tokens spread over the ``batch``
+    sequences (the step vLLM profiles; rounded up to whole tokens per sequence). A batch larger than the token
+    budget cannot decode in one step: ``ValueError``."""
     check_count("batch", batch)
     check_count("token_budget", token_budget)
     if batch > token_budget:
@@ -122,7 +123,7 @@ def serving_budget(config: GPTConfig | str, *, batch: int, context: int, weight_
     parts = {"weights": held["weights"], "kv_cache": held["kv_cache"], "workspace": step["workspace"],
              "communication": step["communication"]}
     parts["headroom"] = headroom * sum(parts.values())
-    return MemoryBudget(parts, label=f"{held.label}, workspace of a {token_budget}-token step")
+    return MemoryBudget(parts, label=f"{held.label}, workspace: one {token_budget}-token step")
 
 
 def predict(config: GPTConfig | str, gpu: str = "H100 80GB", *, batch: int = 1, context: int = 4096,
