@@ -16,7 +16,7 @@ import pytest
 import course_lib
 from course_lib.estimates import hardware
 from course_lib.estimates.hardware import GPU, GPUS, LINKS, Link, gpu, link
-from course_lib.planner import search as planner
+from course_lib.planner.search import search as planner
 
 GB = 1e9
 ROOT = Path(course_lib.__file__).parent
@@ -88,6 +88,27 @@ def test_one_nvlink_latency_nccls_ring_step() -> None:
     assert {lk.alpha for k, lk in LINKS.items() if k.startswith("PCIe")} == {hardware.PCIE_ALPHA} == {5.7e-6}
     assert {lk.alpha for k, lk in LINKS.items() if k.startswith(("InfiniBand", "Ethernet"))} == {14e-6}
     assert hardware.NETWORK_ALPHA == 14e-6
+
+
+def test_nccls_latency_table_per_protocol_is_tuning_cc() -> None:
+    """NCCL 2.30.7 src/graph/tuning.cc: hwLat's ring row (LL, LL128, Simple) per link kind, baseLat's ring row, and
+    the share of the bus bandwidth each protocol carries; each catalogue link reads its own row."""
+    assert hardware.NCCL_RING_LATENCY == {"nvlink": {"LL": 0.6e-6, "LL128": 1.9e-6, "Simple": 3.4e-6},
+                                          "pci": {"LL": 1.0e-6, "LL128": 2.5e-6, "Simple": 5.7e-6},
+                                          "net": {"LL": 2.7e-6, "LL128": 4.0e-6, "Simple": 14e-6}}
+    assert hardware.NCCL_RING_BASE_LATENCY == {"LL": 6.6e-6, "LL128": 14e-6, "Simple": 8.4e-6}
+    assert hardware.NCCL_PROTOCOL_BANDWIDTH == {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}
+    kinds = {"NVLink": "nvlink", "PCIe": "pci", "InfiniBand": "net", "Ethernet": "net"}
+    for key, lk in LINKS.items():
+        kind = next(v for k, v in kinds.items() if key.startswith(k))
+        assert lk.nccl_link == kind and lk.protocol_alpha("Simple") == lk.alpha, key
+        assert lk.protocol_alpha("LL") == hardware.NCCL_RING_LATENCY[kind]["LL"] < lk.alpha, key
+        assert " LL" in lk.source, key  # both latencies are named with their source
+    assert link("NVLink 4 (H100)").shared_by(2).protocol_alpha("LL") == 0.6e-6
+    free = hardware.Link("free", 0.0, 1e12, "an idealisation")
+    assert free.protocol_alpha("LL") == 0.0
+    with pytest.raises(ValueError, match="unknown NCCL protocol 'LL64'"):
+        free.protocol_alpha("LL64")
 
 
 def test_intra_links_are_catalogue_keys() -> None:

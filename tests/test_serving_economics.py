@@ -8,11 +8,11 @@ import torch
 
 from course_lib.estimates import hardware
 from course_lib.estimates.cost import all_reduce_time, collective_time
-from course_lib.estimates.memory import kv_cache_bytes
+from course_lib.estimates.memory import inference_memory, kv_cache_bytes
 from course_lib.model import GPT
 from course_lib.model_config import PRESETS, GPTConfig, param_count
 from course_lib.serving import roofline
-from course_lib.serving.budget import predict
+from course_lib.serving.budget import decode_all_reduce_time, nccl_all_reduce, nccl_ring_times, predict, serving_budget
 from course_lib.serving.engine import generate
 from course_lib.serving.roofline import StepCost, StepWork
 from course_lib.serving.scheduler import EmulatedClock
@@ -44,13 +44,50 @@ def test_small_messages_pick_one_shot_large_ones_the_ring():
     assert one[1] / one[0] < 1.2 and ring[1] / ring[0] > 5
 
 
+def test_nccl_ring_is_priced_at_the_protocol_nccls_model_picks():
+    """tuning.cc's ring model, hand-computed: base + 2(t-1) hwLat + 2(t-1)/t V / (beta x share); LL wins a decode
+    step's 16 kB (0.6 us a step over NVLink against Simple's 3.4), Simple wins a 64 MB prefill all-reduce."""
+    v, b = 16384, NVLINK.beta
+    times = nccl_ring_times(v, 8, NVLINK)
+    assert times["LL"] == pytest.approx(6.6e-6 + 14 * (0.6e-6 + v / 8 / (0.5 * b)))
+    assert times["Simple"] == pytest.approx(8.4e-6 + 14 * (3.4e-6 + v / 8 / b))
+    assert times["LL128"] == pytest.approx(14e-6 + 14 * (1.9e-6 + v / 8 / (0.92 * b)))
+    assert nccl_all_reduce(v, 8, NVLINK) == (times["LL"], "LL")
+    assert nccl_all_reduce(4096 * v, 8, NVLINK)[1] == "Simple"
+    assert nccl_all_reduce(v, 1, NVLINK)[0] == 0.0
+    assert decode_all_reduce_time(v, 8, NVLINK, "ring") == times["LL"]
+    # a link outside NCCL's tables: its own alpha for every protocol, no fixed cost
+    plain = hardware.Link("fitted", 1e-6, b, "a test link")
+    assert nccl_ring_times(v, 8, plain)["Simple"] == pytest.approx(collective_time("all_reduce", v, 8, 1e-6, b))
+
+
 def test_tp8_decode_names_the_bound_that_dominates():
+    """Priced at the protocol NCCL picks (LL), the ring's all-reduces no longer exceed the memory time at t = 8;
+    the Simple protocol's latency (what the ring pays for large messages) would."""
     ring = predict("llama3-70b", "H100 80GB", batch=1, context=4096, tp=8, allreduce="ring")
     best = predict("llama3-70b", "H100 80GB", batch=1, context=4096, tp=8)
-    assert ring.comm_s > ring.memory_s and ring.bound == "communication-bound"
-    assert best.comm_s < ring.comm_s / 5 and best.bound == "memory-bound"
-    # with small-message all-reduces one sequence's inter-token latency keeps falling from t = 4 to t = 8
-    assert best.step_s < predict("llama3-70b", "H100 80GB", batch=1, context=4096, tp=4).step_s
+    simple = 2 * PRESETS["llama3-70b"].n_layer * nccl_ring_times(PRESETS["llama3-70b"].d_model * 2, 8, NVLINK)["Simple"]
+    assert simple > ring.memory_s > ring.comm_s and ring.bound == "memory-bound"
+    assert best.comm_s < ring.comm_s / 3 and best.bound == "memory-bound"
+    # one sequence's inter-token latency keeps falling from t = 4 to t = 8, with either all-reduce
+    for alg in ("ring", "best"):
+        assert predict("llama3-70b", batch=1, tp=8, allreduce=alg).step_s < predict("llama3-70b", batch=1, tp=4,
+                                                                                  allreduce=alg).step_s
+
+
+def test_workspace_is_one_token_budget_step_so_capacity_does_not_shrink_with_the_batch():
+    """Sized for the whole batch's prompts at once, capacity fell 126 -> 99 -> 72 as the batch grew 1 -> 32 -> 64;
+    sized as engines profile it (one step of the token budget), it is the same at every batch that fits."""
+    caps = {b: predict("llama3-70b", batch=b, context=4096, tp=4) for b in (1, 32, 64, 125, 126)}
+    assert len({p.max_sequences for p in caps.values()}) == 1
+    assert caps[125].fits and not caps[126].fits and caps[1].max_sequences == 125
+    small, large = (serving_budget("llama3-70b", batch=32, context=4096, tp=4, token_budget=n) for n in (2048, 8192))
+    for n, b in ((2048, small), (8192, large)):  # vLLM's profiling step: n tokens over the 32 sequences
+        step = inference_memory("llama3-70b", batch=32, context_len=4096, prefill_chunk=n // 32, tp=4)
+        assert (b["workspace"], b["communication"]) == (step["workspace"], step["communication"])
+    assert large["kv_cache"] == small["kv_cache"] == kv_cache_bytes("llama3-70b", 4096, 32, 2, 4)
+    with pytest.raises(ValueError, match="more than token_budget=16"):
+        serving_budget("llama3-70b", batch=32, context=4096, token_budget=16)
 
 
 def test_decode_bytes_per_token_and_intensity_include_the_kv_cache():

@@ -10,17 +10,21 @@ matplotlib.use("Agg")
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib.estimates.memory import inference_memory
 from course_lib.estimates.memory_budget import GB
-from course_lib.serving.budget import predict
-from course_lib.serving.roofline import critical_batch
+from course_lib.model import GPT
+from course_lib.serving.budget import predict, serving_budget
+from course_lib.serving.engine import Engine
+from course_lib.serving.loadgen import poisson_trace
+from course_lib.serving.paged import PagedKVCache
+from course_lib.serving.roofline import StepCost, critical_batch
+from course_lib.serving.scheduler import Scheduler, SimClock
 from course_lib.viz.serving import ServingBudgetPanel, TracePanel, plot_roofline, plot_schedule
 
 
 def test_budget_panel_shows_the_estimators_budget_and_reacts_to_tp_and_quantisation():
     w = ServingBudgetPanel(model="llama3-70b", draw=False)
     text = w.set(tp=1, batch=8, context=4096, quant="bf16")
-    ref = inference_memory("llama3-70b", batch=8, context_len=4096, tp=1)
+    ref = serving_budget("llama3-70b", batch=8, context=4096, tp=1)
     assert w.prediction.budget.total == pytest.approx(ref.total)
     assert f"{ref.total / GB:.1f} GB" in text and "does NOT fit" in text
     assert "fits" in w.set(tp=4) and w.prediction.max_sequences > 0
@@ -82,9 +86,40 @@ def test_drawn_trace_panel_redraws_the_schedule_for_each_policy():
         shown.append(w.image.value)
 
 
+def test_budget_panel_refuses_what_it_cannot_use_with_a_message():
+    w = ServingBudgetPanel(model="llama3-70b", draw=False)
+    assert w.set(batch=0) == "invalid: batch must be an int >= 1, got 0" and w.prediction is None
+    assert w.set(batch=32, tp=3).startswith("invalid: tp=3: this widget splits a model over 1, 2, 4, 8 GPUs")
+    assert w.values()["tp"] != 3 and w.set(tp=4).startswith("llama3-70b on 4 x")
+    assert w.set(token_budget=16).startswith("invalid: batch=32 sequences")
+
+
+def test_budget_panel_prints_no_throughput_for_a_configuration_that_does_not_fit():
+    w = ServingBudgetPanel(model="llama3-70b", draw=False)
+    fits = w.set(tp=4, batch=32, context=4096)
+    assert "tokens/s" in fits and "decode step" in fits
+    cap = w.prediction.max_sequences
+    for change in ({"batch": cap + 1}, {"batch": 32, "tp": 1}):
+        text = w.set(**change)
+        assert "does NOT fit" in text and "tokens/s" not in text and "no decode step or throughput" in text
+    assert w.set(tp=4, batch=1).count(f"max concurrent sequences of 4096 tokens: {cap}") == 1  # whatever the batch
+
+
+def test_trace_panel_replays_the_chapters_trace():
+    """At the same rate, size and seed the widget serves exactly the trace the chapter builds from TracePanel.TRACE."""
+    w = TracePanel(n_requests=12, draw=False)
+    w.set(rate=300, policy="static", clock="simulated")
+    trace = poisson_trace(12, 300.0, **TracePanel.TRACE, seed=0)
+    ref = Scheduler(Engine(GPT(w.config, seed=0).eval(), PagedKVCache(w.config, n_blocks=400, block_size=16)),
+                    policy="static", max_batch=8, clock=SimClock(StepCost.for_model("llama3-8b", "H100 80GB",
+                                                                                    overhead_s=1e-3))).run(trace)
+    assert w.result.outputs() == ref.outputs() and w.result.summary() == ref.summary()
+
+
 def test_budget_panel_names_the_all_reduce_bound_and_keeps_its_legend_off_the_axis_label():
     w = ServingBudgetPanel(model="llama3-70b", draw=False)
-    assert "communication-bound" in w.set(tp=8, batch=1, context=4096, allreduce="ring")
+    ring = w.set(tp=8, batch=1, context=4096, allreduce="ring")
+    assert "memory-bound" in ring and "(ring)" in ring  # NCCL's ring at the protocol it picks (LL)
     assert "memory-bound" in w.set(allreduce="best") and "(best)" in w.text
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

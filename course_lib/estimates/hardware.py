@@ -18,14 +18,15 @@ What the numbers mean (the conventions every entry follows):
 * A link's ``beta``: bytes/s in **one** direction. Vendors quote NVLink as the sum of both directions
   ("900 GB/s bidirectional"): halved here. Network ports are quoted in bits per direction: divided by 8.
 * A link's ``alpha``: the latency of **one ring step**, in seconds, as NCCL's own cost model prices it
-  (NVIDIA/nccl ``src/graph/tuning.cc``, table ``hwLat``, ring algorithm, Simple protocol -- the one NCCL picks
-  for the large messages that gradients and activations are): 3.4 us over NVLink (NCCL uses one value for every
-  NVLink generation), 5.7 us over PCIe, 14 us over the network (InfiniBand and Ethernet/RoCE alike). A
+  (NVIDIA/nccl ``src/graph/tuning.cc``, NCCL 2.30, table ``hwLat``, ring algorithm, Simple protocol -- the one
+  NCCL picks for the large messages that gradients and activations are): 3.4 us over NVLink (NCCL uses one value
+  for every NVLink generation), 5.7 us over PCIe, 14 us over the network (InfiniBand and Ethernet/RoCE alike). A
   collective of ``steps`` ring steps then costs ``steps * alpha + bytes_per_step * steps / beta``
-  (``cost.collective_time``). This alpha is not the bare latency of the link (smaller: NCCL's LL protocol,
-  which it picks for small messages, prices an NVLink step at 0.6 us), nor the measured latency of a small
-  all-reduce, which adds a fixed cost per call (``baseLat``: 8.4 us for the ring, Simple) that this model leaves
-  out.
+  (``cost.collective_time``), without NCCL's fixed cost per call (``baseLat``). For small messages NCCL's tuner
+  picks another protocol: ``NCCL_RING_LATENCY`` keeps the same table for all three (LL: 0.6 us a step over
+  NVLink, LL128, Simple), with ``NCCL_RING_BASE_LATENCY`` and ``NCCL_PROTOCOL_BANDWIDTH``; a link's
+  ``nccl_link`` names its row and :meth:`Link.protocol_alpha` reads it (``serving.budget.nccl_all_reduce``
+  prices an all-reduce the way NCCL picks its protocol).
 * ``FLASH_ATTENTION_BY_LENGTH``: a kernel's measured speed by sequence length (FlashAttention-2 on an H100), the
   shape of the curve the planner applies to its attention efficiency (``attention_length_factor``).
 """
@@ -38,7 +39,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-__all__ = ["FLASH_ATTENTION_BY_LENGTH", "GPU", "GPUS", "LINKS", "NETWORK_ALPHA", "NVLINK_ALPHA", "PCIE_ALPHA", "Link",
+__all__ = ["FLASH_ATTENTION_BY_LENGTH", "GPU", "GPUS", "LINKS", "NCCL_PROTOCOLS", "NCCL_PROTOCOL_BANDWIDTH",
+           "NCCL_RING_BASE_LATENCY", "NCCL_RING_LATENCY", "NETWORK_ALPHA", "NVLINK_ALPHA", "PCIE_ALPHA", "Link",
            "attention_length_factor", "gpu", "link"]
 
 _GIB = 2**30
@@ -71,12 +73,21 @@ class GPU:
 
 @dataclass(frozen=True)
 class Link:
-    """A link of the alpha-beta model: ``alpha`` seconds per ring step, ``beta`` bytes/s in one direction."""
+    """A link of the alpha-beta model: ``alpha`` seconds per ring step, ``beta`` bytes/s in one direction;
+    ``nccl_link``: its row of NCCL's latency tables ("nvlink", "pci", "net"), None for a link NCCL does not price
+    (a fitted or idealised one, whose ``alpha`` then stands for every protocol)."""
 
     name: str
     alpha: float
     beta: float
     source: str
+    nccl_link: str | None = None
+
+    def protocol_alpha(self, protocol: str) -> float:
+        """Seconds per ring step under NCCL's ``protocol`` ("LL", "LL128", "Simple"): ``NCCL_RING_LATENCY``."""
+        if protocol not in NCCL_PROTOCOLS:
+            raise ValueError(f"unknown NCCL protocol {protocol!r}; choose one of {list(NCCL_PROTOCOLS)}")
+        return self.alpha if self.nccl_link is None else NCCL_RING_LATENCY[self.nccl_link][protocol]
 
     def shared_by(self, n: int) -> Link:
         """The same link when ``n`` GPUs share it (one NIC per node of ``n`` GPUs): each gets beta / n."""
@@ -113,30 +124,44 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
 """Every GPU of the course by its one key, smallest memory first: a consumer card and the data-centre parts."""
 
 
-NVLINK_ALPHA, PCIE_ALPHA, NETWORK_ALPHA = 3.4e-6, 5.7e-6, 14e-6
+NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
+NCCL_RING_LATENCY: dict[str, dict[str, float]] = {
+    "nvlink": {"LL": 0.6e-6, "LL128": 1.9e-6, "Simple": 3.4e-6},
+    "pci": {"LL": 1.0e-6, "LL128": 2.5e-6, "Simple": 5.7e-6},
+    "net": {"LL": 2.7e-6, "LL128": 4.0e-6, "Simple": 14e-6},
+}
+"""Seconds per ring step by link and NCCL protocol: ``hwLat``, ring row (NVIDIA/nccl src/graph/tuning.cc, NCCL
+2.30.7). LL stores 8 bytes (4 of data, 4 of flag) and polls the flag: the lowest latency, half the bandwidth;
+Simple moves large chunks behind a fence: the full bandwidth, the highest latency; LL128 sits between."""
+NCCL_RING_BASE_LATENCY: dict[str, float] = {"LL": 6.6e-6, "LL128": 14e-6, "Simple": 8.4e-6}
+"""Fixed seconds a ring collective costs whatever its size, by protocol: ``baseLat``, ring row (same file)."""
+NCCL_PROTOCOL_BANDWIDTH: dict[str, float] = {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}
+"""Share of a link's bandwidth each protocol carries as data, as tuning.cc scales a ring's bus bandwidth (LL x .5,
+LL128 x .92; NCCL also caps both per GPU architecture, which the course leaves out)."""
+NVLINK_ALPHA, PCIE_ALPHA, NETWORK_ALPHA = (NCCL_RING_LATENCY[k]["Simple"] for k in ("nvlink", "pci", "net"))
 """Seconds per ring step: NCCL's ``hwLat`` (src/graph/tuning.cc), ring algorithm, Simple protocol."""
-_NCCL_LAT = "per-step latency: NCCL src/graph/tuning.cc hwLat (ring, Simple protocol)"
+_NCCL_LAT = "per-step latency: NCCL src/graph/tuning.cc hwLat (ring; Simple, LL in NCCL_RING_LATENCY)"
 
 
 def _nvlink(key: str, both_directions: float, document: str) -> Link:
     """Vendors quote NVLink as the sum of both directions: beta is half of it."""
     return Link(key, NVLINK_ALPHA, both_directions / 2,
                 f"{document}: {both_directions / 1e9:.0f} GB/s both directions = {both_directions / 2e9:.0f} GB/s "
-                f"each way; {_NCCL_LAT}, NVLink 3.4 us")
+                f"each way; {_NCCL_LAT}, NVLink 3.4 us Simple, 0.6 us LL", "nvlink")
 
 
 def _pcie(key: str, gigatransfers: float) -> Link:
     """PCIe x16: GT/s per lane x 16 lanes x 128b/130b encoding, in bytes per direction."""
     beta = gigatransfers * 1e9 * 16 * 128 / 130 / 8
     return Link(key, PCIE_ALPHA, beta, f"PCI-SIG: {gigatransfers:.0f} GT/s x 16 lanes, 128b/130b = {beta / 1e9:.3g} "
-                                       f"GB/s each way; {_NCCL_LAT}, PCI 5.7 us")
+                                       f"GB/s each way; {_NCCL_LAT}, PCI 5.7 us Simple, 1.0 us LL", "pci")
 
 
 def _network(key: str, gigabits: float, port: str) -> Link:
     """A network port is quoted in bits per second and direction: beta is that / 8."""
     return Link(key, NETWORK_ALPHA, gigabits * 1e9 / 8,
                 f"{port}: {gigabits:.0f} Gb/s per port and direction = {gigabits / 8:.3g} GB/s; {_NCCL_LAT}, "
-                f"network 14 us")
+                f"network 14 us Simple, 2.7 us LL", "net")
 
 
 LINKS: dict[str, Link] = {lk.name: lk for lk in (

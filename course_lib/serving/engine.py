@@ -8,7 +8,8 @@ decode cheap); only attention is per sequence, because each one attends over its
     q_i attends to keys 0 .. start + i of its own sequence (causal, over cache + new positions)
 
 The engine never changes the model (``course_lib.model.GPT``): it calls ``tok_emb``, ``pos_emb``, each block's
-norms, projections and MLP, ``norm_f`` and ``lm_head``. A variant changes one step by overriding a public method:
+norms, projections and MLP, then the model's own ``head`` (``norm_f``, ``lm_head``, and -inf on a padded
+vocabulary's extra ids, so no serving path can emit one). A variant changes one step by overriding a public method:
 :meth:`Engine.qkv`, :meth:`Engine.attn_out`, :meth:`Engine.mlp` (tensor-parallel decode shards these three).
 """
 
@@ -82,9 +83,9 @@ class Engine:
             x = x + self.attn_out(block, self.attention(layer, block, block.norm1(x), segments, positions))
             x = x + self.mlp(block, block.norm2(x))
         if every_token:
-            return m.lm_head(m.norm_f(x))
+            return m.head(x)
         last = torch.cumsum(torch.tensor([s.tokens.numel() for s in segments], device=x.device), 0) - 1
-        return m.lm_head(m.norm_f(x[last]))
+        return m.head(x[last])
 
     def attention(self, layer: int, block: Block, x: torch.Tensor, segments: Sequence[Segment],
                   positions: torch.Tensor) -> torch.Tensor:

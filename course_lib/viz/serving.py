@@ -3,11 +3,12 @@
 * :func:`plot_schedule` -- which request ran in which step (prefill / decode / recompute), on the clock that
   made it ("simulated" or "wall-clock", in the title);
 * :func:`plot_roofline` -- attainable FLOP/s vs arithmetic intensity, with measured points;
-* :class:`ServingBudgetPanel` -- model, GPU, batch, context, quantisation, TP, all-reduce algorithm -> memory per
-  GPU, max concurrent sequences, predicted tokens/s and latency, and the bound that dominates
-  (:func:`course_lib.serving.budget.predict`);
+* :class:`ServingBudgetPanel` -- model, GPU, batch, context, quantisation, TP, token budget, all-reduce
+  algorithm -> memory per GPU, max concurrent sequences, predicted tokens/s and latency, and the bound that
+  dominates (:func:`course_lib.serving.budget.predict`); a batch, context or TP it cannot use is refused with a
+  message, and a configuration that does not fit gets no step time or throughput;
 * :class:`TracePanel` -- arrival rate and batching policy -> p50/p99 TTFT and ITL of a trace served by the tiny
-  GPT on this machine (wall-clock) or on the simulated clock.
+  GPT on this machine (wall-clock) or on the simulated clock (``TracePanel.TRACE``: chapter 09's trace shape).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from course_lib.estimates.hardware import GPUS
 from course_lib.estimates.memory_budget import GB
 from course_lib.model import GPT
 from course_lib.model_config import PRESETS, GPTConfig
-from course_lib.serving.budget import QUANTISATION, predict
+from course_lib.serving.budget import QUANTISATION, TOKEN_BUDGET, predict
 from course_lib.serving.engine import Engine
 from course_lib.serving.loadgen import poisson_trace
 from course_lib.serving.paged import PagedKVCache
@@ -113,8 +114,9 @@ def plot_budget_sweep(points: Mapping[str, tuple[float, float]], *, title: str) 
 
 
 class ServingBudgetPanel(ControlPanel):
-    """Model preset, GPU, batch, context, quantisation, TP -> memory per GPU by category, max concurrent
-    sequences, predicted decode tokens/s and inter-token latency. ``set(tp=4)`` -> ``text``."""
+    """Model preset, GPU, batch, context, quantisation, TP, token budget -> memory per GPU by category, max
+    concurrent sequences, predicted decode tokens/s and inter-token latency. ``set(tp=4)`` -> ``text``; a value
+    the widget cannot use (batch 0, a TP degree not offered or not dividing the model) shows ``invalid: ...``."""
 
     def __init__(self, model: str = "llama3-70b", gpu: str = "H100 80GB", draw: bool = True,
                  **values: Any) -> None:
@@ -125,14 +127,16 @@ class ServingBudgetPanel(ControlPanel):
             "model": W.Dropdown(options=[k for k in PRESETS if k != "tiny"], value=model, description="model",
                                 style=style),
             "gpu": W.Dropdown(options=list(GPUS), value=gpu, description="GPU", style=style),
-            "batch": W.BoundedIntText(value=32, min=1, max=4096, description="batch (sequences)", style=style,
-                                      layout=W.Layout(width="200px")),
-            "context": W.BoundedIntText(value=4096, min=1, max=131072, description="context (tokens)",
-                                        style=style, layout=W.Layout(width="220px")),
+            "batch": W.IntText(value=32, description="batch (sequences)", style=style,
+                               layout=W.Layout(width="200px")),  # unbounded: 0 is refused with a message
+            "context": W.IntText(value=4096, description="context (tokens)", style=style,
+                                 layout=W.Layout(width="220px")),
             "quant": W.ToggleButtons(options=list(QUANTISATION), value="bf16", description="weights",
                                      style={"description_width": "initial", "button_width": "60px"}),
             "tp": W.Dropdown(options=[1, 2, 4, 8], value=1, description="TP", style=style,
                              layout=W.Layout(width="120px")),
+            "token_budget": W.IntText(value=TOKEN_BUDGET, description="tokens per step", style=style,
+                                      layout=W.Layout(width="200px")),
             "allreduce": W.ToggleButtons(options=["best", "ring"], value="best", description="all-reduce",
                                          style={"description_width": "initial", "button_width": "60px"}),
         }
@@ -140,17 +144,30 @@ class ServingBudgetPanel(ControlPanel):
         self.out = W.HTML()
         self.children = [W.HBox([self.controls["model"], self.controls["gpu"], self.controls["tp"]]),
                          W.HBox([self.controls["batch"], self.controls["context"], self.controls["quant"]]),
-                         self.controls["allreduce"], self.out, self.image]
+                         W.HBox([self.controls["token_budget"], self.controls["allreduce"]]), self.out, self.image]
         self._watch()
         self.prediction = None
-        self.error = ""
+        self.error = self._refused = ""
         self.set(**values) if values else self.update()
+
+    def _prepare(self, values: dict[str, Any]) -> dict[str, Any]:
+        """A TP degree the dropdown does not offer is refused with a message (the control keeps its value)."""
+        offered = self.controls["tp"].options
+        self._refused = ""
+        if "tp" in values and values["tp"] not in offered:
+            self._refused = (f"tp={values['tp']!r}: this widget splits a model over {', '.join(map(str, offered))} "
+                             "GPUs of one server")
+            values = {k: x for k, x in values.items() if k != "tp"}
+        return values
 
     def update(self) -> None:
         v = self.values()
         try:
+            if self._refused:
+                raise ValueError(self._refused)
             self.prediction = predict(v["model"], v["gpu"], batch=v["batch"], context=v["context"],
-                                      quant=v["quant"], tp=v["tp"], allreduce=v["allreduce"])
+                                      quant=v["quant"], tp=v["tp"], allreduce=v["allreduce"],
+                                      token_budget=v["token_budget"])
             self.error = ""
         except ValueError as e:
             self.prediction, self.error = None, str(e)
@@ -180,10 +197,14 @@ class ServingBudgetPanel(ControlPanel):
             return f"invalid: {self.error}"
         p, v = self.prediction, self.values()
         fit = "fits" if p.fits else "does NOT fit"
-        return (f"{v['model']} on {v['tp']} x {v['gpu']} ({v['quant']} weights, bf16 KV cache)\n"
+        head = (f"{v['model']} on {v['tp']} x {v['gpu']} ({v['quant']} weights, bf16 KV cache; workspace: one "
+                f"{v['token_budget']}-token step)\n"
                 f"memory per GPU {p.budget.total / GB:.1f} GB of {p.capacity_bytes / GB:.1f} GB: {fit}\n"
-                f"max concurrent sequences of {v['context']} tokens: {p.max_sequences}\n"
-                f"decode step {p.step_s * 1e3:.2f} ms ({p.bound}; compute {p.compute_s * 1e3:.2f} ms, memory "
+                f"max concurrent sequences of {v['context']} tokens: {p.max_sequences}\n")
+        if not p.fits:
+            return head + ("no decode step or throughput: this configuration does not fit (lower the batch or the "
+                           "context, raise TP, or quantise the weights)")
+        return (head + f"decode step {p.step_s * 1e3:.2f} ms ({p.bound}; compute {p.compute_s * 1e3:.2f} ms, memory "
                 f"{p.memory_s * 1e3:.2f} ms, TP all-reduces ({v['allreduce']}) {p.comm_s * 1e3:.2f} ms)\n"
                 f"-> inter-token latency {p.step_s * 1e3:.2f} ms, {p.tokens_per_s:.0f} tokens/s for the batch; "
                 f"prefill of the context ~{p.ttft_s * 1e3:.0f} ms (predicted, roofline)")
@@ -193,9 +214,13 @@ class TracePanel(ControlPanel):
     """Arrival rate and batching policy -> p50/p99 TTFT and ITL of a Poisson trace served by the tiny GPT.
 
     ``clock="wall-clock"`` measures this machine; ``"simulated"`` uses the roofline cost of Llama-3-8B on an
-    H100 for each step (tokens still come from the tiny GPT).
+    H100 for each step (tokens still come from the tiny GPT). The trace is ``poisson_trace(n_requests, rate,
+    **TRACE, seed=seed)``: chapter 09 builds its section 5 trace from the same ``TRACE``, so at its rate and seed
+    the widget replays that trace.
     """
 
+    TRACE: ClassVar[dict[str, tuple[int, int]]] = {"short_prompt": (4, 16), "long_prompt": (32, 64),
+                                                   "output": (2, 60)}
     POLICIES: ClassVar[dict[str, tuple[str, int | None]]] = {
         "static": ("static", None), "continuous": ("continuous", None), "chunked prefill": ("continuous", 32)}
 
@@ -224,8 +249,7 @@ class TracePanel(ControlPanel):
     def update(self) -> None:
         v = self.values()
         policy, budget = self.POLICIES[v["policy"]]
-        requests = poisson_trace(self.n_requests, float(v["rate"]), short_prompt=(4, 16), long_prompt=(48, 64),
-                                 output=(2, 48), seed=self.seed)
+        requests = poisson_trace(self.n_requests, float(v["rate"]), **self.TRACE, seed=self.seed)
         clock = SimClock(StepCost.for_model("llama3-8b", "H100 80GB", overhead_s=1e-3)) \
             if v["clock"] == "simulated" else WallClock()
         threads = torch.get_num_threads()
