@@ -16,7 +16,7 @@ import pytest
 import course_lib
 from course_lib.estimates import hardware
 from course_lib.estimates.hardware import GPU, GPUS, LINKS, Link, gpu, link
-from course_lib.planner.search import search as planner
+from course_lib.planner import search as planner
 
 GB = 1e9
 ROOT = Path(course_lib.__file__).parent

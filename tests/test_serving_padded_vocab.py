@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.runtime.launch import launch
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
+from course_lib.runtime.launch import launch
 from course_lib.serving.disagg import disaggregated_serve
 from course_lib.serving.engine import Engine, Segment, generate, generate_uncached
 from course_lib.serving.kv_cache import ContiguousKVCache

@@ -1,7 +1,7 @@
 """What one serving GPU holds and how fast it decodes: the inference budget turned into capacity and latency.
 
-Memory (``course_lib.estimates.memory.inference_memory``, the article's inference budget): weights + KV cache + workspace
-+ communication + headroom. The workspace is sized as engines profile it: one step of ``token_budget`` tokens
+Memory (``course_lib.estimates.memory.inference_memory``, the article's inference budget): weights + KV cache +
+workspace + communication + headroom. The workspace is sized as engines profile it: one step of ``token_budget`` tokens
 (vLLM V1 runs a dummy forward of ``max_num_batched_tokens`` before it sizes the KV cache), not the whole batch's
 prompts at once, so the capacity does not depend on the batch:
 
