@@ -308,7 +308,7 @@ def _overlap_on_rank(rank: int, world_size: int, fn: Callable[..., Any], tc: Tra
     params = [p for p in model.parameters() if p.requires_grad][::-1]
     if order == "last_first":
         params = [params[-1], *params[:-1]]
-    buckets = dp.assign_buckets(params, int(BUCKET_MB * dp.MiB))
+    buckets = dp.assign_buckets(params, int(BUCKET_MB * 2**20))
     phase, calls, waits = ["setup"], [], []
 
     def counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -33,7 +33,7 @@ import torch
 
 from course_lib.data import global_batch, shard
 from course_lib.grading import ch08_placement, core
-from course_lib.grading.ch08_pipeline import GradReduceProbe, check_add_grad_reduce, check_grad_reduce_on_ranks
+from course_lib.grading.ch08_pipeline import check_add_grad_reduce, check_grad_reduce_on_ranks
 from course_lib.grading.ch08_placement import LAUNCH_TIMEOUT_S, check_place_parameter
 from course_lib.grading.ch08_predict import (
     MEMORY_RTOL,
@@ -58,7 +58,7 @@ from course_lib.planner import search as planner
 from course_lib.runtime.mesh import DENSE_AXES, Mesh, MeshShape
 
 GRADER_PARAMETERS = {"seed": 1}
-REEXPORTED = (GradReduceProbe, check_grad_reduce_on_ranks, MEMORY_RTOL, PREDICT_CASES, TIME_RTOL, library_prediction,
+REEXPORTED = (check_grad_reduce_on_ranks, MEMORY_RTOL, PREDICT_CASES, TIME_RTOL, library_prediction,
               predict_mesh_spec)
 """Defined with their exercise's module (``ch08_predict``, ``ch08_pipeline``); the notebooks and the tests reach
 them as ``ch08.<name>``."""
