@@ -14,17 +14,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from course_lib.course import reading
+
 ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / "course_lib"
 
-AXES = {  # axis module: budget in lines for its closure less KNOWN
-    "course_lib.parallel.dp": 600, "course_lib.parallel.sharded_optimizer": 300, "course_lib.parallel.zero": 1000,
-    "course_lib.parallel.fsdp2": 1000, "course_lib.parallel.tp": 1200, "course_lib.parallel.pp": 1400,
-    "course_lib.parallel.cp": 900, "course_lib.parallel.ep": 900,
-}
-KNOWN = {"course_lib", "course_lib.parallel", "course_lib.model", "course_lib.model_config", "course_lib.layers",
-         "course_lib.moe", "course_lib.comm"}
-"""What every learner knows before any axis: the GPT (START_HERE) and the instrumented comm layer (chapter 01)."""
 
 LAYERS = ["core", "runtime", "parallel", "estimates", "measure", "planner", "failures", "serving", "viz",
           "grading", "course"]
@@ -96,13 +90,23 @@ def _layer(mod: str) -> str:
 
 def test_every_axis_reads_within_its_budget_and_alone():
     report = []
-    for mod, budget in AXES.items():
-        closure = _closure(mod) - KNOWN
-        lines = sum(len(MODULES[m].read_text().splitlines()) for m in closure)
-        others = sorted((closure & set(AXES)) - {mod})
-        if lines > budget or others:
-            report.append(f"{mod}: {lines} lines (budget {budget}), other axes {others}")
+    axis_files = {str(reading.path_of(m).relative_to(ROOT)) for m in reading.AXES.values()}
+    for axis, budget in reading.BUDGET.items():
+        path = reading.reading_path(axis)
+        total = sum(n for _, n in path)
+        others = sorted({f for f, _ in path[1:]} & axis_files)
+        if total > budget or others:
+            report.append(f"{axis}: {total} lines (budget {budget}), other axes {others}")
     assert not report, report
+    assert reading.reading_path("dp")[0][0] == "course_lib/parallel/dp.py"
+
+
+def test_the_reading_path_is_what_the_module_imports():
+    """The path holds the axis's own imports (and theirs), never what it does not import."""
+    tp = [f for f, _ in reading.reading_path("tp")]
+    assert "course_lib/parallel/tp_layers.py" in tp and "course_lib/parallel/tp_comm.py" in tp
+    assert not any(f.endswith(("tp_overlap.py", "runs.py", "oracles.py", "cp_attention.py")) for f in tp), tp
+    assert "course_lib/model.py" not in tp  # what every learner knows
 
 
 def test_no_import_runs_up_a_layer_and_no_module_cycle():

@@ -14,8 +14,7 @@ from course_lib.model_config import PRESETS, GPTConfig, param_count
 from course_lib.serving import roofline
 from course_lib.serving.budget import decode_all_reduce_time, nccl_all_reduce, nccl_ring_times, predict, serving_budget
 from course_lib.serving.engine import generate
-from course_lib.serving.roofline import StepCost, StepWork
-from course_lib.serving.scheduler import EmulatedClock
+from course_lib.serving.roofline import EmulatedClock, StepCost, StepWork
 
 NVLINK = hardware.link(hardware.gpu("H100 80GB").intra_link)
 

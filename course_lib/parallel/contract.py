@@ -1,23 +1,14 @@
-"""The contract every data-parallel form and the composed run follow, so that one training loop drives them:
-
-    wrapper = DataParallel(model, mesh=mesh)         # or ZeroDataParallel, FSDP2, parallelize(...)
-    opt = torch.optim.AdamW(wrapper.parameters())    # what this rank's optimizer steps (shards, for ZeRO)
-    for i, (x, y) in enumerate(micro):
-        with wrapper.no_sync() if i < m - 1 else contextlib.nullcontext():
-            wrapper.forward_backward(x, y, lm_loss, 1 / m)
-    wrapper.finish_gradient_sync()                   # after the last backward, before the step
-    opt.step()
-    wrapper.after_step()                             # after the step
-
-``ParallelWrapper`` resolves ``mesh=`` / ``group=`` to one process group, refuses a rank that is not in it, keeps
-the hooks it installs for ``remove_hooks`` and gives no-op defaults for the steps a form has nothing to do in.
+"""The contract the training loop drives every form through (``loop.train_loop``): per micro-batch
+``forward_backward`` (all but the last under ``no_sync()``), then ``finish_gradient_sync()``, the optimizer's
+step on ``parameters()``, ``after_step()``. ``ParallelWrapper`` resolves ``mesh=`` / ``group=`` to one process
+group, refuses a rank outside it, keeps its hooks for ``remove_hooks`` and gives no-op defaults.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,14 +16,9 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.model import lm_loss
+from course_lib.parallel.groups import HasGroups
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class HasGroups(Protocol):
-    """What a form needs of ``course_lib.runtime.mesh.Mesh``: the process group of one or more axes."""
-
-    def group(self, *axes: str) -> dist.ProcessGroup: ...
 
 
 def resolve_group(mesh: HasGroups | None, group: comm.Group, axes: tuple[str, ...], who: str) -> comm.Group:
@@ -62,8 +48,7 @@ def broadcast_from_first(module: nn.Module, group: comm.Group) -> None:
 
 
 class ParallelWrapper(nn.Module):
-    """Base of every form the loop drives: ``module``, its process ``group`` (``mesh.group(*axes)`` or
-    ``group=``), ``rank`` / ``world_size`` in it, and the loop's steps with no-op defaults."""
+    """A form the loop drives: ``module``, its ``group`` (``mesh.group(*axes)`` or ``group=``), ``rank``."""
 
     axes: tuple[str, ...] = ("dp", "cp")
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from course_lib import comm
-from course_lib.parallel.contract import HasGroups
+from course_lib.parallel.groups import HasGroups
 
 _ATTR = "_course_placements"
 

@@ -24,7 +24,7 @@ Prefill (b = prompt tokens) sits right of the weights' ridge: compute-bound. H10
 989e12 / 3.35e12 = 295 FLOP/byte, b* ~ 295 tokens.
 
 :class:`StepCost` turns this into the simulated clock's cost of a scheduler step (and the emulated device's,
-``scheduler.EmulatedClock``); :func:`emulated_decode_throughput` runs real decode steps of the engine on that
+``EmulatedClock``); :func:`emulated_decode_throughput` runs real decode steps of the engine on that
 emulated device; :func:`measure_bandwidth`, :func:`measure_flops` and :func:`decode_throughput` are wall-clock
 micro-benchmarks of the machine the notebook runs on.
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -201,12 +201,11 @@ def emulated_decode_throughput(model: torch.nn.Module, cost: StepCost, batches: 
 
     Each step feeds one token to each of ``b`` sequences holding ``context`` cached positions (the cache is
     reserved, not prefilled: its values do not change the time), runs :class:`~course_lib.serving.engine.Engine`
-    on it, then sleeps until the step has lasted ``cost(work)`` (``scheduler.EmulatedClock``); tokens/s is
+    on it, then sleeps until the step has lasted ``cost(work)`` (``EmulatedClock``); tokens/s is
     ``b x steps`` over the measured time. Returns the tokens/s at each batch and the number of steps whose real
     compute outlasted the emulated step (``EmulatedClock.overruns``: those points fall below the model)."""
     from course_lib.serving.engine import Engine, Segment
     from course_lib.serving.kv_cache import ContiguousKVCache
-    from course_lib.serving.scheduler import EmulatedClock
 
     out, overruns = [], 0
     for b in batches:
@@ -224,3 +223,66 @@ def emulated_decode_throughput(model: torch.nn.Module, cost: StepCost, batches: 
         out.append(b * steps / (clock.now() - t0))
         overruns += clock.overruns
     return out, overruns
+
+
+class SimClock:
+    """Simulated seconds: a step takes ``cost(StepWork)``; waiting for an arrival jumps to it."""
+
+    mode = "simulated"
+
+    def __init__(self, cost: Callable[[StepWork], float]) -> None:
+        self.cost, self.t = cost, 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def step_begin(self) -> None:
+        pass
+
+    def step_done(self, work: StepWork) -> None:
+        self.t += self.cost(work)
+
+
+class WallClock:
+    """Real seconds since the clock was made (``time.perf_counter``); waiting sleeps."""
+
+    mode = "wall-clock"
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+    def step_begin(self) -> None:
+        pass
+
+    def step_done(self, work: StepWork) -> None:
+        pass  # real time passed by itself
+
+
+class EmulatedClock(WallClock):
+    """Wall clock of an emulated device: :meth:`step_done` sleeps until ``cost(work)`` seconds have passed since
+    :meth:`step_begin` (the same idea as ``course_lib.measure.instrument.EmulatedDeviceGPT``: a sleep costs no CPU, as a
+    GPU kernel is a wait from the host's side). ``overruns`` counts steps whose real compute took longer."""
+
+    mode = "emulated device"
+
+    def __init__(self, cost: Callable[[StepWork], float]) -> None:
+        super().__init__()
+        self.cost, self.overruns, self._begin = cost, 0, 0.0
+
+    def step_begin(self) -> None:
+        self._begin = self.now()
+
+    def step_done(self, work: StepWork) -> None:
+        left = self._begin + self.cost(work) - self.now()
+        if left < 0:
+            self.overruns += 1
+        time.sleep(max(0.0, left))

@@ -15,7 +15,7 @@ cache is full, the most recently admitted sequence is **preempted by recompute**
 back to the front of the queue keeping its output tokens, and when it rejoins its prompt + outputs are
 prefilled again (vLLM's recompute preemption). A waiting sequence never holds cache memory.
 
-Time comes from a clock: :class:`SimClock` advances by a cost model per step (deterministic, for tests and
+Time comes from a clock (``roofline``): :class:`SimClock` advances by a cost model per step (deterministic, for tests and
 for "what would this GPU do"); :class:`WallClock` reads ``time.perf_counter`` (what this machine really did);
 :class:`EmulatedClock` is the wall clock of an **emulated device**: the real step runs, then the clock sleeps
 until the step has lasted its modelled cost (measured time, robust to a busy CPU as long as the real compute
@@ -26,9 +26,8 @@ Seams a variant overrides: :meth:`Scheduler.make_state`, :meth:`Scheduler.admit`
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,72 +37,9 @@ from course_lib.serving.engine import Engine, Segment, sample
 from course_lib.serving.kv_cache import CacheFull
 from course_lib.serving.loadgen import Request
 from course_lib.serving.metrics import RequestRecord, summarize
-from course_lib.serving.roofline import StepWork
+from course_lib.serving.roofline import EmulatedClock, SimClock, StepWork, WallClock
 
 Policy = Literal["static", "continuous"]
-
-
-class SimClock:
-    """Simulated seconds: a step takes ``cost(StepWork)``; waiting for an arrival jumps to it."""
-
-    mode = "simulated"
-
-    def __init__(self, cost: Callable[[StepWork], float]) -> None:
-        self.cost, self.t = cost, 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def wait_until(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-    def step_begin(self) -> None:
-        pass
-
-    def step_done(self, work: StepWork) -> None:
-        self.t += self.cost(work)
-
-
-class WallClock:
-    """Real seconds since the clock was made (``time.perf_counter``); waiting sleeps."""
-
-    mode = "wall-clock"
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def wait_until(self, t: float) -> None:
-        time.sleep(max(0.0, t - self.now()))
-
-    def step_begin(self) -> None:
-        pass
-
-    def step_done(self, work: StepWork) -> None:
-        pass  # real time passed by itself
-
-
-class EmulatedClock(WallClock):
-    """Wall clock of an emulated device: :meth:`step_done` sleeps until ``cost(work)`` seconds have passed since
-    :meth:`step_begin` (the same idea as ``course_lib.measure.instrument.EmulatedDeviceGPT``: a sleep costs no CPU, as a
-    GPU kernel is a wait from the host's side). ``overruns`` counts steps whose real compute took longer."""
-
-    mode = "emulated device"
-
-    def __init__(self, cost: Callable[[StepWork], float]) -> None:
-        super().__init__()
-        self.cost, self.overruns, self._begin = cost, 0, 0.0
-
-    def step_begin(self) -> None:
-        self._begin = self.now()
-
-    def step_done(self, work: StepWork) -> None:
-        left = self._begin + self.cost(work) - self.now()
-        if left < 0:
-            self.overruns += 1
-        time.sleep(max(0.0, left))
 
 
 @dataclass

@@ -30,8 +30,7 @@ import torch
 from course_lib.model import GPT
 from course_lib.serving.engine import Engine, Segment
 from course_lib.serving.paged import PagedKVCache
-from course_lib.serving.roofline import StepWork
-from course_lib.serving.scheduler import EmulatedClock
+from course_lib.serving.roofline import EmulatedClock, StepWork
 
 
 def expected_tokens_per_verification(a: float, k: int) -> float:
@@ -162,7 +161,7 @@ def speculative_generate(target: GPT, draft: GPT | None, prompt: torch.Tensor, m
     """Generate ``max_new_tokens`` after ``prompt`` with ``draft`` proposing ``k`` tokens per target verification
     (``k = 0``: plain decoding with the target, the baseline). ``temperature == 0`` is greedy (the target's own
     greedy output), else seeded sampling with ``generator``. ``cost_target`` / ``cost_draft`` (step costs, e.g.
-    ``StepCost``) run both models on an emulated device (``scheduler.EmulatedClock``)."""
+    ``StepCost``) run both models on an emulated device (``EmulatedClock``)."""
     if k < 0:
         raise ValueError(f"k (proposals per verification) must be >= 0, got {k}")
     if k and draft is None:
