@@ -15,8 +15,8 @@ cache is full, the most recently admitted sequence is **preempted by recompute**
 back to the front of the queue keeping its output tokens, and when it rejoins its prompt + outputs are
 prefilled again (vLLM's recompute preemption). A waiting sequence never holds cache memory.
 
-Time comes from a clock (``roofline``): :class:`SimClock` advances by a cost model per step (deterministic, for tests and
-for "what would this GPU do"); :class:`WallClock` reads ``time.perf_counter`` (what this machine really did);
+Time comes from a clock (``roofline``): :class:`SimClock` advances by a cost model per step (deterministic, for
+tests and for "what would this GPU do"); :class:`WallClock` reads ``time.perf_counter`` (what this machine really did);
 :class:`EmulatedClock` is the wall clock of an **emulated device**: the real step runs, then the clock sleeps
 until the step has lasted its modelled cost (measured time, robust to a busy CPU as long as the real compute
 stays below the modelled one; the clock counts the steps where it did not).
