@@ -54,7 +54,7 @@ def _records_on_rank(rank: int, world_size: int, cfg: GPTConfig, meshes: tuple[P
     out = []
     for parallel in meshes:
         model = GPT(cfg, seed=0)
-        composed = parallelize(model, parallel.mesh(), global_batch=8, **parallel.options())
+        composed = parallelize(model, parallel.mesh(), parallel, global_batch=8)
         trained = composed.pipe.stages.values() if composed.pipe is not None else [model]
         held = {id(p) for stage in trained for p in stage.parameters()}
         out.append({name: ({a: str(w) for a, w in placements_of(p).items() if not isinstance(w, Replicate)},
