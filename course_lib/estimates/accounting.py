@@ -166,6 +166,13 @@ def ring_kv_bytes(seq_len: int, batch: int, n_kv_head: int, head_dim: int, cp: i
     return 2 * (seq_len // cp) * batch * n_kv_head * head_dim * element_size
 
 
+def ring_kv_bytes_tp(cfg: GPTConfig, seq_len: int, batch: int, tp: int, cp: int, element_size: int) -> int:
+    """The ring's K,V block under TP x CP: each TP rank circulates the K/V heads its query heads read,
+    ceil(n_kv / t) of them (n_kv / t when t divides n_kv; one when K/V are replicated and t >= n_kv), never
+    the n_head / t query heads (what the planner prices)."""
+    return ring_kv_bytes(seq_len, batch, -(-cfg.kv_heads // tp), cfg.head_dim, cp, element_size)
+
+
 def ring_sends_per_layer(cp: int) -> dict[str, int]:
     """Sends per layer and rank: forward cp - 1 K,V blocks; backward cp - 1 K,V blocks and cp dK,dV blocks."""
     return {"forward_kv": cp - 1, "backward_kv": cp - 1, "backward_dkv": cp if cp > 1 else 0}

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from course_lib.estimates import cost
-from course_lib.estimates.accounting import ring_kv_bytes
+from course_lib.estimates.accounting import ring_kv_bytes_tp
 from course_lib.estimates.activation_memory import layer_activation_bytes
 from course_lib.estimates.hardware import attention_length_factor
 from course_lib.estimates.layout import ParallelLayout
@@ -286,7 +286,7 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
     # CP: cp-1 ring steps of this TP rank's K,V block per layer, forward and twice backward, behind attention
     cp_s = 0.0
     if c > 1:
-        kv = ring_kv_bytes(s, b, math.ceil(cfg.kv_heads / t), cfg.head_dim, c, 2)  # the library's own block
+        kv = ring_kv_bytes_tp(cfg, s, b, t, c, 2)  # the library's own block
         link = cl.inter if ranks("cp")[1] > 1 else cl.intra
         ring = 3 * (c - 1) * (link.alpha + kv / link.beta) * n_layers
         cp_s = m * max(0.0, ring - 3 * attn_mb * n_layers)
