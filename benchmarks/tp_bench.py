@@ -38,6 +38,8 @@ from course_lib.data import global_batch
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import oracles, tp, tp_overlap
+from course_lib.parallel.dp_reduce import sum_partials
+from course_lib.parallel.tp_layers import vocab_parallel_cross_entropy
 from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, make_optimizer
 
@@ -48,7 +50,8 @@ def _rank(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, sp: bool,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    ours = tp.TensorParallel(GPT(cfg, tc.seed), sequence_parallel=sp)
+    ours = GPT(cfg, tc.seed)
+    tp.apply_tp(ours, None, sequence_parallel=sp)
     opt_ours = make_optimizer(list(ours.parameters()), tc)
     theirs = GPT(cfg, tc.seed)
     parallelize_module(theirs, init_device_mesh("cpu", (world_size,)), oracles.dtensor_plan(cfg, sp))
@@ -56,9 +59,9 @@ def _rank(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, sp: bool,
     x, y = global_batch(0, tc.global_batch, cfg.seq_len, tc.seed)
 
     def step_ours() -> None:
-        loss = ours.loss(ours(x), y)
+        loss = vocab_parallel_cross_entropy(ours(x), y)
         loss.backward()
-        ours.finish_gradient_sync()
+        sum_partials(ours.parameters(), {"tp": None})  # the data-parallel step's share: TP's partial sums
         opt_ours.step()
         opt_ours.zero_grad(set_to_none=True)
 

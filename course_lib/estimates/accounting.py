@@ -40,7 +40,7 @@ class PlannedCollective:
 
 def step_collectives(cfg: GPTConfig, batch: int, t: int, sequence_parallel: bool = False,
                      element_bytes: int = 4) -> list[PlannedCollective]:
-    """Every collective of one training step of the GPT under ``TensorParallel`` with ``gpt_plan``, in call order.
+    """Every collective of one training step of the GPT under ``tp.apply_tp`` with ``gpt_plan``, in call order.
 
     With V = batch * seq_len * d_model * element_bytes:
 

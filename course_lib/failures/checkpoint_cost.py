@@ -4,7 +4,7 @@ one model and mesh -- bytes each rank writes, time to save and load, synchronous
 Bytes: an fp32 AdamW run's checkpoint holds the weights and both moments, 3 x 4 = 12 bytes a parameter, B = 12 P
 (plus a few bytes of step counts and metadata). Who writes them differs:
 
-* the course's ``mesh_checkpoint`` gathers whole tensors and one rank per pipeline stage writes them: on a
+* the course's whole-tensor checkpoint (``parallel.checkpoint.save_whole``) gathers whole tensors and one rank per pipeline stage writes them: on a
   data-parallel mesh rank 0 writes all B, the others 0;
 * DCP (``torch.distributed.checkpoint.save``) plans the save collectively: every rank writes its own shards, and
   a tensor replicated on several ranks is written once, by the rank with the least planned so far -- on a
@@ -14,7 +14,7 @@ Bytes: an fp32 AdamW run's checkpoint holds the weights and both moments, 3 x 4 
 ``dcp.async_save`` returns once the state is staged (copied to host memory) and writes in a background thread:
 training blocks only for the copy. Resharding: DCP's files record each shard's place in the global tensor, so a
 load into a model placed differently (another mesh) reads what it needs (``load`` at another mesh in
-``mesh_checkpoint`` does the same by gathering whole tensors first).
+``save_whole`` does the same by gathering whole tensors first).
 """
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ def _writers(composed: Composed) -> dict[int, bool]:
 def _steppers(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.optim.Optimizer, bool, bool]]:
     """id(parameter) -> (the optimizer that holds its state, whether this rank steps it, whether its state is
     partitioned over a group). ZeRO-1's ``ShardedOptimizer`` keeps the state in its local optimizer, on the group
-    rank its partition gives the parameter; ``ExpertShardedOptimizer`` has two: the dense parameters' over
+    rank its partition gives the parameter; ``compose.Optimizers`` has one per data group: the dense parameters' over
     dp x cp and the experts' over edp (a plain optimizer when edp = 1)."""
     parts = getattr(optimizer, "parts", [optimizer])
     out: dict[int, tuple[torch.optim.Optimizer, bool, bool]] = {}

@@ -29,7 +29,7 @@ clusters and differs, deliberately, where the library's limits are teaching limi
 * ZeRO-3 with a pipeline: planned in the form torchtitan runs (its 3D FSDP2 x TP x PP: parameters and optimizer
   state sharded and gathered for every micro-batch, each stage's gradients accumulated unsharded and
   reduce-scattered once per step, ``planner_model.zero3_with_pipeline``), which is the form the library composes
-  (``parallel.pp_fsdp``) and NVIDIA's NeMo AutoModel runs (FSDP with PP 4 to 8 for its DeepSeek-V3 and Kimi K2
+  (``parallel.fsdp2_pipeline``) and NVIDIA's NeMo AutoModel runs (FSDP with PP 4 to 8 for its DeepSeek-V3 and Kimi K2
   performance rows);
 * divisibility (``MeshShape.validate``): the same, except that stages may hold unequal block counts
   (``pp_layers.ends_split``, which ``train_pp(split=...)`` cuts; the composed ``parallelize`` cuts equal stages
@@ -142,7 +142,7 @@ def _check_space(zero_stages: Sequence[int], micro_batches: Sequence[int], recom
 
 def moe_pipeline_refusal(cfg: GPTConfig, shape: MeshShape) -> str:
     """The library's MoE refusal (``parallel.moe_mesh.share_routing``), "" when it does not apply: capacity or the
-    load-balancing loss with dp x cp > 1 and pp > 1 (and ep = 1: ``ExpertParallel`` does its own exchange)."""
+    load-balancing loss with dp x cp > 1 and pp > 1 (with or without expert parallelism)."""
     batch_wide = cfg.n_expert and (cfg.capacity_factor is not None or cfg.aux_loss_coef)
     if batch_wide and shape.ep == 1 and shape.pp > 1 and shape.dp * shape.cp > 1:
         return (f"an MoE with capacity or the load-balancing loss with dp x cp = {shape.dp * shape.cp} and "
