@@ -4,8 +4,8 @@ one model and mesh -- bytes each rank writes, time to save and load, synchronous
 Bytes: an fp32 AdamW run's checkpoint holds the weights and both moments, 3 x 4 = 12 bytes a parameter, B = 12 P
 (plus a few bytes of step counts and metadata). Who writes them differs:
 
-* the course's whole-tensor checkpoint (``parallel.checkpoint.save_whole``) gathers whole tensors and one rank per pipeline stage writes them: on a
-  data-parallel mesh rank 0 writes all B, the others 0;
+* the course's whole-tensor checkpoint (``parallel.checkpoint.save_whole``) gathers whole tensors and one rank
+  per pipeline stage writes them: on a data-parallel mesh rank 0 writes all B, the others 0;
 * DCP (``torch.distributed.checkpoint.save``) plans the save collectively: every rank writes its own shards, and
   a tensor replicated on several ranks is written once, by the rank with the least planned so far -- on a
   replicated model each rank writes about B / N (whole tensors, so not exactly), and the save takes ~1/N the
