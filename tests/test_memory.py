@@ -241,7 +241,7 @@ def test_korthikanti_claims() -> None:
 def test_pipeline_first_stage_holds_all_layers() -> None:
     """Korthikanti Sec. 4.2.3: with 1F1B the first stage keeps p micro-batches of L/p layers = L layers' worth,
     whatever p is. AFAB (GPipe) keeps all m micro-batches instead."""
-    kw = dict(micro_batch=1, seq_len=2048, dropout=False, recompute="selective")
+    kw = dict(micro_batch=1, seq_len=2048, dropout=False, recompute="selective", activation_formula="paper")
     layers = model_activation_bytes(GPT3, 1, 2048, tp=8, sp=True, recompute="selective", dropout=False)["layers"]
     for pp in (2, 4, 8):
         est = training_memory(GPT3, layout=ParallelLayout(tp=8, sp=True, pp=pp, microbatches=4 * pp), stage=0, **kw)
@@ -252,6 +252,30 @@ def test_pipeline_first_stage_holds_all_layers() -> None:
     assert "pipeline stage: 0 of 8" in str(afab)
 
 
+def test_real_presets_default_to_flash_attention_activations_with_the_paper_beside() -> None:
+    """Regression, Llama 2 70B, one sequence of 4096 tokens, no recomputation, mixed precision. The default is the
+    flash-attention accounting (no s x s scores, no dropout): 134.9 GB of activations, 1.36 TB in all. The paper's
+    accounting (Korthikanti et al. 2022, tensor by tensor for Llama's GQA / SwiGLU shape) is 544.3 GB, 1.81 TB in
+    all; its s x s part (softmax, dropout mask and dropout output, (2e + 1) a s bytes per token and layer) is
+    80 x 4096 x 5 x 64 x 4096 B = 429.5 GB. Table 2's closed form for a GPT of Llama 2 70B's h and a (MHA,
+    4h GELU MLP) gives 194 sbh a layer = 520.8 GB, 91.3 GB without the 160 sbh of the scores."""
+    c, s = PRESETS["llama2-70b"], 4096
+    default = training_memory(c, seq_len=s)
+    flash = training_memory(c, seq_len=s, activation_formula="adapted")
+    paper = training_memory(c, seq_len=s, activation_formula="paper")
+    assert dict(default) == dict(flash) and "flash attention" in str(default)
+    assert "Korthikanti" in str(paper)
+    assert round(flash["activations"] / GB, 1) == 134.9 and round(flash.total / GB) == 1363
+    assert round(paper["activations"] / GB, 1) == 544.3 and round(paper.total / GB) == 1814
+    scores = c.n_layer * s * 5 * c.n_head * s  # per layer and token: (2e + 1) a s with e = 2, b = 1
+    assert scores == 429_496_729_600
+    no_scores = model_activation_bytes(c, 1, s, formula="paper", recompute="selective")["layers"]
+    assert model_activation_bytes(c, 1, s, formula="paper")["layers"] - no_scores == scores
+    table2 = [c.n_layer * activation_bytes_paper(s, 1, c.d_model, c.n_head, recompute=r) / GB
+              for r in ("none", "selective")]
+    assert [round(x, 1) for x in table2] == [520.8, 91.3]
+
+
 def test_recompute_and_context_parallel_shrink_activations() -> None:
     c = PRESETS["llama3-8b"]
     acts = {r: training_memory(c, seq_len=8192, recompute=r)["activations"] for r in ("none", "selective", "full")}
@@ -259,7 +283,8 @@ def test_recompute_and_context_parallel_shrink_activations() -> None:
     full = model_activation_bytes(c, 1, 8192, recompute="full")
     assert full["layers"] == 2 * 8192 * c.d_model * c.n_layer  # 2sbh per layer
     cp4 = training_memory(c, seq_len=8192, recompute="selective", layout=ParallelLayout(dp=4, cp=4))
-    assert cp4["activations"] == pytest.approx(acts["selective"] / 4, rel=1e-12)  # linear in s once s² is gone
+    nll = 4  # the loss's 4-byte total weight, one per micro-batch whatever s
+    assert cp4["activations"] - nll == pytest.approx((acts["selective"] - nll) / 4, rel=1e-12)  # linear in s: no s²
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from course_lib.parallel.schedules import (
     ScheduleError,
     add_send_recv,
     gpipe,
+    interleaved_groups,
     interleaved_one_f_one_b,
     one_f_one_b,
     validate,
@@ -77,6 +78,42 @@ def test_interleaved_bubble_is_v_times_smaller(cost_f: float, cost_b: float) -> 
     assert checked == 5 * 4 * 4
 
 
+def torch_accepts(p: int, m: int) -> bool:
+    """torch 2.13's ScheduleInterleaved1F1B: max(1, m // p) rounds of equal size must divide m."""
+    return m % max(1, m // p) == 0
+
+
+def test_interleaved_groups() -> None:
+    """torch's rounds and Megatron-Core's microbatch_group_size_per_vp_stage, by hand (p = 4)."""
+    assert interleaved_groups(4, 8) == [4, 4] == interleaved_groups(4, 8, group=4)  # Megatron-LM's groups of p
+    assert interleaved_groups(4, 6) == [6] and interleaved_groups(4, 10) == [5, 5]
+    assert interleaved_groups(4, 3) == [3]  # m < p: one group, smaller than p
+    assert interleaved_groups(4, 10, group=5) == [5, 5] and interleaved_groups(4, 10, group=6) == [6, 4]
+    assert interleaved_groups(4, 10, group=10) == [10]
+    accepted = [m for m in range(1, 25) if torch_accepts(4, m)]
+    assert [m for m in range(1, 25) if m not in accepted] == [9, 11, 13, 14, 17, 18, 19, 21, 22, 23]
+
+
+@pytest.mark.parametrize(("cost_f", "cost_b"), COSTS)
+def test_interleaved_bubble_holds_for_every_grouping_of_at_least_p(cost_f: float, cost_b: float) -> None:
+    """m not a multiple of p: torch's rounds and every Megatron-Core group size it accepts keep (p-1)/(v m), exactly,
+    as long as every group holds at least p micro-batches; a group of fewer than p (m < p) leaves the ranks waiting
+    on each other: a larger bubble than the formula's."""
+    checked = 0
+    for p in range(2, 6):
+        for v in (2, 3):
+            for m in range(p, 4 * p + 2):
+                groupings = [None] * torch_accepts(p, m) + [n for n in range(p, m + 1) if m % n == 0 or m % n >= p]
+                for group in groupings:
+                    sim = simulate(interleaved_one_f_one_b(p, m, v, group), cost_f, cost_b)
+                    assert sim.bubble_ratio == pytest.approx((p - 1) / (v * m), rel=1e-12), (p, m, v, group)
+                    checked += 1
+            for m in range(1, p):
+                sim = simulate(interleaved_one_f_one_b(p, m, v), cost_f, cost_b)
+                assert sim.bubble_ratio > (p - 1) / (v * m) * (1 + 1e-9), (p, m, v)
+    assert checked == 418
+
+
 def test_zb_h1_bubble_is_a_third_of_1f1b_with_equal_costs() -> None:
     """F = I = W = 1 (cost_b = 2, cost_w = 1): bubble (p-1) * 1 against 1F1B's (p-1) * 3, for m >= p."""
     for p in range(2, 7):
@@ -117,6 +154,10 @@ def test_peak_in_flight() -> None:
     for v in (2, 3):
         expected = [2 * (p - 1 - r) + (v - 1) * p + 1 for r in range(p)]  # chunk activations, 1/v of a stage
         assert peak_in_flight(interleaved_one_f_one_b(p, 8, v)) == expected
+        # m = 6 runs as one group of 6: a longer warm-up, more in flight than m = 8's groups of 4
+        want = [min(2 * (p - 1 - r) + (v - 1) * 6 + 1, 6 * v) for r in range(p)]
+        assert peak_in_flight(interleaved_one_f_one_b(p, 6, v)) == want
+        assert all(a > b for a, b in zip(want, expected, strict=True))
     assert simulate(one_f_one_b(3, 6)).peak_in_flight == [3, 2, 1]
 
 
@@ -126,7 +167,7 @@ def test_every_builder_passes_validation() -> None:
             validate(gpipe(p, m), p, m)
             validate(one_f_one_b(p, m), p, m)
             validate(zb_h1(p, m), p, m)
-            if m % p == 0:
+            if torch_accepts(p, m):
                 for v in (1, 2, 3):
                     validate(interleaved_one_f_one_b(p, m, v), p, m, v)
 
@@ -232,8 +273,11 @@ def test_validation_of_inputs() -> None:
         (lambda: zb_h1(2.0, 4), "p must be a positive integer, got 2.0"),
         (lambda: gpipe(True, 4), "p must be a positive integer, got True"),
         (lambda: interleaved_one_f_one_b(2, 4, 0), "v must be a positive integer"),
-        (lambda: interleaved_one_f_one_b(4, 6, 2), "multiple of p .* got m=6, p=4"),
-        (lambda: interleaved_one_f_one_b(4, 2, 2), "multiple of p"),
+        (lambda: interleaved_one_f_one_b(4, 9, 2), r"max\(1, m // p\) = 2 rounds .* do not divide m=9"),
+        (lambda: interleaved_one_f_one_b(4, 10, 2, group=4), "last group of 2 < p=4"),
+        (lambda: interleaved_one_f_one_b(4, 10, 2, group=3), "p <= n <= m micro-batches; got n=3"),
+        (lambda: interleaved_one_f_one_b(4, 10, 2, group=11), "got n=11"),
+        (lambda: interleaved_one_f_one_b(4, 8, 2, group=0), "group must be a positive integer"),
     ],
 )
 def test_builders_reject_bad_sizes(call, message: str) -> None:
@@ -328,16 +372,18 @@ def test_orders_match_torch_pipelining() -> None:
             # ... and its F/I order with W left out is 1F1B, last rank included
             as_1f1b = [[a.replace("I", "B") for a in actions if "W" not in a] for actions in torch_compute_order(zb)]
             assert as_1f1b == order(one_f_one_b(p, m))
-            if m % p == 0:
-                for v in (2, 3, 4):
-                    state = SimpleNamespace(
-                        n_local_stages=v, microbatches_per_round=p, pp_group_size=p, _n_microbatches=m
-                    )
-                    ours = order(interleaved_one_f_one_b(p, m, v))
-                    theirs = [ts.ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r) for r in range(p)]
-                    assert torch_compute_order(theirs) == ours
-                    checked += 1
-    assert checked == 3 * 5 * 3
+        for m in range(1, 3 * p + 1):  # every m torch takes, multiples of p or not, m < p too
+            if not torch_accepts(p, m):
+                continue
+            for v in (2, 3, 4):
+                rounds = max(1, m // p)  # what ScheduleInterleaved1F1B.__init__ sets
+                state = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p,
+                                        _n_microbatches=m)
+                ours = order(interleaved_one_f_one_b(p, m, v))
+                theirs = [ts.ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r) for r in range(p)]
+                assert torch_compute_order(theirs) == ours, (p, m, v)
+                checked += 1
+    assert checked == 3 * 39
 
 
 def test_gpipe_by_hand() -> None:

@@ -176,11 +176,11 @@ def test_a_slow_last_stage_makes_the_simulated_bubble_larger_than_the_formula():
 def test_invalid_combinations_show_a_message_instead_of_crashing():
     w = _widget(schedule="interleaved", p=4, m=8, v=2)
     assert w.error is None
-    text = w.set(m=6)
+    text = w.set(m=9)  # torch's 2 rounds of equal size do not divide 9
     assert w.error is not None and w.simulation is None and w.formula_fraction is None
-    assert "invalid combination" in text and "m to be a multiple of p" in text and "Try m = 4 or 8." in text
-    assert w.set(m=3).endswith("Try m = 4.")
-    assert w.set(m=12).count("invalid") == 0 and w.simulation is not None  # and it recovers
+    assert "invalid combination" in text and "2 rounds of equal size" in text and "Try m = 8 or 10." in text
+    assert w.set(p=8, m=17).endswith("Try m = 16 or 18.")
+    assert w.set(p=4, m=12).count("invalid") == 0 and w.simulation is not None  # and it recovers
     # ZB-H1 with m < p runs (the simulator times it) but its closed formula does not hold: said, not raised
     text = w.set(schedule="zb_h1", p=4, m=2)
     assert w.simulation is not None and w.formula_fraction is None
@@ -191,6 +191,20 @@ def test_invalid_combinations_show_a_message_instead_of_crashing():
         build_schedule("pipedream", 2, 4)
     with pytest.raises(ValueError, match="v must be 1"):
         build_schedule("gpipe", 2, 4, 2)
+
+
+def test_interleaved_with_m_not_a_multiple_of_p_runs_in_torchs_rounds():
+    """p = 4: m = 6 is one group of 6 and m = 10 two of 5 (the formula holds, more micro-batches in flight than
+    groups of p); m = 3 < p runs but the formula does not hold: said, with the simulated bubble above it."""
+    w = _widget(schedule="interleaved", p=4, m=6, v=2)
+    assert w.error is None and w.formula_fraction == cost.bubble_fraction("interleaved_one_f_one_b", 4, 6, 2)
+    assert w.simulated_fraction == pytest.approx(w.formula_fraction, abs=1e-12)
+    assert "micro-batch groups through each chunk: 6 (torch's" in w.text
+    assert w.peaks == [12, 11, 9, 7] and w.set(m=8) and w.peaks == [11, 9, 7, 5]
+    assert "groups through each chunk: 5 + 5 " in w.set(m=10)
+    text = w.set(m=3)
+    assert w.simulation is not None and w.formula_fraction is None and "formula n/a" in text
+    assert w.simulated_fraction > (4 - 1) / (2 * 3 + 4 - 1)
 
 
 def test_controls_have_stable_descriptions_and_the_widget_its_css_class():
@@ -209,5 +223,5 @@ def test_the_drawn_widget_shows_the_chart_and_clears_it_when_invalid():
     assert len(_boxes(w.figure)) == 2 * 4 * 3  # F, I, W per micro-batch and rank
     assert "simulated, unit costs" in w.figure.axes[0].get_title(loc="left")
     assert "<pre" in w.html.value and "0.0769" in w.html.value
-    w.set(schedule="interleaved", m=3)
+    w.set(schedule="interleaved", m=5)  # p = 2: two rounds do not divide 5
     assert w.image.value == b"" and w.figure is None and "invalid combination" in w.html.value

@@ -26,7 +26,8 @@ def bubble_ratio(schedule: ScheduleName, p: int, m: int, v: int = 1) -> float:
     """Megatron-LM's bubble time over ideal time (Narayanan et al. 2021), for p stages of equal cost.
 
     * ``gpipe``, ``one_f_one_b``: (p-1)/m: the warm-up and cool-down last (p-1) (t_f + t_b), the ideal m (t_f + t_b);
-    * ``interleaved_one_f_one_b``: (p-1)/(v*m): each of the v chunks costs 1/v of a stage, so does each bubble step;
+    * ``interleaved_one_f_one_b``: (p-1)/(v*m): each of the v chunks costs 1/v of a stage, so does each bubble step
+      (exact in ``simulate`` for m >= p, p dividing m or not: ``schedules.interleaved_groups``);
     * ``zb_h1``: (p-1)/(3m) when F, I (backward for the input) and W (for the weights) cost the same. In general
       the ZB-H1 bubble is (p-1)(t_f + t_i - t_w) (Qi et al. 2023); ``schedule_run.simulate`` reproduces it exactly
       when t_w <= min(t_f, t_i) and m >= p, so this formula refuses m < p.
@@ -61,8 +62,9 @@ def _check_pipeline(schedule: str, p: int, m: int, v: int) -> None:
                          f"maps the other accepted names to these)")
     if schedule != "interleaved_one_f_one_b" and v != 1:
         raise ValueError(f"{schedule} has one stage per rank: v must be 1, got {v}")
-    if schedule == "interleaved_one_f_one_b" and m % p:
-        raise ValueError(f"interleaved 1F1B needs m to be a multiple of p (Megatron-LM); got m={m}, p={p}")
+    if schedule == "interleaved_one_f_one_b" and m < p:
+        raise ValueError(f"the interleaved 1F1B bubble formula holds for m >= p (groups of at least p micro-batches); "
+                         f"got m={m} < p={p}")
     if schedule == "zb_h1" and m < p:
         raise ValueError(f"the ZB-H1 bubble formula holds for m >= p; got m={m} < p={p}")
 

@@ -109,10 +109,14 @@ def _stage_budget(c: GPTConfig, lay: ParallelLayout, stage: int, pb: ParamBytes,
     return parts
 
 
+_FORMULA_NOTES = {"adapted": "flash attention, no s x s scores (adapted formula)",
+                  "paper": "Korthikanti et al. 2022, s x s scores stored (paper formula)"}
+
+
 def training_memory(config: GPTConfig | str, *, precision: str | Precision = "mixed",
                     optimizer: OptimizerName = "adamw", fp32_grad_accum: bool = False, micro_batch: int = 1,
                     seq_len: int | None = None, recompute: Recompute = "none",
-                    layout: ParallelLayout | None = None, activation_formula: Formula = "paper",
+                    layout: ParallelLayout | None = None, activation_formula: Formula = "adapted",
                     dropout: bool = True, headroom: float = 0.10, bucket_bytes: float = 25 * 2**20,
                     stage: int | None = None) -> MemoryBudget:
     """Peak training memory of the worst GPU, by category (bytes).
@@ -122,8 +126,11 @@ def training_memory(config: GPTConfig | str, *, precision: str | Precision = "mi
       experts), then sharded by ZeRO over the dp x cp ranks as in :func:`zero_memory_per_device`.
     * activations: :func:`model_activation_bytes` for the stage's layers (+ embedding on the first stage,
       head on the last) with s/cp tokens, x the micro-batches in flight (1F1B: first stage min(pp, m);
-      AFAB/GPipe: m). ``activation_formula``: "paper" (Korthikanti et al. 2022) or "adapted" (what the
-      course's GPT saves). Element size comes from the precision (fp32 = 4, bf16/mixed = 2).
+      AFAB/GPipe: m). ``activation_formula``: "adapted" (the default: what a block saves with a flash
+      attention kernel, FlashAttention or SDPA, which keeps no s x s score matrix, and no dropout; what the
+      course's GPT saves and what the planner prices) or "paper" (Korthikanti et al. 2022's Table 2: the
+      softmax scores, their dropout mask and output, the 2022 baseline). Element size comes from the precision
+      (fp32 = 4, bf16/mixed = 2).
     * temporary and communication buffers: documented orders of magnitude (see the source).
     * headroom: ``headroom`` x the rest (allocator fragmentation, CUDA context, kernels' workspaces).
 
@@ -153,7 +160,7 @@ def training_memory(config: GPTConfig | str, *, precision: str | Precision = "mi
     label = (f"{c.name} training | {prec.name}/{optimizer} | b={micro_batch} s={s} recompute={recompute} | "
              f"dp={lay.dp} zero={lay.zero} tp={lay.tp}{'+sp' if lay.sp else ''} pp={lay.pp} cp={lay.cp} "
              f"ep={lay.ep} | per GPU")
-    notes = [f"activations: {activation_formula} formula"]
+    notes = [f"activations: {_FORMULA_NOTES[activation_formula]}"]
     if lay.pp > 1:
         which = "worst pipeline stage" if stage is None else "pipeline stage"
         notes.append(f"{which}: {worst} of {lay.pp} ({lay.schedule}, m={lay.m}, "

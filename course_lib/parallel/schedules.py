@@ -133,30 +133,63 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return schedule
 
 
-def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
+def interleaved_groups(p: int, m: int, group: int | None = None) -> list[int]:
+    """The micro-batch groups of interleaved 1F1B: a group goes through a rank's chunk 0, then the same group
+    through its chunk 1, and so on, before the next group starts. Sizes, in order:
+
+    * ``group=None``: torch 2.13's ``ScheduleInterleaved1F1B``: r = max(1, m // p) rounds of m / r micro-batches,
+      m a multiple of r (p = 4: m = 6 is one group of 6, m = 10 two of 5, m = 9 is refused; m < p is one group
+      of m, whose ranks wait on each other: a larger bubble than the formula's);
+    * ``group=n``: Megatron-Core's ``microbatch_group_size_per_vp_stage`` (default p there): groups of n with
+      p <= n <= m, the last one m % n, which must be 0 or at least p (p = 4, m = 10: n = 5 or 6, not 4).
+
+    Both give groups of p when p divides m: Megatron-LM's older interleaved schedule, which required it.
+    """
+    check_positive(p=p, m=m)
+    if group is None:
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ValueError(
+                f"interleaved 1F1B as torch's ScheduleInterleaved1F1B runs it takes max(1, m // p) = {rounds} rounds "
+                f"of equal size, which do not divide m={m} (p={p}); Megatron-Core takes m={m} with a group size "
+                f"(microbatch_group_size_per_vp_stage) whose remainder is 0 or >= p"
+            )
+        return [m // rounds] * rounds
+    check_positive(group=group)
+    if not p <= group <= m:
+        raise ValueError(f"a micro-batch group of interleaved 1F1B holds p <= n <= m micro-batches; got n={group}, "
+                         f"p={p}, m={m}")
+    last = m % group
+    if 0 < last < p:
+        raise ValueError(f"m={m} in groups of {group} leaves a last group of {last} < p={p} micro-batches: its "
+                         f"ranks would wait on each other (Megatron-Core refuses it too)")
+    return [group] * (m // group) + ([last] if last else [])
+
+
+def interleaved_one_f_one_b(p: int, m: int, v: int, group: int | None = None) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v model chunks per rank, chunk c on rank c % p.
 
-    Each rank takes micro-batches in groups of p through one chunk, then the same group through its next chunk
-    (depth first). Megatron's order for rank r, with k counting the rank's m*v chunk-steps:
+    Each rank takes micro-batches in groups (``interleaved_groups``: of p when p divides m) through one chunk,
+    then the same group through its next chunk (depth first). With the rank's m*v chunk-steps in that order
+    (step k is the k-th (micro-batch, chunk) pair; its backward runs the chunks in reverse order), rank r runs:
 
-    * warm-up: min(2(p-1-r) + (v-1)p, m*v) forwards; then 1F1B; then the backwards left;
-    * forward step k runs chunk (k // p) % v on micro-batch (k // (p*v)) * p + k % p;
-      backward step k runs the chunks in reverse order, v-1 - (k // p) % v.
+    * warm-up: min(2(p-1-r) + (v-1)g, m*v) forwards, g the first group's size (Megatron's and torch's count);
+    * then one forward and one backward at a time (1F1B); then the backwards left.
 
-    The bubble shrinks v times: bubble/ideal = (p-1)/(v*m), for v times more point-to-point messages.
-    Requires m % p == 0, as Megatron-LM long did (torch's ``ScheduleInterleaved1F1B`` relaxes it; this course
-    does not). At m == p Megatron-LM runs all forwards first; this keeps the general order there, as torch does.
+    The bubble shrinks v times: bubble/ideal = (p-1)/(v*m) whenever every group holds at least p micro-batches
+    (m >= p), for v times more point-to-point messages; larger groups hold more micro-batches in flight. At
+    m == p Megatron-LM runs all forwards first; this keeps the general order there, as torch does.
     """
     check_positive(p=p, m=m, v=v)
-    if m % p:
-        raise ValueError(
-            f"interleaved 1F1B needs the number of micro-batches m to be a multiple of p (micro-batches go through "
-            f"each model chunk in groups of p, as in Megatron-LM); got m={m}, p={p}"
-        )
+    groups = interleaved_groups(p, m, group)
+    pairs = []  # (micro-batch, chunk) in the order the rank's forwards take them
+    first = 0
+    for size in groups:
+        pairs += [(first + j, chunk) for chunk in range(v) for j in range(size)]
+        first += size
 
     def step(k: int, forward: bool, r: int) -> Action:
-        chunk = (k // p) % v
-        microbatch = (k // (p * v)) * p + k % p
+        microbatch, chunk = pairs[k]
         if forward:
             return Action(Kind.F, microbatch, chunk * p + r)
         return Action(Kind.B, microbatch, (v - 1 - chunk) * p + r)
@@ -164,7 +197,7 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
     total = m * v
     schedule = []
     for r in range(p):
-        warmup = min(2 * (p - 1 - r) + (v - 1) * p, total)
+        warmup = min(2 * (p - 1 - r) + (v - 1) * groups[0], total)
         actions = [step(k, True, r) for k in range(warmup)]
         for k in range(total - warmup):
             actions += [step(k + warmup, True, r), step(k, False, r)]

@@ -182,9 +182,9 @@ def budget_for(config: GPTConfig | str, *, mode: str = "training", precision: st
                recompute: str = "none", zero: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                ep: int = 1, sp: bool = False, weight_bytes: float = 2.0, kv_bytes: float = 2.0) -> MemoryBudget:
     """The budget the widget shows, from plain values: training -> :func:`training_memory` with a
-    :class:`ParallelLayout` (paper activation formula); inference -> :func:`inference_memory` (DP replicas,
-    CP, ZeRO and the optimizer do not change what one serving GPU holds). Raises ``ValueError`` for an
-    invalid model or layout."""
+    :class:`ParallelLayout` (its default activations: flash attention, no s x s scores); inference ->
+    :func:`inference_memory` (DP replicas, CP, ZeRO and the optimizer do not change what one serving GPU holds).
+    Raises ``ValueError`` for an invalid model or layout."""
     c = PRESETS[config] if isinstance(config, str) else config
     s = seq_len or c.seq_len
     if c.pos == "learned" and s > c.seq_len:  # a longer sequence needs a longer position table

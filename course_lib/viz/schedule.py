@@ -13,8 +13,10 @@ Two layers, as every module of ``course_lib.viz``:
   axis.
 * :func:`bubble_widget` wires ipywidgets controls (schedule, p, m, v, the cost of the last stage) to
   ``course_lib.parallel.schedules`` and ``course_lib.estimates.cost``: it draws the Gantt chart of every rank, and
-  prints the closed formula's bubble fraction next to the simulated one and the peak number of micro-batches in flight
-  per rank. Invalid combinations (interleaved 1F1B with m not a multiple of p) show a message instead of a chart.
+  prints the closed formula's bubble fraction next to the simulated one and the peak number of micro-batches in
+  flight per rank.
+  Interleaved 1F1B takes m in torch's rounds (``schedules.interleaved_groups``: p = 4, m = 6 is one group of 6);
+  the m it refuses (p = 4, m = 9) show a message instead of a chart.
   :meth:`BubbleWidget.set` changes controls from code and returns the text the widget shows; every control has a
   stable ``description`` (``CONTROL_DESCRIPTIONS``) and the widget the CSS class ``course-bubble``, for browser
   tests.
@@ -321,9 +323,9 @@ class BubbleWidget(ControlPanel):
             schedule = build_schedule(name, p, m, v)
         except ValueError as err:
             hint = ""
-            if interleaved and m % p:
-                lo, hi = m - m % p, m + p - m % p
-                hint = f" Try m = {lo} or {hi}." if lo else f" Try m = {hi}."
+            if interleaved:
+                near = [n for n in (m - 1, m + 1) if 1 <= n <= M_MAX and _torch_takes(p, n)]
+                hint = f" Try m = {' or '.join(map(str, near))}." if near else ""
             self.error = f"invalid combination: {err}.{hint}"
             self.text_lines = [head, self.error]
             self.html.value = (f"<b>{_esc(head)}</b><br><b style='color:darkorange'>{_esc(self.error)}</b>")
@@ -354,6 +356,10 @@ class BubbleWidget(ControlPanel):
             f"bubble / ideal (Megatron-LM):       {formula_r}; simulated {sim.bubble_ratio:.4f}",
             f"makespan {sim.makespan:.4g} units; mean busy time per rank {busy:.4g}",
         ]
+        if interleaved:
+            lines.append(f"micro-batch groups through each chunk: {' + '.join(map(str, S.interleaved_groups(p, m)))} "
+                         "(torch's ScheduleInterleaved1F1B; Megatron-LM long required groups of p, m a multiple "
+                         "of p)")
         if v > 1:
             full = " ".join(f"{k / v:g}" for k in sim.peak_in_flight)
             lines.append(f"peak (micro-batch, chunk) pairs in flight per rank: "
@@ -375,6 +381,15 @@ class BubbleWidget(ControlPanel):
 
     def __repr__(self) -> str:
         return f"BubbleWidget({self.text_lines[0] if self.text_lines else ''!r})"
+
+
+def _torch_takes(p: int, m: int) -> bool:
+    """Whether interleaved 1F1B runs m micro-batches on p ranks in torch's rounds."""
+    try:
+        S.interleaved_groups(p, m)
+    except ValueError:
+        return False
+    return True
 
 
 def _esc(text: str) -> str:

@@ -310,7 +310,7 @@ def test_bubble_widget(lab):
     ui.set_slider_by_keyboard(BUBBLE["v"], 3)
     step("v_by_keyboard", v=3)
 
-    # an invalid combination: interleaved needs m % p == 0; m = 13 on p = 2 shows the message, no chart
+    # an invalid combination: m = 13 on p = 2 does not split into torch's 6 equal rounds: the message, no chart
     ui.type_into_readout(BUBBLE["m"], "13")
     step("invalid_m_by_typing", m=13)
     assert mirror.error is not None and "Try m = 12 or 14." in mirror.error, mirror.error
