@@ -156,7 +156,7 @@ def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
     (``parallel.config.ZERO_WITH_PIPELINE``: a stage's gradients are whole until its last micro-batch, so
     ZeRO-2 saves nothing over ZeRO-1 there, and DeepSpeed's pipeline engine runs ZeRO-1 only). ZeRO-3 with a
     pipeline is planned in torchtitan's form (``zero3_with_pipeline``), the form the library composes
-    (``parallel.pp_fsdp``), so ``library_rules`` keeps it too. Interleaved 1F1B needs m a multiple of p
+    (``parallel.fsdp2_pipeline``), so ``library_rules`` keeps it too. Interleaved 1F1B needs m a multiple of p
     (``schedules.interleaved_one_f_one_b``); ZB-H1's bubble formula holds for m >= p."""
     if cand.pp > 1 and cand.zero == 2:
         return ZERO_WITH_PIPELINE
