@@ -392,6 +392,12 @@ def test_bit_for_bit_with_torch_all_to_all_single_autograd(world):
         assert torch.equal(got["torch_all_to_all"].params[name], p), name
 
 
+def _local_expert_params(cfg: GPTConfig, ep: int) -> list[torch.nn.Parameter]:
+    """The expert parameters one ep rank holds (E/ep experts per MoE layer)."""
+    return [p for block in GPT(cfg).blocks for e in list(block.mlp.experts)[:cfg.n_expert // ep]
+            for p in e.parameters()]
+
+
 @pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EPXDP))
@@ -401,7 +407,11 @@ def test_parity_ep_times_dp(name):
     report = compare(reference(name), got[0][name])
     assert report.ok, str(report)
     edp = [r for r in got[0][name].step_comm[0] if r.group == "edp"]
-    assert [r.op for r in edp] == ["all_reduce"]  # the experts' gradients, over their replicas only
+    assert {r.op for r in edp} == {"all_reduce"}  # the experts' gradients, over their replicas only ...
+    cfg = EPXDP[name][0]
+    experts = _local_expert_params(cfg, ep=2)
+    # ... each once (fp32), plus the int32 "used" flag of each (find_unused_parameters: an MoE's experts may idle)
+    assert sum(r.tensor_bytes for r in edp) == 4 * sum(p.numel() for p in experts) + 4 * len(experts)
 
 
 @pytest.mark.parity
@@ -424,10 +434,13 @@ def test_empty_ranks_and_experts_do_not_hang(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_comm_log_equals_the_formula(world):
     """Per MoE layer forward: one all_gather of W x E int64 counts, one all_to_all of E counts, dispatch and
-    combine each carrying T*k*h*4 bytes over all ranks (dropless); backward the same two again; plus one
-    all-reduce of the dense gradients."""
+    combine each carrying T*k*h*4 bytes over all ranks (dropless); backward the same two again; plus the
+    all-reduce of the dense gradients over dp, each once (the experts, one replica each at ep = W, none)."""
     res = results(world)
     L, h, k = BASE.n_layer, BASE.d_model, BASE.top_k
+    model = GPT(BASE)
+    experts = {id(p) for block in model.blocks for p in block.mlp.experts.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in experts]
     for step in range(TC.steps):
         recs = [r["top2"].step_comm[step] for r in res]
         for mine in recs:
@@ -436,7 +449,10 @@ def test_comm_log_equals_the_formula(world):
             counts = [r for r in mine if r.op == "all_to_all" and r.tensor_bytes == BASE.n_expert * 8]
             assert len(counts) == L
             assert sum(1 for r in mine if r.op == "all_to_all") == 5 * L
-            assert [r.op for r in mine if r.op == "all_reduce"] == ["all_reduce"]
+            reduced = [r for r in mine if r.op == "all_reduce"]
+            assert {r.group for r in reduced} == {"dp"}
+            # fp32 gradients plus the int32 "used" flag of each (find_unused_parameters)
+            assert sum(r.tensor_bytes for r in reduced) == 4 * sum(p.numel() for p in dense) + 4 * len(dense)
         tokens = [[r for r in mine if r.op == "all_to_all" and r.tensor_bytes != BASE.n_expert * 8]
                   for mine in recs]
         total = sum(r.tensor_bytes for mine in tokens for r in mine)
