@@ -374,7 +374,7 @@ def test_mesh_that_does_not_divide_the_model_names_the_constraint() -> None:
 
 
 def test_an_unknown_zero_stage_is_refused_with_the_stages() -> None:
-    with pytest.raises(ValueError, match="zero_stage 4: the ZeRO stages are 0"):
+    with pytest.raises(ValueError, match="ZeRO stage 4: the stages are 0"):
         ParallelConfig(zero_stage=4)
 
 

@@ -81,6 +81,7 @@ class RecordedOnTheTPDim(PerParameterUnit):
         for shard, shape in zip(self.shards, self.shapes, strict=True):
             tp = P.placement(shard, "tp")
             if isinstance(tp, P.Shard) and tp.dim == 1:
+                P.clear_placement(shard, axis)
                 P.set_placement(shard, axis, P.Shard(1, shape[1]))
 
 
