@@ -357,7 +357,7 @@ def test_unsupported_combination_is_named(shape: MeshShape, kw: dict, words: str
 
 
 def test_zero_3_with_a_pipeline_composes() -> None:
-    _check(MeshShape(pp=2, dp=2), zero_stage=3, global_batch=8, microbatches=2)  # pp_fsdp: no refusal
+    _check(MeshShape(pp=2, dp=2), zero_stage=3, global_batch=8, microbatches=2)  # fsdp2_pipeline: no refusal
 
 
 def test_expert_parallel_with_sequence_parallel_is_refused() -> None:

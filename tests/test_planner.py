@@ -96,7 +96,7 @@ def test_zero_3_with_a_pipeline_is_planned_in_torchtitans_form_with_or_without_t
     free = list(P.candidates(cfg, 16, 64, 4096, **space))
     assert any(c.pp > 1 for c in free) and P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 8) == ""
     ruled = list(P.candidates(cfg, 16, 64, 4096, library_rules=True, **space))
-    assert any(c.pp > 1 for c in ruled)  # the library composes it in the same form (parallel.pp_fsdp)
+    assert any(c.pp > 1 for c in ruled)  # the library composes it in the same form (parallel.fsdp2_pipeline)
     assert P.library_refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 64, 4096) == ""
     # memory: the stage's gradients whole (ZeRO-1's), its parameters and optimizer state sharded (ZeRO-3's)
     cl = P.cluster("pcie-h100-ethernet", 2)
