@@ -1,4 +1,4 @@
-"""Checkpoints of expert-parallel runs under ZeRO-1 (``mesh_checkpoint`` with ``ep_mesh.ExpertShardedOptimizer``:
+"""Checkpoints of expert-parallel runs under ZeRO-1 (``checkpoint``'s whole format with ``Parallelized.make_optimizer``:
 the dense AdamW state partitioned over dp x cp, the experts' over edp), saved at one mesh and resumed at another.
 
 The checkpoint holds every expert's parameters and AdamW state whole, by its global index, so a run saved at
@@ -16,7 +16,7 @@ routes dropless with the z-loss only, so a pipeline's micro-batches train the ob
 Mutations: an expert's state written under the next expert's index resumes another run; the experts' states
 written only by the first edp replica (their partition over edp not gathered, as for replicated experts) leaves
 the other owners' states out, and the resume names them. An optimizer whose state keys are not known (Adam in
-``ExpertShardedOptimizer``) is refused before anything is written.
+``make_optimizer``'s per-data-group optimizers) is refused before anything is written.
 
 Launches: 2 ranks (a save, the refusal), 4 ranks (the saves and resumes), 2 ranks again and one process (resumes
 of the 4-rank save); the tests read the cached results.
@@ -34,12 +34,12 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from course_lib.parallel.ep_mesh import ExpertShardedOptimizer
 
 from course_lib.model import GPTConfig
 from course_lib.parallel import checkpoint, runs
+from course_lib.parallel import checkpoint as MC
 from course_lib.parallel import compose as C
-from course_lib.parallel import mesh_checkpoint as MC
+from course_lib.parallel import dp_reduce as R
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.loop import build_model
 from course_lib.runtime.launch import launch
@@ -64,7 +64,8 @@ SAVES = {  # name: (world size, mesh that trains 4 steps and saves after 2)
 RESUMES = {  # name: (the save it reads, world size, mesh that resumes for the last 2 steps)
     "ep2_edp2_zero1_same_mesh": ("ep2_edp2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),
     "ep2_edp2_zero1_to_ep4_zero1": ("ep2_edp2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=4), zero_stage=1)),
-    "ep2_edp2_zero1_to_tp2_ep2_zero1": ("ep2_edp2_zero1", 4, ParallelConfig(MeshShape(dp=2, tp=2, ep=2), zero_stage=1)),
+    "ep2_edp2_zero1_to_tp2_ep2_zero1": ("ep2_edp2_zero1", 4,
+                                        ParallelConfig(MeshShape(dp=2, tp=2, ep=2), zero_stage=1)),
     "pp2_ep2_zero1_to_ep2_edp2_zero1": ("pp2_ep2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),
     "tp2_ep2_zero1_to_pp2_ep2": ("tp2_ep2_zero1", 4, ParallelConfig(MeshShape(dp=2, pp=2, ep=2))),
     "cp2_ep2_zero1_to_ep4_zero1": ("cp2_ep2_zero1", 4, ParallelConfig(MeshShape(dp=4, ep=4), zero_stage=1)),
@@ -98,9 +99,10 @@ _STEPPERS = MC._steppers
 
 
 def _experts_not_partitioned(optimizer: torch.optim.Optimizer) -> dict[int, tuple[Any, bool, bool]]:
-    """Mutation of ``mesh_checkpoint._steppers``: the experts' state read as if replicated over edp, so only the
+    """Mutation of ``checkpoint._steppers``: the experts' state read as if replicated over edp, so only the
     first edp replica (a writer) writes it and the other owners' states are dropped."""
-    experts = {id(p) for p in getattr(optimizer.experts, "params", ())}
+    experts = {id(p) for part in getattr(optimizer, "parts", ()) for p in getattr(part, "params", ())
+               if R.data_axis(p) == R.EXPERT_DATA}
     return {k: (o, owns, part and k not in experts) for k, (o, owns, part) in _STEPPERS(optimizer).items()}
 
 
@@ -114,11 +116,11 @@ def _run(rank: int, world_size: int, folder: str, name: str, *, save: bool) -> r
 
 
 def _refused(rank: int, world_size: int, folder: str) -> str:
-    """Adam (not AdamW) in ``ExpertShardedOptimizer``: ``save_checkpoint`` refuses it and says why."""
+    """Adam (not AdamW) in ZeRO-1's optimizers (one per data group): ``save_whole`` refuses it and says why."""
     parallel = ParallelConfig(MeshShape(dp=2, ep=2), zero_stage=1)
     mesh = parallel.mesh()
     composed = C.parallelize(build_model(MOE, TC4.seed), mesh, parallel, global_batch=TC4.global_batch)
-    optimizer = ExpertShardedOptimizer(list(composed.parameters()), composed.ep, mesh, torch.optim.Adam, lr=1e-3)
+    optimizer = composed.make_optimizer(torch.optim.Adam, lr=1e-3)
     try:
         checkpoint.save_whole(composed, optimizer, 0, f"{folder}/adam")
     except ValueError as e:
@@ -222,4 +224,4 @@ def test_expert_states_not_gathered_over_edp_are_named_on_resume() -> None:
 
 def test_an_optimizer_with_unknown_state_keys_is_refused() -> None:
     for message in _results()["refused"]:
-        assert "save_checkpoint takes AdamW or SGD" in message and "Adam in ExpertShardedOptimizer" in message, message
+        assert "save_whole takes AdamW or SGD" in message and "Adam in Optimizers" in message, message

@@ -1,5 +1,5 @@
-"""Checkpoints across meshes for every form (``mesh_checkpoint``): save under ZeRO-1, ZeRO-3 / FSDP2 and expert
-parallelism, resume under another mesh, and the resumed run equals the uninterrupted one.
+"""Checkpoints across meshes for every form (``checkpoint``'s whole format): save under ZeRO-1, ZeRO-3 / FSDP2 and
+expert parallelism, resume under another mesh, and the resumed run equals the uninterrupted one.
 
 Each saving run trains 4 steps and writes its checkpoint after step 2, so it *is* the uninterrupted run; the
 resumed run trains steps 3-4 on another mesh. AdamW throughout, so the optimizer state (m, v, the step count) must
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import mesh_checkpoint as MC
+from course_lib.parallel import checkpoint as MC
 from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.placement import placements_of, set_placement
@@ -50,18 +50,19 @@ ROUND_TRIPS = {  # name: (model, mesh that saves, its world size, mesh that resu
     "zero2_dp2_tp2_to_fsdp_dp4": (CFG, ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=2), 4,
                                   ParallelConfig(MeshShape(dp=4), zero_stage=3)),
     "ep2_dp2_to_ep4": (MOE, ParallelConfig(MeshShape(dp=4, ep=2)), 4, ParallelConfig(MeshShape(dp=4, ep=4))),
-    "zero1_dp2_to_dp4": (CFG, ParallelConfig(MeshShape(dp=2), zero_stage=1), 2, ParallelConfig(MeshShape(dp=4), zero_stage=1)),
+    "zero1_dp2_to_dp4": (CFG, ParallelConfig(MeshShape(dp=2), zero_stage=1), 2,
+                         ParallelConfig(MeshShape(dp=4), zero_stage=1)),
 }
 
 
-def _local_names(composed: MC.Parallelized) -> dict[int, str]:
-    """Mutation of ``mesh_checkpoint._names``: experts by their local index (rank r's expert 0 is
+def _local_names(composed: MC.Composed) -> dict[int, str]:
+    """Mutation of ``checkpoint._names``: experts by their local index (rank r's expert 0 is
     ``experts.0`` on every ep rank), so the ranks' experts overwrite each other in the checkpoint."""
     return {id(p): n for n, p in composed.module.named_parameters()}
 
 
-def _cut_in_reverse_order(composed: MC.Parallelized, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """Mutation of ``mesh_checkpoint._cut``: the nested cuts applied last first (FSDP's dim-0 shard of the whole
+def _cut_in_reverse_order(composed: MC.Composed, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """Mutation of ``checkpoint._cut``: the nested cuts applied last first (FSDP's dim-0 shard of the whole
     tensor, then TP's rows of that): the same shape, other rows of m and v for a TP weight under FSDP."""
     like = torch.empty_like(p)
     for axis, where in reversed(list(placements_of(p).items())):
@@ -85,9 +86,9 @@ class _FirstShard:
 _RESTORE_FLAT = MC._restore_flat
 
 
-def _restore_first_shard(composed: MC.Parallelized, inner: torch.optim.Optimizer, unit: Any,
+def _restore_first_shard(composed: MC.Composed, inner: torch.optim.Optimizer, unit: Any,
                          states: list[dict[str, torch.Tensor]]) -> None:
-    """Mutation of ``mesh_checkpoint._restore_flat``: every rank's m and v taken from rank 0's range of the flat
+    """Mutation of ``checkpoint._restore_flat``: every rank's m and v taken from rank 0's range of the flat
     buffer (the shard's offset forgotten)."""
     _RESTORE_FLAT(composed, inner, _FirstShard(unit), states)
 

@@ -1,4 +1,4 @@
-"""Expert parallelism composed with the other axes (``course_lib.parallel.ep_mesh``): EP x PP x DP (+ ZeRO-1), EP x
+"""Expert parallelism composed with the other axes (``course_lib.parallel.compose``): EP x PP x DP (+ ZeRO-1), EP x
 TP and EP x CP against one process, the bugs each composition must not have, checkpoints across those meshes (with
 ZeRO-1 too: tests/test_checkpoint_ep.py), and every combination still refused, with its message.
 
@@ -18,11 +18,9 @@ tp ranks -- bit-for-bit equal (``merge_composed`` raises otherwise).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import tempfile
 from typing import Any
-from unittest import mock
 
 import pytest
 from torch import nn
@@ -32,7 +30,7 @@ from course_lib.parallel import compose as C
 from course_lib.parallel import placement as P
 from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig, check_composable
-from course_lib.parallel.ep import ExpertParallel, ExpertParallelMoE
+from course_lib.parallel.ep import ExpertParallelMoE
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import MeshShape
@@ -51,7 +49,8 @@ PARITY_4 = {  # name: (model, the ParallelConfig of a 4-rank run)
     "dp2_pp2_ep2": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2))),
     "dp2_pp2_ep2_zero1": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2), zero_stage=1)),
     "dp2_pp2_ep2_zb_h1": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2), schedule="zb_h1")),
-    "dp2_pp2_ep2_interleaved": (MOE.with_(n_layer=4), ParallelConfig(MeshShape(dp=2, pp=2, ep=2), schedule="interleaved", v=2)),
+    "dp2_pp2_ep2_interleaved": (MOE.with_(n_layer=4),
+                                ParallelConfig(MeshShape(dp=2, pp=2, ep=2), schedule="interleaved", v=2)),
     "dp4_ep2_zero1": (ROUTED, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1)),
     "dp2_tp2_ep2": (ROUTED, ParallelConfig(MeshShape(dp=2, tp=2, ep=2))),
     "dp2_cp2_ep2": (ROUTED, ParallelConfig(MeshShape(dp=2, cp=2, ep=2))),  # the ep pairs are cp pairs (cp before dp)
@@ -64,28 +63,28 @@ PRODUCTION_8 = {  # DeepSeek-V3's shape (PP x EP x ZeRO-1, no TP), and every axi
 }
 
 
-class ExpertsReducedOverDP(ExpertParallel):
-    """The experts' gradients summed over dp x cp (the dense group) instead of edp: ranks of one dp x cp group
-    hold different experts in the same slot, so each expert gets another expert's gradient added."""
+def experts_reduced_over_dp(run: C.Parallelized) -> None:
+    """The experts' gradients summed over dp x cp (the dense group) instead of edp: their "edp" record dropped,
+    so data parallelism reduces them with the dense parameters. Ranks of one dp x cp group hold different
+    experts in the same slot, so each expert gets another expert's gradient added."""
+    C.expert_parallel(run)
+    for layer in run.ep:
+        for p in layer.experts.parameters():
+            P.clear_placement(p, "edp")
 
-    def __init__(self, module: nn.Module, **kw: Any) -> None:
-        super().__init__(module, **kw)
-        self.expert_dp_group = self.dense_group
 
-
-class ExpertsByTPCoordinate(ExpertParallel):
+def experts_by_tp_coordinate(run: C.Parallelized) -> None:
     """Each rank keeps the experts of its tp coordinate instead of its ep coordinate ("experts given TP's shard"):
     the tokens routed to expert e reach rank e // (E/ep), which holds other experts."""
-
-    def __init__(self, module: nn.Module, *, mesh: Any = None, **kw: Any) -> None:
-        n_local = module.config.n_expert // mesh.size("ep")
-        ep, tp = mesh.coord("ep"), mesh.coord("tp")
-        for m in module.modules():
-            if hasattr(m, "experts") and isinstance(m.experts, nn.ModuleList):
-                blocks = [list(m.experts[i * n_local:(i + 1) * n_local]) for i in range(mesh.size("ep"))]
-                blocks[ep], blocks[tp % len(blocks)] = blocks[tp % len(blocks)], blocks[ep]
-                m.experts = nn.ModuleList([e for b in blocks for e in b])
-        super().__init__(module, mesh=mesh, **kw)
+    mesh, module = run.mesh, run.module
+    n_local = module.config.n_expert // mesh.size("ep")
+    ep, tp = mesh.coord("ep"), mesh.coord("tp")
+    for m in module.modules():
+        if hasattr(m, "experts") and isinstance(m.experts, nn.ModuleList):
+            blocks = [list(m.experts[i * n_local:(i + 1) * n_local]) for i in range(mesh.size("ep"))]
+            blocks[ep], blocks[tp % len(blocks)] = blocks[tp % len(blocks)], blocks[ep]
+            m.experts = nn.ModuleList([e for b in blocks for e in b])
+    C.expert_parallel(run)
 
 
 class LocallyIndexedMoE(ExpertParallelMoE):
@@ -105,36 +104,36 @@ class BatchOrderQueuesMoE(ExpertParallelMoE):
     shards = property(lambda self: None, lambda self, value: None)
 
 
-class BatchOrderQueues(ExpertParallel):
-    def __init__(self, module: nn.Module, **kw: Any) -> None:
-        super().__init__(module, layer_class=BatchOrderQueuesMoE, **kw)
-
-
-class ExpertsIndexedLocally(ExpertParallel):
-    def __init__(self, module: nn.Module, **kw: Any) -> None:
-        super().__init__(module, layer_class=LocallyIndexedMoE, **kw)
-
-
-def _zero1_over_dp(params: list, ep: ExpertParallel, mesh: Any, optimizer_cls: type, **kw: Any) -> ShardedOptimizer:
+def zero1_experts_over_dp(run: C.Parallelized) -> None:
     """The old ZeRO-1 with experts: one partition over dp x cp, so an owner's broadcast overwrites the other ep
-    ranks' experts of the same slot with its own."""
-    return ShardedOptimizer(params, optimizer_cls, group=mesh.group("dp", "cp"), average_gradients=False,
-                            broadcast=False, **kw)
+    ranks' experts of the same slot with its own (``make_optimizer`` builds one per data group)."""
+    C.data_parallel(run)
+    run.make_optimizer = lambda optimizer_cls, **kw: ShardedOptimizer(list(run.parameters()), optimizer_cls,
+                                                                      group=run.mesh.group("dp", "cp"), **kw)
 
 
-MUTATIONS_4 = {  # name: (model, ParallelConfig, seams, what to patch)
-    "expert_grads_over_dp": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2)), dict(ep_class=ExpertsReducedOverDP), None),
-    "experts_by_tp_coordinate": (ROUTED, ParallelConfig(MeshShape(dp=2, tp=2, ep=2)), dict(ep_class=ExpertsByTPCoordinate),
-                                 None),
-    "stage_experts_indexed_locally": (MOE, ParallelConfig(MeshShape(dp=2, pp=2, ep=2)), dict(ep_class=ExpertsIndexedLocally),
-                                      None),
-    "cp_capacity_in_batch_order": (ROUTED, ParallelConfig(MeshShape(dp=2, cp=2, ep=2)), dict(ep_class=BatchOrderQueues), None),
-    "zero1_experts_over_dp": (ROUTED, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1), {}, _zero1_over_dp),
+def _swap(old: C.Step, new: C.Step) -> dict[str, object]:
+    return {"steps": C.with_step(C.STEPS, old, new)}
+
+
+def _layer(layer: type[ExpertParallelMoE]) -> dict[str, object]:
+    return _swap(C.expert_parallel, functools.partial(C.expert_parallel, layer=layer))
+
+
+EP_2_PP_2 = ParallelConfig(MeshShape(dp=2, pp=2, ep=2))
+MUTATIONS_4 = {  # name: (model, ParallelConfig, train_parallel keywords: the step swapped in)
+    "expert_grads_over_dp": (MOE, EP_2_PP_2, _swap(C.expert_parallel, experts_reduced_over_dp)),
+    "experts_by_tp_coordinate": (ROUTED, ParallelConfig(MeshShape(dp=2, tp=2, ep=2)),
+                                 _swap(C.expert_parallel, experts_by_tp_coordinate)),
+    "stage_experts_indexed_locally": (MOE, EP_2_PP_2, _layer(LocallyIndexedMoE)),
+    "cp_capacity_in_batch_order": (ROUTED, ParallelConfig(MeshShape(dp=2, cp=2, ep=2)), _layer(BatchOrderQueuesMoE)),
+    "zero1_experts_over_dp": (ROUTED, ParallelConfig(MeshShape(dp=4, ep=2), zero_stage=1),
+                              _swap(C.data_parallel, zero1_experts_over_dp)),
 }
 
 CHECKPOINTS = {  # name: (mesh that saves after 2 of 4 steps, mesh that resumes for the last 2), 4 ranks each;
     # dropless with the z-loss only, the pipeline's 2 micro-batches train the objective of one batch
-    "dp2_pp2_ep2_to_dp2_tp2_ep2": (ParallelConfig(MeshShape(dp=2, pp=2, ep=2)), ParallelConfig(MeshShape(dp=2, tp=2, ep=2))),
+    "dp2_pp2_ep2_to_dp2_tp2_ep2": (EP_2_PP_2, ParallelConfig(MeshShape(dp=2, tp=2, ep=2))),
 }
 
 
@@ -142,17 +141,16 @@ def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, (cfg, parallel) in PARITY_4.items():
         out[name] = runs.train_parallel(rank, world_size, cfg, TC, parallel)
-    for name, (cfg, parallel, seams, patch) in MUTATIONS_4.items():
-        with mock.patch.object(C, "ExpertShardedOptimizer", patch) if patch else contextlib.nullcontext():
-            try:
-                out[name] = runs.train_parallel(rank, world_size, cfg, TC, parallel, **seams)
-            except (RuntimeError, ValueError) as e:  # a detected inconsistency is red as well
-                out[name] = f"raised: {e}"
+    for name, (cfg, parallel, seams) in MUTATIONS_4.items():
+        try:
+            out[name] = runs.train_parallel(rank, world_size, cfg, TC, parallel, **seams)
+        except (RuntimeError, ValueError) as e:  # a detected inconsistency is red as well
+            out[name] = f"raised: {e}"
     for name, (first, second) in CHECKPOINTS.items():
-        out[f"uninterrupted_{name}"] = runs.train_parallel(rank, world_size, MOE, TC4, first, checkpoint=runs.Checkpointing(
-            save_to=f"{folder}/{name}", save_after=2))
-        out[f"resumed_{name}"] = runs.train_parallel(rank, world_size, MOE, TC4, second, checkpoint=runs.Checkpointing(
-            resume_from=f"{folder}/{name}"))
+        out[f"uninterrupted_{name}"] = runs.train_parallel(
+            rank, world_size, MOE, TC4, first, checkpoint=runs.Checkpointing(save_to=f"{folder}/{name}", save_after=2))
+        out[f"resumed_{name}"] = runs.train_parallel(
+            rank, world_size, MOE, TC4, second, checkpoint=runs.Checkpointing(resume_from=f"{folder}/{name}"))
     return out
 
 
@@ -214,7 +212,7 @@ def test_deepseek_shaped_mesh_matches_one_process_at_8_ranks(name: str) -> None:
 @pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(MUTATIONS_4))
 def test_mutation_fails(name: str) -> None:
-    cfg, parallel, _, _ = MUTATIONS_4[name]
+    cfg, parallel, _ = MUTATIONS_4[name]
     assert _outcome(_results()[name], cfg, parallel) != "PASS", f"the broken variant {name} still matches"
 
 
@@ -235,8 +233,9 @@ def test_checkpoint_resumes_on_another_expert_parallel_mesh(name: str) -> None:
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(zero_stage=2), r"ep > 1 with ZeRO-2: the flat \(ZeRO-2\) or per-parameter .* use zero_stage=1"),
-    (dict(zero_stage=3), r"ep > 1 with ZeRO-3: .*expert-data-parallel group"),
+    (dict(zero_stage=2), r"ep > 1 with ZeRO-2: the flat \(ZeRO-2\) and per-parameter .* an expert's data group "
+                         r"\(edp\) differs .* use zero_stage=1"),
+    (dict(zero_stage=3), r"ep > 1 with ZeRO-3: .* an expert's data group \(edp\) differs .* use zero_stage=1"),
 ])
 def test_expert_parallel_with_zero_2_or_3_is_refused(kw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):

@@ -1,4 +1,4 @@
-"""ZeRO-3 / FSDP2 x PP (``course_lib.parallel.pp_fsdp``): each pipeline stage's parameters are their dim-0 shards
+"""ZeRO-3 / FSDP2 x PP (``course_lib.parallel.fsdp2_pipeline``): each pipeline stage's parameters are their dim-0 shards
 over dp, the schedule's actions gather them, the full gradients accumulate over the micro-batches and the stage's
 ``REDUCE_GRAD`` reduce-scatters them once per step -- torchtitan's FSDP x TP x PP.
 
@@ -31,11 +31,10 @@ from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.fsdp2 import PerParameterUnit, dim0_chunk
 from course_lib.parallel.fsdp2_pipeline import StageSharding
 from course_lib.parallel.loop import train_loop
-from course_lib.parallel.pp import PipelineParallel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, make_optimizer, train_baseline
-from tests.test_compose import ReduceBeforeLastW  # REDUCE_GRAD after the last I: the W passes missed
+from tests.test_compose import reduce_before_last_w, with_pipeline  # REDUCE_GRAD before the pending W passes
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -58,7 +57,7 @@ PRODUCTION_8 = {  # torchtitan's 3D mesh
 }
 
 
-# -- variants of the engine (``PipelineParallel.sharding_class``) ----------------------------------------------
+# -- variants of the engine (``StageSharding``, swapped into the composition's data-parallel step) ---------------
 
 
 class ReshardAfterForward(StageSharding):
@@ -120,8 +119,16 @@ class FirstMicrobatchDropped(StageSharding):
         self.seen -= {id(u) for u in self.units[stage]}
 
 
-def _pipeline(sharding: type[StageSharding]) -> type[PipelineParallel]:
-    return type(f"PipelineWith{sharding.__name__}", (PipelineParallel,), {"sharding_class": sharding})
+def _sharded_stages(run: C.Parallelized, sharding: type[StageSharding]) -> None:
+    """The composition's data-parallel step of a dp x pp ZeRO-3 run, with ``sharding`` as the engine."""
+    pipe = run.pipe
+    run.dp = sharding({int(k): st for k, st in pipe.stages.items()}, run.mesh.group("dp", "cp"), groups=run.mesh)
+    pipe.connect(run.dp.reduce, engine=run.dp)
+
+
+def with_sharding(sharding: type[StageSharding]) -> tuple[C.Step, ...]:
+    """The composition with ``sharding`` in place of ``StageSharding``."""
+    return C.with_step(C.STEPS, C.data_parallel, functools.partial(_sharded_stages, sharding=sharding))
 
 
 VARIANTS_4 = {"reshard_after_forward": ReshardAfterForward, "reduce_every_microbatch": ReduceEveryMicrobatch}
@@ -145,8 +152,8 @@ def _inspect(rank: int, sharding: type[StageSharding]) -> dict[str, Any]:
     parallel = SCHEDULES_4["1f1b"]
     mesh = parallel.mesh()
     full = {n: tuple(p.shape) for n, p in GPT(CFG, seed=TC.seed).named_parameters()}
-    composed = C.Parallelized(GPT(CFG, seed=TC.seed), mesh, global_batch=TC.global_batch, **parallel.options(),
-                              pipeline_class=_pipeline(sharding))
+    composed = C.parallelize(GPT(CFG, seed=TC.seed), mesh, parallel, global_batch=TC.global_batch,
+                             steps=with_sharding(sharding))
     opt = make_optimizer(list(composed.parameters()), TC)
     train_loop(composed, opt, CFG, TC, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"))
     pipe = composed.pipe
@@ -157,13 +164,13 @@ def _inspect(rank: int, sharding: type[StageSharding]) -> dict[str, Any]:
     shapes = {n: (tuple(p.shape), (dim0_chunk(full[n][0], 2, dp_rank)[1] - dim0_chunk(full[n][0], 2, dp_rank)[0],
                                    *full[n][1:])) for n, p in held.items()}
     try:
-        pipe.enable_sharding(mesh.group("dp"))
+        pipe.connect(composed.dp.reduce, engine=composed.dp)
         again = "accepted"
     except ValueError as e:
         again = str(e)
-    units = [u for us in pipe.sharding.units.values() for u in us]
+    units = [u for us in composed.dp.units.values() for u in us]
     gathered = sum(w.untyped_storage().nbytes() for u in units for w in u.params)
-    placements, events = {n: P.placements_of(p) for n, p in held.items()}, Counter(pipe.sharding.events)
+    placements, events = {n: P.placements_of(p) for n, p in held.items()}, Counter(composed.dp.events)
     composed.remove_hooks()  # full parameters back in the stages: the whole parameters, by the model's names
     restored = {n: tuple(p.shape) for st in pipe.stages.values() for n, p in st.named_parameters()}
     return {"restored": restored == full, "shapes": shapes, "placements": placements,
@@ -179,9 +186,9 @@ def _suite4(rank: int, world_size: int, folder: str) -> dict[str, object]:
         out[name] = runs.train_parallel(rank, world_size, CFG, TC, parallel)
     for name, sharding in {**VARIANTS_4, **MUTATIONS_4}.items():
         out[name] = runs.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["1f1b"],
-                                     pipeline_class=_pipeline(sharding))
+                                        steps=with_sharding(sharding))
     out["zb_h1_reduce_before_last_w"] = runs.train_parallel(rank, world_size, CFG, TC, SCHEDULES_4["zb_h1"],
-                                                         pipeline_class=ReduceBeforeLastW)
+                                                            **with_pipeline(place_grad_reduce=reduce_before_last_w))
     out["inspect"] = _inspect(rank, StageSharding)
     out["inspect_reshard"] = _inspect(rank, ReshardAfterForward)
     out["inspect_every_microbatch"] = _inspect(rank, ReduceEveryMicrobatch)
@@ -288,7 +295,7 @@ def test_one_all_gather_and_one_reduce_scatter_per_unit_and_step() -> None:
 
 def test_a_second_data_parallel_reduction_is_refused() -> None:
     for rank in _results()["inspect"]:
-        assert rank["again"] == "the pipeline already reduces its gradients over a data-parallel group"
+        assert "already connected to a data-parallel step" in rank["again"], rank["again"]
 
 
 # -- checkpoints across meshes -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The composition matrix: the pairs of axes that the in-place transforms (``course_lib.parallel.transforms``)
+"""The composition matrix: the pairs of axes that the in-place transforms (``course_lib.parallel.compose``)
 made composable, each at 4 ranks against one process, the mutations that must break them, and every refusal
 with its reason.
 
@@ -18,11 +18,13 @@ import torch
 
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import compose as C
+from course_lib.parallel import dp_reduce as R
 from course_lib.parallel import placement as P
 from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.cp import CPContext
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit
+from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
@@ -40,16 +42,18 @@ PAIRS_4 = {  # name: the ParallelConfig of a 4-rank run that the old structure r
     "fsdp2_x_tp_sp": ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3, sequence_parallel=True),
     "fsdp2_x_cp": ParallelConfig(MeshShape(dp=2, cp=2), zero_stage=3),
     "pp_x_cp": ParallelConfig(MeshShape(pp=2, cp=2)),
-    "pp_x_cp_contiguous_allgather": ParallelConfig(MeshShape(pp=2, cp=2), cp_layout="contiguous", cp_algorithm="allgather"),
+    "pp_x_cp_contiguous_allgather": ParallelConfig(MeshShape(pp=2, cp=2), cp_layout="contiguous",
+                                                   cp_algorithm="allgather"),
     "pp_x_tp_sp": ParallelConfig(MeshShape(pp=2, tp=2), sequence_parallel=True),
     "pp_zb_h1_x_tp_sp": ParallelConfig(MeshShape(pp=2, tp=2), sequence_parallel=True, schedule="zb_h1"),
 }
 
 
 PRODUCTION_8 = {  # scaled-down copies of the meshes of large runs, on 8 ranks
-    "tp2_cp2_pp2_sp": ParallelConfig(MeshShape(tp=2, cp=2, pp=2), sequence_parallel=True),  # a long-context dense run
-    "dp2_tp2_pp2_zero1_sp": ParallelConfig(MeshShape(dp=2, tp=2, pp=2), zero_stage=1, sequence_parallel=True),  # Megatron 3D
-    "fsdp2_tp2_cp2_sp": ParallelConfig(MeshShape(dp=2, tp=2, cp=2), zero_stage=3, sequence_parallel=True),  # torchtitan's
+    # a long-context dense run; Megatron's 3D; torchtitan's FSDP2 x TP x CP
+    "tp2_cp2_pp2_sp": ParallelConfig(MeshShape(tp=2, cp=2, pp=2), sequence_parallel=True),
+    "dp2_tp2_pp2_zero1_sp": ParallelConfig(MeshShape(dp=2, tp=2, pp=2), zero_stage=1, sequence_parallel=True),
+    "fsdp2_tp2_cp2_sp": ParallelConfig(MeshShape(dp=2, tp=2, cp=2), zero_stage=3, sequence_parallel=True),
 }
 
 
@@ -60,44 +64,60 @@ class ChunkLocalPositions(CPContext):
         return torch.arange(n, device=self.local_positions().device)
 
 
+def chunk_local_context_parallel(run: C.Parallelized) -> None:
+    """The composition's context-parallel step with a ``ChunkLocalPositions`` context."""
+    if run.mesh.size("cp") > 1:
+        ctx = ChunkLocalPositions(run.mesh.group("cp"), run.config.cp_layout, C.ATTEND[run.config.cp_algorithm],
+                                  max_len=run.module.config.seq_len)
+        C.context_parallel(run, context=ctx)
+
+
 class RecordedOnTheTPDim(PerParameterUnit):
     """ZeRO-3 of a TP weight recorded on the TP shard's own dim (a row-parallel weight's dim 1) instead of the
     local tensor's dim 0 it actually cuts: gathering and checkpoints then cut the wrong way."""
 
-    def record_placements(self, axis: str) -> None:
-        super().record_placements(axis)
+    def record_placements(self, axis: str, replicate_axis: str | None = None) -> None:
+        super().record_placements(axis, replicate_axis)
         for shard, shape in zip(self.shards, self.shapes, strict=True):
             tp = P.placement(shard, "tp")
             if isinstance(tp, P.Shard) and tp.dim == 1:
-                table = shard._course_placements
-                table[axis] = P.Shard(1, shape[1])
+                P.clear_placement(shard, axis)
+                P.set_placement(shard, axis, P.Shard(1, shape[1]))
 
 
-class FSDP2WrongDim(FSDP2DataParallel):
-    unit_class = RecordedOnTheTPDim
-
-
-class TPSyncAfterFSDP2(C.Parallelized):
-    """The known bug: TP's own ``finish_gradient_sync`` also runs after FSDP2 replaced the module's parameters
-    by their shards, so the partial (sequence-parallel) gradients are summed over tp twice."""
+class PartialsSummedTwice(FSDP2DataParallel):
+    """The known bug: the partial (sequence-parallel) gradients summed over tp once more after FSDP2 summed
+    them (TP's own sync run after the data-parallel one)."""
 
     def finish_gradient_sync(self) -> None:
         super().finish_gradient_sync()
-        self.tp.finish_gradient_sync()
+        R.sum_partials([s for u in self.units for s in u.shards], self.groups)
 
 
-class FlatPartialSkipped(C.Parallelized):
+class FlatPartialSkipped(ZeroDataParallel):
     """ZeRO-2 x TP + SP without the sum over tp of the flat shards' partial segments."""
 
     def finish_gradient_sync(self) -> None:
-        self.dp.finish_gradient_sync()
+        pass
+
+
+def _sharded(run: C.Parallelized, make) -> None:
+    run.dp = make(run.module, mesh=run.mesh)
+
+
+def data_parallel_as(make) -> dict[str, object]:
+    """``train_parallel``'s ``steps`` with a data-parallel step that builds ``make(module, mesh=mesh)``."""
+    return {"steps": C.with_step(C.STEPS, C.data_parallel, functools.partial(_sharded, make=make))}
 
 
 MUTATIONS_4 = {  # name: (the run's ParallelConfig, train_parallel keywords that break it)
-    "pp_x_cp_first_stage_at_chunk_local_positions": (PAIRS_4["pp_x_cp"], dict(cp_context_class=ChunkLocalPositions)),
-    "fsdp2_x_tp_recorded_on_the_wrong_dim": (PAIRS_4["fsdp2_x_tp"], dict(fsdp_class=FSDP2WrongDim)),
-    "fsdp2_x_tp_sp_partial_summed_twice": (PAIRS_4["fsdp2_x_tp_sp"], dict(composed_class=TPSyncAfterFSDP2)),
-    "zero2_x_tp_sp_partial_not_summed": (PAIRS_4["zero2_x_tp_sp"], dict(composed_class=FlatPartialSkipped)),
+    "pp_x_cp_first_stage_at_chunk_local_positions": (
+        PAIRS_4["pp_x_cp"], {"steps": C.with_step(C.STEPS, C.context_parallel, chunk_local_context_parallel)}),
+    "fsdp2_x_tp_recorded_on_the_wrong_dim": (
+        PAIRS_4["fsdp2_x_tp"], data_parallel_as(functools.partial(FSDP2DataParallel, unit=RecordedOnTheTPDim))),
+    "fsdp2_x_tp_sp_partial_summed_twice": (PAIRS_4["fsdp2_x_tp_sp"], data_parallel_as(PartialsSummedTwice)),
+    "zero2_x_tp_sp_partial_not_summed": (
+        PAIRS_4["zero2_x_tp_sp"], data_parallel_as(functools.partial(FlatPartialSkipped, stage=2))),
 }
 
 
@@ -108,7 +128,8 @@ def _placements(rank: int) -> dict[str, dict[str, dict[str, P.Placement]]]:
 
     out = {}
     for name, kw in {"fsdp_tp": dict(dp=2, tp=2), "fsdp_cp": dict(dp=2, cp=2)}.items():
-        composed = C.parallelize(GPT(CFG, seed=0), Mesh(**kw), zero_stage=3)
+        mesh = Mesh(**kw)
+        composed = C.parallelize(GPT(CFG, seed=0), mesh, ParallelConfig(mesh.shape, zero_stage=3))
         out[name] = {n: P.placements_of(p) for n, p in composed.module.named_parameters()
                      if n.startswith("blocks.0.")}
     return out
@@ -172,7 +193,7 @@ def test_production_shaped_mesh_matches_one_process_at_8_ranks(name: str) -> Non
     results = _results(8)[name]
     assert _outcome(results) == "PASS"
     groups = {rec.group for r in results for step in r.step_comm for rec in step}
-    axes = [a for a in ("dp", "cp", "tp", "pp") if getattr(PRODUCTION_8[name], a) > 1]
+    axes = [a for a in ("dp", "cp", "tp", "pp") if PRODUCTION_8[name].shape.size(a) > 1]
     assert all(any(a in g for g in groups) for a in axes), groups  # every axis communicated over its group
 
 

@@ -30,11 +30,13 @@ from course_lib.estimates.activation_memory import model_activation_bytes
 from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, lm_loss
 from course_lib.parallel import cp_attention as ca
-from course_lib.parallel.cp import ContextParallel, CPAttention
+from course_lib.parallel.config import ParallelConfig
+from course_lib.parallel.cp import CPAttention, apply_cp
 from course_lib.parallel.cp_ulysses import AllToAll, UlyssesExchange, ulysses_attention, ulysses_bytes_per_rank
+from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.runs import train_cp
 from course_lib.runtime.launch import launch
-from course_lib.runtime.mesh import Mesh
+from course_lib.runtime.mesh import Mesh, MeshShape
 from course_lib.train import PARITY_MODEL, TrainConfig, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -169,7 +171,7 @@ def _suite(rank: int, cp: int) -> dict:
             ("sgd_contiguous", CFG, SGD, {"layout": "contiguous"}),
             ("adamw_rope_gqa", ROPE_GQA, ADAMW, {"layout": "zigzag"}),
             ("sgd_allgather", ROPE_GQA, SGD, {"layout": "zigzag", "algorithm": "allgather"}),
-            ("local_rope", ROPE_GQA, SGD, {"layout": "zigzag", "attention_class": LocalRoPE}),
+            ("local_rope", ROPE_GQA, SGD, {"layout": "zigzag", "attention": LocalRoPE}),
             ("sgd_ulysses", CFG, SGD, {"layout": "zigzag", "algorithm": "ulysses"}),
             ("sgd_ulysses_contiguous", CFG, SGD, {"layout": "contiguous", "algorithm": "ulysses"})]
     if cp <= ROPE_GQA.kv_heads:
@@ -188,10 +190,10 @@ def _suite(rank: int, cp: int) -> dict:
 
 def _activation_peak(rank: int, cp: int, cfg) -> int:
     model = GPT(cfg)
-    wrapped = ContextParallel(model, layout="zigzag")
-    x, y = global_batch(0, 2, cfg.seq_len)
+    ctx = apply_cp(model, None, layout="zigzag")
+    x, y = (ca.shard_sequence(t, ctx.rank, ctx.size, ctx.layout) for t in global_batch(0, 2, cfg.seq_len))
     with MemoryTracker(model) as mt:
-        lm_loss(wrapped(wrapped.shard(x)), wrapped.shard(y)).backward()
+        lm_loss(model(x), y).backward()
     return int(mt.category_peaks["activations"])
 
 
@@ -488,8 +490,11 @@ def test_dp_x_cp_with_zero_shards_over_dp_x_cp(stage):
         run = result["train"][f"dp2_cp2_zero{stage}"]
         assert compare(ref, run).ok, str(compare(ref, run))
         groups = {(r.op, r.group) for step in run.step_comm for r in step}
-        assert {("reduce_scatter", "dp+cp"), ("all_gather", "dp+cp"), ("send", "cp")} <= groups
-        assert ("all_reduce", "dp+cp") not in groups
+        if stage == 1:  # ZeRO-1 behind data parallelism: all-reduce, then each parameter from its owner
+            assert {("all_reduce", "dp+cp"), ("broadcast", "dp+cp"), ("send", "cp")} <= groups, groups
+        else:
+            assert {("reduce_scatter", "dp+cp"), ("all_gather", "dp+cp"), ("send", "cp")} <= groups, groups
+            assert ("all_reduce", "dp+cp") not in groups
 
 
 @pytest.mark.parity
@@ -556,6 +561,12 @@ def test_activation_memory_per_rank_measured_equals_predicted(cp, pos):
 # Bad inputs on ranks
 
 
+def _cp_model(cfg, **options) -> GPT:
+    model = GPT(cfg)
+    apply_cp(model, None, layout="zigzag", **options)
+    return model
+
+
 def _bad_inputs(rank: int, world_size: int) -> list[str]:
     errors = []
     pos = ca.all_positions(8, world_size, "zigzag")
@@ -563,9 +574,9 @@ def _bad_inputs(rank: int, world_size: int) -> list[str]:
     for call in (lambda: ca.ring_attention(q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), pos, 2),
                  lambda: ca.ring_attention(q, kv, kv, pos[:, :2], 2),
                  lambda: ca.ring_attention(q[0], kv, kv, pos, 2),
-                 lambda: ContextParallel(GPT(CFG), group=None, algorithm="striped"),
-                 lambda: ContextParallel(GPT(CFG), layout="zigzag")(torch.zeros(1, 5, dtype=torch.long)),
-                 lambda: ContextParallel(GPT(CFG.with_(n_kv_head=1)), algorithm="ulysses")(
+                 lambda: ParallelConfig(MeshShape(cp=world_size), cp_algorithm="striped"),
+                 lambda: _cp_model(CFG)(torch.zeros(1, 5, dtype=torch.long)),
+                 lambda: _cp_model(CFG.with_(n_kv_head=1), attend=ulysses_attention)(
                      torch.zeros(1, S // world_size, dtype=torch.long))):
         try:
             call()
@@ -578,13 +589,15 @@ def _bad_inputs(rank: int, world_size: int) -> list[str]:
 def test_bad_inputs_raise_clear_errors():
     errors = launch(_bad_inputs, 2, timeout=LAUNCH_TIMEOUT)[0]
     assert "share" in errors[0] and "positions must be" in errors[1] and "expected q" in errors[2]
-    assert "unknown algorithm" in errors[3] and "equal chunks" in errors[4]
+    assert "unknown cp_algorithm" in errors[3] and "equal chunks" in errors[4]
     assert "1 K/V heads do not both divide by 2" in errors[5] and "algorithm='ring'" in errors[5]
 
 
 def test_mesh_and_group_together_raise():
+    """apply_cp takes the cp group only; the data-parallel form that reduces CP's gradients (over dp x cp) refuses
+    an ambiguous mesh= with group=."""
     with pytest.raises(ValueError, match="not both"):
-        ContextParallel(GPT(CFG), mesh=object(), group=object())
+        DataParallel(GPT(CFG), mesh=object(), group=object())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from course_lib.model_config import PRESETS, GPTConfig
 from course_lib.moe import MoE, Routing, expert_capacity, expert_positions, moe_aux_loss
 from course_lib.parallel import ep as E
 from course_lib.parallel import oracles, runs
+from course_lib.parallel.dp import DataParallel
 from course_lib.runtime.launch import RankError, launch
 from course_lib.train import (
     TrainConfig,
@@ -113,14 +114,12 @@ class SharedTwice(E.ExpertParallelMoE):
         return super().add_shared(super().add_shared(routed, flat), flat)
 
 
-class BiasFromKeptCounts(E.ExpertParallel):
+class BiasFromKeptCounts(E.ExpertParallelMoE):
     """Bug: the bias update counts the assignments kept after capacity, not those routed: an expert at capacity
     looks no busier than the mean, so the overload that the bias should correct stays invisible."""
 
-    def after_step(self):
-        for layer in self.layers:
-            layer.step_routed.copy_(layer.step_kept)
-        super().after_step()
+    def balance_bias_(self, loads, rate):
+        super().balance_bias_(self.step_kept, rate)
 
 
 class NodeLimitIgnored(E.ExpertParallelMoE):
@@ -154,18 +153,18 @@ CASES = {
     "top2_drops_aux_z": (DROPS, {}),
     "top1_drops_aux": (BASE.with_(top_k=1, capacity_factor=0.5, aux_loss_coef=0.01), {}),
     "sigmoid_drops_aux": (BASE.with_(router="sigmoid", capacity_factor=0.75, aux_loss_coef=0.01), {}),
-    "empty_ranks": (BASE, {"model_fn": first_two_model, "layer_class": FirstTwoEP}),
+    "empty_ranks": (BASE, {"model_fn": first_two_model, "layer": FirstTwoEP}),
     "accumulation": (DROPS, {"accumulation": 2}),
     "deepseek_fine_shared_drops": (DEEPSEEK, {}),
     "sigmoid_bias_update_drops": (BIASED, {"bias_update_rate": BIAS_RATE}),
     "node_limited_drops": (NODE_LIMITED, {}),
     "grouped_free": (NODE_LIMITED.with_(topk_group=None), {}),
-    "torch_all_to_all": (DROPS, {"layer_class": oracles.TorchAllToAllMoE}),
-    "no_combine_weights": (BASE, {"layer_class": NoCombineWeights}),
-    "f_not_divided_by_k": (BASE.with_(aux_loss_coef=0.1), {"layer_class": FractionNotDividedByK}),
-    "shared_twice": (DEEPSEEK, {"layer_class": SharedTwice}),
-    "bias_from_kept_counts": (BIASED, {"bias_update_rate": BIAS_RATE, "wrapper_class": BiasFromKeptCounts}),
-    "node_limit_ignored": (NODE_LIMITED, {"layer_class": NodeLimitIgnored}),
+    "torch_all_to_all": (DROPS, {"layer": oracles.TorchAllToAllMoE}),
+    "no_combine_weights": (BASE, {"layer": NoCombineWeights}),
+    "f_not_divided_by_k": (BASE.with_(aux_loss_coef=0.1), {"layer": FractionNotDividedByK}),
+    "shared_twice": (DEEPSEEK, {"layer": SharedTwice}),
+    "bias_from_kept_counts": (BIASED, {"bias_update_rate": BIAS_RATE, "layer": BiasFromKeptCounts}),
+    "node_limit_ignored": (NODE_LIMITED, {"layer": NodeLimitIgnored}),
 }
 EPXDP = {"epxdp_top2_drops": (DROPS, {"ep": 2}), "epxdp_top1_drops": (CASES["top1_drops_aux"][0], {"ep": 2})}
 """(Plain top-1 under EP x DP differs by 2e-6 in one expert weight under AdamW, 4e-9 under SGD: Mixtral's top-1
@@ -393,6 +392,12 @@ def test_bit_for_bit_with_torch_all_to_all_single_autograd(world):
         assert torch.equal(got["torch_all_to_all"].params[name], p), name
 
 
+def _local_expert_params(cfg: GPTConfig, ep: int) -> list[torch.nn.Parameter]:
+    """The expert parameters one ep rank holds (E/ep experts per MoE layer)."""
+    return [p for block in GPT(cfg).blocks for e in list(block.mlp.experts)[:cfg.n_expert // ep]
+            for p in e.parameters()]
+
+
 @pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EPXDP))
@@ -402,7 +407,11 @@ def test_parity_ep_times_dp(name):
     report = compare(reference(name), got[0][name])
     assert report.ok, str(report)
     edp = [r for r in got[0][name].step_comm[0] if r.group == "edp"]
-    assert [r.op for r in edp] == ["all_reduce"]  # the experts' gradients, over their replicas only
+    assert {r.op for r in edp} == {"all_reduce"}  # the experts' gradients, over their replicas only ...
+    cfg = EPXDP[name][0]
+    experts = _local_expert_params(cfg, ep=2)
+    # ... each once (fp32), plus the int32 "used" flag of each (find_unused_parameters: an MoE's experts may idle)
+    assert sum(r.tensor_bytes for r in edp) == 4 * sum(p.numel() for p in experts) + 4 * len(experts)
 
 
 @pytest.mark.parity
@@ -425,10 +434,13 @@ def test_empty_ranks_and_experts_do_not_hang(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_comm_log_equals_the_formula(world):
     """Per MoE layer forward: one all_gather of W x E int64 counts, one all_to_all of E counts, dispatch and
-    combine each carrying T*k*h*4 bytes over all ranks (dropless); backward the same two again; plus one
-    all-reduce of the dense gradients."""
+    combine each carrying T*k*h*4 bytes over all ranks (dropless); backward the same two again; plus the
+    all-reduce of the dense gradients over dp, each once (the experts, one replica each at ep = W, none)."""
     res = results(world)
     L, h, k = BASE.n_layer, BASE.d_model, BASE.top_k
+    model = GPT(BASE)
+    experts = {id(p) for block in model.blocks for p in block.mlp.experts.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in experts]
     for step in range(TC.steps):
         recs = [r["top2"].step_comm[step] for r in res]
         for mine in recs:
@@ -437,7 +449,10 @@ def test_comm_log_equals_the_formula(world):
             counts = [r for r in mine if r.op == "all_to_all" and r.tensor_bytes == BASE.n_expert * 8]
             assert len(counts) == L
             assert sum(1 for r in mine if r.op == "all_to_all") == 5 * L
-            assert [r.op for r in mine if r.op == "all_reduce"] == ["all_reduce"]
+            reduced = [r for r in mine if r.op == "all_reduce"]
+            assert {r.group for r in reduced} == {"dp"}
+            # fp32 gradients plus the int32 "used" flag of each (find_unused_parameters)
+            assert sum(r.tensor_bytes for r in reduced) == 4 * sum(p.numel() for p in dense) + 4 * len(dense)
         tokens = [[r for r in mine if r.op == "all_to_all" and r.tensor_bytes != BASE.n_expert * 8]
                   for mine in recs]
         total = sum(r.tensor_bytes for mine in tokens for r in mine)
@@ -502,16 +517,16 @@ def test_bias_update_changes_the_routing():
     assert not compare(reference("sigmoid_bias_update_drops"), plain).ok
 
 
-def _train_one(rank, world_size, cfg, layer_class):
+def _train_one(rank, world_size, cfg, layer):
     torch.set_num_threads(1)
-    return runs.train_ep(rank, world_size, cfg, TC, layer_class=layer_class)
+    return runs.train_ep(rank, world_size, cfg, TC, layer=layer)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layer_class", [LocalCapacity, WrongRank])
-def test_disagreeing_ranks_raise_a_clear_error(layer_class):
+@pytest.mark.parametrize("layer", [LocalCapacity, WrongRank])
+def test_disagreeing_ranks_raise_a_clear_error(layer):
     with pytest.raises(RankError, match="disagree"):
-        launch(_train_one, 2, DROPS, layer_class, timeout=LAUNCH_TIMEOUT)
+        launch(_train_one, 2, DROPS, layer, timeout=LAUNCH_TIMEOUT)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -533,17 +548,27 @@ def _expect_errors(rank, world_size, bad):
     return messages
 
 
-def _wrap_errors(rank, world_size):
-    """The wrapper's own checks, below the mesh's: experts that do not split, a dense model, groups that do not
-    multiply to the dense group."""
+def _apply_errors(rank, world_size):
+    """apply_ep's own checks, below the mesh's: experts that do not split, a dense model; and the data-parallel
+    step asked to reduce the experts' gradients without their group ("edp", which only a mesh has)."""
+    world = torch.distributed.group.WORLD
     messages = []
-    for cfg, kw in ((BASE.with_(n_expert=3, top_k=1), {}), (BASE.with_(n_expert=0), {}),
-                    (BASE, {"expert_dp_group": torch.distributed.group.WORLD})):
+    for cfg in (BASE.with_(n_expert=3, top_k=1), BASE.with_(n_expert=0)):
         try:
-            E.ExpertParallel(GPT(cfg), **kw)
+            E.apply_ep(GPT(cfg), world, world)
             messages.append("no error")
         except ValueError as exc:
             messages.append(str(exc))
+    model = GPT(BASE)
+    E.apply_ep(model, world, world)
+    dp = DataParallel(model, group=world, mode="bucketed")
+    x, y = global_batch(0, 2, BASE.seq_len)
+    lm_loss(dp(x), y).backward()
+    try:
+        dp.finish_gradient_sync()
+        messages.append("no error")
+    except KeyError as exc:
+        messages.append(str(exc))
     return messages
 
 
@@ -551,7 +576,7 @@ def test_bad_configurations_raise():
     for messages in launch(_expect_errors, 2, BAD, timeout=LAUNCH_TIMEOUT):
         for (_, _, expected), got in zip(BAD, messages, strict=True):
             assert expected in got
-    for messages in launch(_wrap_errors, 2, timeout=LAUNCH_TIMEOUT):
+    for messages in launch(_apply_errors, 2, timeout=LAUNCH_TIMEOUT):
         assert "n_expert=3 is not divisible by ep=2" in messages[0]
         assert "no MoE layer" in messages[1]
-        assert "ep x edp = 2 x 2 must equal the dense data-parallel size 2" in messages[2]
+        assert "reduced over 'edp' but no group is given" in messages[2] and "mesh=" in messages[2]

@@ -7,18 +7,18 @@ of the same ``Candidate`` at the run's precision (fp32 AdamW). Tolerances:
 * parameters: exact (the planner's count per rank is the library's cut: TP's slices, PP's stages, FSDP's shards);
 * the model states in all (parameters + gradients + optimizer state): ``memcheck.REL_TOL`` (2 %), which absorbs
   AdamW's 4-byte ``step`` counter per tensor (the estimator leaves it out) and, under sequence parallelism, the
-  transient copy of the norms' partial gradients (``placement.reduce_partial_grads`` replaces each by its reduced
-  copy while the old one is alive: ~4 % of the gradients of this tiny model, ~1 % of its model states).
+  transient flat buffer of the norms' partial gradients (``dp_reduce.sum_partials`` all-reduces them in one buffer
+  while the gradients are alive: ~4 % of the gradients of this tiny model, ~1 % of its model states).
 
-ZeRO-1 with experts: ``ExpertShardedOptimizer`` gives each rank whole tensors, and with four experts a rank may own
-one more large tensor than its neighbour (18 % of rank 0's optimizer state here), while the planner prices the
-even split; its optimizer state is compared with the mean over the ranks of the same stage, which a whole-tensor
-partition leaves exact (every tensor is owned once).
+ZeRO-1 with experts: ``Parallelized.make_optimizer`` (a ``ShardedOptimizer`` per data group) gives each rank whole
+tensors, and with four experts a rank may own one more large tensor than its neighbour (18 % of rank 0's optimizer
+state here), while the planner prices the even split; its optimizer state is compared with the mean over the ranks
+of the same stage, which a whole-tensor partition leaves exact (every tensor is owned once).
 
 FSDP2 x TP x PP is trained (parity with one process) but its model states are not compared: the tracker sees the
 stage's shards, the module's parameters between actions, and not the full weights and gradients the schedule
-gathers during the step (``pp_fsdp``), which the planner prices in part (full gradients, sharded weights). The
-test of that row is a strict xfail with this reason.
+gathers during the step (``fsdp2_pipeline``), which the planner prices in part (full gradients, sharded weights).
+The test of that row is a strict xfail with this reason.
 
 Mutations: a planner that forgets to divide by tp, or to shard over dp x cp under ZeRO-3, goes red.
 """
@@ -65,7 +65,7 @@ def _stage_means(runs: list) -> dict[int, float]:
 
 def _mismatches(parallel: ParallelConfig, runs: list, cfg: GPTConfig = CFG) -> list[str]:
     cand = M.candidate_of(parallel, TC.global_batch)
-    whole_tensors = parallel.shape.ep > 1 and parallel.zero_stage == 1  # ExpertShardedOptimizer: compare stage means
+    whole_tensors = parallel.shape.ep > 1 and parallel.zero_stage == 1  # whole-tensor partitions: stage means
     means = _stage_means(runs)
     bad = []
     for result, measured in runs:

@@ -22,6 +22,7 @@ from course_lib.moe import MoE
 from course_lib.parallel import compose as C
 from course_lib.parallel import runs
 from course_lib.parallel.config import ParallelConfig
+from course_lib.parallel.moe_mesh import MeshRouting
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, compare, train_baseline
@@ -54,15 +55,19 @@ class DroppedStageLossMoE(MoE):
         return out
 
 
-class UnreportedStageLosses(C.Parallelized):
+class UnreportedStageLosses(MeshRouting):
     """A third bug: the stages back-propagate their router losses but the reported loss leaves them out."""
 
-    def reduce_losses(self, local):
-        routing, self.routing = self.routing, None
-        try:
-            return super().reduce_losses(local)
-        finally:
-            self.routing = routing
+    def add_stage_losses(self, losses):
+        self.stage_losses(losses.numel())  # read and cleared, never added
+        return losses
+
+
+def unreported_routing(run: C.Parallelized) -> None:
+    """The composition's ``moe_routing`` step with ``UnreportedStageLosses`` in place of its ``MeshRouting``."""
+    C.moe_routing(run)
+    r = run.routing
+    run.routing = UnreportedStageLosses(r.layers, r.pipelined, r.pp_group, r.data_group)
 
 
 def _with_layer(cls: type[MoE]):
@@ -75,6 +80,7 @@ def _with_layer(cls: type[MoE]):
 
 
 shard_local_model = _with_layer(ShardLocalMoE)
+UNREPORTED = {"steps": C.with_step(C.STEPS, C.moe_routing, unreported_routing)}
 dropped_stage_loss_model = _with_layer(DroppedStageLossMoE)
 
 CASES_2 = {  # name: (config, ParallelConfig, train_parallel keywords, baseline accumulation)
@@ -89,7 +95,7 @@ MUTATIONS_2 = {
     "dp2_shard_local": (MOE, ParallelConfig(MeshShape(dp=2)), {"model_fn": shard_local_model}, 1),
     "cp2_shard_local": (MOE, ParallelConfig(MeshShape(cp=2)), {"model_fn": shard_local_model}, 1),
     "pp2_stage_loss_dropped": (MOE, ParallelConfig(MeshShape(pp=2)), {"model_fn": dropped_stage_loss_model}, 2),
-    "pp2_stage_loss_unreported": (MOE, ParallelConfig(MeshShape(pp=2)), {"composed_class": UnreportedStageLosses}, 2),
+    "pp2_stage_loss_unreported": (MOE, ParallelConfig(MeshShape(pp=2)), UNREPORTED, 2),
 }
 CASES_4 = {
     "dp4_ep2": (MOE, ParallelConfig(MeshShape(dp=4, ep=2)), {}, 1),

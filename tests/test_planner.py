@@ -96,7 +96,7 @@ def test_zero_3_with_a_pipeline_is_planned_in_torchtitans_form_with_or_without_t
     free = list(P.candidates(cfg, 16, 64, 4096, **space))
     assert any(c.pp > 1 for c in free) and P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 8) == ""
     ruled = list(P.candidates(cfg, 16, 64, 4096, library_rules=True, **space))
-    assert any(c.pp > 1 for c in ruled)  # the library composes it in the same form (parallel.pp_fsdp)
+    assert any(c.pp > 1 for c in ruled)  # the library composes it in the same form (parallel.fsdp2_pipeline)
     assert P.library_refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 64, 4096) == ""
     # memory: the stage's gradients whole (ZeRO-1's), its parameters and optimizer state sharded (ZeRO-3's)
     cl = P.cluster("pcie-h100-ethernet", 2)
@@ -465,19 +465,6 @@ def test_the_zero_pipeline_refusal_is_the_librarys_own():
     assert P.refusal(GPTConfig(), P.Candidate(dp=4, tp=1, pp=2, zero=2), 2).split(";")[0] in str(e.value)
 
 
-class _StubMesh:
-    """What ``share_routing`` asks of a mesh (sizes; no process groups needed to decide the refusal)."""
-
-    def __init__(self, shape: MeshShape) -> None:
-        self.size = shape.size
-
-    def group(self, *axes: str) -> None:
-        return None
-
-    def coord(self, axis: str) -> int:
-        return 0
-
-
 @pytest.mark.parametrize("cfg", [TOY_MOE, TOY_MOE.with_(aux_loss_coef=0.0, capacity_factor=1.0),
                                  TOY_MOE.with_(aux_loss_coef=0.0, z_loss_coef=0.01)], ids=["aux", "capacity", "z"])
 def test_the_moe_pipeline_refusal_is_the_librarys(cfg):
@@ -498,7 +485,7 @@ def test_with_library_rules_every_ranked_mesh_is_one_the_library_composes():
         assert P.library_refusal(TOY_MOE, p.candidate, 16, 32) == "", str(p.candidate)
     # the planner's deliberate differences (the module docstring), e.g. the MoE with its aux loss over dp x pp
     refused = [P.library_refusal(TOY_MOE, p.candidate, 16, 32) for p in free.ranked]
-    assert any("moe_mesh.share_routing" in r for r in refused)
+    assert any("an MoE with capacity or the load-balancing loss" in r for r in refused)
     assert {str(p.candidate) for p in ruled.ranked} == {str(p.candidate) for p, r in zip(free.ranked, refused,
                                                                                           strict=True) if not r}
 

@@ -78,9 +78,9 @@ class NoLossScaling(pp_executor.PipelineExecutor):
 # The launches (each rank runs every configuration in turn) and single-process references
 
 
-def _run_all(rank: int, world_size: int, runs: dict) -> dict:
+def _run_all(rank: int, world_size: int, cases: dict) -> dict:
     out = {}
-    for key, (fn, cfg, tc, kwargs) in runs.items():
+    for key, (fn, cfg, tc, kwargs) in cases.items():
         out[key] = fn(rank, world_size, cfg, tc, **kwargs)
     return out
 
@@ -94,34 +94,34 @@ def _on_pairs(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, **kwa
 
 
 def _runs(p: int) -> dict:
-    runs = {}
+    cases = {}
     for name, v in SCHEDULES.items():
         kwargs = {"schedule": name, "microbatches": M, "v": v}
-        runs["ours", name] = (runs.train_pp, _config(p, v), ADAMW, kwargs)
-        runs["torch", name] = (oracles.train_torch_pp, _config(p, v), ADAMW, kwargs)
+        cases["ours", name] = (runs.train_pp, _config(p, v), ADAMW, kwargs)
+        cases["torch", name] = (oracles.train_torch_pp, _config(p, v), ADAMW, kwargs)
     if p == 4:
-        runs["pairs",] = (_on_pairs, CFG, ADAMW, {"schedule": "zb_h1", "microbatches": M})
+        cases["pairs",] = (_on_pairs, CFG, ADAMW, {"schedule": "zb_h1", "microbatches": M})
     if p == 2:
         for name in ("1f1b", "zb_h1"):
-            runs["ours", name, "uneven"] = (runs.train_pp, CFG, ADAMW, {"schedule": name, "microbatches": M,
+            cases["ours", name, "uneven"] = (runs.train_pp, CFG, ADAMW, {"schedule": name, "microbatches": M,
                                                                        "split": [1, 3]})
-        runs["torch", "1f1b", "uneven"] = (oracles.train_torch_pp, CFG, ADAMW, {"schedule": "1f1b", "microbatches": M,
+        cases["torch", "1f1b", "uneven"] = (oracles.train_torch_pp, CFG, ADAMW, {"schedule": "1f1b", "microbatches": M,
                                                                            "split": [1, 3]})
         for opt, tc in (("sgd", SGD), ("adamw", ADAMW)):
-            runs["good", opt] = (runs.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M})
-            runs["broken", opt] = (runs.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M,
-                                                          "executor_class": NoLossScaling})
+            cases["good", opt] = (runs.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M})
+            cases["broken", opt] = (runs.train_pp, CFG, tc, {"schedule": "1f1b", "microbatches": M,
+                                                          "executor": NoLossScaling})
         three_steps = TrainConfig(steps=3, global_batch=8)  # step 0 warms up (lazy inits)
         for name in ("gpipe", "zb_h1"):
-            runs["emulated", name] = (runs.train_pp, CFG, three_steps, {"schedule": name, "microbatches": M,
+            cases["emulated", name] = (runs.train_pp, CFG, three_steps, {"schedule": name, "microbatches": M,
                                                                    "emulate": EMULATE})
-    return runs
+    return cases
 
 
 @functools.cache
 def _launched(p: int) -> tuple[dict, list[dict]]:
-    runs = _runs(p)
-    return runs, launch(_run_all, p, runs, timeout=LAUNCH_TIMEOUT)
+    cases = _runs(p)
+    return cases, launch(_run_all, p, cases, timeout=LAUNCH_TIMEOUT)
 
 
 def result(p: int, key: tuple) -> list[runs.PPResult]:
@@ -408,10 +408,10 @@ def _bubble_vs_simulation(name: str, step: int) -> tuple[float, float, float]:
 def test_the_measured_bubble_of_an_emulated_device_matches_the_simulator(name):
     """Each action sleeps its emulated cost, so the two ranks run side by side on 2 cores. Step 0 warms up; of
     steps 1 and 2 the better one is checked: on a loaded machine other processes' time slices only add idle time."""
-    runs = [_bubble_vs_simulation(name, step) for step in (1, 2)]
-    measured, predicted, formula = min(runs, key=lambda run: run[0] - run[1])
-    assert abs(measured - predicted) < 0.05, runs
-    assert abs(measured - formula) < 0.06, runs
+    steps = [_bubble_vs_simulation(name, step) for step in (1, 2)]
+    measured, predicted, formula = min(steps, key=lambda run: run[0] - run[1])
+    assert abs(measured - predicted) < 0.05, steps
+    assert abs(measured - formula) < 0.06, steps
 
 
 def test_zero_bubble_idles_less_than_gpipe_when_measured():

@@ -20,7 +20,6 @@ from course_lib import comm
 from course_lib.estimates.layout import ParallelLayout, params_per_rank
 from course_lib.measure.topology import (
     Flow,
-    RingDataParallel,
     busiest_rank_bytes,
     bytes_kinds,
     cross_node_bytes,
@@ -31,8 +30,10 @@ from course_lib.measure.topology import (
     nodes,
     predicted_flows,
     record_flows,
+    ring_data_parallel,
 )
 from course_lib.model import GPT
+from course_lib.parallel import compose as C
 from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.runs import merge_composed
 from course_lib.planner.memcheck import check_run, format_checks, model_state_check, train_tracked
@@ -46,9 +47,12 @@ GPN, DP, TP = 2, 2, 2  # two nodes of two "GPUs"
 TP_FIRST, DP_FIRST = "tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp"
 
 
+RING_STEPS = C.with_step(C.STEPS, C.data_parallel, ring_data_parallel)  # the gradient sync on our own ring
+
+
 def run(order: str, **kwargs) -> list:
     return launch(train_tracked, DP * TP, CFG, TC, ParallelConfig(MeshShape(dp=DP, tp=TP, order=order)),
-                  data_parallel_class=RingDataParallel, timeout=180, **kwargs)
+                  steps=RING_STEPS, timeout=180, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -185,15 +189,24 @@ def test_log_read_with_the_wrong_order_fails(runs):
 
 
 class DPFirstMesh(Mesh):
-    """The bug: whatever order it is given, the groups are built with DP fastest."""
+    """The bug: whatever order it is given, the groups (and the coordinates) are built with DP fastest, while
+    the mesh reports the order it was given (so ``parallelize`` takes it for the config's)."""
 
     def __init__(self, **degrees) -> None:
         super().__init__(**{**degrees, "order": DP_FIRST})
+        self.built, self.shape = self.shape, MeshShape(**degrees)
+
+    def coord(self, axis: str) -> int:
+        return self.built.coords(self.rank)[axis]
+
+
+def dp_first_mesh(parallel: ParallelConfig) -> Mesh:
+    return DPFirstMesh(**dataclasses.asdict(parallel.shape))
 
 
 @pytest.mark.slow
 def test_groups_built_in_the_wrong_order_fail():
-    results = run(TP_FIRST, mesh_class=DPFirstMesh)
+    results = run(TP_FIRST, mesh_fn=dp_first_mesh)
     with pytest.raises(AssertionError):
         check_dp_tp(results, TP_FIRST)
 
@@ -232,7 +245,8 @@ def test_dp_tp_pp_2x2x2_on_two_nodes_of_four():
     """The chapter's 8-rank run: with Megatron's order only PP's edge crosses the two nodes of 4 (measured), TP
     and DP stay inside; the ring model of TP and of the pipeline's DP all-reduce agrees with the arithmetic."""
     cfg, m = CFG.with_(n_layer=4), 2
-    results = launch(train_tracked, 8, cfg, TC, ParallelConfig(MeshShape(dp=2, tp=2, pp=2), microbatches=m), timeout=240)
+    results = launch(train_tracked, 8, cfg, TC, ParallelConfig(MeshShape(dp=2, tp=2, pp=2), microbatches=m),
+                     timeout=240)
     shape = MeshShape(dp=2, tp=2, pp=2)  # (its parity with one process: tests/test_compose.py)
     flows = flows_from_log([r.step_comm[0] for r in results], shape)
     predicted = predicted_flows(cfg, shape, TC.global_batch, microbatches=m, dp_kind=comm.MODELLED)

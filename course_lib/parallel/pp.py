@@ -81,6 +81,8 @@ class PipelineParallel(ParallelWrapper):
         ``REDUCE_GRAD`` action (placed by ``place_grad_reduce``: after its last B, or last W);
         ``engine.before / after`` run around every compute action (ZeRO-3's gathers)."""
         if grad_reduce is not None:
+            if self.executor.grad_reduce is not None:  # a second one: every gradient reduced twice
+                raise ValueError("stages already connected to a data-parallel step: connect once")
             if not any(a.kind.name == "REDUCE_GRAD" for rank in self.plan.actions for a in rank):
                 self.plan = self.plan.with_actions(self.place_grad_reduce(self.plan.actions))
                 self.executor.plan, self.executor.actions = self.plan, self.plan.actions[self.rank]

@@ -21,8 +21,8 @@ alpha-beta model of ``cost.py`` on the links each group really crosses, minus th
 ranking and the reasons matter more than the digits. An empty or impossible answer says why.
 
 **The planner and the library.** ``plan(..., library_rules=True)`` ranks only meshes the course library composes
-at toy scale (``library_refusal``: ``parallel.config.check_composable`` and the MoE refusal of
-``parallel.moe_mesh.share_routing``); that is what chapter 08 runs end to end. By default the planner plans real
+at toy scale (``library_refusal``: ``parallel.config.check_composable``, whose MoE refusal under a pipeline is
+``parallel.config.routing_refusal``); that is what chapter 08 runs end to end. By default the planner plans real
 clusters and differs, deliberately, where the library's limits are teaching limits and not the hardware's:
 
 * ZeRO-2 with a pipeline: the same rule and message in both (``ZERO_WITH_PIPELINE``), always applied;
@@ -141,12 +141,12 @@ def _check_space(zero_stages: Sequence[int], micro_batches: Sequence[int], recom
 
 
 def moe_pipeline_refusal(cfg: GPTConfig, shape: MeshShape) -> str:
-    """The library's MoE refusal (``parallel.moe_mesh.share_routing``), "" when it does not apply: capacity or the
-    load-balancing loss with dp x cp > 1 and pp > 1 (with or without expert parallelism)."""
+    """The library's MoE refusal (``parallel.config.routing_refusal``, any ep), "" when it does not apply:
+    capacity or the load-balancing loss with dp x cp > 1 and pp > 1."""
     batch_wide = cfg.n_expert and (cfg.capacity_factor is not None or cfg.aux_loss_coef)
-    if batch_wide and shape.ep == 1 and shape.pp > 1 and shape.dp * shape.cp > 1:
+    if batch_wide and shape.pp > 1 and shape.dp * shape.cp > 1:
         return (f"an MoE with capacity or the load-balancing loss with dp x cp = {shape.dp * shape.cp} and "
-                f"pp = {shape.pp}: refused by the library (moe_mesh.share_routing), no single process has the "
+                f"pp = {shape.pp}: refused by the library (config.routing_refusal), no single process has the "
                 f"pipeline's micro-batches")
     return ""
 
