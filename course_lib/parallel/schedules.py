@@ -30,11 +30,9 @@ SCHEDULE_ALIASES: dict[str, str] = {
     "interleaved_one_f_one_b": "interleaved_one_f_one_b",
     "zb_h1": "zb_h1", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
 }
-"""The one schedule-name registry: every accepted name -> its canonical name, which is the builder's name in
-this module and the name ``cost.bubble_fraction`` takes (the runtime, the figures and the estimator all resolve
-names here)."""
+"""Every accepted name -> the canonical one (the builder's name here; what the runtime, the figures and the
+estimator resolve)."""
 SCHEDULE_NAMES: tuple[str, ...] = tuple(dict.fromkeys(SCHEDULE_ALIASES.values()))
-"""The canonical names, in order."""
 
 
 def canonical_schedule(name: str) -> str:
@@ -42,7 +40,6 @@ def canonical_schedule(name: str) -> str:
     if name not in SCHEDULE_ALIASES:
         raise ValueError(f"unknown schedule {name!r}: use one of {sorted(SCHEDULE_ALIASES)}")
     return SCHEDULE_ALIASES[name]
-
 
 
 class Kind(StrEnum):
@@ -68,8 +65,7 @@ class Action:
     microbatch: int
     stage: int
 
-    def __str__(self) -> str:
-        """torch's notation: ``1F0`` is stage 1, forward, micro-batch 0; ``2SEND_B3`` stage 2 sends a gradient."""
+    def __str__(self) -> str:  # torch's notation: 1F0 is stage 1, forward, micro-batch 0
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     @property
@@ -104,23 +100,16 @@ def check_positive(**values: int) -> None:
 
 
 def gpipe(p: int, m: int) -> Schedule:
-    """GPipe (Huang et al. 2019), also called AFAB: all m forwards, then all m backwards, on every rank.
-
-    Bubble fraction (p-1)/(m+p-1); every rank holds all m micro-batches' activations at the turn.
-    Backwards run in micro-batch order 0..m-1, as torch's ``ScheduleGPipe`` does.
-    """
+    """GPipe (Huang et al. 2019, AFAB): all m forwards, then all m backwards (in order, as torch's
+    ``ScheduleGPipe``). Bubble (p-1)/(m+p-1); every rank holds all m micro-batches at the turn."""
     check_positive(p=p, m=m)
     return [[Action(Kind.F, j, r) for j in range(m)] + [Action(Kind.B, j, r) for j in range(m)] for r in range(p)]
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """1F1B, PipeDream-Flush (Narayanan et al. 2021) as in Megatron-LM: the same bubble as GPipe, less memory.
-
-    Rank r runs min(p-1-r, m) warm-up forwards, then alternates one forward and one backward (steady state),
-    then runs the backwards left (cool-down). It holds at most min(p - r, m) micro-batches. torch's
-    ``Schedule1F1B`` runs the same order (p - r forwards, then backward/forward pairs) but refuses m < p, which
-    Megatron-LM and this function allow.
-    """
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM): GPipe's bubble, less memory. Rank r runs
+    min(p-1-r, m) warm-up forwards, then one forward and one backward at a time, then the backwards left: at most
+    min(p - r, m) micro-batches in flight (torch's ``Schedule1F1B`` runs the same order but refuses m < p)."""
     check_positive(p=p, m=m)
     schedule = []
     for r in range(p):
@@ -134,17 +123,11 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def interleaved_groups(p: int, m: int, group: int | None = None) -> list[int]:
-    """The micro-batch groups of interleaved 1F1B: a group goes through a rank's chunk 0, then the same group
-    through its chunk 1, and so on, before the next group starts. Sizes, in order:
-
-    * ``group=None``: torch 2.13's ``ScheduleInterleaved1F1B``: r = max(1, m // p) rounds of m / r micro-batches,
-      m a multiple of r (p = 4: m = 6 is one group of 6, m = 10 two of 5, m = 9 is refused; m < p is one group
-      of m, whose ranks wait on each other: a larger bubble than the formula's);
-    * ``group=n``: Megatron-Core's ``microbatch_group_size_per_vp_stage`` (default p there): groups of n with
-      p <= n <= m, the last one m % n, which must be 0 or at least p (p = 4, m = 10: n = 5 or 6, not 4).
-
-    Both give groups of p when p divides m: Megatron-LM's older interleaved schedule, which required it.
-    """
+    """The micro-batch groups of interleaved 1F1B (a group goes through every chunk of a rank before the next
+    starts), in order. ``group=None``: torch 2.13's ``ScheduleInterleaved1F1B``, max(1, m // p) rounds of equal
+    size (p = 4: m = 6 is one group of 6, m = 10 two of 5, m = 9 refused); ``group=n``: Megatron-Core's
+    ``microbatch_group_size_per_vp_stage``, groups of p <= n <= m, the last m % n, 0 or >= p. Both give groups of
+    p when p divides m: older Megatron-LM's rule, which required it."""
     check_positive(p=p, m=m)
     if group is None:
         rounds = max(1, m // p)
@@ -167,19 +150,11 @@ def interleaved_groups(p: int, m: int, group: int | None = None) -> list[int]:
 
 
 def interleaved_one_f_one_b(p: int, m: int, v: int, group: int | None = None) -> Schedule:
-    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v model chunks per rank, chunk c on rank c % p.
-
-    Each rank takes micro-batches in groups (``interleaved_groups``: of p when p divides m) through one chunk,
-    then the same group through its next chunk (depth first). With the rank's m*v chunk-steps in that order
-    (step k is the k-th (micro-batch, chunk) pair; its backward runs the chunks in reverse order), rank r runs:
-
-    * warm-up: min(2(p-1-r) + (v-1)g, m*v) forwards, g the first group's size (Megatron's and torch's count);
-    * then one forward and one backward at a time (1F1B); then the backwards left.
-
-    The bubble shrinks v times: bubble/ideal = (p-1)/(v*m) whenever every group holds at least p micro-batches
-    (m >= p), for v times more point-to-point messages; larger groups hold more micro-batches in flight. At
-    m == p Megatron-LM runs all forwards first; this keeps the general order there, as torch does.
-    """
+    """Interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, chunk c on rank c % p. Micro-batches go in
+    groups (``interleaved_groups``) through one chunk, then the next (depth first); rank r runs
+    min(2(p-1-r) + (v-1)g, m v) warm-up forwards (g the first group's size, Megatron's and torch's count), then
+    one forward and one backward at a time (backwards take the chunks in reverse), then the rest. Bubble/ideal
+    = (p-1)/(v m) when every group holds >= p micro-batches, for v times the point-to-point messages."""
     check_positive(p=p, m=m, v=v)
     groups = interleaved_groups(p, m, group)
     pairs = []  # (micro-batch, chunk) in the order the rank's forwards take them
@@ -466,15 +441,10 @@ def add_send_recv(schedule: Schedule) -> Schedule:
 
 
 def add_grad_reduce(schedule: Schedule) -> Schedule:
-    """Insert one ``REDUCE_GRAD`` per stage, right after the stage's last action that writes weight gradients:
-    its last ``B``, or its last ``W`` when the backward is split (Zero Bubble).
-
-    With data parallelism on top of the pipeline, a stage's gradients are complete once its last micro-batch's
-    weight gradient is in: the all-reduce (or reduce-scatter) over the data-parallel group can start there and
-    overlap the rest of the schedule (the other stages' drain), instead of waiting for the end of the step, as
-    Megatron-LM and torchtitan do. Placing it after the last ``I`` instead would reduce gradients that the
-    pending ``W`` passes have not written yet -- the reduced gradient would miss them (a bug
-    ``torch.distributed.pipelining`` once had with zero-bubble schedules).
+    """Insert one ``REDUCE_GRAD`` per stage right after its last action writing weight gradients (its last
+    ``B``, or last ``W`` when the backward is split). With data parallelism on top, the stage's reduction can
+    start there and overlap the other stages' drain, as Megatron-LM and torchtitan do. After the last ``I``
+    instead, it would miss the pending ``W`` passes' gradients (a bug torch's pipelining once had).
     """
     result: Schedule = []
     for actions in schedule:
