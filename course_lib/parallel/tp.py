@@ -112,6 +112,8 @@ def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Build
     style's layer holding this rank's slices; what no style changed is recorded ``Replicate()`` on "tp".
     ``sp_matmul``: under SP, the column-parallel GEMMs' function (``tp_overlap.collective_matmul``)."""
     if plan is None:
+        if not isinstance(getattr(model, "config", None), GPTConfig):
+            raise ValueError("plan= is required for modules other than course_lib.model.GPT")
         plan = gpt_plan(model.config)
     if broadcast:
         broadcast_from_first(model, group)
@@ -126,7 +128,10 @@ def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Build
         for name in matched:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            new = build(getattr(parent, attr), group, sequence_parallel)
+            try:
+                new = build(getattr(parent, attr), group, sequence_parallel)
+            except ValueError as e:  # say which module the plan could not split
+                raise type(e)(f"{name!r}: {e}") from None
             if new is not None:
                 setattr(parent, attr, new)
     if sp_matmul is not None:
