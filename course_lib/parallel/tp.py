@@ -25,7 +25,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.layers import MLP, Attention
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.contract import broadcast_from_first
+from course_lib.parallel.contract import broadcast_from_first, require_member
 from course_lib.parallel.placement import Partial, Replicate, placements_of, set_placement
 from course_lib.parallel.tp_layers import (
     TP_AXIS,
@@ -115,6 +115,7 @@ def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Build
         if not isinstance(getattr(model, "config", None), GPTConfig):
             raise ValueError("plan= is required for modules other than course_lib.model.GPT")
         plan = gpt_plan(model.config)
+    require_member(group, "apply_tp")
     if broadcast:
         broadcast_from_first(model, group)
     names = [n for n, _ in model.named_modules() if n]
