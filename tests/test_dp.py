@@ -165,6 +165,47 @@ def _special_suite(rank: int, world_size: int) -> dict:
     except RuntimeError as e:
         out["forgot_finish"] = str(e)
     model.finish_gradient_sync()  # the launched all-reduces still complete on every rank
+    out |= _scheduled(rank, world_size)
+    return out
+
+
+def _scheduled(rank: int, world_size: int) -> dict:
+    """Scheduled mode (a pipeline's REDUCE_GRAD): nothing reduces by itself, ``launch(params)`` reduces a
+    stage's parameters; the averaged gradients are the bucketed mode's, and a stage never launched is refused."""
+    x, y = (shard(t, rank, world_size) for t in global_batch(0, SGD.global_batch, CFG.seq_len, SGD.seed))
+    out, grads = {}, {}
+    for mode in ("bucketed", "scheduled"):
+        model = GPT(CFG)
+        w = dp.DataParallel(model, mode=mode, bucket_mb=BUCKET_MB)
+        with comm.recording() as log:
+            lm_loss(w(x), y).backward()
+        if mode == "scheduled":
+            out["scheduled_backward_calls"] = log.count()
+            blocks = list(model.blocks.parameters())
+            in_blocks = {id(p) for p in blocks}
+            w.launch([p for p in model.parameters() if id(p) not in in_blocks])  # two "stages", in turn
+            w.launch(blocks)
+        w.finish_gradient_sync()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    # the same sums in other buckets: gloo's ring adds an element's N terms g_r in an order set by its chunk;
+    # each sum is within (N-1) u S of the exact one (u = 2^-24, S = sum_r |g_r|: N-1 fp32 additions), so the two
+    # means differ by at most 2 (N-1) u S / N < 2 u S (the margin covers the rounding of S itself)
+    plain = GPT(CFG)
+    lm_loss(plain(x), y).backward()
+    sums = {name: p.grad.abs() for name, p in plain.named_parameters()}
+    for t in sums.values():
+        comm.all_reduce(t)
+    out["scheduled_unequal"] = [n for n, g in grads["scheduled"].items()
+                                if not bool(((g - grads["bucketed"][n]).abs() <= 2 * 2 ** -24 * sums[n]).all())]
+    model = GPT(CFG)
+    w = dp.DataParallel(model, mode="scheduled")
+    lm_loss(w(x), y).backward()
+    w.launch(list(model.blocks.parameters()))  # the other stage's REDUCE_GRAD never runs
+    try:
+        w.finish_gradient_sync()
+        out["scheduled_missed"] = "no error"
+    except RuntimeError as e:
+        out["scheduled_missed"] = str(e)
     return out
 
 
@@ -428,3 +469,11 @@ def test_broken_variants_fail_parity(special_runs, variant, opt):
 def test_forgetting_finish_gradient_sync_is_an_error(special_runs):
     for suite in special_runs:
         assert "call finish_gradient_sync()" in suite["forgot_finish"]
+
+
+def test_scheduled_mode_reduces_what_is_launched_and_refuses_a_stage_never_launched(special_runs):
+    for suite in special_runs:
+        assert suite["scheduled_backward_calls"] == 0  # no hook reduces anything by itself
+        assert suite["scheduled_unequal"] == []
+        assert "never reduced this step" in suite["scheduled_missed"]
+        assert "REDUCE_GRAD" in suite["scheduled_missed"]
