@@ -1,19 +1,20 @@
 """The wrapper contract (``course_lib.parallel``'s docstring), checked the same way for every wrapper.
 
-Each form -- ``DataParallel`` in its three modes, ``ZeroDataParallel`` at stages 0-3 (and per-parameter,
-``FSDP2DataParallel``, in the lifecycle; its parity is in tests/test_zero_fsdp2.py), ``PipelineParallel`` on a
-GPT and on a plain ``nn.Sequential``, ``TensorParallel`` (with sequence parallelism), ``ContextParallel`` and
-``ExpertParallel``, and the composed wrapper (``compose.Parallelized``) with its data-parallel part at ZeRO 0,
-2 and 3 -- goes through the same lifecycle at 2 and 4 ranks: wrap (initial weights made identical
-over the group), train with and without ``no_sync`` (gradient accumulation) through the one training loop,
-parity with ``train_baseline`` (SGD, which exposes a wrong scale; default tolerance |a - b| <= 1e-6 + 1e-5 |ref|),
-the per-step communication under ``step_comm``, ``no_sync`` holding the gradient reduction back to the last
-micro-batch, ``finish_gradient_sync`` + a step + ``after_step`` keeping the replicas identical, ``remove_hooks``
-leaving no hook behind (and, for the forms whose communication is all in hooks, a module that communicates
-nothing), a forward the model refuses leaving the wrapper usable, and clear errors for a rank outside the group
-and for ``mesh=`` together with ``group=``. At 4 ranks the wrappers also run on sub-groups of a ``Mesh`` (dp
-groups {0, 2} and {1, 3} of a dp x tp grid; pp groups of a pp x dp grid; tp groups of a dp x tp grid; cp groups
-of a dp x cp grid).
+Each form -- ``DataParallel`` in its three self-running modes, ``ZeroDataParallel`` at stages 0-3 (and
+per-parameter, ``FSDP2DataParallel``, in the lifecycle; its parity is in tests/test_zero_fsdp2.py),
+``PipelineParallel`` on a GPT and on a plain ``nn.Sequential``, tensor (with sequence), context and expert
+parallelism (in-place transforms of the model: their form is the composed run, ``compose.Parallelized``, over
+that axis), and the composed run with its data-parallel part at ZeRO 0, 2 and 3 -- goes through the same
+lifecycle at 2 and 4 ranks: wrap (initial weights made identical over the group), train with and without
+``no_sync`` (gradient accumulation) through the one training loop, parity with ``train_baseline`` (SGD, which
+exposes a wrong scale; default tolerance |a - b| <= 1e-6 + 1e-5 |ref|), the per-step communication under
+``step_comm``, ``no_sync`` holding the gradient reduction back to the last micro-batch,
+``finish_gradient_sync`` + a step + ``after_step`` keeping the replicas identical, ``remove_hooks`` leaving no
+hook behind (and, for the forms whose communication is all in hooks, a module that communicates nothing), a
+forward the model refuses leaving the wrapper usable, and clear errors for a rank outside the group (of a
+wrapper or of an axis's transform) and for ``mesh=`` together with ``group=`` (the forms that take both). At 4
+ranks the wrappers also run on sub-groups of a ``Mesh`` (dp groups {0, 2} and {1, 3} of a dp x tp grid; pp
+groups of a pp x dp grid; tp groups of a dp x tp grid; cp groups of a dp x cp grid).
 
 The model-parallel forms (TP, CP, EP) communicate inside forward and backward as part of the layers' math (f and
 g, the ring, the all-to-alls): ``no_sync`` cannot silence that, only the gradient reduction; so their no_sync
