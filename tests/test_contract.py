@@ -1,19 +1,20 @@
 """The wrapper contract (``course_lib.parallel``'s docstring), checked the same way for every wrapper.
 
-Each form -- ``DataParallel`` in its three modes, ``ZeroDataParallel`` at stages 0-3 (and per-parameter,
-``FSDP2DataParallel``, in the lifecycle; its parity is in tests/test_zero_fsdp2.py), ``PipelineParallel`` on a
-GPT and on a plain ``nn.Sequential``, ``TensorParallel`` (with sequence parallelism), ``ContextParallel`` and
-``ExpertParallel``, and the composed wrapper (``compose.Parallelized``) with its data-parallel part at ZeRO 0,
-2 and 3 -- goes through the same lifecycle at 2 and 4 ranks: wrap (initial weights made identical
-over the group), train with and without ``no_sync`` (gradient accumulation) through the one training loop,
-parity with ``train_baseline`` (SGD, which exposes a wrong scale; default tolerance |a - b| <= 1e-6 + 1e-5 |ref|),
-the per-step communication under ``step_comm``, ``no_sync`` holding the gradient reduction back to the last
-micro-batch, ``finish_gradient_sync`` + a step + ``after_step`` keeping the replicas identical, ``remove_hooks``
-leaving no hook behind (and, for the forms whose communication is all in hooks, a module that communicates
-nothing), a forward the model refuses leaving the wrapper usable, and clear errors for a rank outside the group
-and for ``mesh=`` together with ``group=``. At 4 ranks the wrappers also run on sub-groups of a ``Mesh`` (dp
-groups {0, 2} and {1, 3} of a dp x tp grid; pp groups of a pp x dp grid; tp groups of a dp x tp grid; cp groups
-of a dp x cp grid).
+Each form -- ``DataParallel`` in its three self-running modes, ``ZeroDataParallel`` at stages 0-3 (and
+per-parameter, ``FSDP2DataParallel``, in the lifecycle; its parity is in tests/test_zero_fsdp2.py),
+``PipelineParallel`` on a GPT and on a plain ``nn.Sequential``, tensor (with sequence), context and expert
+parallelism (in-place transforms of the model: their form is the composed run, ``compose.Parallelized``, over
+that axis), and the composed run with its data-parallel part at ZeRO 0, 2 and 3 -- goes through the same
+lifecycle at 2 and 4 ranks: wrap (initial weights made identical over the group), train with and without
+``no_sync`` (gradient accumulation) through the one training loop, parity with ``train_baseline`` (SGD, which
+exposes a wrong scale; default tolerance |a - b| <= 1e-6 + 1e-5 |ref|), the per-step communication under
+``step_comm``, ``no_sync`` holding the gradient reduction back to the last micro-batch,
+``finish_gradient_sync`` + a step + ``after_step`` keeping the replicas identical, ``remove_hooks`` leaving no
+hook behind (and, for the forms whose communication is all in hooks, a module that communicates nothing), a
+forward the model refuses leaving the wrapper usable, and clear errors for a rank outside the group (of a
+wrapper or of an axis's transform) and for ``mesh=`` together with ``group=`` (the forms that take both). At 4
+ranks the wrappers also run on sub-groups of a ``Mesh`` (dp groups {0, 2} and {1, 3} of a dp x tp grid; pp
+groups of a pp x dp grid; tp groups of a dp x tp grid; cp groups of a dp x cp grid).
 
 The model-parallel forms (TP, CP, EP) communicate inside forward and backward as part of the layers' math (f and
 g, the ring, the all-to-alls): ``no_sync`` cannot silence that, only the gradient reduction; so their no_sync
@@ -36,10 +37,12 @@ from course_lib import comm
 from course_lib.data import global_batch, shard
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import compose, cp, dp, ep, pp, runs, tp, zero
+from course_lib.parallel import compose, cp, dp, ep, pp, tp, zero
+from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
+from course_lib.parallel.runs import merge_results, train_cp, train_dp, train_ep, train_pp, train_tp, train_zero
 from course_lib.runtime.launch import launch
-from course_lib.runtime.mesh import Mesh
+from course_lib.runtime.mesh import Mesh, MeshShape
 from course_lib.train import TrainConfig, TrainResult, compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -50,17 +53,18 @@ SGD = TrainConfig(steps=3, global_batch=8, optimizer="sgd", lr=1e-2)
 LAUNCH_TIMEOUT = 300
 
 DATA_FORMS = {  # name: (training helper, its variant keywords)
-    **{f"dp-{mode}": (runs.train_dp, {"mode": mode, "bucket_mb": 0.01}) for mode in dp.MODES},
-    **{f"zero-{stage}": (runs.train_zero, {"stage": stage}) for stage in range(4)},
+    # DataParallel's modes that reduce by themselves ("scheduled" is launched by a pipeline's REDUCE_GRAD)
+    **{f"dp-{mode}": (train_dp, {"mode": mode, "bucket_mb": 0.01}) for mode in ("naive", "bucketed", "overlapped")},
+    **{f"zero-{stage}": (train_zero, {"stage": stage}) for stage in range(4)},
 }
 
 
 MODEL_FORMS = {  # name: (training helper, its keywords at 2 ranks, at 4 ranks (on the ranks: a Mesh), config)
-    "tp-sp": (runs.train_tp, lambda: {"sequence_parallel": True},
+    "tp-sp": (train_tp, lambda: {"sequence_parallel": True},
               lambda: {"sequence_parallel": True, "mesh": Mesh(dp=2, tp=2)}, CFG),  # n_head=2: t <= 2
-    "cp": (runs.train_cp, dict, dict, CFG),
-    "cp-zero3": (runs.train_cp, lambda: {"zero_stage": 3}, lambda: {"zero_stage": 3, "mesh": Mesh(dp=2, cp=2)}, CFG),
-    "ep": (runs.train_ep, dict, lambda: {"ep": 2}, MOE),
+    "cp": (train_cp, dict, dict, CFG),
+    "cp-zero3": (train_cp, lambda: {"zero_stage": 3}, lambda: {"zero_stage": 3, "mesh": Mesh(dp=2, cp=2)}, CFG),
+    "ep": (train_ep, dict, lambda: {"ep": 2}, MOE),
 }
 
 
@@ -73,18 +77,27 @@ def seq_model(cfg: GPTConfig, seed: int) -> nn.Sequential:
                              nn.Linear(cfg.d_model, cfg.vocab_size))
 
 
+def _composed(model: nn.Module, group, zero_stage: int = 0, **shape) -> compose.Parallelized:
+    """``parallelize`` on a mesh of ``shape``'s degrees (each None: the group's size) over every rank."""
+    n = dist.get_world_size(group)
+    config = ParallelConfig(MeshShape(**{axis: n if d is None else d for axis, d in shape.items()}),
+                            zero_stage=zero_stage, sequence_parallel="tp" in shape)
+    return compose.parallelize(model, config.mesh(), config)
+
+
 WRAPPERS = {  # name: wrap(model, group) -> wrapper (for the in-process lifecycle checks)
     "dp-overlapped": lambda m, g: dp.DataParallel(m, group=g, mode="overlapped", bucket_mb=0.01),
     "dp-bucketed": lambda m, g: dp.DataParallel(m, group=g, mode="bucketed"),
     **{f"zero-{s}": (lambda m, g, s=s: zero.ZeroDataParallel(m, s, group=g)) for s in range(4)},
     "fsdp2": lambda m, g: FSDP2DataParallel(m, group=g),
-    "tp-sp": lambda m, g: tp.TensorParallel(m, group=g, sequence_parallel=True),
-    "cp": lambda m, g: cp.ContextParallel(m, group=g),
-    "ep": lambda m, g: ep.ExpertParallel(m, group=g),
-    # the composed wrapper, its data-parallel part an in-place transform (transforms.apply_data_parallel)
-    "composed-dp": lambda m, g: compose.parallelize(m, Mesh(dp=dist.get_world_size(g))),
-    "composed-zero2": lambda m, g: compose.parallelize(m, Mesh(dp=dist.get_world_size(g)), zero_stage=2),
-    "composed-fsdp2": lambda m, g: compose.parallelize(m, Mesh(dp=dist.get_world_size(g)), zero_stage=3),
+    # TP, CP and EP are in-place transforms of the model: their form is the composed run over that axis
+    # (compose.parallelize: the transform, then the data-parallel step, the only one that reduces)
+    "tp-sp": lambda m, g: _composed(m, g, tp=None),
+    "cp": lambda m, g: _composed(m, g, cp=None),
+    "ep": lambda m, g: _composed(m, g, dp=None, ep=None),
+    "composed-dp": lambda m, g: _composed(m, g, dp=None),
+    "composed-zero2": lambda m, g: _composed(m, g, 2, dp=None),
+    "composed-fsdp2": lambda m, g: _composed(m, g, 3, dp=None),
 }
 MATH_COMM = {"tp-sp", "cp", "ep"}
 """Wrappers whose layers communicate in forward and backward (not through hooks)."""
@@ -93,9 +106,9 @@ LIFECYCLE_CFG = {"tp-sp": CFG.with_(n_head=4), "ep": MOE}  # 4 heads: TP over al
 
 def _full(w: nn.Module) -> dict[str, torch.Tensor]:
     """The whole parameters of a wrapper's model (a collective for the sharding forms)."""
-    if isinstance(w, zero.ZeroDataParallel):
+    if isinstance(w, (zero.ZeroDataParallel, FSDP2DataParallel)):
         return w.full_state_dict()
-    if isinstance(w, (tp.TensorParallel, cp.ContextParallel, ep.ExpertParallel, compose.Parallelized)):
+    if isinstance(w, compose.Parallelized):
         return w.full_parameters()
     return dict(w.module.named_parameters())
 
@@ -122,14 +135,14 @@ def _lifecycle(rank: int, name: str) -> dict:
     w = WRAPPERS[name](model, dist.group.WORLD)
     out["identical"] = _equal_over_group(_full(w))
     x, y = global_batch(0, 4, cfg.seq_len, 0)
-    x, y = shard(x, rank, dist.get_world_size()), shard(y, rank, dist.get_world_size())
-    if isinstance(w, cp.ContextParallel):  # this rank's tokens of its rows
-        x, y = w.shard(x), w.shard(y)
+    mesh = getattr(w, "mesh", None)  # a composed run: its data-parallel coordinate (it cuts its cp tokens itself)
+    dp_rank, dp_size = (mesh.coord("dp"), mesh.size("dp")) if mesh is not None else (rank, dist.get_world_size())
+    x, y = shard(x, dp_rank, dp_size), shard(y, dp_rank, dp_size)
     with comm.recording() as log, w.no_sync():
-        w.loss(w(x), y).backward()
+        w.forward_backward(x, y)
     out["no_sync_calls"] = log.count("all_reduce") + log.count("reduce_scatter")  # stage 3 still gathers
     with comm.recording() as log:
-        w.loss(w(x), y).backward()
+        w.forward_backward(x, y)
         w.finish_gradient_sync()
     out["sync_calls"] = log.count()
     with torch.no_grad():
@@ -161,11 +174,9 @@ def _refused_forward(rank: int) -> dict:
             refused = None
         except ValueError as e:
             refused = str(e)
-        x, y = global_batch(0, 2, CFG.seq_len, 0)
-        if isinstance(w, cp.ContextParallel):
-            x, y = w.shard(x), w.shard(y)
+        x, y = global_batch(0, 2, CFG.seq_len, 0)  # full sequences: the composed run cuts its cp tokens
         try:
-            w.loss(w(x), y).backward()
+            w.forward_backward(x, y)
             w.finish_gradient_sync()
             replicas = {str(i): p.grad.detach().sum().reshape(1) for i, p in enumerate(w.parameters())}
             # a replica's gradients are the group's average; ZeRO's shards differ by construction
@@ -175,16 +186,21 @@ def _refused_forward(rank: int) -> dict:
     return out
 
 
+BOTH = {"dp": dp.DataParallel, "zero": zero.ZeroDataParallel, "fsdp2": FSDP2DataParallel, "pp": pp.PipelineParallel}
+"""The forms that take ``mesh=`` or ``group=``."""
+
+
 def _errors(rank: int) -> dict:
-    """Clear errors: a rank outside the wrapper's group; mesh= with group=."""
+    """Clear errors: a rank outside the group of a wrapper or of an axis's transform; mesh= with group= (the
+    forms that take both: the transforms of TP, CP and EP take their group only)."""
     out = {}
     lonely = dist.new_group([0])  # collective: every rank creates it; only rank 0 is in it
     makers = {"dp": lambda g: dp.DataParallel(GPT(CFG), group=g),
               "zero": lambda g: zero.ZeroDataParallel(GPT(CFG), 3, group=g),
               "pp": lambda g: pp.PipelineParallel(GPT(CFG), group=g),
-              "tp": lambda g: tp.TensorParallel(GPT(CFG), group=g),
-              "cp": lambda g: cp.ContextParallel(GPT(CFG), group=g),
-              "ep": lambda g: ep.ExpertParallel(GPT(MOE), group=g)}
+              "tp": lambda g: tp.apply_tp(GPT(CFG), g),
+              "cp": lambda g: cp.apply_cp(GPT(CFG), g),
+              "ep": lambda g: ep.apply_ep(GPT(MOE), g, g)}
     if rank != 0:
         for name, make in makers.items():
             try:
@@ -193,10 +209,9 @@ def _errors(rank: int) -> dict:
             except ValueError as e:
                 out[name] = str(e)
     mesh = Mesh(dp=dist.get_world_size())
-    for name, cls in {"dp": dp.DataParallel, "zero": zero.ZeroDataParallel, "pp": pp.PipelineParallel,
-                      "tp": tp.TensorParallel, "cp": cp.ContextParallel, "ep": ep.ExpertParallel}.items():
+    for name, cls in BOTH.items():
         try:
-            cls(GPT(MOE if name == "ep" else CFG), mesh=mesh, group=dist.group.WORLD)
+            cls(GPT(CFG), mesh=mesh, group=dist.group.WORLD)
             out["both", name] = None
         except ValueError as e:
             out["both", name] = str(e)
@@ -204,30 +219,30 @@ def _errors(rank: int) -> dict:
 
 
 def _suite(rank: int, world_size: int) -> dict:
-    runs: dict = {}
+    out: dict = {}
     for name, (fn, kw) in DATA_FORMS.items():
         for accumulation in (1, 2):
-            runs[name, accumulation] = fn(rank, world_size, CFG, SGD, accumulation=accumulation, **kw)
+            out[name, accumulation] = fn(rank, world_size, CFG, SGD, accumulation=accumulation, **kw)
     for name, (fn, kw2, kw4, cfg) in MODEL_FORMS.items():
         for accumulation in (1, 2):
             kw = kw2() if world_size == 2 else kw4()
-            runs[name, accumulation] = fn(rank, world_size, cfg, SGD, accumulation=accumulation, **kw)
-    runs["refused"] = _refused_forward(rank)
-    runs["pp-gpt"] = runs.train_pp(rank, world_size, CFG, SGD, "1f1b", 4)
-    runs["pp-seq"] = runs.train_pp(rank, world_size, CFG, SGD, "gpipe", 2, model_fn=seq_model)
+            out[name, accumulation] = fn(rank, world_size, cfg, SGD, accumulation=accumulation, **kw)
+    out["refused"] = _refused_forward(rank)
+    out["pp-gpt"] = train_pp(rank, world_size, CFG, SGD, "1f1b", 4)
+    out["pp-seq"] = train_pp(rank, world_size, CFG, SGD, "gpipe", 2, model_fn=seq_model)
     for name in WRAPPERS:
-        runs["lifecycle", name] = _lifecycle(rank, name)
-    runs["errors"] = _errors(rank)
+        out["lifecycle", name] = _lifecycle(rank, name)
+    out["errors"] = _errors(rank)
     if world_size == 4:
         grid = Mesh(dp=2, tp=2)  # dp groups {0, 2} and {1, 3}: not contiguous
-        runs["mesh", "dp"] = runs.train_dp(rank, world_size, CFG, SGD, mesh=grid)
-        runs["mesh", "zero"] = runs.train_zero(rank, world_size, CFG, SGD, 3, mesh=grid)
-        runs["mesh", "dp-ranks"] = grid.ranks("dp")
+        out["mesh", "dp"] = train_dp(rank, world_size, CFG, SGD, mesh=grid)
+        out["mesh", "zero"] = train_zero(rank, world_size, CFG, SGD, 3, mesh=grid)
+        out["mesh", "dp-ranks"] = grid.ranks("dp")
         line = Mesh(pp=2, dp=2)
-        runs["mesh", "pp"] = runs.train_pp(rank, world_size, CFG, SGD, "1f1b", 2, mesh=line)
-        runs["mesh", "pp-ranks"] = line.ranks("pp")
-        runs["mesh", "tp-ranks"] = grid.ranks("tp")
-    return runs
+        out["mesh", "pp"] = train_pp(rank, world_size, CFG, SGD, "1f1b", 2, mesh=line)
+        out["mesh", "pp-ranks"] = line.ranks("pp")
+        out["mesh", "tp-ranks"] = grid.ranks("tp")
+    return out
 
 
 @functools.cache
@@ -320,7 +335,7 @@ def test_no_sync_reduces_gradients_once_per_step(world_size):
 @pytest.mark.parametrize("model", ["gpt", "seq"])
 def test_the_pipeline_wraps_a_gpt_or_any_sequential(world_size, model):
     ranks = [runs[f"pp-{model}"] for runs in suite(world_size)]
-    assert_parity(runs.merge_results(ranks), f"pipeline of a {model}", model)
+    assert_parity(merge_results(ranks), f"pipeline of a {model}", model)
     assert all(len(r.step_comm) == SGD.steps and r.step_comm[0] for r in ranks)
     assert all(r.step_comm[0] == r.steps[0].comm for r in ranks)
 
@@ -345,8 +360,9 @@ def test_lifecycle(world_size, name):
 def test_clear_errors(world_size):
     for rank, runs in enumerate(suite(world_size)):
         got = runs["errors"]
-        for name in ("dp", "zero", "pp", "tp", "cp", "ep"):
+        for name in BOTH:
             assert got["both", name] and "mesh= or group=" in got["both", name], (name, got["both", name])
+        for name in ("dp", "zero", "pp", "tp", "cp", "ep"):
             if rank:
                 assert got[name] and f"global rank {rank} is not a member" in got[name], (name, got[name])
 
@@ -363,7 +379,7 @@ def test_wrappers_on_mesh_sub_groups():
     groups = {tuple(r["mesh", "pp-ranks"]) for r in ranks}
     assert len(groups) == 2
     for members in groups:
-        assert_parity(runs.merge_results([ranks[i]["mesh", "pp"] for i in members]), f"pipeline on ranks {members}")
+        assert_parity(merge_results([ranks[i]["mesh", "pp"] for i in members]), f"pipeline on ranks {members}")
     assert [r["mesh", "tp-ranks"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for rank, runs in enumerate(ranks):  # tp-sp and cp-zero3 ran on the tp / cp groups of a dp x tp / dp x cp grid
         assert {r.group for r in runs["tp-sp", 1].step_comm[0]} == {"tp"}, rank

@@ -31,9 +31,9 @@ TC = TrainConfig(steps=2, global_batch=4)
 class DevicelessBuckets(dp.DataParallel):
     """Bucket buffers allocated without a device: fine on a CPU, wrong on a GPU."""
 
-    def build_buckets(self) -> list[dp.Bucket]:
-        return [dp.Bucket(b.index, b.params, b.offsets, torch.zeros(b.buffer.numel(), dtype=b.buffer.dtype))
-                for b in super().build_buckets()]
+    def build_buckets(self, params=None) -> list[dp.Bucket]:
+        return [dp.Bucket(b.index, b.params, b.key, torch.zeros(b.buffer.numel(), dtype=b.buffer.dtype))
+                for b in super().build_buckets(params)]
 
 
 class Float64Losses(dp.DataParallel):
@@ -50,22 +50,23 @@ class DevicelessShardGrad(zero_unit.FlatParamUnit):
         return super().reduce_gradients() + torch.zeros(self.layout.shard_numel)
 
 
-class DevicelessZero(zero.ZeroDataParallel):
-    unit_class = DevicelessShardGrad
+DevicelessZero = functools.partial(zero.ZeroDataParallel, unit=DevicelessShardGrad)
 
 
+DP_MODES = ("naive", "bucketed", "overlapped")  # "scheduled" runs under the pipeline (composed-pp2)
 RUNS = {
-    **{f"dp-{m}": functools.partial(runs.train_dp, mode=m, bucket_mb=0.001) for m in dp.MODES},
+    **{f"dp-{m}": functools.partial(runs.train_dp, mode=m, bucket_mb=0.001) for m in DP_MODES},
     **{f"zero-{s}": functools.partial(runs.train_zero, stage=s) for s in range(4)},
     "zero-3-bf16": functools.partial(runs.train_zero, stage=3, param_dtype=torch.bfloat16),
-    "fsdp2": functools.partial(runs.train_zero, stage=3, wrapper_class=FSDP2DataParallel),
+    "fsdp2": functools.partial(runs.train_zero, stage=3, sharding=FSDP2DataParallel),
     **{f"pp-{s}": functools.partial(runs.train_pp, schedule=s, microbatches=2) for s in ("1f1b", "zb_h1")},
-    **{f"composed-{axis}2": functools.partial(runs.train_parallel, parallel=ParallelConfig(**{axis: 2}))
+    **{f"composed-{axis}2": functools.partial(runs.train_parallel, parallel=ParallelConfig(MeshShape(**{axis: 2})))
        for axis in ("tp", "cp", "pp")},
-    "composed-tp2-sp": functools.partial(runs.train_parallel, parallel=ParallelConfig(MeshShape(tp=2), sequence_parallel=True)),
-    "broken-buckets": functools.partial(runs.train_dp, wrapper_class=DevicelessBuckets),
-    "broken-float64": functools.partial(runs.train_dp, wrapper_class=Float64Losses),
-    "broken-zero": functools.partial(runs.train_zero, stage=2, wrapper_class=DevicelessZero),
+    "composed-tp2-sp": functools.partial(runs.train_parallel,
+                                         parallel=ParallelConfig(MeshShape(tp=2), sequence_parallel=True)),
+    "broken-buckets": functools.partial(runs.train_dp, data_parallel=DevicelessBuckets),
+    "broken-float64": functools.partial(runs.train_dp, data_parallel=Float64Losses),
+    "broken-zero": functools.partial(runs.train_zero, stage=2, sharding=DevicelessZero),
 }
 
 

@@ -29,6 +29,7 @@ from course_lib.estimates import accounting
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp, oracles, runs
+from course_lib.parallel.contract import broadcast_from_first
 from course_lib.runtime.launch import RankError, RankTimeout, launch
 from course_lib.train import (
     TrainConfig,
@@ -50,6 +51,7 @@ OPTS = {"sgd": SGD, "adamw": ADAMW}
 BUCKET_MB = 0.1  # ~100 KiB: the 0.53 MB tiny GPT then makes 4 buckets (overlap and ordering are exercised)
 FROZEN = ("pos_emb.weight", "blocks.0.norm1.weight")
 LAUNCH_TIMEOUT = 180
+MODES = ("naive", "bucketed", "overlapped")  # dp.MODES less "scheduled": a pipeline's REDUCE_GRAD launches it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -109,8 +111,8 @@ class NoDivide(dp.DataParallel):
 class DropLastBucket(dp.DataParallel):
     """Never all-reduces the last (partial) bucket: its parameters keep their local gradients."""
 
-    def build_buckets(self) -> list[dp.Bucket]:
-        return super().build_buckets()[:-1]
+    def build_buckets(self, params=None) -> list[dp.Bucket]:
+        return super().build_buckets(params)[:-1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,52 +120,93 @@ class DropLastBucket(dp.DataParallel):
 
 
 def _parity_suite(rank: int, world_size: int) -> dict:
-    runs = {}
+    out = {}
     for opt, tc in OPTS.items():
-        for mode in dp.MODES:
-            runs["dp", mode, opt] = runs.train_dp(rank, world_size, CFG, tc, mode=mode, bucket_mb=BUCKET_MB)
-        runs["torch_ddp", opt] = oracles.train_torch_ddp(rank, world_size, CFG, tc)
-    for mode in dp.MODES:
-        runs["accum", mode, "sgd"] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
+        for mode in MODES:
+            out["dp", mode, opt] = runs.train_dp(rank, world_size, CFG, tc, mode=mode, bucket_mb=BUCKET_MB)
+        out["torch_ddp", opt] = oracles.train_torch_ddp(rank, world_size, CFG, tc)
+    for mode in MODES:
+        out["accum", mode, "sgd"] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                                  accumulation=2)
-    runs["accum", "overlapped", "adamw"] = runs.train_dp(rank, world_size, CFG, ADAMW, mode="overlapped",
+    out["accum", "overlapped", "adamw"] = runs.train_dp(rank, world_size, CFG, ADAMW, mode="overlapped",
                                                        bucket_mb=BUCKET_MB, accumulation=2)
-    return runs
+    return out
 
 
 def _special_suite(rank: int, world_size: int) -> dict:
-    runs = _parity_suite(rank, world_size)  # its SGD runs give the counts of naive, bucketed 0.1, overlapped 0.1
+    out = _parity_suite(rank, world_size)  # its SGD runs give the counts of naive, bucketed 0.1, overlapped 0.1
     one_step = TrainConfig(optimizer="sgd", steps=1)
     for mb in (0.0, 0.05, 1000.0):
-        runs["dp", "bucketed", "sgd", mb] = runs.train_dp(rank, world_size, CFG, one_step, mode="bucketed", bucket_mb=mb)
-    for mode in dp.MODES:
-        runs["tied", mode] = runs.train_dp(rank, world_size, TIED, SGD, mode=mode, bucket_mb=BUCKET_MB)
-        runs["frozen", mode] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
+        out["dp", "bucketed", "sgd", mb] = runs.train_dp(rank, world_size, CFG, one_step, mode="bucketed", bucket_mb=mb)
+    for mode in MODES:
+        out["tied", mode] = runs.train_dp(rank, world_size, TIED, SGD, mode=mode, bucket_mb=BUCKET_MB)
+        out["frozen", mode] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                            freeze=FROZEN)
     for mode in ("naive", "overlapped"):
         for find in (True, False):
-            runs["extras", mode, find] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
+            out["extras", mode, find] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                                      model_fn=GPTWithExtras, find_unused_parameters=find)
-    runs["broken", "no_divide"] = runs.train_dp(rank, world_size, CFG, SGD, mode="bucketed", bucket_mb=BUCKET_MB,
-                                              wrapper_class=NoDivide)
-    runs["broken", "drop_last_bucket"] = runs.train_dp(rank, world_size, CFG, ADAMW, mode="bucketed",
-                                                     bucket_mb=BUCKET_MB, wrapper_class=DropLastBucket)
+    out["broken", "no_divide"] = runs.train_dp(rank, world_size, CFG, SGD, mode="bucketed", bucket_mb=BUCKET_MB,
+                                              data_parallel=NoDivide)
+    out["broken", "drop_last_bucket"] = runs.train_dp(rank, world_size, CFG, ADAMW, mode="bucketed",
+                                                     bucket_mb=BUCKET_MB, data_parallel=DropLastBucket)
     # broadcast_parameters: every rank starts from its own seed and ends with rank 0's weights
     model = GPT(CFG, seed=100 + rank)
     with comm.recording() as log:
-        dp.broadcast_parameters(model, src=0)
-    runs["broadcast"] = (full_params(model), log.count("broadcast"))
+        broadcast_from_first(model, None)
+    out["broadcast"] = (full_params(model), log.count("broadcast"))
     # a second synchronising forward without finish_gradient_sync() in between is refused
     model = dp.DataParallel(GPT(CFG), mode="overlapped")
     x, y = global_batch(0, 2, CFG.seq_len)
     lm_loss(model(x), y).backward()
     try:
         model(x)
-        runs["forgot_finish"] = "no error"
+        out["forgot_finish"] = "no error"
     except RuntimeError as e:
-        runs["forgot_finish"] = str(e)
+        out["forgot_finish"] = str(e)
     model.finish_gradient_sync()  # the launched all-reduces still complete on every rank
-    return runs
+    out |= _scheduled(rank, world_size)
+    return out
+
+
+def _scheduled(rank: int, world_size: int) -> dict:
+    """Scheduled mode (a pipeline's REDUCE_GRAD): nothing reduces by itself, ``launch(params)`` reduces a
+    stage's parameters; the averaged gradients are the bucketed mode's, and a stage never launched is refused."""
+    x, y = (shard(t, rank, world_size) for t in global_batch(0, SGD.global_batch, CFG.seq_len, SGD.seed))
+    out, grads = {}, {}
+    for mode in ("bucketed", "scheduled"):
+        model = GPT(CFG)
+        w = dp.DataParallel(model, mode=mode, bucket_mb=BUCKET_MB)
+        with comm.recording() as log:
+            lm_loss(w(x), y).backward()
+        if mode == "scheduled":
+            out["scheduled_backward_calls"] = log.count()
+            blocks = list(model.blocks.parameters())
+            in_blocks = {id(p) for p in blocks}
+            w.launch([p for p in model.parameters() if id(p) not in in_blocks])  # two "stages", in turn
+            w.launch(blocks)
+        w.finish_gradient_sync()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    # the same sums in other buckets: gloo's ring adds an element's N terms g_r in an order set by its chunk;
+    # each sum is within (N-1) u S of the exact one (u = 2^-24, S = sum_r |g_r|: N-1 fp32 additions), so the two
+    # means differ by at most 2 (N-1) u S / N < 2 u S (the margin covers the rounding of S itself)
+    plain = GPT(CFG)
+    lm_loss(plain(x), y).backward()
+    sums = {name: p.grad.abs() for name, p in plain.named_parameters()}
+    for t in sums.values():
+        comm.all_reduce(t)
+    out["scheduled_unequal"] = [n for n, g in grads["scheduled"].items()
+                                if not bool(((g - grads["bucketed"][n]).abs() <= 2 * 2 ** -24 * sums[n]).all())]
+    model = GPT(CFG)
+    w = dp.DataParallel(model, mode="scheduled")
+    lm_loss(w(x), y).backward()
+    w.launch(list(model.blocks.parameters()))  # the other stage's REDUCE_GRAD never runs
+    try:
+        w.finish_gradient_sync()
+        out["scheduled_missed"] = "no error"
+    except RuntimeError as e:
+        out["scheduled_missed"] = str(e)
+    return out
 
 
 _SUITES: dict[int, list[dict] | Exception] = {}
@@ -237,7 +280,7 @@ def _two_ring_phases(n: int) -> float:
 
 @pytest.mark.parity
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_parity_with_the_single_process_baseline(parity_runs, mode, opt):
     n, ranks = parity_runs
     _check_every_rank(baseline(CFG, OPTS[opt]), [r["dp", mode, opt] for r in ranks], f"DP{n} {mode} {opt}")
@@ -248,7 +291,7 @@ def test_parity_with_the_single_process_baseline(parity_runs, mode, opt):
 def test_parity_with_torch_distributed_data_parallel(parity_runs, opt):
     n, ranks = parity_runs
     ddp = _check_every_rank(baseline(CFG, OPTS[opt]), [r["torch_ddp", opt] for r in ranks], f"DDP{n} {opt}")
-    for mode in dp.MODES:
+    for mode in MODES:
         report = assert_parity(ddp, ranks[0]["dp", mode, opt], noise=baseline(CFG, OPTS[opt]).noise)
         print(f"DP{n} {mode} {opt} vs DistributedDataParallel: {report}")
 
@@ -280,8 +323,8 @@ def test_global_batch_arithmetic():
 def test_naive_reduces_each_parameter_once_and_sends_2_n_minus_1_over_n(special_runs):
     n = len(special_runs)
     sizes = _grad_sizes(GPT(CFG))
-    for rank, runs in enumerate(special_runs):
-        res = runs["dp", "naive", "sgd"]
+    for rank, suite in enumerate(special_runs):
+        res = suite["dp", "naive", "sgd"]
         for step in range(len(res.timeline)):
             records = _grad_records(res, step)
             assert [r.tensor_bytes for r in records] == sizes, f"rank {rank} step {step}"
@@ -299,8 +342,8 @@ def test_bucketed_sends_one_all_reduce_per_bucket(special_runs, bucket_mb):
         assert len(expected) == len(sizes)  # every gradient its own bucket: the naive count
     if bucket_mb == 1000.0:
         assert len(expected) == 1  # one flat buffer
-    for runs in special_runs:
-        res = runs["dp", "bucketed", "sgd"] if bucket_mb == BUCKET_MB else runs["dp", "bucketed", "sgd", bucket_mb]
+    for suite in special_runs:
+        res = suite["dp", "bucketed", "sgd"] if bucket_mb == BUCKET_MB else suite["dp", "bucketed", "sgd", bucket_mb]
         for step in range(len(res.timeline)):
             records = _grad_records(res, step)
             assert [r.tensor_bytes for r in records] == expected
@@ -311,8 +354,8 @@ def test_bucketed_sends_one_all_reduce_per_bucket(special_runs, bucket_mb):
 def test_overlapped_launches_the_same_buckets_in_order(special_runs):
     expected = _expected_buckets(_grad_sizes(GPT(CFG)), BUCKET_MB)
     assert len(expected) == 4
-    for runs in special_runs:
-        res = runs["dp", "overlapped", "sgd"]
+    for suite in special_runs:
+        res = suite["dp", "overlapped", "sgd"]
         for step in range(len(res.timeline)):
             assert [r.tensor_bytes for r in _grad_records(res, step)] == expected
             assert res.timeline[step].micro_comm_calls == [len(expected)]
@@ -320,7 +363,7 @@ def test_overlapped_launches_the_same_buckets_in_order(special_runs):
 
 def test_broadcast_gives_every_rank_the_weights_of_rank_0(special_runs):
     rank0 = full_params(GPT(CFG, seed=100))
-    for params, calls in (runs["broadcast"] for runs in special_runs):
+    for params, calls in (suite["broadcast"] for suite in special_runs):
         assert calls == len(rank0)
         for name, value in params.items():
             assert torch.equal(value, rank0[name]), name
@@ -331,7 +374,7 @@ def test_broadcast_gives_every_rank_the_weights_of_rank_0(special_runs):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_tied_embeddings_are_reduced_once(special_runs, mode):
     n = len(special_runs)
     _check_every_rank(baseline(TIED, SGD), [r["tied", mode] for r in special_runs], f"tied {mode}")
@@ -346,7 +389,7 @@ def test_tied_embeddings_are_reduced_once(special_runs, mode):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_frozen_parameters_are_not_communicated(special_runs, mode):
     ref = reference(CFG, SGD, freeze=FROZEN)
     res = _check_every_rank(ref, [r["frozen", mode] for r in special_runs], f"frozen {mode}")
@@ -394,8 +437,8 @@ def test_parameters_without_gradient(special_runs, mode):
     sizes = _grad_sizes(GPTWithExtras(CFG))
     assert sizes[-2:] == [3 * 4, 7 * 4]  # never, rare: not divisible by N, the exact per-rank ring counts apply
     numels = [s // 4 for s in (sizes if mode == "naive" else _expected_buckets(sizes, BUCKET_MB))]
-    for rank, runs in enumerate(special_runs):
-        *grads, used_map = _grad_records(runs["extras", mode, True], 0)
+    for rank, suite in enumerate(special_runs):
+        *grads, used_map = _grad_records(suite["extras", mode, True], 0)
         assert [r.tensor_bytes for r in grads] == [4 * k for k in numels]
         assert used_map.tensor_bytes == 4 * len(sizes)  # one int32 per parameter
         assert sum(r.sent_bytes for r in grads) == sum(comm.ring_bytes("all_reduce", k, 4, n, rank)[0]
@@ -424,5 +467,13 @@ def test_broken_variants_fail_parity(special_runs, variant, opt):
 
 
 def test_forgetting_finish_gradient_sync_is_an_error(special_runs):
-    for runs in special_runs:
-        assert "call finish_gradient_sync()" in runs["forgot_finish"]
+    for suite in special_runs:
+        assert "call finish_gradient_sync()" in suite["forgot_finish"]
+
+
+def test_scheduled_mode_reduces_what_is_launched_and_refuses_a_stage_never_launched(special_runs):
+    for suite in special_runs:
+        assert suite["scheduled_backward_calls"] == 0  # no hook reduces anything by itself
+        assert suite["scheduled_unequal"] == []
+        assert "never reduced this step" in suite["scheduled_missed"]
+        assert "REDUCE_GRAD" in suite["scheduled_missed"]

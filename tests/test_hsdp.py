@@ -13,9 +13,10 @@ faster one, so the shard groups are {0, 1}, {2, 3} and the replicate groups {0, 
   (gloo), names, shapes, dtypes and values bit for bit, fp32 and bf16 (both reduce-scatter over the shard group,
   then all-reduce over the replicate group; the means divide by powers of two, exact), and our placements
   ``{"dp_replicate": R, "dp_shard": S(0)}`` read as DTensor's ``(Replicate(), Shard(0))``;
-* a checkpoint saved by HSDP after step 1 (``mesh_checkpoint``, through the placements) resumes on HSDP and on
+* a checkpoint saved by HSDP after step 1 (``checkpoint.save_whole``, through the placements) resumes on HSDP and on
   ZeRO-2 over dp 4, equal to the uninterrupted run and to the baseline;
-* HSDP x TP and HSDP x CP (8 ranks, slow): dp_replicate 2 x dp_shard 2 x (tp 2 | cp 2) match the baseline.
+* HSDP x TP, HSDP x CP and HSDP x PP (8 ranks, slow): dp_replicate 2 x dp_shard 2 x (tp 2 | cp 2 | pp 2) match
+  the baseline (under the pipeline each stage's shards are all-reduced over dp_replicate at its REDUCE_GRAD).
 
 Mutations that go red: the all-reduce over the replicas skipped (replicas drift, the baseline is missed); the
 shards reduce-scattered over the whole dp group instead of the shard group (the gradient summed over the wrong
@@ -27,16 +28,18 @@ from __future__ import annotations
 
 import functools
 import tempfile
+import types
 
 import pytest
 import torch
-from course_lib.parallel.transforms import apply_data_parallel
 
 from course_lib.data import global_batch, shard
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
+from course_lib.parallel.compose import STEPS, data_parallel, parallelize, with_step
 from course_lib.parallel.config import ParallelConfig, check_composable
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
+from course_lib.parallel.fsdp2_pipeline import StageSharding
 from course_lib.parallel.placement import Replicate, Shard, placements_of
 from course_lib.parallel.placement_ops import describe, merge_parameters
 from course_lib.parallel.runs import Checkpointing, merge_composed, train_parallel
@@ -51,7 +54,8 @@ pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 HSDP = {"dp": 4, "dp_replicate": 2}
 AXES = ("dp_replicate", "dp_shard")
 SAVE_AFTER = 1
-RESUME_ON = {"hsdp": ParallelConfig(**HSDP, zero_stage=3), "zero2_dp4": ParallelConfig(MeshShape(dp=4), zero_stage=2)}
+RESUME_ON = {"hsdp": ParallelConfig(MeshShape(**HSDP), zero_stage=3),
+             "zero2_dp4": ParallelConfig(MeshShape(dp=4), zero_stage=2)}
 
 
 class SkipsReplicaAllReduce(PerParameterUnit):
@@ -77,8 +81,9 @@ class WrongStride(Mesh):
         return super().group(*[swap.get(a, a) for a in axes if swap.get(a, a)])
 
 
-def _with_unit(unit_class: type[PerParameterUnit]) -> type[FSDP2DataParallel]:
-    return type(unit_class.__name__, (FSDP2DataParallel,), {"unit_class": unit_class})
+def _with_unit(unit: type[PerParameterUnit]) -> functools.partial[FSDP2DataParallel]:
+    """FSDP2 built on ``unit`` (a mutation passes its own unit class)."""
+    return functools.partial(FSDP2DataParallel, unit=unit)
 
 
 def _torch_hsdp(model: GPT, dtype: torch.dtype) -> None:
@@ -145,7 +150,7 @@ def _suite(rank, world_size, folder):
             "torch_groups": {a: dmesh[a].mesh.tolist() for a in AXES},  # this rank's group in each
             "our_device_mesh": ours_dmesh.mesh.tolist(),
             "refused_device_mesh": _refused_device_mesh()}
-    runs["composed"] = train_parallel(rank, world_size, CFG, ADAMW, ParallelConfig(**HSDP, zero_stage=3),
+    runs["composed"] = train_parallel(rank, world_size, CFG, ADAMW, ParallelConfig(MeshShape(**HSDP), zero_stage=3),
                                       checkpoint=Checkpointing(save_to=folder, save_after=SAVE_AFTER))
     for name, other in RESUME_ON.items():
         runs["resumed", name] = train_parallel(rank, world_size, CFG, ADAMW, other,
@@ -210,12 +215,12 @@ def test_bad_splits_and_stages_are_refused_with_the_fix():
     for stage in (0, 1, 2):
         with pytest.raises(ValueError, match=rf"dp_replicate=2 is hybrid sharding .* with zero_stage={stage} "
                                              r"nothing is sharded .*: use zero_stage=3, or dp_replicate=1"):
-            ParallelConfig(**HSDP, zero_stage=stage).validate(CFG)
-        with pytest.raises(ValueError, match=r"use zero_stage=3, or dp_replicate=1"):
-            apply_data_parallel(GPT(CFG), MeshShape(**HSDP), zero=stage)  # refused before any group is needed
-    with pytest.raises(ValueError, match=r"dp_replicate=2 \(HSDP\) with pipeline parallelism is not built here: .* "
-                                         r"use dp_replicate=1 \(FSDP over dp\) with pp > 1"):
-        check_composable(MeshShape(dp=4, dp_replicate=2, pp=2), GPTConfig(n_layer=2), zero_stage=3)
+            ParallelConfig(MeshShape(**HSDP), zero_stage=stage).validate(CFG)
+        no_groups = types.SimpleNamespace(shape=MeshShape(**HSDP), rank=0)  # a mesh without any process group
+        with pytest.raises(ValueError, match=r"use zero_stage=3, or dp_replicate=1"):  # refused before a group
+            parallelize(GPT(CFG), no_groups, ParallelConfig(MeshShape(**HSDP), zero_stage=stage))  # is needed
+    # HSDP x PP composes (each stage's FSDP2 shards replicated over dp_replicate): no refusal; parity is below
+    check_composable(MeshShape(dp=4, dp_replicate=2, pp=2), GPTConfig(n_layer=2), zero_stage=3)
     with pytest.raises(ValueError, match="dp already holds dp_replicate x dp_shard"):
         MeshShape(**HSDP).group_ranks(0, "dp", "dp_shard")
     assert "with dp_replicate > 1 dp is dp_replicate x dp_shard" in suite()[0]["refused_device_mesh"]
@@ -309,7 +314,7 @@ WITH_OTHER_AXIS = {"tp": (CFG_2D, {"tp": 2}), "cp": (CFG_CP, {"cp": 2})}
 
 
 def _hsdp_with(rank, world_size, cfg, degrees):
-    return train_parallel(rank, world_size, cfg, ADAMW, ParallelConfig(**HSDP, **degrees, zero_stage=3))
+    return train_parallel(rank, world_size, cfg, ADAMW, ParallelConfig(MeshShape(**HSDP, **degrees), zero_stage=3))
 
 
 @pytest.mark.slow
@@ -323,3 +328,47 @@ def test_hsdp_with_tensor_or_context_parallelism_matches_the_baseline(axis):
     assert [r.coords["dp_shard"] for r in results[:4]] == [0, 0, 1, 1]  # tp or cp fastest, then dp_shard
     report = compare(train_baseline(cfg, ADAMW), merge_composed(results))
     assert report.ok, report
+
+
+# ---------------------------------------------------------------------------------------------- HSDP x PP
+
+
+CFG_PP = CFG.with_(n_layer=4)  # two blocks per stage; d_model 33: the shards' padding rows are exercised
+HSDP_PP = ParallelConfig(MeshShape(**HSDP, pp=2), zero_stage=3, schedule="1f1b", microbatches=2)
+
+
+def _stages_without_replicas(run) -> None:
+    """Mutation of the data-parallel step: each stage sharded over dp_shard, its replicas never all-reduced."""
+    pipe = run.pipe
+    run.dp = StageSharding({int(k): st for k, st in pipe.stages.items()}, run.mesh.group("dp_shard"),
+                           groups=run.mesh, axis="dp_shard")
+    pipe.connect(run.dp.reduce, engine=run.dp)
+
+
+def _hsdp_pipeline(rank, world_size):
+    skips = with_step(STEPS, data_parallel, _stages_without_replicas)
+    return {"hsdp": train_parallel(rank, world_size, CFG_PP, ADAMW, HSDP_PP),
+            "skips_replicas": train_parallel(rank, world_size, CFG_PP, ADAMW, HSDP_PP, steps=skips)}
+
+
+@pytest.mark.slow
+def test_hsdp_with_pipeline_parallelism_matches_the_baseline():
+    """dp_replicate 2 x dp_shard 2 x pp 2, 8 ranks (1F1B, 2 micro-batches): each stage's parameters are FSDP2
+    shards over dp_shard, replicated over dp_replicate (``fsdp2_pipeline`` with ``replicate_group``); its
+    ``REDUCE_GRAD`` reduce-scatters over dp_shard and all-reduces the shards over dp_replicate, once per unit and
+    step. Every copy of a parameter bit-for-bit equal (``merge_composed``), the result the baseline's. Without
+    the replicas' all-reduce (a mutated data-parallel step) the replicas drift apart."""
+    runs = launch(_hsdp_pipeline, 8, timeout=400)
+    results = [r["hsdp"] for r in runs]
+    assert [(r.coords["pp"], r.coords["dp_replicate"], r.coords["dp_shard"]) for r in results] == [
+        (pp, rep, sh) for pp in (0, 1) for rep in (0, 1) for sh in (0, 1)]
+    report = compare(train_baseline(CFG_PP, ADAMW), merge_composed(results))
+    assert report.ok, report
+    for r in results:
+        for step in r.step_comm:
+            scattered = [c.group for c in step if c.op == "reduce_scatter"]
+            reduced = [c.group for c in step if c.op == "all_reduce" and c.group == "dp_replicate"]
+            assert scattered and set(scattered) == {"dp_shard"}, (r.rank, scattered)
+            assert len(reduced) == len(scattered), (r.rank, reduced, scattered)
+    with pytest.raises(ValueError, match=r"drifted apart|reports losses"):
+        merge_composed([r["skips_replicas"] for r in runs])

@@ -26,7 +26,6 @@ import functools
 
 import pytest
 import torch
-from course_lib.parallel.mesh_checkpoint import _cut, _gather
 from torch import nn
 from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
@@ -35,10 +34,13 @@ from course_lib.data import global_batch, shard
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.moe import moe_aux_loss
-from course_lib.parallel import oracles, placement_ops, tp, tp_layers
+from course_lib.parallel import dp_reduce, oracles, placement_ops, tp, tp_layers
 from course_lib.parallel import placement as P
-from course_lib.parallel.compose import Parallelized
-from course_lib.parallel.ep import ExpertParallel
+from course_lib.parallel.checkpoint import _cut, _gather
+from course_lib.parallel.compose import parallelize
+from course_lib.parallel.config import ParallelConfig
+from course_lib.parallel.dp import DataParallel
+from course_lib.parallel.ep import apply_ep
 from course_lib.parallel.tp_comm import all_gather_along
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.runtime.launch import launch
@@ -73,17 +75,36 @@ class MLPWithWrongRowRecord(tp_layers.TensorParallelMLP):
         self.fc2 = RowRecordedOnDim0(self.fc2.weight.data, bias, group, sequence_parallel=sequence_parallel)
 
 
-class WrongDim(tp.TensorParallel):
-    mlp_class = MLPWithWrongRowRecord
+def _wrong_row_record(m: nn.Module, group, sp: bool) -> nn.Module:
+    return MLPWithWrongRowRecord(m, group, sp)
 
 
-class ForgetsNormPartial(tp.TensorParallel):
-    """Under SP, leaves the norms unrecorded (so ``Replicate()``): their partial gradients are never summed."""
+def _norm_unrecorded(m: nn.Module, group, sp: bool) -> None:
+    """Under SP, leaves the norm unrecorded (so ``Replicate()``): its partial gradient is never summed."""
+    return None
 
-    def parallelize_submodule(self, name, m, style):
-        if style == "sequence" and not isinstance(m, nn.Embedding):
-            return None
-        return super().parallelize_submodule(name, m, style)
+
+TP_PLANS = {  # name -> plan entries over gpt_plan's: the correct plan and two mutations
+    "tp": {},
+    "wrong_dim": {"blocks.*.mlp": _wrong_row_record},
+    "forgets_partial": {"blocks.*.norm1": _norm_unrecorded, "blocks.*.norm2": _norm_unrecorded,
+                        "norm_f": _norm_unrecorded},
+}
+TP_GROUPS = {"tp": None}  # every rank is the TP group (the default group)
+
+
+def _tp_model(sp: bool, variant: str) -> GPT:
+    """The GPT with TP (``variant``'s plan) over every rank applied in place."""
+    model = GPT(CFG, 0)
+    tp.apply_tp(model, None, tp.gpt_plan(CFG) | TP_PLANS[variant], sequence_parallel=sp)
+    return model
+
+
+def _tp_backward(model: GPT, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One backward of the vocab-parallel loss, then the partial gradients summed over tp as their records say
+    (what the data-parallel step does after its own reduction)."""
+    tp_layers.vocab_parallel_cross_entropy(model(x), y).backward()
+    dp_reduce.sum_partials(model.parameters(), TP_GROUPS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,7 +131,7 @@ def _reference(cfg: GPTConfig, rows: tuple[int, int] | None = None) -> tuple[dic
     return init, grads, float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
 
 
-def _dtensor_rows(ws: int, sp: bool, tp_class: type[tp.TensorParallel]) -> list[tuple[str, str, str, str, str]]:
+def _dtensor_rows(ws: int, sp: bool, variant: str) -> list[tuple[str, str, str, str, str]]:
     """(name, ours, ours as DTensor's weight placement, DTensor's weight, DTensor's grad) for every parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -122,8 +143,8 @@ def _dtensor_rows(ws: int, sp: bool, tp_class: type[tp.TensorParallel]) -> list[
     parallelize_module(theirs, init_device_mesh("cpu", (ws,)), oracles.dtensor_plan(CFG, sp))
     with loss_parallel():
         lm_loss(theirs(x), y).backward()
-    ours = tp_class(GPT(CFG, 0), sequence_parallel=sp)
-    ours.loss(ours(x), y).backward()
+    ours = _tp_model(sp, variant)
+    tp_layers.vocab_parallel_cross_entropy(ours(x), y).backward()
 
     def as_dtensor(where: P.Placement) -> str:
         return str(DShard(where.dim) if isinstance(where, P.Shard) else DReplicate())
@@ -131,20 +152,19 @@ def _dtensor_rows(ws: int, sp: bool, tp_class: type[tp.TensorParallel]) -> list[
     def of(t: torch.Tensor) -> str:
         return str(t.placements[0]) if isinstance(t, DTensor) else str(DReplicate())
 
-    own = dict(ours.module.named_parameters())
+    own = dict(ours.named_parameters())
     return [(n, str(P.placement(own[n], "tp")), as_dtensor(P.placement(own[n], "tp")), of(p), of(p.grad))
             for n, p in theirs.named_parameters()]
 
 
-def _tp_checks(ws: int, sp: bool, tp_class: type[tp.TensorParallel] = tp.TensorParallel) -> dict:
+def _tp_checks(ws: int, sp: bool, variant: str = "tp") -> dict:
     init, grads, ref_norm = _reference(CFG)
-    model = tp_class(GPT(CFG, 0), sequence_parallel=sp)
-    groups = model.groups
-    out = {"gather": _equal(placement_ops.full_parameters(model.module, groups), init)}
+    model = _tp_model(sp, variant)
+    groups = TP_GROUPS
+    out = {"gather": _equal(placement_ops.full_parameters(model, groups), init)}
     x, y = global_batch(0, BATCH, CFG.seq_len, 0)
-    model.loss(model(x), y).backward()
-    model.finish_gradient_sync()
-    params = dict(model.module.named_parameters())
+    _tp_backward(model, x, y)
+    params = dict(model.named_parameters())
     out["grads"] = all(_close(placement_ops.full_tensor(p, groups, p.grad), grads[n]) for n, p in params.items())
     # the former TensorParallel.grad_norm: the shards' squares all-reduced, the replicated ones once
     sq_sh, sq_rep = torch.zeros(()), torch.zeros(())
@@ -155,18 +175,18 @@ def _tp_checks(ws: int, sp: bool, tp_class: type[tp.TensorParallel] = tp.TensorP
         else:
             sq_rep += sq
     torch.distributed.all_reduce(sq_sh)
-    norm = placement_ops.grad_norm(model.module, groups)
+    norm = placement_ops.grad_norm(model, groups)
     out["norm_bitwise"] = torch.equal(norm, (sq_sh + sq_rep).sqrt())
     out["norm_vs_torch"] = abs(float(norm) - ref_norm) <= REL * ref_norm
     # the former all-gather per shard dim, and the checkpoint's cut of the whole tensor, both exact
     out["former_gather"] = all(torch.equal(placement_ops.full_tensor(p, groups), all_gather_along(
         p.detach(), P.placement(p, "tp").dim, None) if isinstance(P.placement(p, "tp"), P.Shard) else p.detach())
         for p in params.values())
-    out["cut"] = all(torch.equal(placement_ops.shard_like(placement_ops.full_tensor(p, groups, p.grad), p, groups), p.grad)
-                     for p in params.values())
+    out["cut"] = all(torch.equal(placement_ops.shard_like(placement_ops.full_tensor(p, groups, p.grad), p, groups),
+                                 p.grad) for p in params.values())
     before = {n: p.grad.clone() for n, p in params.items()}
     max_norm = 0.5 * float(norm)
-    clipped = placement_ops.clip_grad_norm_(model.module, max_norm, groups)
+    clipped = placement_ops.clip_grad_norm_(model, max_norm, groups)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s coefficient
     out["clip"] = torch.equal(clipped, norm) and all(torch.equal(p.grad, before[n] * coef) for n, p in params.items())
     return out
@@ -174,26 +194,28 @@ def _tp_checks(ws: int, sp: bool, tp_class: type[tp.TensorParallel] = tp.TensorP
 
 def _ep_checks(ws: int, record_list: bool = True) -> dict:
     init, _, _ = _reference(MOE)
-    model = ExpertParallel(GPT(MOE, 0), mesh=Mesh(dp=ws, ep=ws))
+    mesh, model = Mesh(dp=ws, ep=ws), GPT(MOE, 0)
+    layers = apply_ep(model, mesh.group("ep"), mesh.group("dp", "cp"))
     if not record_list:
-        for layer in model.layers:
+        for layer in layers:
             del layer.experts._course_placements
-    groups = {"ep": model.ep_group}
-    full = placement_ops.full_parameters(model.module, groups)
+    groups = {"ep": mesh.group("ep")}
+    full = placement_ops.full_parameters(model, groups)
     out = {"gather": _equal(full, init)}
     x, y = (shard(t, torch.distributed.get_rank(), ws) for t in global_batch(0, BATCH, MOE.seq_len, 0))
-    (lm_loss(model(x), y) + moe_aux_loss(model)).backward()
-    model.finish_gradient_sync()
-    experts = {id(p) for p in model.expert_params}
+    dp = DataParallel(model, mesh=mesh, mode="bucketed", find_unused_parameters=True)  # the one that reduces
+    (lm_loss(dp(x), y) + moe_aux_loss(model)).backward()
+    dp.finish_gradient_sync()
+    experts = {id(p) for layer in layers for p in layer.experts.parameters()}
     sq_dense, sq_expert = torch.zeros(()), torch.zeros(())  # the experts' squares summed over ep, the rest once
-    for p in model.module.parameters():
+    for p in model.parameters():
         if p.grad is not None:
             if id(p) in experts:
                 sq_expert += p.grad.float().pow(2).sum()
             else:
                 sq_dense += p.grad.float().pow(2).sum()
-    torch.distributed.all_reduce(sq_expert, group=model.ep_group)
-    out["norm_bitwise"] = torch.equal(placement_ops.grad_norm(model.module, groups), (sq_expert + sq_dense).sqrt())
+    torch.distributed.all_reduce(sq_expert, group=mesh.group("ep"))
+    out["norm_bitwise"] = torch.equal(placement_ops.grad_norm(model, groups), (sq_expert + sq_dense).sqrt())
     return out
 
 
@@ -226,7 +248,7 @@ def _zero_checks(ws: int, stage: int) -> dict:
 def _composed_checks(ws: int, **axes: int) -> dict:
     init, _, ref_norm = _reference(CFG)
     mesh = Mesh(**axes)
-    composed = Parallelized(GPT(CFG, 0), mesh, global_batch=BATCH, **({"microbatches": 2} if axes.get("pp") else {}))
+    composed = parallelize(GPT(CFG, 0), mesh, ParallelConfig(mesh.shape, microbatches=2), global_batch=BATCH)
     full = composed.full_parameters()
     x, y = (shard(t, mesh.coord("dp"), mesh.size("dp")) for t in global_batch(0, BATCH, CFG.seq_len, 0))
     composed.forward_backward(x, y)
@@ -249,7 +271,8 @@ def _padding_checks(rank: int) -> dict:
     P.set_placement(p, "dp", P.Shard(0, size=3))
     piece = placement_ops.shard_like(full, p, {"dp": None})
     padded = torch.cat([full, torch.zeros(1, 3)])[2 * rank:2 * rank + 2]
-    out = {"piece": torch.equal(piece, padded), "whole": torch.equal(placement_ops.full_tensor(p, {"dp": None}, piece), full)}
+    out = {"piece": torch.equal(piece, padded),
+           "whole": torch.equal(placement_ops.full_tensor(p, {"dp": None}, piece), full)}
     chunk = torch.zeros(2 - rank, 3)  # torch.chunk's pieces, as FSDP2 keeps them: 2 rows and 1, no padding
     P.set_placement(chunk, "dp", P.Shard(0, size=3))
     chunk_piece = placement_ops.shard_like(full, chunk, {"dp": None})
@@ -277,7 +300,8 @@ def _fsdp2_checks(ws: int) -> dict:
     model = GPT(cfg, 0)
     FSDP2DataParallel(model, group=None)
     groups = {"dp": None}
-    return {"gather": all(torch.equal(placement_ops.full_tensor(p, groups), init[n].detach()) for n, p in model.named_parameters()),
+    return {"gather": all(torch.equal(placement_ops.full_tensor(p, groups), init[n].detach())
+                          for n, p in model.named_parameters()),
             "cut": all(torch.equal(placement_ops.shard_like(init[n].detach(), p, groups), p.detach())
                        for n, p in model.named_parameters()),
             "uneven": any(p.shape[0] * ws != init[n].shape[0] for n, p in model.named_parameters())}
@@ -285,11 +309,11 @@ def _fsdp2_checks(ws: int) -> dict:
 
 def _two_ranks(rank: int, ws: int) -> dict:
     out = {"padding": _padding_checks(rank), "fsdp2": _fsdp2_checks(ws)}
-    out |= {("dtensor", sp): _dtensor_rows(ws, sp, tp.TensorParallel) for sp in (False, True)}
-    out["dtensor", "wrong_dim"] = _dtensor_rows(ws, False, WrongDim)
-    out["dtensor", "forgets_partial"] = _dtensor_rows(ws, True, ForgetsNormPartial)
-    out |= {"tp": _tp_checks(ws, False), "sp": _tp_checks(ws, True), "wrong_dim": _tp_checks(ws, False, WrongDim),
-            "forgets_partial": _tp_checks(ws, True, ForgetsNormPartial), "ep": _ep_checks(ws),
+    out |= {("dtensor", sp): _dtensor_rows(ws, sp, "tp") for sp in (False, True)}
+    out["dtensor", "wrong_dim"] = _dtensor_rows(ws, False, "wrong_dim")
+    out["dtensor", "forgets_partial"] = _dtensor_rows(ws, True, "forgets_partial")
+    out |= {"tp": _tp_checks(ws, False), "sp": _tp_checks(ws, True), "wrong_dim": _tp_checks(ws, False, "wrong_dim"),
+            "forgets_partial": _tp_checks(ws, True, "forgets_partial"), "ep": _ep_checks(ws),
             "ep_unrecorded": _ep_checks(ws, record_list=False)}
     out |= {f"zero{s}": _zero_checks(ws, s) for s in (0, 1, 2, 3)}
     out |= {"dp": _composed_checks(ws, dp=2), "cp": _composed_checks(ws, cp=2), "pp": _composed_checks(ws, pp=2)}

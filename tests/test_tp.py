@@ -34,9 +34,11 @@ from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, Block, lm_loss
 from course_lib.model_config import GPTConfig, param_count
 from course_lib.parallel import oracles, tp, tp_comm, tp_layers, tp_overlap
+from course_lib.parallel.dp import DataParallel
 from course_lib.parallel.placement import Partial, Shard, placement
 from course_lib.parallel.placement_ops import clip_grad_norm_
 from course_lib.parallel.pp_stages import Stage
+from course_lib.parallel.runs import train_tp
 from course_lib.parallel.tp_comm import SequenceParallelLinears, reduce_scatter_along, split_along
 from course_lib.runtime.launch import RankError, RankTimeout, launch
 from course_lib.runtime.mesh import Mesh
@@ -76,15 +78,18 @@ class MLPWithoutFBackward(tp_layers.TensorParallelMLP):
         return x
 
 
-class NoFBackward(tp.TensorParallel):
-    mlp_class = MLPWithoutFBackward
+def _mlp_without_f_backward(m: nn.Module, group, sp: bool) -> nn.Module:
+    return MLPWithoutFBackward(m, group, sequence_parallel=sp)
 
 
-class ForgetsNormSync(tp.TensorParallel):
-    """Never all-reduces the partial gradients: under SP each norm weight keeps only its own tokens' gradient."""
+def _norm_not_partial(m: nn.Module, group, sp: bool) -> None:
+    """Keeps the norm and records nothing: under SP its gradient (each rank's own tokens) is taken for a replicated
+    one (``Replicate()`` on tp), so nobody sums it over tp: each norm weight keeps only its own tokens' gradient."""
+    return None
 
-    def finish_gradient_sync(self) -> None:
-        pass
+
+NORMS_NOT_PARTIAL = {"blocks.*.norm1": _norm_not_partial, "blocks.*.norm2": _norm_not_partial,
+                     "norm_f": _norm_not_partial}
 
 
 class SavesGathered:
@@ -102,10 +107,6 @@ class SavesGatheredAttention(SavesGathered, tp_layers.TensorParallelAttention):
 
 class SavesGatheredMLP(SavesGathered, tp_layers.TensorParallelMLP):
     pass
-
-
-class RegatherSkipped(tp.TensorParallel):
-    attention_class, mlp_class = SavesGatheredAttention, SavesGatheredMLP
 
 
 class _NoRegather(SequenceParallelLinears):
@@ -128,27 +129,27 @@ class NoRegatherProject:
         return _NoRegather.apply(x, self.group, *(p for m in linears for p in (m.weight, m.bias)))
 
 
-class NoRegather(tp.TensorParallel):
-    attention_class = type("NoRegatherAttention", (NoRegatherProject, tp_layers.TensorParallelAttention), {})
-    mlp_class = type("NoRegatherMLP", (NoRegatherProject, tp_layers.TensorParallelMLP), {})
+class NoRegatherAttention(NoRegatherProject, tp_layers.TensorParallelAttention):
+    pass
 
 
-class OverlappedTP(tp.TensorParallel):
-    """SP with every column-parallel GEMM as a collective matmul (``tp_overlap``; ``comm_overlap`` on)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        for m in self.module.modules():
-            if isinstance(m, tp_layers.TensorParallelModule):
-                m.comm_overlap = True
+class NoRegatherMLP(NoRegatherProject, tp_layers.TensorParallelMLP):
+    pass
 
 
-class GathersLogits(tp.TensorParallel):
-    """Gathers the full logits and uses the ordinary cross-entropy: right numbers, b*s*V bytes instead of 3*b*s."""
+def _no_regather_attention(m: nn.Module, group, sp: bool) -> nn.Module:
+    return NoRegatherAttention(m, group, sequence_parallel=sp)
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        full = tp_comm.gather_from_tensor_parallel_region(logits, self.group)
-        return lm_loss(full, targets)
+
+def _no_regather_mlp(m: nn.Module, group, sp: bool) -> nn.Module:
+    return NoRegatherMLP(m, group, sequence_parallel=sp)
+
+
+def _gathers_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Gathers the full logits and uses the ordinary cross-entropy: right numbers, b*s*V bytes instead of 3*b*s.
+    (The runs below use every rank as the TP group, so the default group is it.)"""
+    full = tp_comm.gather_from_tensor_parallel_region(logits, None)
+    return lm_loss(full, targets)
 
 
 class InterleavedGQA(tp_layers.TensorParallelAttention):
@@ -158,16 +159,13 @@ class InterleavedGQA(tp_layers.TensorParallelAttention):
         return q_head % self.n_kv_head
 
 
-class WrongGQA(tp.TensorParallel):
-    attention_class = InterleavedGQA
+def _interleaved_gqa(m: nn.Module, group, sp: bool) -> nn.Module:
+    return InterleavedGQA(m, group, sequence_parallel=sp)
 
 
-class CountsReplicatedPerRank(tp.TensorParallel):
-    """Sums every gradient's squares over tp, as if each rank held different parameters (a pipeline's rule):
-    replicated gradients are counted t times in the norm."""
-
-    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-        return clip_grad_norm_(self.module, max_norm, self.groups, eps, disjoint=("tp",))
+# Sums every gradient's squares over tp, as if each rank held different parameters (a pipeline's rule):
+# replicated gradients are counted t times in the norm.
+counts_replicated_per_rank = functools.partial(clip_grad_norm_, disjoint=("tp",))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,8 +244,8 @@ def _layer_suite(rank: int, world_size: int) -> dict:
             out["attn_interleaved", name] = str(e)
     # column with gather_output, row with a replicated input
     lin = nn.Linear(64, 32)
-    out["column_gather"] = _check_layer(lin, tp_layers.ColumnParallelLinear.from_linear(lin, gather_output=True), x, t, r,
-                                        False)
+    column = tp_layers.ColumnParallelLinear.from_linear(lin, gather_output=True)
+    out["column_gather"] = _check_layer(lin, column, x, t, r, False)
     lin = nn.Linear(64, 32)
     out["row_split_input"] = _check_layer(lin, tp_layers.RowParallelLinear.from_linear(lin, input_is_parallel=False), x,
                                           t, r, False)
@@ -327,45 +325,62 @@ def _layer_suite(rank: int, world_size: int) -> dict:
 # Model suite: the whole GPT
 
 
-RUNS = {  # name -> (cfg, tc, sequence_parallel, tp_class, clip)
-    "sgd": (CFG, SGD, False, tp.TensorParallel, None),
-    "sgd_sp": (CFG, SGD, True, tp.TensorParallel, None),
-    "adamw": (CFG, ADAMW, False, tp.TensorParallel, None),
-    "adamw_sp": (CFG, ADAMW, True, tp.TensorParallel, None),
-    "gqa_sgd": (GQA, SGD, False, tp.TensorParallel, None),
-    "gqa_sgd_sp": (GQA, SGD, True, tp.TensorParallel, None),
-    "gqa_adamw_sp": (GQA, ADAMW, True, tp.TensorParallel, None),
-    "biased_sgd_sp": (BIASED, SGD, True, tp.TensorParallel, None),
-    "tied_sgd_sp": (TIED, SGD, True, tp.TensorParallel, None),
-    "clip_sgd_sp": (CFG, SGD, True, tp.TensorParallel, CLIP),
-    "padded_sgd_sp": (PADDED, SGD, True, tp.TensorParallel, None),
-    "overlap_sgd_sp": (GQA, SGD, True, OverlappedTP, None),
-    "broken_no_f_backward": (CFG, SGD, False, NoFBackward, None),
-    "broken_norm_sync": (CFG, SGD, True, ForgetsNormSync, None),
-    "broken_gathered_logits": (CFG, SGD, False, GathersLogits, None),
-    "broken_gqa_split": (GQA, SGD, False, WrongGQA, None),
-    "broken_clip_norm": (CFG, SGD, True, CountsReplicatedPerRank, CLIP),
-    "broken_no_regather": (CFG, SGD, True, NoRegather, None),
+RUNS = {  # name -> (cfg, tc, sequence_parallel, variant, clip); variant: train_tp's keywords, "plan" over gpt_plan
+    "sgd": (CFG, SGD, False, {}, None),
+    "sgd_sp": (CFG, SGD, True, {}, None),
+    "adamw": (CFG, ADAMW, False, {}, None),
+    "adamw_sp": (CFG, ADAMW, True, {}, None),
+    "gqa_sgd": (GQA, SGD, False, {}, None),
+    "gqa_sgd_sp": (GQA, SGD, True, {}, None),
+    "gqa_adamw_sp": (GQA, ADAMW, True, {}, None),
+    "biased_sgd_sp": (BIASED, SGD, True, {}, None),
+    "tied_sgd_sp": (TIED, SGD, True, {}, None),
+    "clip_sgd_sp": (CFG, SGD, True, {}, CLIP),
+    "padded_sgd_sp": (PADDED, SGD, True, {}, None),
+    # SP with every column-parallel GEMM as a collective matmul (tp_overlap)
+    "overlap_sgd_sp": (GQA, SGD, True, {"sp_matmul": tp_overlap.collective_matmul}, None),
+    "broken_no_f_backward": (CFG, SGD, False, {"plan": {"blocks.*.mlp": _mlp_without_f_backward}}, None),
+    "broken_norm_sync": (CFG, SGD, True, {"plan": NORMS_NOT_PARTIAL}, None),
+    "broken_gathered_logits": (CFG, SGD, False, {"loss_fn": _gathers_logits}, None),
+    "broken_gqa_split": (GQA, SGD, False, {"plan": {"blocks.*.attn": _interleaved_gqa}}, None),
+    "broken_clip_norm": (CFG, SGD, True, {"clip": counts_replicated_per_rank}, CLIP),
+    "broken_no_regather": (CFG, SGD, True, {"plan": {"blocks.*.attn": _no_regather_attention,
+                                                     "blocks.*.mlp": _no_regather_mlp}}, None),
 }
+
+
+def _variant_kwargs(cfg: GPTConfig, variant: dict) -> dict:
+    """``train_tp``'s keywords of a variant: its plan entries replace ``gpt_plan``'s (same order)."""
+    if "plan" not in variant:
+        return variant
+    return {**variant, "plan": tp.gpt_plan(cfg) | variant["plan"]}
+
+
+def _tp_gpt(cfg: GPTConfig, **options) -> GPT:
+    """A GPT with tensor parallelism over every rank applied in place (``apply_tp``)."""
+    model = GPT(cfg)
+    tp.apply_tp(model, None, **options)
+    return model
 
 
 def _errors(rank: int, world_size: int) -> dict[str, str]:
     """The message of every construction that must be refused."""
+    ce = tp_layers.vocab_parallel_cross_entropy
     cases = {
-        "n_head": lambda: tp.TensorParallel(GPT(GPTConfig(n_head=6, d_model=48))),
-        "d_ff": lambda: tp.TensorParallel(GPT(GPTConfig(d_ff=65))),
-        "vocab": lambda: tp.TensorParallel(GPT(GPTConfig(vocab_size=255))),
-        "seq_len": lambda: tp.TensorParallel(GPT(CFG), sequence_parallel=True)(torch.zeros(1, 6, dtype=torch.long)),
-        "style": lambda: tp.TensorParallel(GPT(CFG), plan={"lm_head": "diagonal"}),
-        "pattern": lambda: tp.TensorParallel(GPT(CFG), plan={"blocks.*.attention": "attention"}),
-        "module_type": lambda: tp.TensorParallel(GPT(CFG), plan={"blocks.*.mlp": "attention"}),
-        "mesh_and_group": lambda: tp.TensorParallel(GPT(CFG), mesh=object(),
-                                                    group=torch.distributed.group.WORLD),
-        "no_plan": lambda: tp.TensorParallel(nn.Linear(4, 4)),
-        "targets": lambda: tp_layers.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.zeros(2, 4, dtype=torch.long)),
-        "target_range": lambda: tp_layers.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64),
-                                                                torch.full((2, 3), 64 * world_size)),
-        "negative_target": lambda: tp_layers.vocab_parallel_cross_entropy(torch.zeros(2, 3, 64), torch.full((2, 3), -1)),
+        "n_head": lambda: _tp_gpt(GPTConfig(n_head=6, d_model=48)),
+        "d_ff": lambda: _tp_gpt(GPTConfig(d_ff=65)),
+        "vocab": lambda: _tp_gpt(GPTConfig(vocab_size=255)),
+        "seq_len": lambda: _tp_gpt(CFG, sequence_parallel=True)(torch.zeros(1, 6, dtype=torch.long)),
+        "style": lambda: _tp_gpt(CFG, plan={"lm_head": "diagonal"}),
+        "pattern": lambda: _tp_gpt(CFG, plan={"blocks.*.attention": "attention"}),
+        "module_type": lambda: _tp_gpt(CFG, plan={"blocks.*.mlp": "attention"}),
+        # TP names its group one way only (apply_tp's group); the data-parallel form it composes with
+        # (DataParallel, compose.data_parallel) still takes mesh= or group= and refuses both
+        "mesh_and_group": lambda: DataParallel(_tp_gpt(CFG), mesh=object(), group=torch.distributed.group.WORLD),
+        "no_plan": lambda: tp.apply_tp(nn.Linear(4, 4), None),
+        "targets": lambda: ce(torch.zeros(2, 3, 64), torch.zeros(2, 4, dtype=torch.long)),
+        "target_range": lambda: ce(torch.zeros(2, 3, 64), torch.full((2, 3), 64 * world_size)),
+        "negative_target": lambda: ce(torch.zeros(2, 3, 64), torch.full((2, 3), -1)),
     }
     out = {}
     for name, build in cases.items():
@@ -378,20 +393,20 @@ def _errors(rank: int, world_size: int) -> dict[str, str]:
 
 
 def _model_suite(rank: int, world_size: int) -> dict:
-    runs: dict = {}
-    for name, (cfg, tc, sp, cls, clip) in RUNS.items():
+    out: dict = {}
+    for name, (cfg, tc, sp, variant, clip) in RUNS.items():
         try:
-            runs[name] = runs.train_tp(rank, world_size, cfg, tc, sequence_parallel=sp, tp_class=cls,
-                                     clip_grad_norm=clip)
+            out[name] = train_tp(rank, world_size, cfg, tc, sequence_parallel=sp, clip_grad_norm=clip,
+                                 **_variant_kwargs(cfg, variant))
         except RuntimeError as e:  # a broken variant may be refused on every rank (the wrong GQA map at t=2)
             if not name.startswith("broken"):
                 raise
-            runs[name] = str(e)
+            out[name] = str(e)
     # over a mesh's TP group: all ranks at t=2; at 4 ranks two TP groups of 2 (dp=2), each its own replica
     mesh = Mesh(tp=2) if world_size == 2 else Mesh(dp=2, tp=2)
-    runs["mesh"] = runs.train_tp(rank, world_size, CFG, SGD, mesh=mesh, sequence_parallel=True)
-    runs["errors"] = _errors(rank, world_size)
-    return runs
+    out["mesh"] = train_tp(rank, world_size, CFG, SGD, mesh=mesh, sequence_parallel=True)
+    out["errors"] = _errors(rank, world_size)
+    return out
 
 
 ROPE = GPTConfig(bias=False, pos="rope")  # DTensor's SP plan needs rotary positions (see oracles.dtensor_plan)
@@ -405,11 +420,11 @@ DTENSOR_RUNS = {  # name -> (cfg, tc, sequence_parallel)
 
 
 def _dtensor_suite(rank: int, world_size: int) -> dict:
-    runs = {}
+    out = {}
     for name, (cfg, tc, sp) in DTENSOR_RUNS.items():
-        runs["ours", name] = runs.train_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
-        runs["dtensor", name] = oracles.train_dtensor_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
-    return runs
+        out["ours", name] = train_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
+        out["dtensor", name] = oracles.train_dtensor_tp(rank, world_size, cfg, tc, sequence_parallel=sp)
+    return out
 
 
 SUITE_FNS = {"layers": _layer_suite, "models": _model_suite, "dtensor": _dtensor_suite}
@@ -673,8 +688,8 @@ def test_sp_moves_tp_bytes_plus_the_backward_regathers(models):
 
     ends = 2 * 2 * (t - 1) * v // t  # the embedding's and the LM head's all-reduce (SP: RS + AG each)
     assert block_bytes("sgd") == CFG.n_layer * accounting.block_bytes_per_rank(8, 32, 64, t, 4) + ends
-    assert block_bytes("sgd_sp") == (CFG.n_layer * accounting.block_bytes_per_rank(8, 32, 64, t, 4, sequence_parallel=True)
-                                     + ends + (t - 1) * v // t)  # + the LM head's re-gather
+    sp_block = accounting.block_bytes_per_rank(8, 32, 64, t, 4, sequence_parallel=True)
+    assert block_bytes("sgd_sp") == CFG.n_layer * sp_block + ends + (t - 1) * v // t  # + the LM head's re-gather
     assert block_bytes("sgd_sp") - block_bytes("sgd") == (2 * CFG.n_layer + 1) * (t - 1) * v // t
 
 

@@ -21,7 +21,9 @@ from matplotlib.figure import Figure
 from course_lib.data import global_batch
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import dp, runs
+from course_lib.parallel import dp
+from course_lib.parallel.loop import StepTime
+from course_lib.parallel.runs import RunResult, train_dp
 from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig
 from course_lib.viz import timeline as tl
@@ -30,6 +32,7 @@ from course_lib.viz.timeline import Span
 CFG = GPTConfig(bias=False)
 SGD = TrainConfig(optimizer="sgd", steps=3)
 BUCKET_MB = 0.1  # 4 buckets for the tiny GPT
+MODES = ("naive", "bucketed", "overlapped")  # DataParallel's modes that reduce by themselves (not "scheduled")
 DEVICE_FLOPS = 5e9  # an emulated device: the tiny GPT's backward of 4 rows then sleeps >= 12 ms
 LINK_GBPS = 0.02  # an emulated link of 20 MB/s: 2 ranks' 535 kB of gradients take >= 27 ms per step on it
 
@@ -102,7 +105,7 @@ def test_typical_step_is_the_median_one_and_skips_the_warm_up():
 
 
 def test_spans_from_step_times_lays_steps_end_to_end():
-    res = [dp.StepTime(0, 0.3, 0.1, 0.05, 0.2, 4, 100, [4]), dp.StepTime(1, 0.2, 0.0, 0.05, 0.2, 4, 100, [4])]
+    res = [StepTime(0, 0.3, 0.1, 0.05, 0.2, 4, 100, [4]), StepTime(1, 0.2, 0.0, 0.05, 0.2, 4, 100, [4])]
     spans = tl.spans_from_step_times(res, rank=1)
     assert [(s.kind, s.step) for s in spans] == [("backward", 0), ("wait", 0), ("optimizer", 0),
                                                  ("backward", 1), ("wait", 1), ("optimizer", 1)]
@@ -144,18 +147,18 @@ def test_plot_refuses_a_figure_without_its_mode_or_data():
 
 
 def _record_suite(rank: int, world_size: int) -> dict:
-    runs = {}
-    for mode in dp.MODES:
-        runs[mode] = tl.record_train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB)
-        runs["plain", mode] = runs.train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB)
-    for mode in dp.MODES:
-        runs["slow", mode] = tl.record_train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
+    out = {}
+    for mode in MODES:
+        out[mode] = tl.record_train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB)
+        out["plain", mode] = train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB)
+    for mode in MODES:
+        out["slow", mode] = tl.record_train_dp(rank, world_size, CFG, SGD, mode=mode, bucket_mb=BUCKET_MB,
                                                 link_gbps=LINK_GBPS)
-    runs["device"] = tl.record_train_dp(rank, world_size, CFG, SGD, mode="overlapped", bucket_mb=BUCKET_MB,
+    out["device"] = tl.record_train_dp(rank, world_size, CFG, SGD, mode="overlapped", bucket_mb=BUCKET_MB,
                                         model_fn=functools.partial(tl.EmulatedDeviceGPT, flops_per_s=DEVICE_FLOPS))
-    runs["stall"] = tl.record_train_dp(rank, world_size, CFG, SGD, mode="overlapped", bucket_mb=BUCKET_MB,
+    out["stall"] = tl.record_train_dp(rank, world_size, CFG, SGD, mode="overlapped", bucket_mb=BUCKET_MB,
                                        input_delay_s={1: 0.05}, accumulation=2)
-    return runs
+    return out
 
 
 @functools.cache
@@ -169,7 +172,7 @@ def _n_buckets() -> int:
 
 
 @pytest.mark.usefixtures("no_leftover_ranks")
-@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_recording_changes_no_result(mode):
     for runs in _runs():
         rec, plain = runs[mode].result, runs["plain", mode]
@@ -177,7 +180,7 @@ def test_recording_changes_no_result(mode):
         assert all(torch.equal(rec.params[k], plain.params[k]) for k in plain.params)
 
 
-@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_recorded_spans_per_step(mode):
     n_params, n_buckets = len(list(GPT(CFG).parameters())), _n_buckets()
     for rank, runs in enumerate(_runs()):
@@ -202,7 +205,7 @@ def test_recorded_spans_per_step(mode):
                 assert b.hidden == 0
 
 
-@pytest.mark.parametrize("mode", dp.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_an_emulated_link_delays_every_collective_by_its_bytes_and_keeps_the_result(mode):
     n_calls = len(list(GPT(CFG).parameters())) if mode == "naive" else _n_buckets()
     for runs in _runs():
@@ -233,7 +236,7 @@ def test_input_stall_is_recorded_once_per_step_on_the_stalled_rank_only():
             "input", "forward", "backward", "forward", "backward"]
 
 
-def compare_equal(a: runs.RunResult, b: runs.RunResult) -> bool:
+def compare_equal(a: RunResult, b: RunResult) -> bool:
     return a.losses == b.losses and all(torch.equal(a.params[k], b.params[k]) for k in b.params)
 
 

@@ -30,7 +30,8 @@ from course_lib.estimates import accounting
 from course_lib.estimates.model_states import zero_memory_per_device
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
-from course_lib.parallel import checkpoint, oracles, runs, zero, zero_unit
+from course_lib.parallel import checkpoint, oracles, zero, zero_unit
+from course_lib.parallel.runs import train_zero
 from course_lib.runtime.launch import launch
 from course_lib.train import (
     Fp32Noise,
@@ -80,20 +81,14 @@ class NoAverageUnit(zero_unit.FlatParamUnit):
         pass
 
 
-class OwnerOffset(zero.ZeroDataParallel):
-    unit_class = OwnerOffsetUnit
-
-
-class NoAverage(zero.ZeroDataParallel):
-    unit_class = NoAverageUnit
-
-
 def _broken_owner_offset(rank, world_size, tc):
-    return runs.train_zero(rank, world_size, CFG, tc, 3, wrapper_class=OwnerOffset)
+    return train_zero(rank, world_size, CFG, tc, 3,
+                      sharding=functools.partial(zero.ZeroDataParallel, unit=OwnerOffsetUnit))
 
 
 def _broken_no_average(rank, world_size, tc):
-    return runs.train_zero(rank, world_size, CFG, tc, 2, wrapper_class=NoAverage)
+    return train_zero(rank, world_size, CFG, tc, 2,
+                      sharding=functools.partial(zero.ZeroDataParallel, unit=NoAverageUnit))
 
 
 def _accumulate(rank, world_size, stage, m):
@@ -117,42 +112,42 @@ def _accumulate(rank, world_size, stage, m):
 
 
 def _suite_dp2(rank, world_size, ckpt):
-    runs = {}
+    out = {}
     for stage in (0, 1, 2, 3):
-        runs["zero", stage, "adamw"] = runs.train_zero(rank, world_size, CFG, ADAMW, stage)
+        out["zero", stage, "adamw"] = train_zero(rank, world_size, CFG, ADAMW, stage)
     for stage in (1, 2, 3):
-        runs["zero", stage, "sgd"] = runs.train_zero(rank, world_size, CFG, SGD, stage)
-    runs["prefetch"] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
-    runs["raf", True] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=True)
-    runs["raf", False] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=False)
-    runs["fsdp2"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
+        out["zero", stage, "sgd"] = train_zero(rank, world_size, CFG, SGD, stage)
+    out["prefetch"] = train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
+    out["raf", True] = train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=True)
+    out["raf", False] = train_zero(rank, world_size, CFG, ADAMW, 3, reshard_after_forward=False)
+    out["fsdp2"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
     for stage in (1, 2, 3):
-        runs["bf16", stage] = runs.train_zero(rank, world_size, CFG, ADAMW, stage, param_dtype=torch.bfloat16)
+        out["bf16", stage] = train_zero(rank, world_size, CFG, ADAMW, stage, param_dtype=torch.bfloat16)
     for stage in (2, 3):
-        runs["accumulate", stage] = _accumulate(rank, world_size, stage, m=2)
-    runs["broken", "owner_offset"] = _broken_owner_offset(rank, world_size, ADAMW)
-    runs["broken", "no_average"] = _broken_no_average(rank, world_size, SGD)
+        out["accumulate", stage] = _accumulate(rank, world_size, stage, m=2)
+    out["broken", "owner_offset"] = _broken_owner_offset(rank, world_size, ADAMW)
+    out["broken", "no_average"] = _broken_no_average(rank, world_size, SGD)
     for stage in (1, 2, 3):  # stop after STOP_AT steps with a checkpoint, resume in a fresh engine
         path = f"{ckpt}/dp2_stage{stage}"
-        runs["stopped", stage] = runs.train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), stage,
+        out["stopped", stage] = train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), stage,
                                                  save_to=path)
-        runs["resumed", stage] = runs.train_zero(rank, world_size, CFG, ADAMW, stage, resume_from=path)
-    return runs
+        out["resumed", stage] = train_zero(rank, world_size, CFG, ADAMW, stage, resume_from=path)
+    return out
 
 
 def _suite_dp4(rank, world_size, ckpt):
-    runs = {}
+    out = {}
     for stage in (0, 1, 2, 3):
-        runs["zero", stage, "adamw"] = runs.train_zero(rank, world_size, CFG, ADAMW, stage)
-    runs["zero", 3, "sgd"] = runs.train_zero(rank, world_size, CFG, SGD, 3)
-    runs["prefetch"] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
-    runs["fsdp2"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
+        out["zero", stage, "adamw"] = train_zero(rank, world_size, CFG, ADAMW, stage)
+    out["zero", 3, "sgd"] = train_zero(rank, world_size, CFG, SGD, 3)
+    out["prefetch"] = train_zero(rank, world_size, CFG, ADAMW, 3, prefetch=True)
+    out["fsdp2"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
     # re-sharding: checkpoints written by 2 ranks, read by 4 (same stage, and stage 1 -> stage 3)
-    runs["from_dp2", 3] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage3")
-    runs["from_dp2", 1] = runs.train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage1")
-    runs["stopped", 2] = runs.train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), 2,
+    out["from_dp2", 3] = train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage3")
+    out["from_dp2", 1] = train_zero(rank, world_size, CFG, ADAMW, 3, resume_from=f"{ckpt}/dp2_stage1")
+    out["stopped", 2] = train_zero(rank, world_size, CFG, replace(ADAMW, steps=STOP_AT), 2,
                                          save_to=f"{ckpt}/dp4_stage2")
-    return runs
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +185,7 @@ def test_flat_layout_offsets_padding_and_owners():
     views = layout.views(flat)
     assert [tuple(v.shape) for v in views] == shapes
     assert views[1].tolist() == list(range(15, 22)) and views[1].data_ptr() == flat[15:].data_ptr()
-    assert zero_unit.FlatLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    assert checkpoint.layout_from_json(json.loads(json.dumps(checkpoint.layout_to_json(layout)))) == layout
     assert zero_unit.FlatLayout.build(["a"], [(8,)], 4).padded_numel == 8  # no padding when N divides
 
 
@@ -528,7 +523,7 @@ def _errors(rank, world_size, ckpt):
 
 def test_errors_are_explained(ckpt, runs2):
     (out,) = launch(_errors, 1, str(ckpt))
-    assert "stage must be 0, 1, 2 or 3" in out["stage"]
+    assert "ZeRO stage 4: the stages are 0" in out["stage"]
     assert "bottom-up" in out["root"]
     assert "not a submodule" in out["foreign"]
     assert "do not match" in out["mismatch"]
@@ -538,7 +533,7 @@ def test_errors_are_explained(ckpt, runs2):
 @pytest.mark.parity
 def test_stage_invariants_hold_on_one_rank_too():
     def one(rank, world_size):
-        return runs.train_zero(rank, world_size, CFG, ADAMW, 3)
+        return train_zero(rank, world_size, CFG, ADAMW, 3)
 
     (run,) = launch(one, 1)
     assert_ok(baseline(ADAMW), run, "stage 3 on a single rank")

@@ -39,15 +39,18 @@ from course_lib.measure.memtrack import MemoryTracker
 from course_lib.model import GPT, lm_loss, num_params
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import oracles
-from course_lib.parallel.contract import ParallelWrapper
+from course_lib.parallel.dp import DataParallel
+from course_lib.parallel.dp_reduce import partial_axes
 from course_lib.parallel.fsdp2 import FSDP2DataParallel, PerParameterUnit, dim0_chunk
 from course_lib.parallel.loop import train_loop
 from course_lib.parallel.oracles import TorchFullyShard
 from course_lib.parallel.placement import Shard, placement
+from course_lib.parallel.runs import train_zero
 from course_lib.parallel.sharded_optimizer import ShardedOptimizer, partition
 from course_lib.parallel.sharding import model_state_bytes
-from course_lib.parallel.tp import TensorParallel
+from course_lib.parallel.tp import apply_tp
 from course_lib.parallel.tp_comm import all_gather_along
+from course_lib.parallel.tp_layers import vocab_parallel_cross_entropy
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh
 from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
@@ -94,8 +97,9 @@ class ForgetsPartial(FSDP2DataParallel):
         pass
 
 
-def _variant(unit_class: type[PerParameterUnit]) -> type[FSDP2DataParallel]:
-    return type(unit_class.__name__.replace("Unit", ""), (FSDP2DataParallel,), {"unit_class": unit_class})
+def _variant(unit: type[PerParameterUnit]) -> functools.partial[FSDP2DataParallel]:
+    """FSDP2 built on the mutated ``unit`` (the one object the form takes for it)."""
+    return functools.partial(FSDP2DataParallel, unit=unit)
 
 
 KeepFullGrad = _variant(KeepFullGradUnit)
@@ -136,7 +140,7 @@ def _reshard_probe(rank, world_size, reshard_after_forward):
     x, y = global_batch(0, 8, CFG.seq_len, 0)
     with comm.recording() as fwd:
         loss = lm_loss(w(shard(x, rank, world_size)), shard(y, rank, world_size))
-    between = model_state_bytes(w)["parameters"]
+    between = model_state_bytes(w.units, w.param_dtype)["parameters"]
     with comm.recording() as bwd:
         loss.backward()
     shards = {id(s) for s in w.parameters()}
@@ -147,25 +151,31 @@ def _reshard_probe(rank, world_size, reshard_after_forward):
 
 
 def _fsdp_tp(rank, world_size, wrapper_class):
-    """FSDP + TP on dp 2 x tp 2: ``TensorParallel`` (its K/V replicated under GQA, gradients ``Partial`` on tp),
-    then FSDP over dp on the TP-local tensors; SGD; the whole parameters gathered over both axes."""
+    """FSDP + TP on dp 2 x tp 2: ``apply_tp`` (its K/V replicated under GQA, gradients ``Partial`` on tp),
+    then FSDP over dp on the TP-local tensors; SGD; the whole parameters gathered over both axes. Also the
+    number of FSDP shards recorded ``Partial`` per axis (what the wrapper must sum there)."""
     mesh = Mesh(dp=2, tp=2)
     model = GPT(CFG_2D, seed=SGD.seed)
-    tp = TensorParallel(model, mesh=mesh)
-    dims = {n: tp.shard_dim(p) for n, p in model.named_parameters()}
+    apply_tp(model, mesh.group("tp"))
+    dims = {n: getattr(placement(p, "tp"), "dim", None) for n, p in model.named_parameters()}
     w = wrapper_class(model, mesh=mesh)
     opt = make_optimizer(list(model.parameters()), SGD)
-    out = train_loop(w, opt, CFG_2D, SGD, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"), loss_fn=tp.loss)
+    loss = functools.partial(vocab_parallel_cross_entropy, group=mesh.group("tp"))
+    out = train_loop(w, opt, CFG_2D, SGD, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"), loss_fn=loss)
     full = {n: t if dims[n] is None else all_gather_along(t, dims[n], mesh.group("tp"))
             for n, t in w.full_state_dict().items()}
-    return TrainResult(out.losses, full), sorted(len(s) for s in w.partial.values())
+    partial: dict[str, int] = {}
+    for s in w.parameters():
+        for axis in partial_axes(s):
+            partial[axis] = partial.get(axis, 0) + 1
+    return TrainResult(out.losses, full), sorted(partial.values())
 
 
 def _sharded_optimizer(rank, world_size, tc):
     model = GPT(CFG, seed=tc.seed)
     opt_cls, kw = (torch.optim.SGD, {"momentum": tc.momentum}) if tc.optimizer == "sgd" else (torch.optim.AdamW, {})
     opt = ShardedOptimizer(model.parameters(), opt_cls, lr=tc.lr, weight_decay=tc.weight_decay, foreach=False, **kw)
-    out = train_loop(ParallelWrapper(model), opt, CFG, tc, data_rank=rank, data_size=world_size)
+    out = train_loop(DataParallel(model), opt, CFG, tc, data_rank=rank, data_size=world_size)
     local = sum(p.numel() for g in opt.optimizer.param_groups for p in g["params"])
     return TrainResult(out.losses, full_params(model)), local
 
@@ -190,28 +200,28 @@ def _tracked_step(rank, world_size, wrapper_class):
 
 
 def _suite(rank, world_size):
-    runs = {}
-    fsdp2 = functools.partial(runs.train_zero, rank, world_size, CFG, wrapper_class=FSDP2DataParallel)
+    out = {}
+    fsdp2 = functools.partial(train_zero, rank, world_size, CFG, sharding=FSDP2DataParallel)
     for name, tc in (("sgd", SGD), ("adamw", ADAMW)):
-        runs["fsdp2", name] = fsdp2(tc, 3)
-        runs["sharded_optimizer", name] = _sharded_optimizer(rank, world_size, tc)
-    runs["fsdp2", "accumulate"] = fsdp2(SGD, 3, accumulation=2)
-    runs["fsdp2", "prefetch"] = fsdp2(ADAMW, 3, prefetch=True)
+        out["fsdp2", name] = fsdp2(tc, 3)
+        out["sharded_optimizer", name] = _sharded_optimizer(rank, world_size, tc)
+    out["fsdp2", "accumulate"] = fsdp2(SGD, 3, accumulation=2)
+    out["fsdp2", "prefetch"] = fsdp2(ADAMW, 3, prefetch=True)
     for raf in (True, False):
-        runs["fsdp2", f"reshard={raf}"] = fsdp2(ADAMW, 3, reshard_after_forward=raf)
-        runs["probe", raf] = _reshard_probe(rank, world_size, raf)
-    runs["fully_shard"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
+        out["fsdp2", f"reshard={raf}"] = fsdp2(ADAMW, 3, reshard_after_forward=raf)
+        out["probe", raf] = _reshard_probe(rank, world_size, raf)
+    out["fully_shard"] = oracles.train_fsdp2(rank, world_size, CFG, ADAMW)
     for dtype in DTYPES:
         for kind in ("ours", "fully_shard"):
-            runs["shards", kind, dtype] = _module_shards(rank, world_size, kind, DTYPES[dtype])
+            out["shards", kind, dtype] = _module_shards(rank, world_size, kind, DTYPES[dtype])
     for kind in ("no_mean", "floor_offset"):
-        runs["shards", kind, "fp32"] = _module_shards(rank, world_size, kind, torch.float32, steps=1)
+        out["shards", kind, "fp32"] = _module_shards(rank, world_size, kind, torch.float32, steps=1)
     if world_size == 4:
-        runs["2d"] = _fsdp_tp(rank, world_size, FSDP2DataParallel)
-        runs["2d", "forgets_partial"] = _fsdp_tp(rank, world_size, ForgetsPartial)
-    runs["memory"] = _tracked_step(rank, world_size, FSDP2DataParallel)
-    runs["memory", "keeps_full_grad"] = _tracked_step(rank, world_size, KeepFullGrad)
-    return runs
+        out["2d"] = _fsdp_tp(rank, world_size, FSDP2DataParallel)
+        out["2d", "forgets_partial"] = _fsdp_tp(rank, world_size, ForgetsPartial)
+    out["memory"] = _tracked_step(rank, world_size, FSDP2DataParallel)
+    out["memory", "keeps_full_grad"] = _tracked_step(rank, world_size, KeepFullGrad)
+    return out
 
 
 @functools.cache

@@ -24,6 +24,7 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.layers import Attention, apply_rope, rope_cos_sin
+from course_lib.parallel.contract import require_member
 from course_lib.parallel.cp_attention import (
     AttentionStats,
     BlockAttention,
@@ -123,6 +124,7 @@ def apply_cp(model: nn.Module, group: comm.Group, *, layout: Layout = "zigzag", 
     * every parameter is recorded ``Replicate()`` on "cp".
 
     Returns the ``CPContext`` the layers share (``context``: one built by the caller, e.g. a variant)."""
+    require_member(group, "apply_cp")
     ctx = context or CPContext(group, layout, attend, causal, kernel, max_len=model.config.seq_len)
     for p in model.parameters():  # the sequence is split, not the weights
         set_placement(p, "cp", Replicate())

@@ -30,6 +30,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.moe import MoE, RoutingStats, expert_positions, routing_entropy
 from course_lib.parallel import placement as P
+from course_lib.parallel.contract import require_member
 
 EP_AXIS = "ep"
 """The mesh axis the experts of every MoE layer are split over."""
@@ -268,6 +269,8 @@ def apply_ep(model: nn.Module, ep_group: comm.Group, batch_group: comm.Group, *,
     (``ExpertParallelMoE``), keeping this rank's E/ep experts; ``batch_group``: every rank whose shard belongs
     to the same batch, in batch order (dp x cp). Each expert parameter is recorded ``Replicate()`` on "edp" (where
     data parallelism reduces it). Returns the new layers."""
+    for g in (ep_group, batch_group):
+        require_member(g, "apply_ep")
     layers = []
     for name, m in list(model.named_modules()):
         if isinstance(m, MoE) and not isinstance(m, ExpertParallelMoE):

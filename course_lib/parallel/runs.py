@@ -39,6 +39,7 @@ from course_lib.parallel.config import ParallelConfig
 from course_lib.parallel.contract import HasGroups, LossFn, ParallelWrapper
 from course_lib.parallel.cp_attention import BlockAttention, Layout
 from course_lib.parallel.dp import DEFAULT_BUCKET_MB, DataParallel, Mode
+from course_lib.parallel.dp_reduce import sum_partials
 from course_lib.parallel.ep import EPRoutingStats, ExpertParallelMoE
 from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
 from course_lib.parallel.placement_ops import clip_grad_norm_, full_parameters, merge_parameters
@@ -147,21 +148,36 @@ class TPResult(RunResult):
     grad_norms: list[float] = field(default_factory=list)
 
 
+class TensorParallelStep(ParallelWrapper):
+    """The data-parallel step of TP alone: every rank of a tp group sees the whole batch, so there is no
+    data group to average over (also when ``mesh`` has dp ranks), only the ``Partial()`` gradients to sum
+    over tp."""
+
+    axes = ("tp",)
+
+    def __init__(self, module: nn.Module, mesh: HasGroups) -> None:
+        super().__init__(module, mesh=mesh)
+        self.mesh = mesh
+
+    def finish_gradient_sync(self) -> None:
+        sum_partials(self.module.parameters(), self.mesh)
+
+
 def train_tp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, *,
              mesh: Mesh | None = None, sequence_parallel: bool = False, model_fn: ModelFn | None = None,
              plan: Mapping[str, str | Builder] | None = None, clip_grad_norm: float | None = None,
              accumulation: int = 1, freeze: Sequence[str] = (), sp_matmul: Callable | None = None,
              loss_fn: LossFn | None = None, clip: Callable[..., torch.Tensor] = clip_grad_norm_) -> TPResult:
     """Tensor (and sequence) parallelism over ``mesh``'s tp axis (default: every rank), chapter 04. Every rank
-    sees the whole batch; the loss is the vocab-parallel cross-entropy (``loss_fn`` replaces it); the partial
-    gradients are summed over tp by the data-parallel step. ``clip_grad_norm``: clip to that global norm
-    (``clip``, counting each shard once) before the step."""
+    sees the whole batch; the loss is the vocab-parallel cross-entropy (``loss_fn`` replaces it); the
+    partial gradients are summed over tp by the data-parallel step (``TensorParallelStep``).
+    ``clip_grad_norm``: clip to that global norm (``clip``, counting each shard once) before the step."""
     tc = tc or TrainConfig()
     mesh = mesh or Mesh(tp=world_size)
     model = build_model(cfg, tc.seed, model_fn, freeze)
     group = mesh.group("tp")
     apply_tp(model, group, plan, sequence_parallel=sequence_parallel, sp_matmul=sp_matmul)
-    dp = DataParallel(model, mesh=mesh, mode="bucketed", broadcast=False)
+    dp = TensorParallelStep(model, mesh)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
     norms: list[float] = []
 

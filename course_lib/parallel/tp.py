@@ -25,7 +25,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.layers import MLP, Attention
 from course_lib.model_config import GPTConfig
-from course_lib.parallel.contract import broadcast_from_first
+from course_lib.parallel.contract import broadcast_from_first, require_member
 from course_lib.parallel.placement import Partial, Replicate, placements_of, set_placement
 from course_lib.parallel.tp_layers import (
     TP_AXIS,
@@ -112,7 +112,10 @@ def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Build
     style's layer holding this rank's slices; what no style changed is recorded ``Replicate()`` on "tp".
     ``sp_matmul``: under SP, the column-parallel GEMMs' function (``tp_overlap.collective_matmul``)."""
     if plan is None:
+        if not isinstance(getattr(model, "config", None), GPTConfig):
+            raise ValueError("plan= is required for modules other than course_lib.model.GPT")
         plan = gpt_plan(model.config)
+    require_member(group, "apply_tp")
     if broadcast:
         broadcast_from_first(model, group)
     names = [n for n, _ in model.named_modules() if n]
@@ -126,7 +129,10 @@ def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Build
         for name in matched:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            new = build(getattr(parent, attr), group, sequence_parallel)
+            try:
+                new = build(getattr(parent, attr), group, sequence_parallel)
+            except ValueError as e:  # say which module the plan could not split
+                raise type(e)(f"{name!r}: {e}") from None
             if new is not None:
                 setattr(parent, attr, new)
     if sp_matmul is not None:
