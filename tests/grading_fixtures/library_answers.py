@@ -37,7 +37,7 @@ def one_f_one_b_imported(p, m, rank):
 
 def add_grad_reduce_wrapped(schedule):
     """The library's placement of REDUCE_GRAD, wrapped."""
-    return schedules.add_grad_reduce(schedule)
+    return S.add_grad_reduce(schedule)
 
 
 class FixedKernelInherits(ca.BlockAttention):
