@@ -142,8 +142,10 @@ def _check_space(zero_stages: Sequence[int], micro_batches: Sequence[int], recom
 
 def moe_pipeline_refusal(cfg: GPTConfig, shape: MeshShape) -> str:
     """The library's MoE refusal (``parallel.moe_mesh.share_routing``), "" when it does not apply: capacity or the
-    load-balancing loss with dp x cp > 1 and pp > 1 (and ep = 1: ``ExpertParallel`` does its own exchange)."""
-    batch_wide = cfg.n_expert and (cfg.capacity_factor is not None or cfg.aux_loss_coef)
+    load-balancing loss in the global scope with dp x cp > 1 and pp > 1 (and ep = 1: ``ExpertParallel`` does its
+    own exchange); the local scope (``GPTConfig.capacity_scope``) composes."""
+    batch_wide = cfg.n_expert and (cfg.capacity_factor is not None or cfg.aux_loss_coef) \
+        and cfg.capacity_scope == "global"
     if batch_wide and shape.ep == 1 and shape.pp > 1 and shape.dp * shape.cp > 1:
         return (f"an MoE with capacity or the load-balancing loss with dp x cp = {shape.dp * shape.cp} and "
                 f"pp = {shape.pp}: refused by the library (moe_mesh.share_routing), no single process has the "
