@@ -85,11 +85,12 @@ def _check(cfg: GPTConfig, parallel: ParallelConfig) -> MeshShares:
 
 
 def train_local_reference(cfg: GPTConfig, tc: TrainConfig, parallel: ParallelConfig,
-                          model_fn: Callable[[GPTConfig, int], nn.Module] = GPT) -> TrainResult:
+                          model_fn: Callable[[GPTConfig, int], nn.Module] | None = None) -> TrainResult:
     """``train_baseline`` of ``cfg`` (``capacity_scope="local"``) with the micro-batches and the routing shares of
-    the mesh of ``parallel``: what ``runs.train_parallel(..., parallel)`` must match (``train.compare``)."""
+    the mesh of ``parallel``: what ``runs.train_parallel(..., parallel)`` must match (``train.compare``).
+    ``model_fn``: the model (default ``GPT``), as ``train_parallel``'s."""
     shares = _check(cfg, parallel)
-    return train_baseline(cfg, tc, functools.partial(_with_shares, model_fn, shares),
+    return train_baseline(cfg, tc, functools.partial(_with_shares, model_fn or GPT, shares),
                           split=functools.partial(rank_micro_batches, parallel=parallel))
 
 
