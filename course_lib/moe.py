@@ -76,7 +76,6 @@ class Routing:
     chosen: torch.Tensor
     weights: torch.Tensor
 
-
     def rows(self, tokens: torch.Tensor) -> Routing:
         """The same decision for the tokens ``tokens`` only."""
         return Routing(self.logits[tokens], self.probs[tokens], self.chosen[tokens], self.weights[tokens])
@@ -168,11 +167,12 @@ class MoE(nn.Module):
       the mean over the ranks is the micro-batch's loss: any mesh trains the model of one process.
     * Local scope (``"local"``, ``local_routing``), as Megatron-LM computes it: each rank's tokens (``local``, a
       ``RankShares``) fill their own queues of C = ceil(cf T_r k / E) slots; the balance loss is
-      ``moe_utils.switch_load_balancing_loss_func``'s, per micro-batch of a data rank: f_i counted over its tokens
-      (summed over its context-parallel ranks, the ``sequence_partition_group``), P_i over the tokens held here
-      divided by their number; a step averages it over data ranks and micro-batches. What drops then depends
-      on the layout; ``parallel.moe_reference`` replays a layout's shares on one process.
-      ``backward_scale`` (set for a pipeline): the router loss is not left for ``moe_aux_loss`` but
+      ``moe_utils.switch_load_balancing_loss_func``'s (load-balancing type ``aux_loss``, its default; its
+      ``global_aux_loss`` counts f_i over the global batch instead), per micro-batch of a data rank: f_i counted
+      over its tokens (summed over its context-parallel ranks, the ``sequence_partition_group``), P_i over the
+      tokens held here divided by their number; a step averages it over data ranks and micro-batches. What drops
+      then depends on the layout; ``parallel.moe_reference`` replays a layout's shares on one process.
+    * ``backward_scale`` (set for a pipeline): the router loss is not left for ``moe_aux_loss`` but
       back-propagated through the layer's output with that weight (``router_loss_in_backward``) and its value
       kept in ``reported`` for the step's loss.
 
@@ -306,7 +306,7 @@ class MoE(nn.Module):
                              queue_positions(r.chosen[idx], r.weights[idx], self.n_expert, self.drop_policy) < cap)
             tokens = torch.cat(group)
             counts = torch.bincount(r.chosen[tokens].reshape(-1), minlength=self.n_expert)
-            if self.local is not None:
+            if self.local is not None and self.aux_loss_coef:  # f_i: the whole group's (the z-loss needs none)
                 counts = self.local.group_counts(counts)
             n_group = int(counts.sum()) // self.top_k
             loss = loss + self.router_loss(r.rows(tokens), counts, n_group, n_group // tokens.numel()) / len(groups)
