@@ -48,7 +48,8 @@ def queue_positions(chosen: torch.Tensor, weights: torch.Tensor, n_expert: int,
     of capacity C keeps positions < C, so each keeps min(routed, C) whatever the policy; only *which* differs):
 
     * "position": token order (``expert_positions``), the latest tokens drop: Megatron-LM's
-      ``--moe-token-drop-policy position`` ("tokens at the end of each batch will be dropped");
+      ``--moe-token-drop-policy position`` ("tokens at the end of each batch will be dropped"; its activations
+      are [s, b, h], so its end is the last positions of every sequence, ours [b, s, h] the last rows);
     * "probs": highest combine weight ``weights`` [T, k] first (ties in token order), the lowest drop:
       Megatron-LM's default ``probs`` (a top-C down each expert's column of routing probabilities,
       ``moe_utils.apply_router_token_dropping``; DeepSpeed's ``topkgating(drop_policy="probs")`` alike);
