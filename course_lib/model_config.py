@@ -36,6 +36,10 @@ class GPTConfig:
     (Mixtral) or "sigmoid" (sigmoid scores + a selection bias, DeepSeek-V3); ``capacity_factor`` None is
     dropless, else each expert takes at most ceil(cf * T * k / E) of the T*k assignments; ``aux_loss_coef``
     (alpha of the Switch load-balancing loss) and ``z_loss_coef`` (the router z-loss) 0 turn those losses off.
+    ``capacity_scope``: "global" (T = the whole micro-batch over every rank, as on one process) or "local" (T = the
+    tokens one rank routes, and f_i over its data rank's micro-batch: Megatron-LM's); ``drop_policy``: which
+    assignments a full expert drops -- "position" (the latest tokens), "probs" (the lowest combine weights,
+    Megatron's default) or "choice" (every first choice queued before any second: GShard, DeepSpeed, Tutel).
     DeepSeekMoE (Dai et al. 2024): ``expert_d_ff`` the hidden size of each expert (None: ``d_ff``) -- m times
     more experts of f/m with m times the top_k is *fine-grained* segmentation, the same parameters and FLOPs
     with many more expert combinations; ``n_shared_expert`` experts every token passes through, unrouted.
@@ -64,6 +68,8 @@ class GPTConfig:
     top_k: int = 2
     router: Literal["softmax", "sigmoid"] = "softmax"
     capacity_factor: float | None = None
+    capacity_scope: Literal["global", "local"] = "global"
+    drop_policy: Literal["position", "probs", "choice"] = "position"
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     expert_d_ff: int | None = None
@@ -110,6 +116,11 @@ class GPTConfig:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_expert={self.n_expert}]")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}")
+        if self.drop_policy != "position" and self.capacity_factor is None:
+            raise ValueError(f"drop_policy={self.drop_policy!r} decides which assignments a full expert drops: it "
+                             f"needs a capacity_factor (None is dropless, nothing is ever dropped)")
+        if self.capacity_scope != "global" and not self.n_expert:
+            raise ValueError(f"capacity_scope={self.capacity_scope!r} describes MoE routing: set n_expert > 0")
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {self.aux_loss_coef}, "
                              f"{self.z_loss_coef}")
@@ -165,7 +176,7 @@ def dense_twin(c: GPTConfig) -> GPTConfig:
     """The same model with dense MLPs of d_ff: what a leading dense block of an MoE model is (DeepSeek-V3's first
     three blocks, Kimi K2's first)."""
     return replace(c, n_expert=0, n_shared_expert=0, expert_d_ff=None, n_group=1, topk_group=None,
-                   capacity_factor=None)
+                   capacity_factor=None, capacity_scope="global", drop_policy="position")
 
 
 def mlp_params(c: GPTConfig, d_ff: int | None = None) -> int:

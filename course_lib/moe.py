@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ def expert_capacity(capacity_factor: float | None, n_tokens: int, top_k: int, n_
     return math.ceil(capacity_factor * n_tokens * top_k / n_expert)
 
 
+DropPolicy = Literal["position", "probs", "choice"]
+
+
 def expert_positions(chosen: torch.Tensor, n_expert: int, offset: torch.Tensor | None = None) -> torch.Tensor:
     """Where each of the T*k assignments ``chosen`` [T, k] stands in its expert's queue (0-based): a cumulative
     sum over the one-hot routing mask in token order, so token t's j-th choice comes after every choice of the
@@ -37,6 +40,30 @@ def expert_positions(chosen: torch.Tensor, n_expert: int, offset: torch.Tensor |
     mask = F.one_hot(flat[:, 0], n_expert)  # [T*k, E]
     pos = (mask.cumsum(0) - 1).gather(1, flat).view_as(chosen)
     return pos if offset is None else pos + offset[chosen]
+
+
+def queue_positions(chosen: torch.Tensor, weights: torch.Tensor, n_expert: int,
+                    policy: DropPolicy = "position") -> torch.Tensor:
+    """Where each assignment of ``chosen`` [T, k] stands in its expert's queue under a drop ``policy`` (an expert
+    of capacity C keeps positions < C, so each keeps min(routed, C) whatever the policy; only *which* differs):
+
+    * "position": token order (``expert_positions``), the latest tokens drop: Megatron-LM's
+      ``--moe-token-drop-policy position`` ("tokens at the end of each batch will be dropped"; its activations
+      are [s, b, h], so its end is the last positions of every sequence, ours [b, s, h] the last rows);
+    * "probs": highest combine weight ``weights`` [T, k] first (ties in token order), the lowest drop:
+      Megatron-LM's default ``probs`` (a top-C down each expert's column of routing probabilities,
+      ``moe_utils.apply_router_token_dropping``; DeepSpeed's ``topkgating(drop_policy="probs")`` alike);
+    * "choice": every token's first choice before any token's second, each in token order: GShard's top-2
+      gating (DeepSpeed ``sharded_moe.top2gating``: ``locations2 += sum(mask1)``; Tutel ``extract_critical``),
+      so a token loses its second expert before another token loses its first."""
+    if policy == "position":
+        return expert_positions(chosen, n_expert)
+    if policy == "choice":
+        return expert_positions(chosen.t(), n_expert).t()
+    order = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = expert_positions(chosen.reshape(-1, 1)[order], n_expert).view(-1)
+    return pos.view_as(chosen)
 
 
 @dataclass
@@ -49,6 +76,10 @@ class Routing:
     probs: torch.Tensor
     chosen: torch.Tensor
     weights: torch.Tensor
+
+    def rows(self, tokens: torch.Tensor) -> Routing:
+        """The same decision for the tokens ``tokens`` only."""
+        return Routing(self.logits[tokens], self.probs[tokens], self.chosen[tokens], self.weights[tokens])
 
 
 @dataclass
@@ -76,6 +107,19 @@ class TokenShards(Protocol):
     size: int
 
     def gather(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RankShares(Protocol):
+    """For ``capacity_scope="local"``: which ranks' tokens one forward holds (``course_lib.parallel.moe_mesh``
+    builds one for a rank, ``parallel.moe_reference`` for the one process that plays every rank).
+    ``split(lead, device)``: for tokens shaped ``lead``, the flat indices of each rank's tokens in that rank's
+    own order, grouped by data rank (a list over data ranks of a list over its context-parallel ranks);
+    ``group_counts(counts)``: the routed counts per expert of the group's tokens held here -> the whole group's
+    (its data rank's micro-batch)."""
+
+    def split(self, lead: tuple[int, ...], device: torch.device) -> list[list[torch.Tensor]]: ...
+
+    def group_counts(self, counts: torch.Tensor) -> torch.Tensor: ...
 
 
 class _RouterLossInBackward(torch.autograd.Function):
@@ -117,22 +161,32 @@ class MoE(nn.Module):
       through, added unweighted to the routed experts' weighted sum (``add_shared``); its parameters are dense
       (replicated under expert parallelism), not experts.
     * ``stats``: the ``RoutingStats`` of the last forward.
-    * On many ranks (``shards``, a ``TokenShards``, set by ``parallel.ep.share_routing``): capacity, queue
-      positions and f_i are those of the whole micro-batch, every rank's routing gathered in token order; each
-      rank's P_i and z-loss sum its own tokens scaled so that the mean over the ranks is the micro-batch's loss.
-      ``backward_scale`` (set for a pipeline): the router loss is not left for ``moe_aux_loss`` but
+    * Drop policy (``drop_policy``, ``queue_positions``): which assignments a full expert drops.
+    * Global scope (``capacity_scope="global"``, on many ranks ``shards``, a ``TokenShards`` set by
+      ``parallel.moe_mesh.share_routing``): capacity, queue positions and f_i are those of the whole micro-batch,
+      every rank's routing gathered in token order; each rank's P_i and z-loss sum its own tokens scaled so that
+      the mean over the ranks is the micro-batch's loss: any mesh trains the model of one process.
+    * Local scope (``"local"``, ``local_routing``), as Megatron-LM computes it: each rank's tokens (``local``, a
+      ``RankShares``) fill their own queues of C = ceil(cf T_r k / E) slots; the balance loss is
+      ``moe_utils.switch_load_balancing_loss_func``'s (load-balancing type ``aux_loss``, its default; its
+      ``global_aux_loss`` counts f_i over the global batch instead), per micro-batch of a data rank: f_i counted
+      over its tokens (summed over its context-parallel ranks, the ``sequence_partition_group``), P_i over the
+      tokens held here divided by their number; a step averages it over data ranks and micro-batches. What drops
+      then depends on the layout; ``parallel.moe_reference`` replays a layout's shares on one process.
+    * ``backward_scale`` (set for a pipeline): the router loss is not left for ``moe_aux_loss`` but
       back-propagated through the layer's output with that weight (``router_loss_in_backward``) and its value
       kept in ``reported`` for the step's loss.
 
     Public seams a variant overrides: ``router_logits``, ``route``, ``capacity``, ``expert_fractions``,
-    ``select_experts``, ``load_balancing_loss``, ``batch_routing``, ``add_shared``, ``router_loss_in_backward``,
-    ``attach_router_loss``.
+    ``select_experts``, ``load_balancing_loss``, ``batch_routing``, ``local_routing``, ``add_shared``,
+    ``router_loss_in_backward``, ``attach_router_loss``.
     """
 
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.n_expert, self.top_k, self.router_kind = c.n_expert, c.top_k, c.router
         self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = c.capacity_factor, c.aux_loss_coef, c.z_loss_coef
+        self.capacity_scope, self.drop_policy = c.capacity_scope, c.drop_policy
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.router = nn.Linear(c.d_model, c.n_expert, bias=False)
         self.experts = nn.ModuleList(MLP(c, c.expert_ffn_dim) for _ in range(c.n_expert))
@@ -142,6 +196,7 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.stats: RoutingStats | None = None
         self.shards: TokenShards | None = None
+        self.local: RankShares | None = None
         self.backward_scale: float | None = None
         self.reported: list[float] = []
 
@@ -219,6 +274,9 @@ class MoE(nn.Module):
         them, every rank's choices are gathered (``TokenShards.gather``) and the queues run in token order;
         otherwise (dropless, no load-balancing loss) the counts are this rank's alone."""
         E, size = self.n_expert, 1 if self.shards is None else self.shards.size
+        if size > 1 and self.capacity_factor is not None and self.drop_policy != "position":
+            raise ValueError(f"drop_policy={self.drop_policy!r} with the global capacity over {size} ranks: the "
+                             f"global queues run in token order; use capacity_scope='local'")
         if size > 1 and (self.capacity_factor is not None or self.aux_loss_coef):
             every, index = self.shards.gather(chosen.view(*lead, self.top_k))
         else:
@@ -230,6 +288,31 @@ class MoE(nn.Module):
         routed = torch.bincount(every.reshape(-1), minlength=E)
         kept = torch.bincount(every[keep_all], minlength=E)
         return routed, kept, keep, chosen.shape[0] * size, size
+
+    def local_routing(self, r: Routing, lead: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+        """Local capacity for tokens shaped ``lead`` (the class docstring): this forward's routed and kept counts
+        per expert [E], the keep mask [T, k] and the router loss. Each rank's share (``local.split``; without
+        ``local`` one share, the whole forward) queues by ``drop_policy`` into C = ``capacity(T_r)`` slots; each
+        data rank's group gets the loss of its micro-batch (``router_loss`` with the group's counts), and the
+        groups' losses are averaged, as data parallelism averages its ranks'."""
+        T, dev = r.chosen.shape[0], r.chosen.device
+        groups = [[torch.arange(T, device=dev)]] if self.local is None else self.local.split(lead, dev)
+        keep = torch.zeros_like(r.chosen, dtype=torch.bool)
+        loss = r.logits.new_zeros(())
+        for group in groups:
+            for idx in group:
+                cap = self.capacity(idx.numel())
+                keep[idx] = (True if cap is None else
+                             queue_positions(r.chosen[idx], r.weights[idx], self.n_expert, self.drop_policy) < cap)
+            tokens = torch.cat(group)
+            counts = torch.bincount(r.chosen[tokens].reshape(-1), minlength=self.n_expert)
+            if self.local is not None and self.aux_loss_coef:  # f_i: the whole group's (the z-loss needs none)
+                counts = self.local.group_counts(counts)
+            n_group = int(counts.sum()) // self.top_k
+            loss = loss + self.router_loss(r.rows(tokens), counts, n_group, n_group // tokens.numel()) / len(groups)
+        return (torch.bincount(r.chosen.reshape(-1), minlength=self.n_expert),
+                torch.bincount(r.chosen[keep], minlength=self.n_expert), keep, loss)
 
     def add_shared(self, routed: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """y_t = shared(x_t) + sum_j w_tj E_j(x_t): the shared experts' output, once per token and unweighted, plus
@@ -245,8 +328,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         r = self.route(flat)
-        counts, kept, keep, n_tokens, size = self.batch_routing(r.chosen, tuple(x.shape[:-1]))
-        loss = self.router_loss(r, counts, n_tokens, replicas=size)
+        if self.capacity_scope == "local" or self.shards is None:  # one process: one share, the whole batch
+            counts, kept, keep, loss = self.local_routing(r, tuple(x.shape[:-1]))
+        else:
+            counts, kept, keep, n_tokens, size = self.batch_routing(r.chosen, tuple(x.shape[:-1]))
+            loss = self.router_loss(r, counts, n_tokens, replicas=size)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = ((r.chosen == e) & keep).nonzero(as_tuple=True)

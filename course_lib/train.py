@@ -142,8 +142,12 @@ def with_fp32_noise(train: Callable[[torch.dtype], TrainResult]) -> TrainResult:
     return fp32
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int], nn.Module], freeze: Iterable[str],
-           accumulation: int, dtype: torch.dtype) -> TrainResult:
+           accumulation: int, dtype: torch.dtype, split: Callable[[torch.Tensor, torch.Tensor], list[Batch]] | None
+           ) -> TrainResult:
     model = model_fn(cfg, tc.seed).to(dtype)
     frozen = set(freeze)
     for name, p in model.named_parameters():
@@ -154,8 +158,9 @@ def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int],
         x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for xm, ym in micro_batches(x, y, accumulation):
-            loss = (lm_loss(model(xm), ym) + moe_aux_loss(model)) / accumulation
+        micro = micro_batches(x, y, accumulation) if split is None else split(x, y)
+        for xm, ym in micro:
+            loss = (lm_loss(model(xm), ym) + moe_aux_loss(model)) / len(micro)
             loss.backward()
             total += loss.item()
         opt.step()
@@ -165,13 +170,15 @@ def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int],
 
 def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
                    model_fn: Callable[[GPTConfig, int], nn.Module] = GPT, freeze: Iterable[str] = (),
-                   accumulation: int = 1) -> TrainResult:
+                   accumulation: int = 1, *,
+                   split: Callable[[torch.Tensor, torch.Tensor], list[Batch]] | None = None) -> TrainResult:
     """Train ``model_fn(cfg, tc.seed)`` (the GPT by default) on one process: the reference for every parallel
     layout. Parameters named in ``freeze`` get ``requires_grad=False`` and stay out of the optimizer.
     The loss is the LM loss plus the MoE router losses (``moe_aux_loss``; 0 for a dense model). With
-    ``accumulation`` = m each step's batch is split into m micro-batches, each loss scaled by 1/m.
+    ``accumulation`` = m each step's batch is split into m micro-batches, each loss scaled by 1/m; ``split``
+    (x, y) -> micro-batches replaces that cut (``parallel.moe_reference``: the micro-batches a mesh's ranks hold).
     The result carries its fp32 rounding error (``noise``, from a second run in float64: ``with_fp32_noise``)."""
-    return with_fp32_noise(lambda dtype: _train(cfg, tc, model_fn, freeze, accumulation, dtype))
+    return with_fp32_noise(lambda dtype: _train(cfg, tc, model_fn, freeze, accumulation, dtype, split))
 
 
 @dataclass

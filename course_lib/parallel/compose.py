@@ -7,7 +7,7 @@ lives (``placement``), in the order torchtitan's ``parallelize_llama`` and Megat
    follows sees the sharded layers;
 2. ``context_parallel``: attention over the cp ring, the tokens' global positions; no weight changes;
 3. ``expert_parallel``: E/ep experts per MoE layer, their parameters recorded on "edp";
-4. ``moe_routing``: an MoE's capacity and router losses as on one process (``moe_mesh``);
+4. ``moe_routing``: an MoE's capacity and router losses, as on one process or per rank (``moe_mesh``);
 5. ``pipeline_parallel``: whatever 1-4 made of the model cut into this rank's stages;
 6. ``data_parallel``: **last, and the only step that reduces gradients**: it must see exactly the parameters
    this rank trains, and it reads from their placements where each is reduced (``dp_reduce``): averaged over
@@ -204,7 +204,8 @@ def expert_parallel(run: Parallelized, **options: Any) -> None:
 
 
 def moe_routing(run: Parallelized) -> None:
-    """An MoE's capacity, queues and router losses as on one process, over dp x cp (``moe_mesh``)."""
+    """An MoE's capacity, queues and router losses over dp x cp (``moe_mesh``): as on one process (the global
+    scope) or each rank's own (``GPTConfig.capacity_scope="local"``)."""
     pipelined = run.mesh.size("pp") > 1
     run.routing = share_routing(run.module, run.mesh, cp_layout=run.config.cp_layout,
                                 microbatches=run.config.microbatches if pipelined else None)

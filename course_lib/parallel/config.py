@@ -46,10 +46,11 @@ EP_REFUSALS = {
 }
 
 
-def routing_refusal(dp_cp: int, pp: int, capacity: bool, load_balancing: bool) -> str:
+def routing_refusal(dp_cp: int, pp: int, capacity: bool, load_balancing: bool, scope: str = "global") -> str:
     """Why an MoE with ``capacity`` or the ``load_balancing`` loss cannot be pipelined over ``pp`` stages with
-    ``dp_cp`` = dp x cp ("" when it can): its micro-batches would be no micro-batch of one process."""
-    if pp == 1 or dp_cp == 1 or not (capacity or load_balancing):
+    ``dp_cp`` = dp x cp ("" when it can): under the global ``scope`` its micro-batches would be no micro-batch
+    of one process; the local scope (each rank's own micro-batch, as Megatron-LM) composes."""
+    if pp == 1 or dp_cp == 1 or not (capacity or load_balancing) or scope == "local":
         return ""
     return (f"an MoE with capacity or the load-balancing loss cannot run with dp x cp = {dp_cp} and "
             f"pp = {pp}: the pipeline cuts each data-parallel rank's rows into its own micro-batches, and "
@@ -58,12 +59,23 @@ def routing_refusal(dp_cp: int, pp: int, capacity: bool, load_balancing: bool) -
             f"aux_loss_coef=0 (the z-loss composes)")
 
 
+def policy_refusal(dp_cp: int, cfg: GPTConfig) -> str:
+    """Why ``cfg.drop_policy`` cannot run over ``dp_cp`` = dp x cp ranks ("" when it can): the global queues run in
+    the single process's token order; production's policies are each rank's (the local scope)."""
+    if dp_cp == 1 or cfg.capacity_factor is None or cfg.drop_policy == "position" or cfg.capacity_scope == "local":
+        return ""
+    return (f"drop_policy={cfg.drop_policy!r} with capacity_scope='global' over dp x cp = {dp_cp}: the global "
+            f"capacity queues every rank's assignments in the token order of one process; Megatron-LM, DeepSpeed "
+            f"and Tutel apply their policies to each rank's own tokens: use capacity_scope='local'")
+
+
 def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: bool = False,
                      global_batch: int | None = None, microbatches: int = 1, v: int = 1,
                      zero_stage: int = 0) -> None:
     """``MeshError`` for every divisibility the mesh breaks (``MeshShape.validate``), then ``ValueError`` for
     every combination the composition does not build (ZeRO-2 with a pipeline, HSDP without ZeRO-3, with ep > 1
-    ZeRO-2/3 and SP, an MoE's batch-wide routing under a pipeline with dp x cp > 1)."""
+    ZeRO-2/3 and SP, an MoE's global routing under a pipeline with dp x cp > 1 or with a drop policy other than
+    "position" over dp x cp > 1)."""
     micro = global_batch // (shape.dp * microbatches) if global_batch and shape.pp > 1 else 1
     shape.validate(cfg, global_batch=global_batch, micro_batch=max(micro, 1), seq_len=cfg.seq_len, v=v,
                    sp=sequence_parallel)
@@ -78,9 +90,9 @@ def check_composable(shape: MeshShape, cfg: GPTConfig, *, sequence_parallel: boo
         if sequence_parallel:
             unsupported.append(EP_REFUSALS["sp"])
     routing = routing_refusal(shape.dp * shape.cp, shape.pp, cfg.capacity_factor is not None,
-                              bool(cfg.aux_loss_coef))
-    if routing and cfg.n_expert:
-        unsupported.append(routing)
+                              bool(cfg.aux_loss_coef), cfg.capacity_scope)
+    policy = policy_refusal(shape.dp * shape.cp, cfg)
+    unsupported += [why for why in (routing, policy) if why and cfg.n_expert]
     if unsupported:
         raise ValueError("cannot compose this mesh: " + "; ".join(unsupported))
 

@@ -11,10 +11,12 @@ each carry T k h bytes per layer forward (summed over the ranks), again in backw
 
 Counts are exchanged globally so that every rank uses the single-process capacity and queue order (parity);
 each rank checks what its peers announce against the counts, so a rank that computed another capacity raises
-instead of hanging a mismatched all-to-all. The backward all-to-alls bring every peer's gradient to the
-experts: an expert's gradient is already the sum over its ep peers' tokens. Expert parallelism reduces nothing
-else: ``apply_ep`` records on each expert parameter ``Replicate()`` on "edp" (its copies live on the dp x cp / ep
-ranks holding the same experts) and data parallelism reduces it there. Chapter 07 builds the layer first.
+instead of hanging a mismatched all-to-all. With ``capacity_scope="local"`` (Megatron-LM's) each rank queues its
+own tokens (``MoE.local_routing``); the check then holds each rank s to min(routed, C_s), C_s from its own
+token count. The backward all-to-alls bring every peer's gradient to the experts: an expert's gradient is
+already the sum over its ep peers' tokens. Expert parallelism reduces nothing else: ``apply_ep`` records on each
+expert parameter ``Replicate()`` on "edp" (its copies live on the dp x cp / ep ranks holding the same experts)
+and data parallelism reduces it there. Chapter 07 builds the layer first.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class ExpertParallelMoE(MoE):
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = (moe.capacity_factor, moe.aux_loss_coef,
                                                                         moe.z_loss_coef)
+        self.capacity_scope, self.drop_policy, self.local = moe.capacity_scope, moe.drop_policy, None
         self.ep_group, self.batch_group = ep_group, batch_group
         self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         if self.n_expert % self.ep_size:
@@ -159,6 +162,14 @@ class ExpertParallelMoE(MoE):
         if capacity is None:
             return torch.ones_like(chosen, dtype=torch.bool)
         return expert_positions(chosen, self.n_expert, counts[:self.batch_rank].sum(0)) < capacity
+
+    def local_kept(self, counts: torch.Tensor) -> torch.Tensor:
+        """[W, E]: what each rank keeps at each expert under local capacity, min(routed, C_s) with C_s =
+        ``capacity`` of rank s's own tokens (every drop policy keeps that many; only which ones differ)."""
+        caps = [self.capacity(int(c.sum()) // self.top_k) for c in counts]
+        if caps[0] is None:
+            return counts.clone()
+        return counts.minimum(torch.tensor(caps, device=counts.device)[:, None])
 
     def token_order_keep(self, chosen: torch.Tensor, lead: tuple[int, ...], capacity: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,13 +230,20 @@ class ExpertParallelMoE(MoE):
         r = self.route(flat)
         E, k, dev = self.n_expert, self.top_k, flat.device
         counts = self.exchange_counts(torch.bincount(r.chosen.reshape(-1), minlength=E))  # [W, E]
-        n_tokens = int(counts.sum()) // k
-        cap = self.capacity(n_tokens)
-        if self.shards is not None and cap is not None:
-            keep, kept = self.token_order_keep(r.chosen, tuple(x.shape[:-1]), cap)
+        if self.capacity_scope == "local":
+            _, _, keep, loss = self.local_routing(r, tuple(x.shape[:-1]))
+            kept = self.local_kept(counts)
         else:
-            keep, kept = self.keep_mask(r.chosen, counts, cap), kept_counts(counts, cap)
-        loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
+            n_tokens = int(counts.sum()) // k
+            cap = self.capacity(n_tokens)
+            if cap is not None and self.drop_policy != "position":
+                raise ValueError(f"drop_policy={self.drop_policy!r} with the global capacity: the global queues run "
+                                 f"in token order over the ranks; use capacity_scope='local'")
+            if self.shards is not None and cap is not None:
+                keep, kept = self.token_order_keep(r.chosen, tuple(x.shape[:-1]), cap)
+            else:
+                keep, kept = self.keep_mask(r.chosen, counts, cap), kept_counts(counts, cap)
+            loss = self.router_loss(r, counts.sum(0), n_tokens, replicas=self.batch_size)
 
         token, slot = keep.nonzero(as_tuple=True)  # token order
         expert = r.chosen[token, slot]
@@ -241,10 +259,11 @@ class ExpertParallelMoE(MoE):
         recv_counts = announced.view(self.ep_size, self.n_local)
         expected = kept[self.peer_pos][:, self.expert_ids].to(dev)
         if not torch.equal(recv_counts, expected):
+            source = "each rank's own token count" if self.capacity_scope == "local" else "the global counts"
             raise RuntimeError(
                 f"rank {dist.get_rank()}: the ep peers announce {recv_counts.tolist()} rows for experts "
                 f"{self.expert_ids} but the exchanged counts imply {expected.tolist()}: the ranks disagree on the "
-                f"capacity or on which rank owns which expert (capacity must come from the global counts)")
+                f"capacity or on which rank owns which expert (capacity must come from {source})")
         in_splits = [int(c.sum()) for c in per_dest]
         out_splits = recv_counts.sum(1).tolist()
         with comm.recording() as lg:

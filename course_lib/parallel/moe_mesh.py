@@ -14,12 +14,16 @@ micro-batch exchange their routing (the z-loss, a mean over tokens, splits exact
   1/m the pipeline gives each micro-batch (Megatron-Core's ``MoEAuxLossAutoScaler``), and its value is added to
   the reported loss (``MeshRouting.add_stage_losses``).
 
-With a pipeline and dp x cp > 1, capacity and the balance loss are refused (``config.routing_refusal``): the
-pipeline cuts each data rank's rows into its own micro-batches, whose union is no micro-batch of one process.
+With a pipeline and dp x cp > 1, this global form is refused (``config.routing_refusal``): the pipeline cuts
+each data rank's rows into its own micro-batches, whose union is no micro-batch of one process.
+``capacity_scope="local"`` (production's form, ``MoE.local_routing``) needs none of the above but one exchange:
+each rank queues its own tokens; f_i sums the counts of its context-parallel peers (``SequenceShares``). It
+composes with every mesh; ``moe_reference`` is the one process it matches.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +81,24 @@ class RoutingShards:
 
 
 @dataclass
+class SequenceShares:
+    """Local capacity on a rank (``moe.RankShares``): its whole forward is one share (its own queues), and its
+    data rank's group is its ``size`` context-parallel ranks ``group``, whose routed counts ``group_counts``
+    all-gathers and sums, E int64 per layer forward (Megatron-LM all-reduces them over tp x cp)."""
+
+    group: comm.Group
+    size: int
+
+    def split(self, lead: tuple[int, ...], device: torch.device) -> list[list[torch.Tensor]]:
+        return [[torch.arange(math.prod(lead), device=device)]]
+
+    def group_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        every = counts.new_empty(self.size * counts.numel())
+        comm.all_gather(every, counts.contiguous(), group=self.group)
+        return every.view(self.size, -1).sum(0)
+
+
+@dataclass
 class MeshRouting:
     """The MoE layers of one rank's model on its mesh; ``pipelined``: their router losses back-propagate through
     their outputs (``MoE.backward_scale``) and are reported by ``add_stage_losses``."""
@@ -116,11 +138,11 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
                   microbatches: int | None = None) -> MeshRouting | None:
-    """Make every MoE layer of ``model`` route as on one process on ``mesh`` (the module docstring): their
-    ``shards`` over dp x cp (not for ``ExpertParallelMoE`` layers, which exchange their counts themselves) and,
-    with a pipeline of ``microbatches`` = m, their router losses back-propagated with weight 1/m. None for a
-    model without MoE, or with ep > 1 and no pipeline (the composed loss adds their losses). What cannot be
-    built is refused before (``config.check_composable``)."""
+    """Make every MoE layer of ``model`` route on ``mesh`` as the module docstring says: global scope, their
+    ``shards`` over dp x cp (not for ``ExpertParallelMoE`` layers, which exchange their counts themselves); local
+    scope with cp > 1, their ``local`` over cp; with a pipeline of ``microbatches`` = m, their router losses
+    back-propagated with weight 1/m. None for a model without MoE, or with ep > 1, cp = 1 and no pipeline (the
+    composed loss adds their losses). What cannot be built is refused before (``config.check_composable``)."""
     layers = moe_layers(model)
     pipelined = microbatches is not None and mesh.size("pp") > 1
     expert_parallel = mesh.size("ep") > 1
@@ -129,7 +151,10 @@ def share_routing(model: nn.Module, mesh: Mesh, *, cp_layout: Layout = "zigzag",
     size = mesh.size("dp", "cp")
     data_group = mesh.group("dp", "cp") if size > 1 else None
     for layer in layers:  # expert-parallel layers need the token order only for capacity with cp
-        if size > 1 and (not expert_parallel or (mesh.size("cp") > 1 and layer.capacity_factor is not None)):
+        if layer.capacity_scope == "local":
+            if mesh.size("cp") > 1:
+                layer.local = SequenceShares(mesh.group("cp"), mesh.size("cp"))
+        elif size > 1 and (not expert_parallel or (mesh.size("cp") > 1 and layer.capacity_factor is not None)):
             layer.shards = RoutingShards(data_group, size, mesh.coord("dp"), mesh.size("cp"), mesh.coord("cp"),
                                         cp_layout)
         if pipelined:

@@ -142,8 +142,10 @@ def _check_space(zero_stages: Sequence[int], micro_batches: Sequence[int], recom
 
 def moe_pipeline_refusal(cfg: GPTConfig, shape: MeshShape) -> str:
     """The library's MoE refusal (``parallel.config.routing_refusal``, any ep), "" when it does not apply:
-    capacity or the load-balancing loss with dp x cp > 1 and pp > 1."""
-    batch_wide = cfg.n_expert and (cfg.capacity_factor is not None or cfg.aux_loss_coef)
+    capacity or the load-balancing loss in the global scope with dp x cp > 1 and pp > 1 (the local scope,
+    ``GPTConfig.capacity_scope``, composes)."""
+    batch_wide = cfg.n_expert and (cfg.capacity_factor is not None or cfg.aux_loss_coef) \
+        and cfg.capacity_scope == "global"
     if batch_wide and shape.pp > 1 and shape.dp * shape.cp > 1:
         return (f"an MoE with capacity or the load-balancing loss with dp x cp = {shape.dp * shape.cp} and "
                 f"pp = {shape.pp}: refused by the library (config.routing_refusal), no single process has the "
