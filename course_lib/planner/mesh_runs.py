@@ -83,7 +83,8 @@ PRODUCTION_MESHES: tuple[MeshRun, ...] = (
 
 def describe(parallel: ParallelConfig) -> str:
     """The mesh in words: its degrees above 1, the ZeRO stage and SP ("tp 2 x cp 2 x pp 2 + SP")."""
-    axes = " x ".join(f"{a} {getattr(parallel, a)}" for a in ("dp", "tp", "cp", "pp", "ep") if getattr(parallel, a) > 1)
+    shape = parallel.shape
+    axes = " x ".join(f"{a} {getattr(shape, a)}" for a in ("dp", "tp", "cp", "pp", "ep") if getattr(shape, a) > 1)
     return (axes or "one rank") + (f", ZeRO-{parallel.zero_stage}" if parallel.zero_stage else "") + (
         " + SP" if parallel.sequence_parallel else "")
 
