@@ -29,6 +29,7 @@ from course_lib.parallel import runs
 from course_lib.parallel import schedules as S
 from course_lib.parallel import tp as T
 from course_lib.parallel.config import ParallelConfig
+from course_lib.parallel.dp import assign_buckets
 from course_lib.parallel.fsdp2 import FSDP2DataParallel
 from course_lib.parallel.tp_layers import vocab_parallel_cross_entropy
 from course_lib.runtime.launch import RankError, launch
@@ -53,6 +54,17 @@ def test_the_data_group_and_the_partial_axes_come_from_the_placements():
     assert [R.data_axis(p) for p in (dense, expert, norm)] == ["dp+cp", "edp", "dp+cp"]
     assert [R.partial_axes(p) for p in (dense, expert, norm)] == [[], [], ["tp"]]
     assert {k: len(v) for k, v in R.by_data_axis([dense, expert, norm]).items()} == {"dp+cp": 2, "edp": 1}
+
+
+def test_buckets_keep_one_open_per_data_group():
+    """An MoE's gradients alternate dense and expert layer by layer: one open bucket per data group (DDP's
+    per-dtype buckets, Megatron-LM's separate expert buffers) gives one all-reduce per group, not one per
+    layer; the buckets are in the order of their first gradient."""
+    params = [nn.Parameter(torch.ones(4)) for _ in range(6)]
+    for p in params[1::2]:
+        P.set_placement(p, "edp", P.Replicate())
+    assert assign_buckets(params, 1 << 20) == [[0, 2, 4], [1, 3, 5]]
+    assert assign_buckets(params, 32) == [[0, 2], [1, 3], [4], [5]]  # a bucket closes at 2 x 16 bytes
 
 
 def test_flatten_and_split_back_is_exact_and_a_missing_gradient_counts_as_zeros():

@@ -40,25 +40,22 @@ DEFAULT_BUCKET_MB = 25.0
 
 def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
     """Indices of ``params`` (in the order their gradients come) grouped greedily, as DDP's
-    ``compute_bucket_assignment_by_size``: a bucket closes once it holds ``bucket_bytes`` (so its last tensor
-    may overflow it; 0: one tensor each), or when the dtype or the data group changes (one flat buffer, one
-    collective)."""
+    ``compute_bucket_assignment_by_size``: one open bucket per dtype and data group (one flat buffer, one
+    collective), closed once it holds ``bucket_bytes`` (its last tensor may overflow it; 0: one tensor
+    each); the buckets in the order of their first tensor, so they fill in turn."""
     buckets: list[list[int]] = []
-    current: list[int] = []
-    size = 0
+    open_: dict[tuple[torch.dtype, str], tuple[list[int], int]] = {}
     for i, p in enumerate(params):
-        first = params[current[0]] if current else None
-        if first is not None and (p.dtype != first.dtype or R.data_axis(p) != R.data_axis(first)):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
+        key = (p.dtype, R.data_axis(p))
+        members, size = open_.get(key, ([], 0))
+        members.append(i)
         size += p.numel() * p.element_size()
         if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+            buckets.append(members)
+            open_.pop(key, None)
+        else:
+            open_[key] = (members, size)
+    return sorted(buckets + [m for m, _ in open_.values()], key=lambda m: m[0])
 
 
 @dataclass(eq=False)
