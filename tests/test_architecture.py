@@ -40,7 +40,7 @@ NOT_GRADIENTS = {  # (module, function) -> what the reduction is, outside the da
 }
 REDUCING = {"all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_reduce_flat"}
 
-MAX_CLASS_VALUED = 13
+MAX_CLASS_VALUED = 12
 """Today: the forms runs.train_dp and train_zero take, the unit factories of ZeRO and FSDP2, the pipeline's
 executor, CP's attention module, EP's layer, serving's engine (2), the optimizer class of ZeRO-1 (2, as
 ``ZeroRedundancyOptimizer``'s), the baseline's model class, the grading's refused exception class."""

@@ -15,7 +15,7 @@ vocabulary's extra ids, so no serving path can emit one). A variant changes one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,9 +139,10 @@ def generate_uncached(model: GPT, prompt: torch.Tensor, max_new_tokens: int, tem
 @torch.no_grad()
 def generate(model: GPT, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
              generator: torch.Generator | None = None, cache: KVCache | None = None,
-             engine_cls: Callable[[GPT, KVCache], Engine] = Engine) -> list[list[int]]:
+             engine: Engine | None = None) -> list[list[int]]:
     """Batched generation with a KV cache: one prefill step for every prompt (of any lengths), then one decode
-    step per new token for all sequences at once. Returns the new tokens of each prompt.
+    step per new token for all sequences at once (on ``engine``, default ``Engine(model, cache)``). Returns the
+    new tokens of each prompt.
 
     A prompt whose length + ``max_new_tokens`` exceeds the model's ``seq_len`` is refused before any work, for
     every position type (learned positions have no embedding past it; RoPE would run, outside the context the
@@ -153,8 +154,10 @@ def generate(model: GPT, prompts: Sequence[torch.Tensor], max_new_tokens: int, t
                              f"{p.numel() + max_new_tokens} exceed the model's seq_len={limit} "
                              f"({model.config.pos} positions); shorten the prompt or ask for fewer tokens")
     n_max = max(p.numel() for p in prompts) + max_new_tokens
-    cache = cache or ContiguousKVCache(model.config, len(prompts), n_max, device=prompts[0].device)
-    engine = engine_cls(model, cache)
+    if engine is None:
+        cache = cache or ContiguousKVCache(model.config, len(prompts), n_max, device=prompts[0].device)
+        engine = Engine(model, cache)
+    cache = engine.cache
     for i, p in enumerate(prompts):
         if not cache.reserve(i, p.numel() + max_new_tokens):
             raise ValueError(f"prompt {i} ({p.numel()} tokens + {max_new_tokens}) does not fit in the cache")

@@ -153,8 +153,7 @@ def tp_generate(rank: int, world_size: int, config: GPTConfig, prompts: Sequence
             step_comm.append(list(log.records))
             return out
 
-    tokens = generate(model, prompts, max_new_tokens, cache=cache,
-                      engine_cls=lambda m, c: Recorded(m, c, group=group))
+    tokens = generate(model, prompts, max_new_tokens, engine=Recorded(model, cache, group=group))
     return {"tokens": tokens, "cache_bytes": cache.allocated_bytes(), "step_comm": step_comm}
 
 
