@@ -55,7 +55,8 @@ def routing_refusal(dp_cp: int, pp: int, capacity: bool, load_balancing: bool, s
     return (f"an MoE with capacity or the load-balancing loss cannot run with dp x cp = {dp_cp} and "
             f"pp = {pp}: the pipeline cuts each data-parallel rank's rows into its own micro-batches, and "
             f"their union over the dp ranks is no micro-batch of one process, so capacity and f_i would differ "
-            f"from train_baseline's. Use dp = 1 with the pipeline (so ep = 1), or capacity_factor=None and "
+            f"from train_baseline's. Use capacity_scope='local' (each rank's own capacity and balance loss, "
+            f"as Megatron-LM computes them), dp = 1 with the pipeline (so ep = 1), or capacity_factor=None and "
             f"aux_loss_coef=0 (the z-loss composes)")
 
 
