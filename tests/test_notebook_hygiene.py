@@ -224,7 +224,7 @@ def test_generated_exercises_keep_their_solutions_tags():
 
     solution = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\nprint(f)",
-        metadata={"tags": [COMPARED], "execution": {"x": 1}})])
+        metadata={"tags": [COMPARED], "collapsed": True})])
     assert make_exercise(solution).cells[0].metadata == {"tags": [COMPARED]}
 
 
