@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.grading import nbval_tags
+from course_lib.grading.notebooks import exercise_name
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (REPO / d).glob("*.ipynb"))
@@ -275,13 +276,27 @@ def test_no_internal_jargon(path):
 @pytest.mark.parametrize("path", CHAPTERS, ids=_rel)
 def test_every_chapter_links_its_neighbours_and_its_exercises(path):
     i = CHAPTERS.index(path)
-    wanted = [CHAPTERS[i - 1].name if i else "START_HERE.ipynb", f"../exercises/{path.name}"]
+    wanted = [CHAPTERS[i - 1].name if i else "START_HERE.ipynb", f"../exercises/{exercise_name(path.name)}"]
     if i + 1 < len(CHAPTERS):
         wanted.append(CHAPTERS[i + 1].name)
     text = "\n".join(_source(c) for c in _load(path)["cells"] if c["cell_type"] == "markdown")
     targets = {t.split("#", 1)[0] for t in relative_links(text)}
     missing = [w for w in wanted if w not in targets]
     assert not missing, f"{_rel(path)}: link to {missing} (previous chapter, next chapter, exercises)"
+
+
+TRANSLATION = re.compile(r"\b(gebruikt|standaard|gedrag|het|een|niet|wordt|zijn|voor|utilise|utilisent|avec|dans|"
+                         r"pour|une|sont|est)\b", re.IGNORECASE)
+"""Dutch and French words no English sentence uses: the source articles were read in those translations."""
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_the_articles_are_quoted_in_english(path):
+    """A claim of the articles is given in English with its source, never in the translation it was read in
+    (chapter 03 once quoted "PyTorch FSDP gebruikt standaard gedrag van Stage 3")."""
+    found = [f"cell {i}: {line.strip()[:100]}" for i, c in enumerate(_load(path)["cells"])
+             if c["cell_type"] == "markdown" for line in _source(c).splitlines() if TRANSLATION.search(line)]
+    assert not found, f"{_rel(path)}: say it in English, with the source: {found}"
 
 
 MACHINE_PATH = re.compile(r"/(?:work|root|home|Users|tmp)/[\w.-]+")
