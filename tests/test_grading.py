@@ -403,11 +403,3 @@ def test_no_find_the_bug_shows_its_bug_in_the_chapter():
                     copied_share(cell.source.split("\nprint(")[0], code) > COPIED_SHARE:
                 spoiled.add((solution.name[:2], name))
     assert spoiled == SPOILED_NOT_YET_REWRITTEN, spoiled
-
-
-def test_the_teaching_guide_table_is_the_registry_and_the_notebooks():
-    """docs/teaching.md's exercises, points and Run All times: what the grader and the notebooks say."""
-    from course_lib.grading import teaching_table
-
-    drift = teaching_table.drift(teaching_table.DOC.read_text())
-    assert not drift, "run `python -m course_lib.grading.teaching_table`:\n" + "\n".join(drift)

@@ -334,7 +334,7 @@ def init(box: Sandbox, cmd: list[str]) -> int:
         try:
             os.execvpe(cmd[0], cmd, _kernel_env(box))
         except OSError as err:
-            print(f"{MARK} {NO_START} {err}", file=sys.stderr, flush=True)
+            print(f"{MARK} {NO_START} {cmd[0]}: {err.strerror}", file=sys.stderr, flush=True)
             os._exit(127)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(kernel, signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cell time limit's interrupt goes to the process group
@@ -366,7 +366,11 @@ if __name__ == "__main__":
         print("ok")
     elif mode == "--parent-death":
         _arm_parent_death()
-        os.execvp(sys.argv[3], sys.argv[3:])
+        try:
+            os.execvp(sys.argv[3], sys.argv[3:])
+        except OSError as err:
+            print(f"{MARK} {NO_START} {sys.argv[3]}: {err.strerror}", file=sys.stderr, flush=True)
+            sys.exit(127)
     elif mode == "--launch":  # outside the namespaces: the pids cgroup, then the parent-death signal
         join_pids_cgroup(sys.argv[2], int(sys.argv[3]))
         _arm_parent_death()
