@@ -12,6 +12,10 @@ NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/saniti
 LAB_ARGS ?=
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 MY_WORK ?= my_work
+# JupyterLab's workspace (its open tabs and their kernels) inside this copy of the course, which git ignores: a second
+# copy never reopens this one's tabs. A browser is opened only where Python finds one (else JupyterLab warns).
+LAB_WORKSPACES ?= $(CURDIR)/.jupyter/lab/workspaces
+OPEN_BROWSER = $(shell $(PY) -c 'import webbrowser; webbrowser.get()' >/dev/null 2>&1 && echo True || echo False)
 
 # torch: PyPI's Linux wheel is the CUDA build (several GB of NVIDIA libraries). On Linux without an NVIDIA driver,
 # setup installs the CPU wheel from PyTorch's CPU index into $(VENV) first -- unless plain pip already finds a CPU
@@ -60,9 +64,10 @@ $(STAMP): pyproject.toml
 		echo "==> 2/4 $(TORCH_PIN) as pip finds it (installed with the rest)"; \
 	fi
 	@echo "==> 3/4 the course library, JupyterLab$(if $(EXTRAS), and the test tools) (a few minutes the first time)"
-	$(RUN)$(PY) -m pip install -e ".$(EXTRAS)"
+	$(RUN)PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -e ".$(EXTRAS)"
 	@echo "==> 4/4 the notebook kernel"
 	$(RUN)$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (LLM scaling course)"
+	$(RUN)$(PY) -m course_lib.course.kernel_log
 	@$(if $(DRY_RUN),echo "[dry run]") touch $(STAMP)
 
 ## What setup does about torch here: cpu-index (PyTorch's CPU wheel) or pip-default (plain pip's choice).
@@ -71,13 +76,17 @@ torch-plan:
 
 ## Open the course: JupyterLab on 127.0.0.1 with token authentication at the start page (open the URL it prints).
 ## It serves your own copy, $(MY_WORK)/ (made or brought up to date first: see my-copy), never the tracked
-## notebooks: JupyterLab's autosave then cannot change a file `git pull` updates. The project's JupyterLab
-## settings (jupyter/lab/settings/overrides.json: no news or update toasts) are defaults; yours still win.
+## notebooks: JupyterLab's autosave then cannot change a file `git pull` updates. It runs in $(MY_WORK)/, so its
+## terminal starts there (`make grade NB=exercises/...` works there). The project's JupyterLab settings
+## (jupyter/lab/settings/overrides.json: no news or update toasts) are defaults; yours still win. No
+## language-server detection (the course uses none: it only printed the servers it did not find).
 lab: my-copy
 	@echo "==> JupyterLab on 127.0.0.1 only, token-protected, serving $(MY_WORK)/; open the URL printed below: it opens notebooks/START_HERE.ipynb there"
-	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) --ServerApp.open_browser=True \
+	cd "$(MY_WORK)" && "$(abspath $(VENV))/bin/jupyter" lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
+		--ServerApp.open_browser=$(OPEN_BROWSER) \
 		--ServerApp.root_dir="$(abspath $(MY_WORK))" --LabApp.default_url=/lab/tree/notebooks/START_HERE.ipynb \
-		--LabApp.app_settings_dir="$(CURDIR)/jupyter/lab/settings" $(ALLOW_ROOT) $(LAB_ARGS)
+		--LabApp.app_settings_dir="$(CURDIR)/jupyter/lab/settings" --LabApp.workspaces_dir="$(LAB_WORKSPACES)" \
+		--LanguageServerManager.autodetect=False $(ALLOW_ROOT) $(LAB_ARGS)
 
 ## Your own copy of the course in $(MY_WORK)/ (git ignores it): notebooks/ (the chapters) and exercises/ (your
 ## answers). Run again (make lab does) after a `git pull`: new notebooks are copied, a notebook you only ran gets
@@ -137,13 +146,20 @@ execute-notebooks: $(STAMP)
 exercises: $(STAMP)
 	$(PY) -m course_lib.grading.notebooks $(if $(FORCE),--force)
 
-## Grade: make grade NB=notebook.ipynb, or NB=folder/ for a class (one notebook per learner, any names: writes
-## gradebook.csv and gradebook_summary.csv). Prints the score and exits 0; GRADE_ARGS=--strict exits 1 unless every
-## mark is earned; a folder is graded isolated where the machine allows it (GRADE_ARGS=--no-isolation for trusted work).
+## Grade: make grade NB=notebook.ipynb (the course's exercises/NN_..._exercises.ipynb grades your copy in
+## $(MY_WORK)/ when you have one), or NB=folder/ for a class (one notebook per learner, any names: writes
+## $(CSV), its summary and totals), JOBS notebooks at a time, each within TIME_LIMIT seconds, isolated where the
+## machine allows it (ISOLATION=no for trusted work), after a canary (the course's own solution must score full
+## marks). Prints the score and exits 0; GRADE_ARGS=--strict exits 1 unless every mark is earned.
+JOBS ?= 1
+TIME_LIMIT ?= 600
+ISOLATION ?= yes
+CSV ?= gradebook.csv
 grade: $(STAMP)
-	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook_or_folder [GRADE_ARGS=--strict]"; exit 2; }
-	@if [ -d "$(NB)" ]; then $(PY) -m course_lib.grading.gradebook $(NB) --out $(or $(CSV),gradebook.csv) $(GRADE_ARGS); \
-	else $(PY) -m course_lib.grading $(NB) $(GRADE_ARGS); fi
+	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook_or_folder [JOBS=2 TIME_LIMIT=600 ISOLATION=no GRADE_ARGS=--strict]"; exit 2; }
+	@if [ -d "$(NB)" ]; then $(PY) -m course_lib.grading.gradebook "$(NB)" --out "$(CSV)" --jobs $(JOBS) \
+		--time-limit $(TIME_LIMIT) $(if $(filter no,$(ISOLATION)),--no-isolation) $(GRADE_ARGS); \
+	else $(PY) -m course_lib.grading "$(NB)" --my-work "$(MY_WORK)" --timeout $(TIME_LIMIT) $(GRADE_ARGS); fi
 
 ## The learners' copy without solutions/ (its own README, Makefile and install, no test tools): make handout OUT=dir
 OUT ?= handout

@@ -16,14 +16,13 @@ Run: ``python benchmarks/hub_memory.py [notebooks/02_data_parallel.ipynb ...]`` 
 from __future__ import annotations
 
 import argparse
-import threading
-import time
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
 import psutil
-from nbclient import NotebookClient
+
+from course_lib.grading.timings import execute
 
 MiB = 2**20
 DEFAULT = ["notebooks/02_data_parallel.ipynb"]
@@ -54,28 +53,14 @@ def _sample(pid: int, peaks: Peaks) -> None:
 
 
 def measure(path: Path, interval: float = 0.05) -> tuple[Peaks, float]:
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
-    peaks, done = Peaks(), threading.Event()
-    with client.setup_kernel():
-        pid = client.km.provisioner.process.pid
+    """The peaks while ``path`` runs as Run All does (``course_lib.grading.timings.execute``), and its seconds."""
+    peaks = Peaks()
 
-        def watch() -> None:
-            while not done.is_set():
-                try:
-                    _sample(pid, peaks)
-                except psutil.NoSuchProcess:
-                    return
-                time.sleep(interval)
+    def sample(pid: int) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            _sample(pid, peaks)
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        start = time.monotonic()
-        for i, cell in enumerate(nb.cells):
-            client.execute_cell(cell, i)
-        seconds = time.monotonic() - start
-        done.set()
-        watcher.join()
+    _, seconds = execute(path, sample, interval)
     return peaks, seconds
 
 

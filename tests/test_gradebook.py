@@ -11,10 +11,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.grading import gradebook, grader
+from course_lib.grading import canary, gradebook, grader
 
 REPO = Path(__file__).resolve().parents[1]
-SOLUTION = REPO / "solutions" / "00_budgets.ipynb"
+SOLUTION = REPO / "solutions" / "00_budgets_exercises.ipynb"
 KV_RIGHT = "return 2 * n_layer * n_kv_head"
 KV_WRONG = "return n_layer * n_kv_head"  # caches only the keys (tests/grading_fixtures/ch00.py: kv_forgets_values)
 
@@ -108,8 +108,10 @@ def test_the_chapter_comes_from_metadata_or_the_file_name():
     assert gradebook.chapter_from_name(Path("99_nothing.ipynb")) is None  # no such chapter
 
 
-def test_the_cli_exits_zero_with_a_partial_score_unless_strict(tmp_path, capsys):
-    """Without starting a kernel: a file that is not a notebook and a notebook with no chapter."""
+def test_the_cli_exits_zero_with_a_partial_score_unless_strict(tmp_path, capsys, monkeypatch):
+    """Without starting a kernel: a file that is not a notebook and a notebook with no chapter (the canary, which
+    would grade chapter 00's solution, is tested on its own)."""
+    monkeypatch.setattr(canary, "check", lambda *a, **k: None)
     folder = tmp_path / "class"
     folder.mkdir()
     (folder / "dave_00.ipynb").write_text("not json")
@@ -144,7 +146,8 @@ def test_a_learner_is_a_sub_folder_or_a_file_name_without_its_chapter(tmp_path):
     folder = tmp_path / "alice"
     for name, learner in (("bob/handin.ipynb", "bob"), ("carol.ipynb", "carol"), ("dave_01.ipynb", "dave"),
                           ("ch05-erin.ipynb", "erin"), ("frank 06_context_parallel.ipynb", "frank"),
-                          ("01_collectives.ipynb", "alice"), ("08.ipynb", "alice")):  # alice's own folder
+                          ("01_collectives.ipynb", "alice"), ("08.ipynb", "alice"),  # alice's own folder
+                          ("03_zero_fsdp_exercises.ipynb", "alice"), ("gus_03_zero_fsdp_exercises.ipynb", "gus")):
         assert gradebook.learner_of(folder / name, folder) == learner, name
 
 
@@ -162,12 +165,31 @@ def test_every_chapter_is_told_by_its_metadata_or_its_content_whatever_the_file_
 
 
 def _fake_grading(monkeypatch):
-    """grade_submission without a kernel: every exercise of the file's chapter, half the points for ben."""
+    """grade_submission without a kernel: every exercise of the file's chapter, half the points for ben; the
+    canary passes (it is graded for real in test_grading_canary.py)."""
     def fake(path, learner, *args, **kwargs):
         chapter = gradebook.chapter_from_name(path) or "00"
         return [gradebook.GradeRow(learner, chapter, ex.key, ex.points // (2 if learner == "ben" else 1),
                                    ex.points, "fake") for ex in grader.chapter_module(chapter).EXERCISES]
     monkeypatch.setattr(gradebook, "grade_submission", fake)
+    monkeypatch.setattr(canary, "check", lambda *a, **k: None)
+
+
+def test_a_failed_canary_stops_the_class_before_any_submission(tmp_path, monkeypatch, capsys):
+    """One line on stderr, exit status 3, no gradebook written, nothing graded; the canary saw the class's
+    chapters (from metadata, content or name) and the run's limits."""
+    graded, seen = [], []
+    monkeypatch.setattr(gradebook, "grade_submission", lambda *a, **k: graded.append(a) or [])
+    monkeypatch.setattr(canary, "check", lambda ch, *a: seen.append((sorted(ch), a)) or "the cause. Fix: x.")
+    folder = tmp_path / "class"
+    folder.mkdir()
+    for name in ("ann_00", "ben_05", "cat_05"):
+        (folder / f"{name}.ipynb").write_text("{}")
+    out = tmp_path / "book.csv"
+    assert gradebook.main([str(folder), "--out", str(out), "--jobs", "2", "--time-limit", "99"]) == 3
+    assert capsys.readouterr().err == "error: the cause. Fix: x.\n"
+    assert not graded and not list(tmp_path.glob("book*.csv"))
+    assert seen[0][0] == ["00", "05", "05"] and seen[0][1][0] == 99 and seen[0][1][3] == 2
 
 
 def test_shards_merged_are_the_class_graded_at_once(tmp_path, monkeypatch, capsys):

@@ -86,7 +86,7 @@ def test_solution_scores_full_marks_and_untouched_exercise_scores_zero(solution)
 
 
 def _with_extra_cell(tmp_path: Path, source: str, after: int) -> Path:
-    nb = nbformat.read(REPO / "solutions" / "00_budgets.ipynb", as_version=4)
+    nb = nbformat.read(REPO / "solutions" / "00_budgets_exercises.ipynb", as_version=4)
     nb.cells.insert(after, nbformat.v4.new_code_cell(source))
     path = tmp_path / "00_budgets.ipynb"
     nbformat.write(nb, path)
@@ -127,7 +127,8 @@ def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
 
 def test_the_cli_prints_a_partial_score_exits_0_and_writes_json(tmp_path, monkeypatch, capsys):
     out = tmp_path / "report.json"
-    code = grader.main([str(REPO / "exercises" / "00_budgets.ipynb"), "--out", str(out)])
+    code = grader.main([str(REPO / "exercises" / "00_budgets_exercises.ipynb"), "--out", str(out), "--my-work",
+                        str(tmp_path / "no_copy")])
     assert code == 0  # a partial score is a result, not a crash
     assert '"points": 0' in out.read_text()
     assert "total: 0/" in capsys.readouterr().out
@@ -139,6 +140,39 @@ def test_the_cli_prints_a_partial_score_exits_0_and_writes_json(tmp_path, monkey
     assert grader.main(["x.ipynb", "--strict"]) == 1
     reports[0].scores[0] = grader.ExerciseScore("k", "t", 2, 2, True, "ok")
     assert grader.main(["x.ipynb", "--strict"]) == 0
+
+
+def test_the_course_exercise_named_grades_the_learners_copy_and_says_so(tmp_path, monkeypatch, capsys):
+    """`make grade NB=exercises/...` in the course folder names the course's untouched blank copy; the learner's
+    answers are in my_work/exercises/. The grader grades those, in one line says so; --as-named grades the
+    course's copy and says the learner's edited copy is not graded."""
+    name = "00_budgets_exercises.ipynb"
+    course, mine = REPO / "exercises" / name, tmp_path / "exercises" / name
+    graded: list[list[Path]] = []
+    monkeypatch.setattr(grader, "grade", lambda paths, *a, **k: graded.append(list(paths)) or [
+        grader.NotebookReport(str(paths[0]), "00", [grader.ExerciseScore("k", "t", 1, 1, True, "ok")])])
+    assert grader.main([str(course), "--my-work", str(tmp_path)]) == 0
+    assert graded.pop() == [course] and "your copy" not in capsys.readouterr().out  # no copy: as named
+    mine.parent.mkdir()
+    nb = nbformat.read(course, as_version=4)
+    nbformat.write(nb, mine)
+    assert grader.main([str(course), "--my-work", str(tmp_path)]) == 0
+    assert graded.pop() == [mine]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "copy" in ln]
+    assert lines == [f"grading your copy {mine}: {course} is the course's untouched copy (--as-named grades it)"]
+    assert grader.main([str(course), "--my-work", str(tmp_path), "--as-named"]) == 0
+    assert graded.pop() == [course] and "not graded" not in capsys.readouterr().out  # the same cells: nothing lost
+    next(c for c in nb.cells if c.cell_type == "code").source += "\nanswer = 42"
+    nbformat.write(nb, mine)
+    assert grader.main([str(course), "--my-work", str(tmp_path), "--as-named"]) == 0
+    assert graded.pop() == [course]
+    assert f"your edited copy {mine} is not graded" in capsys.readouterr().out
+    assert grader.learners_copy(tmp_path / "elsewhere.ipynb", tmp_path) == (tmp_path / "elsewhere.ipynb", None)
+    repo = tmp_path / "course"  # a learner who works in the course's own copy: it is graded as named
+    (repo / "exercises").mkdir(parents=True)
+    nbformat.write(nb, repo / "exercises" / name)
+    monkeypatch.setattr(grader, "REPO", repo)
+    assert grader.learners_copy(repo / "exercises" / name, tmp_path) == (repo / "exercises" / name, None)
 
 
 def test_visible_bucket_check_rejects_a_dropped_partial_bucket():
@@ -163,7 +197,7 @@ def _notebook_function(notebook: Path, name: str, namespace: dict) -> object:
 def test_chapter_00_find_the_bug_fails_as_shipped_and_passes_once_fixed():
     from course_lib.grading import ch00
 
-    notebook = REPO / "solutions" / "00_budgets.ipynb"
+    notebook = REPO / "solutions" / "00_budgets_exercises.ipynb"
     colleague = _notebook_function(notebook, "model_states_per_gpu_from_a_colleague", {})
     visible = ch00.check_model_states_per_gpu(colleague)
     assert not visible.ok and "optimizer_state" in visible.message, visible  # the notebook's symptom
@@ -212,8 +246,8 @@ def test_chapter_05_find_the_bug_fails_as_shipped_on_the_stage_without_the_loss(
     from course_lib.model import lm_loss
 
     namespace = {"torch": torch, "dist": dist, "lm_loss": lm_loss}
-    colleague = _notebook_function(REPO / "solutions" / "05_pipeline_parallel.ipynb", "gpipe_step_from_a_colleague",
-                                   namespace)
+    colleague = _notebook_function(REPO / "solutions" / "05_pipeline_parallel_exercises.ipynb",
+                                   "gpipe_step_from_a_colleague", namespace)
     visible = ch05.check_gpipe_step(colleague, m=4, batch=8)
     assert not visible.ok and visible.message.startswith("rank 0's gradient"), visible  # the stated symptom
     assert ch05.check_gpipe_step(colleague, m=4, batch=16).ok  # b = m rows per micro-batch: the bug is the 1/b
@@ -369,11 +403,3 @@ def test_no_find_the_bug_shows_its_bug_in_the_chapter():
                     copied_share(cell.source.split("\nprint(")[0], code) > COPIED_SHARE:
                 spoiled.add((solution.name[:2], name))
     assert spoiled == SPOILED_NOT_YET_REWRITTEN, spoiled
-
-
-def test_the_teaching_guide_table_is_the_registry_and_the_notebooks():
-    """docs/teaching.md's exercises, points and Run All times: what the grader and the notebooks say."""
-    from course_lib.grading import teaching_table
-
-    drift = teaching_table.drift(teaching_table.DOC.read_text())
-    assert not drift, "run `python -m course_lib.grading.teaching_table`:\n" + "\n".join(drift)

@@ -27,8 +27,8 @@ import pytest
 from course_lib.grading import gradebook, grader, isolation
 
 REPO = Path(__file__).resolve().parents[1]
-SOLUTION = REPO / "solutions" / "00_budgets.ipynb"
-EXERCISE = REPO / "exercises" / "00_budgets.ipynb"
+SOLUTION = REPO / "solutions" / "00_budgets_exercises.ipynb"
+EXERCISE = REPO / "exercises" / "00_budgets_exercises.ipynb"
 MEMORY = 2 << 30
 PROCESSES = 32
 

@@ -118,7 +118,7 @@ def test_the_readme_commands_run_in_the_handout(out, tmp_path):
         elif target in ("lab", "grade"):
             proc = _make(folder, "-n", target, venv, "PIP_TORCH=2.13.0+cpu", *args)
             assert proc.returncode == 0, proc.stderr
-            assert ("jupyter lab" if target == "lab" else "-m course_lib.grading my_work/") in proc.stdout
+            assert ('/bin/jupyter" lab' if target == "lab" else '-m course_lib.grading "my_work/') in proc.stdout
         else:  # my-copy: the command make would run (its set-up prerequisite not executed), then that command
             proc = _make(folder, "-n", target, venv, "PIP_TORCH=2.13.0+cpu", *args)
             assert proc.returncode == 0, proc.stderr
@@ -169,6 +169,7 @@ def test_every_link_and_cited_file_is_in_the_handout(out):
     missing += [p for p in named if not (out / p).exists()]
     assert not missing, f"the handout points at what it does not ship: {missing}"
     assert "make test" not in readme and "solutions" not in readme and "make exercises" not in readme
+    assert not re.search(r"\bgit\b", readme, re.I), "the handout is a folder, not a repository: its README says so"
 
 
 def test_git_ignores_the_learners_venv_and_work(out, tmp_path):

@@ -15,8 +15,10 @@ import nbformat
 import pytest
 
 from course_lib.course import my_copy
+from course_lib.grading.notebooks import exercise_name
 
 REPO = Path(__file__).resolve().parents[1]
+EX00 = f"exercises/{exercise_name('00_budgets.ipynb')}"
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
 
 
@@ -26,10 +28,11 @@ def _course(tmp_path: Path, names: tuple[str, ...] = ("START_HERE.ipynb", "00_bu
     for folder in ("notebooks", "exercises"):
         (repo / folder).mkdir(parents=True)
         for name in names:
+            name = exercise_name(name) if folder == "exercises" else name
             if (REPO / folder / name).exists():
                 shutil.copy(REPO / folder / name, repo / folder / name)
     for name in ("Makefile", ".gitignore", "pyproject.toml"):
-        shutil.copy(REPO / name, repo / name)
+        shutil.copy2(REPO / name, repo / name)  # its time too: the course's .venv is newer, as after `make setup`
     shutil.copytree(REPO / "jupyter", repo / "jupyter")
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "course"]):
         subprocess.run([*GIT, "-C", str(repo), *cmd], check=True, capture_output=True)
@@ -75,21 +78,21 @@ def test_a_pull_brings_new_notebooks_refreshes_run_ones_and_keeps_edited_ones(tm
     nb = nbformat.read(ran, as_version=4)
     nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="I ran it\n")]  # running is not editing
     nbformat.write(nb, ran)
-    mine = work / "exercises" / "00_budgets.ipynb"
+    mine = work / EX00
     _edit_first_code_cell(mine, "my_answer = 42")
     my_answers = mine.read_text()
     # the course moves on (a git pull): both notebooks change, a chapter is added
-    for rel in ("notebooks/START_HERE.ipynb", "exercises/00_budgets.ipynb"):
+    for rel in ("notebooks/START_HERE.ipynb", EX00):
         _edit_first_code_cell(repo / rel, "world_size = 8  # the course's new version")
     shutil.copy(REPO / "notebooks" / "01_collectives.ipynb", repo / "notebooks")
     report = my_copy.sync(work, repo)
     assert report.copied == ["notebooks/01_collectives.ipynb"]
     assert report.updated == ["notebooks/START_HERE.ipynb"]
     assert ran.read_bytes() == (repo / "notebooks" / "START_HERE.ipynb").read_bytes()
-    assert report.kept == ["exercises/00_budgets.ipynb"] and mine.read_text() == my_answers
+    assert report.kept == [EX00] and mine.read_text() == my_answers
     line = next(ln for ln in report.lines(work, repo) if ln.startswith("kept"))
-    assert str(repo / "exercises" / "00_budgets.ipynb") in line  # where to compare
-    assert my_copy.sync(work, repo).kept == ["exercises/00_budgets.ipynb"]  # said again until the learner acts
+    assert str(repo / EX00) in line  # where to compare
+    assert my_copy.sync(work, repo).kept == [EX00]  # said again until the learner acts
     assert mine.read_text() == my_answers
 
 
@@ -97,10 +100,10 @@ def test_an_edited_exercise_is_kept_quietly_while_the_course_has_nothing_new(tmp
     repo = _course(tmp_path)
     work = repo / "my_work"
     my_copy.sync(work, repo)
-    _edit_first_code_cell(work / "exercises" / "00_budgets.ipynb", "my_answer = 42")
+    _edit_first_code_cell(work / EX00, "my_answer = 42")
     report = my_copy.sync(work, repo)
     assert (report.copied, report.updated, report.kept) == ([], [], [])
-    assert "my_answer" in (work / "exercises" / "00_budgets.ipynb").read_text()
+    assert "my_answer" in (work / EX00).read_text()
 
 
 def test_a_broken_record_or_notebook_never_costs_the_learners_file(tmp_path):
@@ -108,10 +111,10 @@ def test_a_broken_record_or_notebook_never_costs_the_learners_file(tmp_path):
     work = repo / "my_work"
     my_copy.sync(work, repo)
     (work / my_copy.RECORD).write_text("not json")
-    (work / "exercises" / "00_budgets.ipynb").write_text("half-written")
-    _edit_first_code_cell(repo / "exercises" / "00_budgets.ipynb", "world_size = 8  # the course's new version")
+    (work / EX00).write_text("half-written")
+    _edit_first_code_cell(repo / EX00, "world_size = 8  # the course's new version")
     report = my_copy.sync(work, repo)
-    assert (work / "exercises" / "00_budgets.ipynb").read_text() == "half-written"
+    assert (work / EX00).read_text() == "half-written"
     assert report.updated == [] and report.copied == []
 
 
@@ -119,12 +122,61 @@ def test_the_earlier_flat_copy_of_an_exercise_moves_where_its_links_work(tmp_pat
     repo = _course(tmp_path)
     work = repo / "my_work"
     work.mkdir()
-    shutil.copy(repo / "exercises" / "00_budgets.ipynb", work / "00_budgets.ipynb")  # the old `make my-copy`
+    shutil.copy(repo / EX00, work / "00_budgets.ipynb")  # the old `make my-copy`
     _edit_first_code_cell(work / "00_budgets.ipynb", "my_answer = 42")
     report = my_copy.sync(work, repo)
-    assert report.moved == [f"{work / '00_budgets.ipynb'} -> {work / 'exercises' / '00_budgets.ipynb'}"]
-    assert "my_answer" in (work / "exercises" / "00_budgets.ipynb").read_text()
-    assert not (work / "00_budgets.ipynb").exists() and "exercises/00_budgets.ipynb" not in report.copied
+    assert report.moved == [f"{work / '00_budgets.ipynb'} -> {work / EX00}"]
+    assert "my_answer" in (work / EX00).read_text()
+    assert not (work / "00_budgets.ipynb").exists() and EX00 not in report.copied
+
+
+def test_an_exercise_under_the_chapters_name_moves_to_the_exercises_name_with_its_record(tmp_path):
+    """Exercises were once named like their chapters (two tabs of one name): the learner's edited copy follows."""
+    repo = _course(tmp_path)
+    work = repo / "my_work"
+    my_copy.sync(work, repo)
+    old = work / "exercises" / "00_budgets.ipynb"
+    (work / EX00).rename(old)
+    record = json.loads((work / my_copy.RECORD).read_text())
+    record["exercises/00_budgets.ipynb"] = record.pop(EX00)
+    (work / my_copy.RECORD).write_text(json.dumps(record))
+    _edit_first_code_cell(old, "my_answer = 42")
+    report = my_copy.sync(work, repo)
+    assert report.moved == [f"{old} -> {work / EX00}"] and report.copied == []
+    assert "my_answer" in (work / EX00).read_text() and not old.exists()
+    record = json.loads((work / my_copy.RECORD).read_text())
+    assert EX00 in record and "exercises/00_budgets.ipynb" not in record
+
+
+def _make_n(where: Path, *args: str) -> str:
+    out = subprocess.run(["make", "-s", "--no-print-directory", "-n", *args, "VENV=/nonexistent/venv",
+                          "PIP_TORCH=2.13.0+cpu"], cwd=where, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_make_grade_in_the_learners_copy_grades_that_copy_through_the_course(tmp_path):
+    """JupyterLab's terminal starts in my_work/ (the server runs there); `make grade NB=exercises/...` typed there
+    grades the learner's file, by the course's Makefile, as does the chapters' `NB=my_work/exercises/...`."""
+    repo = _course(tmp_path)
+    work = repo / "my_work"
+    my_copy.sync(work, repo)
+    assert f'cd "{work.name}" && ' in _lab_command(repo)  # the server's (so the terminal's) folder
+    grade = _make_n(work, "grade", f"NB={EX00}")
+    assert f'-m course_lib.grading "{work / EX00}" --my-work "{work}"' in grade, grade
+    grade = _make_n(work, "grade", f"NB=my_work/{EX00}")
+    assert f'-m course_lib.grading "my_work/{EX00}" --my-work "{work}"' in grade, grade
+    assert _git_status(repo) == ""
+
+
+def test_each_copy_of_the_course_keeps_its_own_jupyterlab_workspace(tmp_path):
+    """JupyterLab's per-user workspace reopened one copy's tabs (and started their kernels) in another: `make lab`
+    keeps it inside the copy, in a folder git ignores."""
+    one, two = _course(tmp_path / "one"), _course(tmp_path / "two")
+    spaces = [re.search(r'--LabApp.workspaces_dir="([^"]+)"', _lab_command(r)).group(1) for r in (one, two)]
+    assert [Path(s).is_relative_to(r) for s, r in zip(spaces, (one, two), strict=True)] == [True, True]
+    inside = Path(spaces[0], "lab-a511.jupyterlab-workspace").relative_to(one)
+    assert subprocess.run(["git", "-C", str(one), "check-ignore", "-q", str(inside)]).returncode == 0
 
 
 def test_make_lab_serves_the_learners_copy_and_make_my_copy_runs_the_module(tmp_path):
@@ -132,7 +184,7 @@ def test_make_lab_serves_the_learners_copy_and_make_my_copy_runs_the_module(tmp_
     lab = _lab_command(repo)
     assert f'--ServerApp.root_dir="{repo / "my_work"}"' in lab
     assert "--LabApp.default_url=/lab/tree/notebooks/START_HERE.ipynb" in lab
-    assert lab.index("-m course_lib.course.my_copy --dest \"my_work\"") < lab.index("jupyter lab")  # copy, then serve
+    assert lab.index("-m course_lib.course.my_copy --dest \"my_work\"") < lab.index('/bin/jupyter" lab')  # copy, serve
     other = subprocess.run(["make", "-s", "-n", "lab", "VENV=/nonexistent/venv", "MY_WORK=elsewhere"], cwd=repo,
                            capture_output=True, text=True, timeout=120).stdout
     assert f'--ServerApp.root_dir="{repo / "elsewhere"}"' in other and '--dest "elsewhere"' in other

@@ -1,12 +1,13 @@
 """Repo-wide checks on every notebook: what nbval, a clean clone and a learner's first view rely on.
 
-(a) a cell compared by nbval (``# NBVAL_CHECK_OUTPUT``) prints nothing that floating-point noise can change;
+(a) a cell compared by nbval (tagged ``nbval-check-output``) prints nothing that floating-point noise can change;
 (b) no relative link in a notebook or the README points at a file that does not exist, and every chapter links to
     the chapter before it (START_HERE before 00), the one after it and its exercise notebook;
 (c) no word of the course's internal working notes reaches a learner;
 (d) every notebook names the kernel ``make setup`` installs and stores the ``language_info`` that kernel reports
     (the exercises too: they are generated from the solutions), so it opens unmodified;
-(e) the nbval marker is the last line of its cell, after the code a learner reads;
+(e) no nbval comment marker (``# NBVAL_CHECK_OUTPUT`` ...) in the code a learner reads: cell tags instead
+    (``course_lib.grading.nbval_tags`` converts them), and the generated exercises keep their solutions' tags;
 (f) no stored output is a stderr stream: a warning a learner would read on opening the notebook (and on the
     course site) is fixed where it comes from, not committed.
 
@@ -27,10 +28,13 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.grading import nbval_tags
+from course_lib.grading.notebooks import exercise_name
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (REPO / d).glob("*.ipynb"))
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (LLM scaling course)", "language": "python"}
-MARKER = "# NBVAL_CHECK_OUTPUT"
+COMPARED = "nbval-check-output"
 DEFAULT_TOLERANCE = 1e-5
 CHAPTERS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 JARGON = re.compile(r"\bseeds?\s+0\d\d\b|\bthe seeds\b|\bboth seeds\b|\banchors\b|\banchor implementations?\b|"
@@ -100,7 +104,8 @@ def stderr_outputs(nb: dict) -> list[str]:
 
 
 def _compared_cells(nb: dict) -> list[tuple[int, dict]]:
-    return [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and MARKER in _source(c)]
+    return [(i, c) for i, c in enumerate(nb["cells"])
+            if c["cell_type"] == "code" and COMPARED in c.get("metadata", {}).get("tags", [])]
 
 
 def _rel(path: Path) -> str:
@@ -191,9 +196,37 @@ def test_compared_cells_print_no_float_noise(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
-def test_marker_is_the_last_line(path):
-    late = [i for i, c in _compared_cells(_load(path)) if _source(c).rstrip().splitlines()[-1].strip() != MARKER]
-    assert not late, f"{_rel(path)}: put {MARKER} on the last line of cells {late}"
+def test_no_nbval_comment_in_the_code_a_learner_reads(path):
+    found = nbval_tags.marker_lines(_load(path))
+    assert not found, f"{_rel(path)}: nbval markers as comments {found}: python -m course_lib.grading.nbval_tags"
+
+
+def test_the_chapters_compare_cells_by_tag():
+    """The conversion kept what nbval compares: every chapter has cells tagged for comparison."""
+    assert all(_compared_cells(_load(p)) for p in CHAPTERS)
+
+
+def test_marker_conversion_moves_the_comment_into_tags():
+    cell = {"cell_type": "code", "metadata": {}, "source": ["print(1)\n", "# NBVAL_CHECK_OUTPUT\n", "\n"]}
+    assert nbval_tags.convert_cell(cell) and cell["source"] == ["print(1)"]
+    assert cell["metadata"]["tags"] == [COMPARED]
+    assert not nbval_tags.convert_cell(cell) and cell["metadata"]["tags"] == [COMPARED]  # re-runnable
+    raising = {"cell_type": "code", "metadata": {"tags": ["x"]}, "source": "# NBVAL_RAISES_EXCEPTION\n1 / 0"}
+    assert nbval_tags.convert_cell(raising) and raising["source"] == ["1 / 0"]
+    assert raising["metadata"]["tags"] == ["x", "nbval-raises-exception", "raises-exception"]
+    with pytest.raises(ValueError, match="NBVAL_CHECK_OUTPTU"):
+        nbval_tags.convert_cell({"cell_type": "code", "metadata": {}, "source": "# NBVAL_CHECK_OUTPTU"})
+
+
+def test_generated_exercises_keep_their_solutions_tags():
+    import nbformat
+
+    from course_lib.grading.notebooks import make_exercise
+
+    solution = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\nprint(f)",
+        metadata={"tags": [COMPARED], "collapsed": True})])
+    assert make_exercise(solution).cells[0].metadata == {"tags": [COMPARED]}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
@@ -243,13 +276,27 @@ def test_no_internal_jargon(path):
 @pytest.mark.parametrize("path", CHAPTERS, ids=_rel)
 def test_every_chapter_links_its_neighbours_and_its_exercises(path):
     i = CHAPTERS.index(path)
-    wanted = [CHAPTERS[i - 1].name if i else "START_HERE.ipynb", f"../exercises/{path.name}"]
+    wanted = [CHAPTERS[i - 1].name if i else "START_HERE.ipynb", f"../exercises/{exercise_name(path.name)}"]
     if i + 1 < len(CHAPTERS):
         wanted.append(CHAPTERS[i + 1].name)
     text = "\n".join(_source(c) for c in _load(path)["cells"] if c["cell_type"] == "markdown")
     targets = {t.split("#", 1)[0] for t in relative_links(text)}
     missing = [w for w in wanted if w not in targets]
     assert not missing, f"{_rel(path)}: link to {missing} (previous chapter, next chapter, exercises)"
+
+
+TRANSLATION = re.compile(r"\b(gebruikt|standaard|gedrag|het|een|niet|wordt|zijn|voor|utilise|utilisent|avec|dans|"
+                         r"pour|une|sont|est)\b", re.IGNORECASE)
+"""Dutch and French words no English sentence uses: the source articles were read in those translations."""
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_the_articles_are_quoted_in_english(path):
+    """A claim of the articles is given in English with its source, never in the translation it was read in
+    (chapter 03 once quoted "PyTorch FSDP gebruikt standaard gedrag van Stage 3")."""
+    found = [f"cell {i}: {line.strip()[:100]}" for i, c in enumerate(_load(path)["cells"])
+             if c["cell_type"] == "markdown" for line in _source(c).splitlines() if TRANSLATION.search(line)]
+    assert not found, f"{_rel(path)}: say it in English, with the source: {found}"
 
 
 MACHINE_PATH = re.compile(r"/(?:work|root|home|Users|tmp)/[\w.-]+")

@@ -4,9 +4,12 @@ What the learner's copy does (`course_lib/course/my_copy.py`) is tested in test_
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import nbformat
 import pytest
 
 from course_lib.grading import notebooks
+from tests.conftest import venv_of_this_environment
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
@@ -70,6 +74,76 @@ def test_setup_shows_its_steps_and_leaves_torch_to_pip_where_it_finds_the_cpu_bu
     assert "--quiet" not in install  # pip's progress is shown: the big install takes minutes
 
 
+def test_setup_silences_setuptools_editable_install_box_and_nothing_else(tmp_path):
+    """pip shows setuptools' "Editable installation" box (an InformationOnly warning, nothing to act on) on every
+    set-up: the install runs with a warning filter for that message only, which the test applies to setuptools'
+    own warning."""
+    install = next(line for line in _dry_setup(tmp_path, "PIP_TORCH=2.13.0+cpu") if "-e .[test]" in line)
+    (quiet,) = re.findall(r'PYTHONWARNINGS="?(.+?)"? \S+/bin/python -m pip install -e', install)  # echo drops ""
+    emit = ("from setuptools.warnings import InformationOnly as W\n"
+            "W.emit('Editable installation.', 'Please be careful with folders')\nW.emit('Something else.', 'x')")
+    for env, shown in (({"PYTHONWARNINGS": quiet}, False), ({}, True)):
+        err = subprocess.run([sys.executable, "-c", emit], env={**os.environ, **env}, capture_output=True,
+                             text=True, check=True).stderr
+        assert ("Editable installation" in err) is shown and "Something else" in err, err
+
+
+def test_lab_opens_a_browser_only_where_python_finds_one():
+    """Without one (a server, a container), JupyterLab's open_browser=True only prints "No web browser found"."""
+    def open_browser(**env: str) -> str:
+        out = subprocess.run([shutil.which("make"), "-s", "-n", "lab", "PIP_TORCH=2.13.0+cpu"], cwd=REPO,
+                             env={"PATH": "/nonexistent", "HOME": os.environ.get("HOME", "/"), **env},
+                             capture_output=True, text=True, timeout=120).stdout
+        return re.search(r"--ServerApp.open_browser=(\w+)", out).group(1)
+
+    assert open_browser() == "False"  # no DISPLAY, no console browser on this PATH
+    assert open_browser(BROWSER="firefox") == "True"
+
+
+def _kernel_log(python: Path, monkeypatch) -> str:
+    """What a kernel of ``python``'s environment writes on stderr from its start to its shutdown (one line of our
+    own logged too)."""
+    from jupyter_client import KernelManager
+
+    specs = python.parents[1] / "share" / "jupyter"
+    (specs / "kernels" / "python3").mkdir(parents=True)
+    (specs / "kernels" / "python3" / "kernel.json").write_text(json.dumps(
+        {"argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"], "language": "python",
+         "display_name": "test"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(specs))
+    err = python.parents[1] / "kernel.err"
+    km = KernelManager(kernel_name="python3")
+    with err.open("wb") as f:
+        km.start_kernel(stderr=f, stdout=subprocess.DEVNULL)
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=120)
+        kc.execute_interactive("import logging; logging.getLogger('IPKernelApp').warning('another notice')",
+                               timeout=60)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    return err.read_text()
+
+
+def test_the_kernels_tcp_notice_is_silenced_and_nothing_else(tmp_path, monkeypatch):
+    """ipykernel's "running over TCP without encryption" (five lines per kernel in make lab's terminal) is dropped
+    by the logging filter `make setup` installs into the environment (course_lib.course.kernel_log); another warning of
+    the kernel still shows, and an environment without it still shows the notice."""
+    from course_lib.course import kernel_log
+
+    assert "-m course_lib.course.kernel_log" in "\n".join(_dry_setup(tmp_path, "PIP_TORCH=2.13.0+cpu"))
+    quiet, plain = (venv_of_this_environment(tmp_path / name) for name in ("quiet", "plain"))
+    installed = kernel_log.install(str(quiet.parents[1]))
+    assert json.loads(installed.read_text()) == kernel_log.CONFIG
+    for python, shown in ((quiet, False), (plain, True)):
+        log = _kernel_log(python, monkeypatch)
+        assert (kernel_log.UNENCRYPTED in log) is shown and "another notice" in log, log
+    installed.write_text(json.dumps({"IPKernelApp": {"log_level": "INFO"}}))  # another setting is kept
+    assert json.loads(kernel_log.install(str(quiet.parents[1])).read_text())["IPKernelApp"]["log_level"] == "INFO"
+
+
 def _lab_command(*args: str) -> str:
     return _make("-n", "lab", "VENV=/nonexistent/venv", "PIP_TORCH=2.13.0+cpu", *args).stdout
 
@@ -82,6 +156,7 @@ def test_lab_serves_the_learners_copy_and_opens_the_start_page_on_localhost_with
     assert "token" not in lab.replace("token-protected", "")  # the token is jupyter's own, never disabled
     assert ("--allow-root" in lab) == (os.getuid() == 0)
     assert "--no-browser" in _lab_command("LAB_ARGS=--no-browser")
+    assert "--LanguageServerManager.autodetect=False" in lab  # it only listed the servers it did not find
 
 
 def test_my_copy_runs_the_copy_module_into_my_work_which_git_ignores():
@@ -95,9 +170,9 @@ def test_my_copy_runs_the_copy_module_into_my_work_which_git_ignores():
 def one_chapter(tmp_path):
     solutions, exercises = tmp_path / "solutions", tmp_path / "exercises"
     solutions.mkdir()
-    shutil.copy(REPO / "solutions" / "00_budgets.ipynb", solutions)
-    assert notebooks.sync(solutions, exercises) == [exercises / "00_budgets.ipynb"]
-    return solutions, exercises / "00_budgets.ipynb"
+    shutil.copy(REPO / "solutions" / "00_budgets_exercises.ipynb", solutions)
+    assert notebooks.sync(solutions, exercises) == [exercises / "00_budgets_exercises.ipynb"]
+    return solutions, exercises / "00_budgets_exercises.ipynb"
 
 
 def _edit(path: Path, change) -> None:

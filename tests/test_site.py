@@ -111,13 +111,13 @@ def test_widgets_are_drawn_from_their_saved_state_and_no_solution_is_published(b
         html = (built / page.href).read_text()
         assert html.count('<div class="course-widget">') == sum(m in state for m in views), page.href
         assert "widget-view+json" not in html and "widget-state+json" not in html
-    solution = nbformat.read(REPO / "solutions" / "00_budgets.ipynb", as_version=4)
+    solution = nbformat.read(REPO / "solutions" / "00_budgets_exercises.ipynb", as_version=4)
     answer = next(line.strip() for c in solution.cells for line in c.source.splitlines()
                   if line.strip().startswith("return 2 * n_layer"))
     for path in _pages(built):
         text = path.read_text()
         assert "BEGIN SOLUTION" not in text, path
-    assert answer not in (built / "exercises" / "00_budgets.html").read_text()
+    assert answer not in (built / "exercises" / "00_budgets_exercises.html").read_text()
 
 
 def test_a_widget_is_drawn_with_its_figure_and_control_values():
@@ -140,6 +140,20 @@ def test_a_widget_is_drawn_with_its_figure_and_control_values():
     assert "stages p: <b>4</b>" in out and "schedule: <b>1F1B</b>" in out
     assert "does not react here" in out
     assert "widgets" not in nb.metadata
+
+
+def test_a_widgets_keyboard_hint_is_left_out_of_the_site(built):
+    """The hint says how to use a live dropdown; on the site nothing reacts, so it would only mislead."""
+    from course_lib.viz.panel import INTERACTIVE_ONLY, KEYBOARD_HINT
+
+    drawn = [p for p in site.pages()[0] if '<div class="course-widget">' in (built / p.href).read_text()]
+    assert drawn and not [p.href for p in drawn if KEYBOARD_HINT[:40] in (built / p.href).read_text()]
+    state = {"box": {"model_name": "VBoxModel", "state": {"children": ["IPY_MODEL_t", "IPY_MODEL_h"]}},
+             "t": {"model_name": "HTMLModel", "state": {"value": "<pre>a  | b</pre>"}},
+             "h": {"model_name": "LabelModel", "state": {"value": KEYBOARD_HINT,
+                                                         "_dom_classes": [INTERACTIVE_ONLY]}}}
+    html = site._widget_html("box", state)
+    assert "<pre>a  | b</pre>" in html and KEYBOARD_HINT not in html
 
 
 def test_a_link_to_a_chapter_not_in_the_build_becomes_text(tmp_path):

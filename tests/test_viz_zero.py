@@ -93,6 +93,25 @@ def test_plot_bars_are_the_breakdown_and_curves_the_factors():
     assert "(MB)" in fp32.axes[0].get_ylabel()  # a small model in MB, without a GPU line
 
 
+@pytest.mark.parametrize("model, n_d, stage", [("llama2-70b", 64, 1), ("llama2-7b", 8, 3), ("llama2-70b", 8, 3),
+                                             ("llama2-7b", 1, 0), ("llama3-70b", 4096, 3), ("mixtral-8x7b", 16, 2)])
+def test_the_gpu_line_label_never_overprints_the_zero3_bar_value(model, n_d, stage):
+    """The GPU capacity's label printed over ZeRO-3's bar value (chapter 03's widget at llama2-70b, N_d = 64, in the
+    lab and on the site). Their boxes, as drawn, must not meet; nor the label the right panel or the figure's edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    psi = param_count(PRESETS[model])
+    fig = vz.plot_zero_memory(psi, n_d, stage=stage, gpu="H100 80GB")
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    ax, ax2 = fig.axes
+    (gpu,) = [t for t in ax.texts if t.get_text().startswith("H100 80GB")]
+    (zero3,) = [t for t in ax.texts if getattr(t, "xy", (None,))[0] == 3]
+    label = gpu.get_window_extent(renderer)
+    assert not label.overlaps(zero3.get_window_extent(renderer)), (label, zero3.get_text())
+    assert not label.overlaps(ax2.get_tightbbox(renderer)) and fig.bbox.contains(label.x1, label.y1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The widget
 

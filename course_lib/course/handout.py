@@ -116,8 +116,8 @@ def learner_readme(folder: Path) -> str:
         cells = nbformat.read(nb, as_version=4).cells
         title = next(c.source for c in cells if c.cell_type == "markdown").splitlines()[0].lstrip("# ")
         line = f"- [{title}](notebooks/{nb.name})"
-        if (folder / "exercises" / nb.name).exists():
-            line += f" · [exercises](exercises/{nb.name})"
+        if (folder / "exercises" / notebooks.exercise_name(nb.name)).exists():
+            line += f" · [exercises](exercises/{notebooks.exercise_name(nb.name)})"
         lines.append(line)
     return (TEMPLATES / "README.md").read_text().replace("{chapters}", "\n".join(lines))
 

@@ -21,8 +21,13 @@ For each notebook of ``notebooks/`` and ``exercises/`` (its *course version*) an
   was copied, every run says so and names the course version to compare with. (A copy without a record, made by
   hand, counts as a copy of the course version of the day.)
 
-A notebook of the earlier layout (``my_work/NN_name.ipynb``, a copy of an exercise) is moved to
-``my_work/exercises/``, where its links work, unless a file is already there.
+A notebook of an earlier layout is moved where the course's own is, unless a file is already there: a copy of an
+exercise at ``my_work/NN_name.ipynb`` into ``my_work/exercises/``, where its links work, and an exercise under the
+chapter's own name (``exercises/03_zero_fsdp.ipynb``) to the exercise's name (``03_zero_fsdp_exercises.ipynb``).
+
+It also writes ``my_work/Makefile``: JupyterLab's terminal starts in ``my_work/`` (``make lab`` starts the server
+there), and ``make grade NB=exercises/01_collectives_exercises.ipynb`` typed there grades the learner's copy
+through the course's own Makefile.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_lib.grading.notebooks import fingerprint
+from course_lib.grading.notebooks import exercise_name, fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ("notebooks", "exercises")
@@ -77,23 +82,48 @@ def _read_record(path: Path) -> dict[str, str]:
     return record if isinstance(record, dict) else {}
 
 
-def _move_flat_layout(dest: Path, repo: Path, report: Report) -> None:
+def _course_exercise(name: str, repo: Path) -> str | None:
+    """The course's exercise a learner's file of that name is a copy of (its earlier name too), or None."""
+    return next((n for n in (name, exercise_name(name)) if (repo / "exercises" / n).exists()), None)
+
+
+def _move_earlier_layouts(dest: Path, repo: Path, report: Report, record: dict[str, str]) -> None:
     exercises = dest / "exercises"
-    for old in sorted(dest.glob("*.ipynb")):
-        new = exercises / old.name
-        if (repo / "exercises" / old.name).exists() and not new.exists():
+    for old in sorted([*dest.glob("*.ipynb"), *exercises.glob("*.ipynb")]):
+        name = _course_exercise(old.name, repo)
+        new = exercises / name if name else old
+        if new != old and not new.exists():
             exercises.mkdir(parents=True, exist_ok=True)
             old.rename(new)
             report.moved.append(f"{old} -> {new}")
+            was = record.pop(f"exercises/{old.name}", None)
+            if was is not None and old.parent == exercises:
+                record[f"exercises/{new.name}"] = was
+
+
+MAKEFILE = """\
+# Written by `make my-copy` (course_lib/course/my_copy.py): the course's commands from your copy, where JupyterLab's
+# terminal starts. `make grade NB=exercises/01_collectives_exercises.ipynb` grades your copy of that notebook.
+COURSE := {course}
+.PHONY: grade my-copy
+grade:
+\t@nb="$(NB)"; if [ -e "$$nb" ]; then nb="$$(cd "$$(dirname "$$nb")" && pwd)/$$(basename "$$nb")"; fi; \\
+\t$(MAKE) --no-print-directory -C "$(COURSE)" grade NB="$$nb" MY_WORK="$(CURDIR)" GRADE_ARGS="$(GRADE_ARGS)"
+my-copy:
+\t@$(MAKE) --no-print-directory -C "$(COURSE)" my-copy MY_WORK="$(CURDIR)"
+"""
+"""``NB`` is a path in this folder when it is one here, else the course's (``my_work/exercises/...``, as the
+chapters write it, works from both)."""
 
 
 def sync(dest: Path, repo: Path = REPO) -> Report:
     """Bring the learner's folder ``dest`` up to date with ``repo``'s notebooks, never overwriting an edit."""
     report = Report()
     dest.mkdir(parents=True, exist_ok=True)
-    _move_flat_layout(dest, repo, report)
     record_path = dest / RECORD
     record = _read_record(record_path)
+    _move_earlier_layouts(dest, repo, report, record)
+    (dest / "Makefile").write_text(MAKEFILE.format(course=repo.resolve()))
     for folder in FOLDERS:
         for source in sorted((repo / folder).glob("*.ipynb")):
             rel = f"{folder}/{source.name}"

@@ -12,7 +12,9 @@ dependencies and builds offline.
 * Figures are embedded in the pages as ``data:`` images (no separate files to lose).
 * Widgets need a kernel. On the site each one is drawn as its last saved state (its figure, its text and each
   control's value, read from the widget state the executed notebook stores), so it does not react to clicks: the
-  page says so. Run the notebook in JupyterLab (``make lab``) to use it.
+  page says so, and what only helps a live widget (the keyboard hint, class ``viz.panel.INTERACTIVE_ONLY``) is
+  left out. Text tables keep their monospace columns (``<pre>``, as in JupyterLab). Run the notebook in
+  JupyterLab (``make lab``) to use it.
 * Math is typeset by MathJax 2 in the browser. With ``jupyter-server-mathjax`` installed (a course dependency) its
   copy of MathJax goes into ``mathjax/`` and the site works offline; without it the pages load MathJax from
   nbconvert's CDN address, and offline the formulas show as TeX.
@@ -34,6 +36,8 @@ from typing import Any
 
 import nbformat
 from nbconvert import HTMLExporter
+
+from course_lib.viz.panel import INTERACTIVE_ONLY
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "site_templates"
@@ -82,7 +86,7 @@ def pages(repo: Path = REPO) -> tuple[list[Page], list[Page]]:
 def _widget_html(model_id: str, state: dict[str, Any], depth: int = 0) -> str:
     """One widget model (and its children) as static HTML, from the notebook's saved widget state."""
     model = state.get(model_id)
-    if model is None or depth > 20:
+    if model is None or depth > 20 or INTERACTIVE_ONLY in model["state"].get("_dom_classes", []):
         return ""
     name, s = model["model_name"], model["state"]
     if name in ("VBoxModel", "HBoxModel", "BoxModel", "GridBoxModel"):

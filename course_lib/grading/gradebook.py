@@ -9,7 +9,7 @@
 The folder holds notebooks, one per learner and chapter, under any file name. The learner is, for a notebook
 inside a sub-folder, the sub-folder's name (``alice/whatever.ipynb`` -> ``alice``); else the file's stem without
 its chapter (``alice.ipynb``, ``alice_01.ipynb``, ``ch05-alice.ipynb`` -> ``alice``); a stem that is nothing but a
-chapter (``01_collectives.ipynb``: one learner's own folder of chapters) is the learner named by the folder. The
+chapter (``01_collectives_exercises.ipynb``: one learner's own folder) is the learner named by the folder. The
 chapter is read from the notebook's metadata (``course.chapter``, which every exercise notebook carries), else from
 its content (the cell importing ``course_lib.grading.chNN``), else from a two-digit chapter number in the file
 name (``bob_01.ipynb``, ``ch05-carol.ipynb``).
@@ -31,8 +31,13 @@ Outputs:
   submissions passed out of how many, and the most common failure reasons with their counts.
 * ``gradebook_totals.csv`` and the printed table per learner: each exercise's points, and the learner's total.
 
+Before the first submission, the canary (``course_lib.grading.canary``): each chapter of the class is graded once
+from the course's own solution, through the same sandbox and limits. Unless it scores full marks (a kernel that
+cannot start, a sandbox that hides what the kernel needs, a machine too busy for the time limit), the run stops
+with one line naming the cause and the fix, and writes no gradebook: a grader failure never reads as the class's.
+
 Exit status: 0 when every submission was graded, whatever the scores (a partial score is a grade, not a crash);
-with ``--strict``, 1 unless every submission has full marks.
+with ``--strict``, 1 unless every submission has full marks; 2 for a usage error; 3 when the canary failed.
 
 Trust model (read this before grading work you did not write):
 
@@ -57,6 +62,7 @@ import argparse
 import csv
 import re
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -66,7 +72,8 @@ from pathlib import Path
 
 import nbformat
 
-from course_lib.grading import grader
+from course_lib.grading import canary, grader
+from course_lib.grading.notebooks import chapter_topic
 
 CHAPTER_IN_NAME = re.compile(r"(?<!\d)(\d{2})(?!\d)")
 SUMMARY_REASONS = 3
@@ -92,7 +99,7 @@ def is_chapter(chapter: str) -> bool:
 
 def _topics() -> dict[str, str]:
     """Chapter -> the topic of its exercise notebook's name ("01" -> "collectives")."""
-    return {p.stem[:2]: p.stem[3:] for p in EXERCISES_DIR.glob("[0-9][0-9]_*.ipynb")}
+    return {p.stem[:2]: chapter_topic(p.name) for p in EXERCISES_DIR.glob("[0-9][0-9]_*.ipynb")}
 
 
 def learner_of(path: Path, folder: Path) -> str:
@@ -105,8 +112,8 @@ def learner_of(path: Path, folder: Path) -> str:
     if chapter is None:
         return stem
     topic = re.escape(_topics().get(chapter, ""))
-    rest = re.sub(rf"(?i)(?:ch(?:apter)?[ _-]?)?(?<!\d){chapter}(?!\d)(?:[ _-]*{topic})?" if topic else
-                  rf"(?i)(?:ch(?:apter)?[ _-]?)?(?<!\d){chapter}(?!\d)", "", stem, count=1).strip(" _-.")
+    rest = re.sub(rf"(?i)(?:ch(?:apter)?[ _-]?)?(?<!\d){chapter}(?!\d)(?:[ _-]*{topic})?(?:[ _-]*exercises)?" if topic
+                  else rf"(?i)(?:ch(?:apter)?[ _-]?)?(?<!\d){chapter}(?!\d)", "", stem, count=1).strip(" _-.")
     return rest or folder.resolve().name
 
 
@@ -127,19 +134,35 @@ def _zero_rows(learner: str, chapter: str | None, reason: str) -> list[GradeRow]
             for ex in grader.chapter_module(chapter).EXERCISES]
 
 
+def _read(path: Path) -> nbformat.NotebookNode | Exception:
+    try:
+        return nbformat.read(path, as_version=4)
+    except Exception as exc:  # invalid JSON, not a notebook, unreadable: the learner's problem, not the grader's
+        return exc
+
+
+def _chapter(path: Path, nb: nbformat.NotebookNode | Exception) -> str | None:
+    if isinstance(nb, Exception):
+        return chapter_from_name(path)
+    declared = str(nb.metadata.get("course", {}).get("chapter", ""))
+    return declared if is_chapter(declared) else grader.chapter_from_content(nb) or chapter_from_name(path)
+
+
+def submission_chapter(path: Path) -> str | None:
+    """The chapter a submission is graded as (metadata, content, file name), or None."""
+    return _chapter(path, _read(path))
+
+
 def grade_submission(path: Path, learner: str, time_limit: float = grader.NOTEBOOK_TIMEOUT_S,
                      cell_timeout: float = grader.CELL_TIMEOUT_S, isolated: grader.Isolated | None = None) -> \
         list[GradeRow]:
     """Grade one learner's notebook (its kernel in a sandbox when ``isolated``); never raises for problems in the
     submission."""
-    try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as exc:  # invalid JSON, not a notebook, unreadable: the learner's problem, not the grader's
-        first_line = (str(exc).splitlines() or [""])[0][:200]
-        return _zero_rows(learner, chapter_from_name(path),
-                          f"not a readable notebook ({type(exc).__name__}: {first_line})")
-    declared = str(nb.metadata.get("course", {}).get("chapter", ""))
-    chapter = declared if is_chapter(declared) else grader.chapter_from_content(nb) or chapter_from_name(path)
+    nb = _read(path)
+    chapter = _chapter(path, nb)
+    if isinstance(nb, Exception):
+        first_line = (str(nb).splitlines() or [""])[0][:200]
+        return _zero_rows(learner, chapter, f"not a readable notebook ({type(nb).__name__}: {first_line})")
     if chapter is None:
         return _zero_rows(learner, None, "cannot tell the chapter: no metadata course.chapter, no cell importing "
                                          "course_lib.grading.chNN, no chapter number in the file name (e.g. "
@@ -368,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         if not find_submissions(args.folder):
             parser.error(f"no notebooks under {args.folder}")
         isolated = grader.isolation_for(args.isolation, [args.folder, args.out.resolve().parent], default=True)
+        mine = shard_of(find_submissions(args.folder), shard)
+        stop = canary.check(filter(None, map(submission_chapter, mine)), args.time_limit, args.cell_timeout,
+                            isolated, args.jobs)
+        if stop:
+            print(f"error: {stop}", file=sys.stderr)
+            return canary.EXIT_STATUS
         rows = grade_class(args.folder, args.time_limit, args.cell_timeout, jobs=args.jobs, shard=shard,
                            isolated=isolated)
     write_all(rows, args.out)

@@ -1,16 +1,22 @@
 """The grader: run a learner's notebook with papermill, then the chapter's hidden checks, and score it.
 
-    python -m course_lib.grading exercises/01_collectives.ipynb          # one notebook
+    python -m course_lib.grading exercises/01_collectives_exercises.ipynb          # one notebook
     python -m course_lib.grading submissions/ --out report.json           # a class's folder
     python -m course_lib.grading submissions/ --strict                    # exit 1 unless every mark is earned
     python -m course_lib.grading submissions/ --jobs 2                    # two notebooks at a time
 
+The course's own blank exercise (``exercises/NN_..._exercises.ipynb``) named while the learner has a copy in
+``my_work/exercises/`` grades that copy, and says so in one line (``--as-named`` grades the course's copy, and says
+so when the learner's copy was edited): JupyterLab serves ``my_work/``, where the answers are.
+
 Exit status: 0 once the notebooks are graded, whatever they scored (the score is printed and written with
 ``--out``); with ``--strict``, 1 unless every notebook has full marks (for CI); 2 for a usage error, when no
 notebook was found, or for a path that does not exist, is not a notebook, or is a notebook whose chapter cannot be
-told (one line on stderr says which). The chapter is ``metadata.course.chapter``, else the chapter whose checks a
-cell imports, else the file name's leading ``NN_``. An answer that uses the library's own implementation of its
-exercise scores 0 for it (``course_lib.grading.off_limits``).
+told (one line on stderr says which); 3 when a folder (a class) was given and the canary failed: the course's own
+solution, graded first through the same sandbox, did not score full marks (``course_lib.grading.canary``).
+The chapter is ``metadata.course.chapter``, else the chapter whose checks a cell imports, else the file name's
+leading ``NN_``. An answer that uses the library's own implementation of its exercise scores 0 for it
+(``course_lib.grading.off_limits``).
 
 How a notebook is graded:
 
@@ -20,8 +26,11 @@ How a notebook is graded:
 2. papermill executes the copy in a child process, with the chapter's parameters injected (another seed, other
    sizes: a hard-coded answer does not pass), a time limit per cell (the kernel is interrupted and execution goes
    on) and one for the whole notebook (the child, its kernel and any ranks it started are killed).
-3. Each exercise scores its points only if its visible check *and* all hidden checks pass. A missing result (the
-   kernel died, the notebook timed out) scores 0 with the reason.
+3. Each exercise scores its points only if its visible check *and* all hidden checks pass. A missing result scores 0
+   with the reason, which tells the grader's failures from the notebook's: the kernel never started (an
+   installation or sandbox problem, not the learner's), the kernel died while running cell N, the notebook timed
+   out. A notebook whose every exercise has its result is never reported dead (the kernel's own shutdown after the
+   last cell is not a death).
 
 Untrusted submissions: ``--isolation`` (the default for a folder) runs each kernel in its own Linux namespaces
 (``course_lib.grading.isolation``: no network, the files read-only, the other submissions, the output and the
@@ -62,6 +71,7 @@ import psutil
 
 from course_lib.grading import isolation
 from course_lib.grading.core import CheckResult, Exercise, time_limit
+from course_lib.grading.notebooks import fingerprint
 from course_lib.runtime._parent_death import arm_parent_death_signal
 
 CELL_TIMEOUT_S = 120
@@ -69,6 +79,12 @@ NOTEBOOK_TIMEOUT_S = 600
 CHECK_TIMEOUT_S = 60
 KEY_SLOT = "__GRADER_KEY__"
 """In the grading cell as written to disk; the papermill child puts the run's key there as the cell starts."""
+STARTED = "course-grader: the kernel started"
+RUNNING = "course-grader: running cell"
+"""The papermill child's progress lines (its output comes back to the grader): what tells "never started" from
+"died while running cell N"."""
+NEVER_STARTED, DIED, TIMED_OUT, NOT_EXECUTED, FORGED = "never started", "died", "timed out", "not executed", "forged"
+"""``NotebookReport.failure``: why results are missing (empty when the grading cell wrote them all)."""
 
 
 @dataclass
@@ -88,6 +104,7 @@ class NotebookReport:
     scores: list[ExerciseScore] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    failure: str = ""
 
     @property
     def points(self) -> int:
@@ -228,8 +245,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _execute(src: Path, dst: Path, parameters: dict[str, Any], cwd: Path, timeout: float, cell_timeout: float,
-             key: str, sandbox: isolation.Sandbox | None) -> str | None:
-    """Run papermill on ``src`` in a child process (the key on its stdin); return a problem description or None."""
+             key: str, sandbox: isolation.Sandbox | None) -> tuple[str, str] | None:
+    """Run papermill on ``src`` in a child process (the key on its stdin); return (failure kind, the problem in
+    words) or None."""
     cmd = [sys.executable, "-m", "course_lib.grading.grader", "--execute", str(src), str(dst), json.dumps(parameters),
            str(cell_timeout), json.dumps(sandbox and asdict(sandbox))]
     env = {**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_RUNTIME_DIR": str(cwd)}
@@ -240,13 +258,23 @@ def _execute(src: Path, dst: Path, parameters: dict[str, Any], cwd: Path, timeou
         out, _ = proc.communicate(key + "\n", timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
-        return f"the notebook did not finish within {timeout:g} s and was stopped"
-    sandbox_says = [line.split(isolation.MARK, 1)[1].strip() for line in out.splitlines() if isolation.MARK in line]
-    if proc.returncode != 0:
-        if "DeadKernelError" in out or "Kernel died" in out:
-            return "the kernel died while running the notebook" + "".join(f" ({s})" for s in sandbox_says[-1:])
-        return "the notebook could not be executed: " + (out.strip().splitlines() or ["(no output)"])[-1][:300]
-    return None
+        return TIMED_OUT, f"the notebook did not finish within {timeout:g} s and was stopped"
+    return None if proc.returncode == 0 else _why(out)
+
+
+def _why(out: str) -> tuple[str, str]:
+    """What a failed papermill child's output says: the kernel never started, died in a cell, or something else."""
+    lines = out.strip().splitlines() or ["(no output)"]
+    sandbox_says = [line.split(isolation.MARK, 1)[1].strip() for line in lines if isolation.MARK in line]
+    if STARTED not in out:
+        errors = [line for line in lines if re.match(r"^\w*(Error|Exception)\b", line)]
+        detail = (sandbox_says or errors or lines)[-1][:300]
+        return NEVER_STARTED, f"the kernel never started ({detail}): the grader's set-up, not the notebook"
+    if "DeadKernelError" in out or "Kernel died" in out:
+        cell = [line.removeprefix(RUNNING).strip() for line in lines if line.startswith(RUNNING)]
+        where = f" cell {cell[-1]}" if cell else " the notebook"
+        return DIED, f"the kernel died while running{where}" + "".join(f" ({s})" for s in sandbox_says[-1:])
+    return NOT_EXECUTED, "the notebook could not be executed: " + lines[-1][:300]
 
 
 def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S,
@@ -264,17 +292,22 @@ def grade_notebook(path: Path, timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout
         nbformat.write(_prepare(nb, chapter, results_path), src)
         key = secrets.token_hex(32)
         sandbox = isolated and isolation.Sandbox(str(work), [str(h) for h in isolated.hidden], isolated.memory_bytes,
-                                                 isolated.processes)
+                                                 isolated.processes, [str(k) for k in isolated.keep])
         try:
-            problem = _execute(src, dst, getattr(module, "GRADER_PARAMETERS", {}), work, timeout, cell_timeout, key,
-                               sandbox)
+            failed = _execute(src, dst, getattr(module, "GRADER_PARAMETERS", {}), work, timeout, cell_timeout, key,
+                              sandbox)
         finally:
             if sandbox:
                 isolation.remove_cgroup(sandbox.cgroup)
         results, forged = read_results(results_path, key)
-        problem = forged or problem
-        if problem:
-            report.problems.append(problem)
+        if forged:
+            failed = FORGED, forged
+        elif failed and all(ex.key in results for ex in module.EXERCISES):
+            failed = None  # every exercise has its result: whatever happened after, nothing was lost
+        problem = failed[1] if failed else None
+        if failed:
+            report.failure = failed[0]
+            report.problems.append(failed[1])
         for ex in module.EXERCISES:
             res = results.get(ex.key)
             if res is None:
@@ -306,17 +339,47 @@ class UsageError(ValueError):
 
 
 REPO = Path(__file__).resolve().parents[2]
+MY_WORK = REPO / "my_work"
+
+
+def _cells_changed(nb: nbformat.NotebookNode) -> bool:
+    return nb.metadata.get("course", {}).get("generated") != fingerprint(nb)
+
+
+def learners_copy(path: Path, my_work: Path = MY_WORK, as_named: bool = False) -> tuple[Path, str | None]:
+    """The notebook to grade for ``path``, and the line that says which when it matters: the learner's copy in
+    ``my_work/exercises/`` when ``path`` is the course's untouched exercise of the same name (unless
+    ``as_named``)."""
+    try:
+        name = path.resolve().relative_to((REPO / "exercises").resolve())
+    except ValueError:
+        return path, None
+    mine = my_work / "exercises" / name
+    if not (mine.is_file() and path.is_file()) or _cells_changed(nbformat.read(path, as_version=4)):
+        return path, None  # no copy, or the course's copy is where this learner works
+    if not as_named:
+        return mine, f"grading your copy {mine}: {path} is the course's untouched copy (--as-named grades it)"
+    try:
+        edited = fingerprint(nbformat.read(mine, as_version=4)) != fingerprint(nbformat.read(path, as_version=4))
+    except Exception:  # an unreadable copy: whatever it holds, it is not the course's
+        edited = True
+    return path, (f"grading {path}, the course's untouched copy, as named: your edited copy {mine} is not graded"
+                  if edited else None)
+
+
 TEACHER_ONLY = [REPO / "solutions", REPO / "tests"]
 """Hidden from every isolated kernel: the answer keys and the tests' fixtures."""
 
 
 @dataclass(frozen=True)
 class Isolated:
-    """How to isolate the kernels of one run: what they must not see (besides ``TEACHER_ONLY``) and the limits."""
+    """How to isolate the kernels of one run: what they must not see (besides ``TEACHER_ONLY``), the limits, and
+    what they must see wherever it lies (the course, Python, its packages: ``isolation.kept_paths``)."""
 
     hidden: tuple[Path, ...] = ()
     memory_bytes: int = 8 << 30
     processes: int = 256
+    keep: tuple[Path, ...] = ()
 
 
 def isolation_for(wanted: bool | None, hidden: list[Path], default: bool) -> Isolated | None:
@@ -332,23 +395,30 @@ def isolation_for(wanted: bool | None, hidden: list[Path], default: bool) -> Iso
         return None
     needed = [REPO, Path(sys.prefix).resolve()]  # a folder holding the course or Python cannot be hidden
     return Isolated(tuple(dict.fromkeys(p.resolve() for p in [*TEACHER_ONLY, *hidden]
-                                        if not any(n == p.resolve() or p.resolve() in n.parents for n in needed))))
+                                        if not any(n == p.resolve() or p.resolve() in n.parents for n in needed))),
+                    keep=tuple(map(Path, isolation.kept_paths())))
+
+
+def chapters_of(paths: list[Path]) -> dict[Path, str]:
+    """Each notebook of ``paths`` and its chapter; ``UsageError`` for one that cannot be read or told."""
+    found = {}
+    for nb in find_notebooks(paths):
+        try:
+            content = nbformat.read(nb, as_version=4)
+        except Exception as err:  # not JSON, not a notebook
+            raise UsageError(f"{nb}: not a readable notebook ({type(err).__name__})") from None
+        try:
+            found[nb] = notebook_chapter(nb, content)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    return found
 
 
 def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: float = CELL_TIMEOUT_S,
           progress: bool = True, jobs: int = 1, isolated: Isolated | None = None) -> list[NotebookReport]:
     """Grade the notebooks of ``paths``, ``jobs`` at a time (each in its own papermill process); reports in the
     notebooks' order. A notebook whose chapter cannot be told raises ``UsageError`` before anything runs."""
-    notebooks = find_notebooks(paths)
-    for nb in notebooks:
-        try:
-            content = nbformat.read(nb, as_version=4)
-        except Exception as err:  # not JSON, not a notebook
-            raise UsageError(f"{nb}: not a readable notebook ({type(err).__name__})") from None
-        try:
-            notebook_chapter(nb, content)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
+    notebooks = list(chapters_of(paths))
 
     def one(i_nb: tuple[int, Path]) -> NotebookReport:
         i, nb = i_nb
@@ -383,16 +453,35 @@ def _kernel_manager(sandbox: isolation.Sandbox | None) -> type:
     return GradedKernelManager
 
 
-def _end_with_the_kernel(cells: list[int]) -> None:
-    """nbclient may wait for a dead kernel's reply until the cell's time limit: while the notebook runs (``cells``
-    ends with 0 once it is done), end as soon as the kernel's process has exited."""
-    me, dead = psutil.Process(), False
-    while cells[-1:] != [0]:
+@dataclass
+class KernelWatch:
+    """Which cell the kernel is running (None between cells and after the last one), for the papermill child.
+
+    nbclient may wait for a dead kernel's reply until the cell's time limit, so a thread ends the child as soon as
+    the kernel's process has exited -- but only while a cell runs. After the last cell the kernel is shut down on
+    purpose and is a zombie until it is reaped (jupyter_client polls every 0.1 s); papermill's synchronous
+    ``setup_kernel`` calls no ``on_notebook_complete`` hook, so "after the last cell" must come from the cells."""
+
+    cells: int = 0
+    running: int | None = None
+
+    def died(self, zombie_child: bool) -> str | None:
+        """The line that ends the child when a zombie child means the kernel died in a cell, else None."""
+        if zombie_child and self.running is not None:
+            return f"DeadKernelError: Kernel died while running cell {self.running + 1} of {self.cells}"
+        return None
+
+
+def _end_with_the_kernel(watch: KernelWatch) -> None:
+    me = psutil.Process()
+    while True:
         time.sleep(0.5)
+        zombie = False
         with contextlib.suppress(psutil.Error):
-            dead = any(p.status() == psutil.STATUS_ZOMBIE for p in me.children())
-        if cells and cells[-1] and dead:
-            print("DeadKernelError: Kernel died", flush=True)
+            zombie = any(p.status() == psutil.STATUS_ZOMBIE for p in me.children())
+        line = watch.died(zombie)
+        if line:
+            print(line, flush=True)
             os._exit(3)
 
 
@@ -403,25 +492,28 @@ def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str
 
     limit = int(float(cell_timeout))
     sandbox = json.loads(sandbox_json)
-    cells: list[int] = []
+    watch = KernelWatch()
 
-    def count_cells(notebook: nbformat.NotebookNode) -> None:  # as executed: with papermill's parameters cell
-        cells.append(len(notebook.cells))
+    def started(notebook: nbformat.NotebookNode) -> None:  # the kernel answered; cells as executed (+ parameters)
+        watch.cells = len(notebook.cells)
+        print(STARTED, flush=True)
 
-    def done(notebook: nbformat.NotebookNode) -> None:
-        cells.append(0)
-
-    def give_key(cell: nbformat.NotebookNode, cell_index: int) -> None:
-        if cell_index == cells[-1] - 1:  # the grading cell, only now: once every cell of the notebook has run
+    def cell_starts(cell: nbformat.NotebookNode, cell_index: int) -> None:
+        if cell_index == watch.cells - 1:  # the grading cell, only now: once every cell of the notebook has run
             cell.source = cell.source.replace(KEY_SLOT, repr(key))
+        print(f"{RUNNING} {cell_index + 1} of {watch.cells}", flush=True)
+        watch.running = cell_index
 
-    threading.Thread(target=_end_with_the_kernel, args=(cells,), daemon=True).start()
+    def cell_done(cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict) -> None:
+        watch.running = None
+
+    threading.Thread(target=_end_with_the_kernel, args=(watch,), daemon=True).start()
     papermill.execute_notebook(
         src, dst, parameters=json.loads(parameters_json), kernel_name="python3", progress_bar=False,
         execution_timeout=limit, interrupt_on_timeout=True, raise_on_iopub_timeout=False,
         error_on_timeout={"ename": "CellTimeout", "evalue": f"cell exceeded {limit} s", "traceback": []},
         kernel_manager_class=_kernel_manager(sandbox and isolation.Sandbox(**sandbox)),
-        on_notebook_start=count_cells, on_cell_execute=give_key, on_notebook_complete=done,
+        on_notebook_start=started, on_cell_execute=cell_starts, on_cell_executed=cell_done,
     )
 
 
@@ -442,11 +534,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
     parser.add_argument("--strict", action="store_true", help="exit 1 unless every notebook scores full marks")
     parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
+    parser.add_argument("--my-work", type=Path, default=MY_WORK,
+                        help="the learner's copy of the course (default my_work/ in the course)")
+    parser.add_argument("--as-named", action="store_true",
+                        help="grade the course's own exercise even where the learner has a copy in --my-work")
     add_isolation_flags(parser, "default: on when a folder is given")
     args = parser.parse_args(argv)
+    for i, path in enumerate(args.paths):
+        args.paths[i], note = learners_copy(path, args.my_work, args.as_named)
+        if note:
+            print(note, flush=True)
     try:
         folders = [p for p in args.paths if p.is_dir()]
         isolated = isolation_for(args.isolation, [*folders, *([args.out.parent] if args.out else [])], bool(folders))
+        if folders:
+            from course_lib.grading import canary
+
+            stop = canary.check(chapters_of(args.paths).values(), args.timeout, args.cell_timeout, isolated,
+                                args.jobs)
+            if stop:
+                print(f"error: {stop}", file=sys.stderr)
+                return canary.EXIT_STATUS
         reports = grade(args.paths, args.timeout, args.cell_timeout, jobs=args.jobs, isolated=isolated)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)

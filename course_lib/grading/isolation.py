@@ -16,7 +16,9 @@ milliseconds and imports nothing a submission could have touched):
 3. ``--init`` is process 1 of the new PID namespace. It brings up ``lo`` only (the ranks talk over loopback; no other
    interface exists, so nothing outside the machine or on it can be reached over the network), makes every mount
    read-only (the course, the Python environment, the system), mounts fresh private ``tmpfs`` on ``/tmp`` and
-   ``/dev/shm``, binds the submission's own temporary folder back writable, and mounts an empty read-only ``tmpfs``
+   ``/dev/shm``, binds back read-only what the kernel needs that lay under them (``Sandbox.keep``: the course, its
+   interpreter and its packages, by their real location, and the symbolic links on the way: a course in the temp
+   folder), binds the submission's own temporary folder back writable, and mounts an empty read-only ``tmpfs``
    over each hidden folder (the other submissions, the output folder, ``solutions/``, ``tests/``). Then it starts
    the kernel with ``RLIMIT_AS`` (memory, per process), ``RLIMIT_NPROC`` and no core dumps, and watches: more than
    ``processes`` processes in the namespace (a fork bomb: ``RLIMIT_NPROC`` does not hold root back), or a fork
@@ -42,7 +44,9 @@ import re
 import resource
 import shutil
 import signal
+import site
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -53,7 +57,11 @@ from functools import lru_cache
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve()
+COURSE = SCRIPT.parents[2]
 MARK = "course-sandbox:"
+NO_START = "the kernel could not start:"
+"""Process 1's line when the kernel's command cannot be executed (the grader reports "never started")."""
+PRIVATE = ("/tmp", "/dev/shm")
 """Process 1's lines on stderr start with this: the grader reads the reason a kernel was killed from them."""
 NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--mount-proc"]
 SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|^AWS_|^GH_|^GITHUB_|^SSH_|^CI_JOB", re.I)
@@ -80,6 +88,8 @@ class Sandbox:
     hidden: list[str] = field(default_factory=list)
     memory_bytes: int = 8 << 30
     processes: int = 256
+    keep: list[str] = field(default_factory=list)
+    """Paths the kernel needs (``kept_paths()``): bound back read-only where a private ``tmpfs`` covers them."""
 
     @property
     def cgroup(self) -> str:
@@ -90,8 +100,19 @@ class Sandbox:
         flags = available().flags
         assert flags is not None, available().reason
         py = [sys.executable, "-I", "-S", str(SCRIPT)]
+        box = asdict(self)
+        box["keep"] = [*self.keep, shutil.which(kernel_cmd[0]) or kernel_cmd[0]]  # the kernel's own interpreter
         return [*py, "--launch", self.cgroup, str(self.processes), "--", "unshare", *flags, "--kill-child", *py,
-                "--init", json.dumps(asdict(self)), "--", *kernel_cmd]
+                "--init", json.dumps(box), "--", *kernel_cmd]
+
+
+def kept_paths() -> list[str]:
+    """What every kernel needs to see, as this process reaches it: the course, the interpreter (its prefixes and
+    real location) and its packages (site-packages, ``PYTHONPATH``)."""
+    paths = [str(COURSE), sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable)),
+             *site.getsitepackages(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return list(dict.fromkeys(os.path.abspath(p) for p in paths if p and os.path.exists(p)))
 
 
 def parent_death() -> list[str]:
@@ -218,6 +239,44 @@ def _read_only(target: str) -> None:
         _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
 
 
+def _under(path: str, roots: tuple[str, ...] | list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _to_keep(keep: list[str], private: list[str]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+    """Before the private ``tmpfs`` goes on: an ``O_PATH`` descriptor of the real location of each kept path that
+    lies under one (outermost only: a bind carries what is inside), and each symbolic link under one on the way."""
+    real, links = [], []
+    for path in map(os.path.abspath, keep):
+        parts = Path(path).parts
+        for i in range(2, len(parts) + 1):
+            prefix = os.path.join(*parts[:i])
+            if _under(prefix, private) and os.path.islink(prefix):
+                links.append((prefix, os.readlink(prefix)))
+                real.append(os.path.realpath(prefix))
+        real.append(os.path.realpath(path))
+    real = sorted({p for p in real if _under(p, private) and p not in private and os.path.exists(p)}, key=len)
+    outer = [p for i, p in enumerate(real) if not _under(p, real[:i])]
+    return [(p, os.open(p, os.O_PATH)) for p in outer], links
+
+
+def _restore(kept: list[tuple[str, int]], links: list[tuple[str, str]]) -> None:
+    """Bind each kept path back (read-only) into the fresh ``tmpfs`` over it, and re-create the links to it."""
+    for path, fd in kept:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "a").close()  # a mount point for a file
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        _read_only(path)
+        os.close(fd)
+    for link, target in sorted(links, key=lambda lt: len(lt[0])):
+        if not os.path.lexists(link):
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            os.symlink(target, link)
+
+
 def enter(box: Sandbox) -> None:
     """Make this mount namespace the submission's view of the files and bring up loopback."""
     loopback_up()
@@ -226,9 +285,11 @@ def enter(box: Sandbox) -> None:
     for point in _mount_points():
         if point != "/proc" and not point.startswith("/proc/"):
             _read_only(point)
-    for private in ("/tmp", "/dev/shm"):
-        if os.path.isdir(private):
-            _mount("tmpfs", private, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    private = [p for p in PRIVATE if os.path.isdir(p)]
+    kept, links = _to_keep(box.keep, private)
+    for point in private:
+        _mount("tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    _restore(kept, links)
     os.makedirs(box.work, exist_ok=True)
     _mount(f"/proc/self/fd/{work_fd}", box.work, None, MS_BIND)
     _mount(None, box.work, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
@@ -270,7 +331,11 @@ def init(box: Sandbox, cmd: list[str]) -> int:
         resource.setrlimit(resource.RLIMIT_NPROC, (box.processes, box.processes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         os.chdir(box.work)
-        os.execvpe(cmd[0], cmd, _kernel_env(box))
+        try:
+            os.execvpe(cmd[0], cmd, _kernel_env(box))
+        except OSError as err:
+            print(f"{MARK} {NO_START} {cmd[0]}: {err.strerror}", file=sys.stderr, flush=True)
+            os._exit(127)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(kernel, signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cell time limit's interrupt goes to the process group
     while True:
@@ -301,7 +366,11 @@ if __name__ == "__main__":
         print("ok")
     elif mode == "--parent-death":
         _arm_parent_death()
-        os.execvp(sys.argv[3], sys.argv[3:])
+        try:
+            os.execvp(sys.argv[3], sys.argv[3:])
+        except OSError as err:
+            print(f"{MARK} {NO_START} {sys.argv[3]}: {err.strerror}", file=sys.stderr, flush=True)
+            sys.exit(127)
     elif mode == "--launch":  # outside the namespaces: the pids cgroup, then the parent-death signal
         join_pids_cgroup(sys.argv[2], int(sys.argv[3]))
         _arm_parent_death()

@@ -29,6 +29,19 @@ import nbformat
 BEGIN = re.compile(r"^(?P<indent>\s*)### BEGIN SOLUTION(?:\s+hint:\s*(?P<hint>.*))?$")
 END = re.compile(r"^\s*### END SOLUTION\s*$")
 REPO = Path(__file__).resolve().parents[2]
+SUFFIX = "_exercises"
+"""A chapter's exercise notebook is named after it with this suffix (``03_zero_fsdp_exercises.ipynb``; its solution
+too): the two never open as two tabs of the same name, where answers land in the chapter."""
+
+
+def exercise_name(chapter_notebook: str) -> str:
+    """``03_zero_fsdp.ipynb`` (or ``03_zero_fsdp``) -> ``03_zero_fsdp_exercises.ipynb``."""
+    return f"{chapter_notebook.removesuffix('.ipynb')}{SUFFIX}.ipynb"
+
+
+def chapter_topic(exercise_notebook: str) -> str:
+    """``03_zero_fsdp_exercises.ipynb`` -> ``zero_fsdp``: the topic both notebooks are named after."""
+    return exercise_notebook.removesuffix(".ipynb").removesuffix(SUFFIX)[3:]
 
 
 def strip_source(source: str) -> str:

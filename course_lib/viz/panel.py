@@ -39,6 +39,8 @@ def show_figures(*pairs: tuple[W.Image, Figure | None]) -> None:
 
 KEYBOARD_HINT = ("Lists: click one (or press Alt+ArrowDown) to open it, then choose with the arrow keys and Enter."
                  " On a closed list JupyterLab keeps the arrow keys for moving between cells.")
+INTERACTIVE_ONLY = "course-keyboard-hint"
+"""The CSS class of what only helps a live widget (the keyboard hint): the static site leaves it out."""
 
 
 class ControlPanel(W.VBox):
@@ -69,7 +71,7 @@ class ControlPanel(W.VBox):
         for w in lists:
             w.tooltip = w.tooltip or KEYBOARD_HINT
         hint = W.Label(KEYBOARD_HINT, style={"font_size": "11px", "text_color": "#666"})
-        hint.add_class("course-keyboard-hint")
+        hint.add_class(INTERACTIVE_ONLY)
         self.children = (*self.children, hint)
 
     def values(self) -> dict[str, Any]:

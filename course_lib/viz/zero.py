@@ -167,8 +167,10 @@ def plot_zero_memory(psi: float, n_d: int, *, K: float = 12, param_bytes: float 
     if gpu:
         g = hardware.gpu(gpu)
         ax.axhline(g.bytes / scale, color="black", lw=1.2)
-        ax.annotate(f"{g.name}: {g.gb:.1f} GB", xy=(0.99, g.bytes / scale), xycoords=("axes fraction", "data"),
-                    xytext=(0, 1.5), textcoords="offset points", ha="right", va="bottom", fontsize=7)
+        # beside the axes at the line's right end: inside, it printed over the last (ZeRO-3) bar's value label
+        ax.annotate(f"{g.name}\n{g.gb:.1f} GB", xy=(1.0, g.bytes / scale), xycoords=("axes fraction", "data"),
+                    xytext=(3, 0), textcoords="offset points", ha="left", va="center", fontsize=7,
+                    annotation_clip=False)
     ax.set_ylim(0, max([*totals, cap]) / scale * 1.22)
     ax.set_ylabel(f"model states per rank ({unit})")
     ax.set_title(f"N_d = {n_d}: Ψ = {psi / 1e9:.3g}B, bytes/param {param_bytes:g} + {grad_bytes:g} + K={K:g}",

@@ -218,21 +218,26 @@ def _write_lab_settings(settings: Path) -> None:
         (settings / rel).write_text(json.dumps(value))
 
 
-def _start_server(base: Path, root: Path | None = None, app_settings_dir: Path | None = None) -> JupyterLabServer:
+def _start_server(base: Path, root: Path | None = None, app_settings_dir: Path | None = None,
+                  make_lab: dict[str, Any] | None = None) -> JupyterLabServer:
     """Start JupyterLab in ``base`` (a temp dir) and return at once (see :meth:`JupyterLabServer.wait_ready`).
 
     By default it serves a copy of ``notebooks/`` with the test's own user settings (no news, no update checks).
     ``root``: serve that folder instead; ``app_settings_dir``: JupyterLab's app settings dir (``make lab`` passes
     the project's ``jupyter/lab/settings``), and then no user settings are written, so what the page shows is
-    what those settings give a learner."""
+    what those settings give a learner. ``make_lab``: what else ``make lab`` gives the server (``cwd``, its
+    ``workspaces`` folder, its other ``args``, ``env`` for the terminals it opens)."""
+    make_lab = make_lab or {}
     dirs = {k: base / k for k in ("root", "runtime", "config", "data", "settings", "workspaces", "ipython")}
     if root is None:
         shutil.copytree(REPO / "notebooks", dirs["root"], ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     else:
         dirs["root"] = root
+    if "workspaces" in make_lab:
+        dirs["workspaces"] = make_lab["workspaces"]
     for k, d in dirs.items():
         if k != "root":
-            d.mkdir(parents=True)
+            d.mkdir(parents=True, exist_ok=True)
     if app_settings_dir is None:
         _write_lab_settings(dirs["settings"])
     token = secrets.token_hex(24)
@@ -240,19 +245,19 @@ def _start_server(base: Path, root: Path | None = None, app_settings_dir: Path |
     env.update(JUPYTER_TOKEN=token, JUPYTER_RUNTIME_DIR=str(dirs["runtime"]),
                JUPYTER_CONFIG_DIR=str(dirs["config"]), JUPYTER_DATA_DIR=str(dirs["data"]),
                JUPYTERLAB_SETTINGS_DIR=str(dirs["settings"]), JUPYTERLAB_WORKSPACES_DIR=str(dirs["workspaces"]),
-               IPYTHONDIR=str(dirs["ipython"]))
+               IPYTHONDIR=str(dirs["ipython"]), **make_lab.get("env", {}))
     log = base / "jupyterlab.log"
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0",
            "--ServerApp.port_retries=0", f"--ServerApp.root_dir={dirs['root']}",
            f"--LabApp.user_settings_dir={dirs['settings']}", f"--LabApp.workspaces_dir={dirs['workspaces']}",
-           "--LabApp.extension_manager=readonly"]  # no PyPI queries
+           "--LabApp.extension_manager=readonly", *make_lab.get("args", [])]  # no PyPI queries
     if app_settings_dir is not None:
         cmd.append(f"--LabApp.app_settings_dir={app_settings_dir}")
     if os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=dirs["root"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=make_lab.get("cwd", dirs["root"]), env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     return JupyterLabServer(proc=proc, url="", token=token, root=dirs["root"], runtime=dirs["runtime"], log=log)
 
 

@@ -1,7 +1,8 @@
-"""`make lab` as a learner gets it, in a real JupyterLab and browser: the server `make lab` would start (its root,
-start page and app settings read from `make -n lab` in a small git clone of the course), not the session's test
-server. No news prompt, the file browser in the learner's notebooks/, exercises that open unmodified, and a
-chapter run and saved that leaves the repository's `git status` clean."""
+"""`make lab` as a learner gets it, in a real JupyterLab and browser: the server `make lab` would start (its folder,
+root, start page, settings, workspace and other options read from `make -n lab` in a small git clone of the
+course), not the session's test server. No news prompt, the file browser in the learner's notebooks/, exercises
+that open unmodified, a chapter run and saved that leaves the repository's `git status` clean, a chapter and its
+exercise on two tabs of different names, and JupyterLab's own terminal grading the learner's copy."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import re
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from course_lib.course import my_copy
-from tests.browser.conftest import Lab, _start_server, _stop_server, require_playwright
+from course_lib.grading.notebooks import exercise_name
+from tests.browser.conftest import REPO, Lab, _start_server, _stop_server, require_playwright
 from tests.test_my_copy import _course, _git_status, _lab_command
 
 expect = require_playwright()
 
 NEWS = "official Jupyter news"
+CHAPTER = "notebooks/00_budgets.ipynb"
+EXERCISE = f"exercises/{exercise_name('00_budgets.ipynb')}"
 NOTIFICATION = "@jupyterlab/apputils-extension:notification"
 
 
@@ -31,10 +36,14 @@ def make_lab(chromium_executable, tmp_path):
     settings = Path(re.search(r'--LabApp.app_settings_dir="([^"]+)"', lab).group(1))
     page = re.search(r"--LabApp.default_url=/lab/tree/(\S+)", lab).group(1)
     my_copy.sync(root, repo)  # what `make lab` runs first (make my-copy)
-    old_style = json.loads((root / "exercises" / "00_budgets.ipynb").read_text())
+    old_style = json.loads((root / EXERCISE).read_text())
     old_style["metadata"]["language_info"] = {"name": "python"}  # how exercises were stored before
     (root / "exercises" / "old_style.ipynb").write_text(json.dumps(old_style))
-    server = _start_server(tmp_path / "lab", root=root, app_settings_dir=settings)
+    options = {"cwd": repo / re.search(r'cd "([^"]+)" &&', lab).group(1),
+               "workspaces": Path(re.search(r'--LabApp.workspaces_dir="([^"]+)"', lab).group(1)),
+               "args": re.findall(r"--(?:KernelManager|LanguageServerManager)\.\S+", lab),
+               "env": {"VENV": str(REPO / ".venv")}}  # `make` in its terminal: this course's environment
+    server = _start_server(tmp_path / "lab", root=root, app_settings_dir=settings, make_lab=options)
     try:
         server.wait_ready()
         yield server, repo, page
@@ -86,9 +95,9 @@ def test_make_lab_as_a_learner_sees_it(make_lab, browser):
         expect(lab.page.get_by_text(NEWS)).to_have_count(0)  # long after start-up: the prompt never came
 
         # exercises open unmodified; one stored the old way (language_info {"name": "python"}) does not
-        lab.open_notebook("exercises/00_budgets.ipynb", workspace="exercise")
+        lab.open_notebook(EXERCISE, workspace="exercise")
         lab.page.wait_for_timeout(2000)
-        assert _dirty_tabs(lab) == 0, "exercises/00_budgets.ipynb opened modified"
+        assert _dirty_tabs(lab) == 0, f"{EXERCISE} opened modified"
         lab.open_notebook("exercises/old_style.ipynb", workspace="old")
         expect(lab.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-dirty")).to_have_count(1)
 
@@ -96,6 +105,44 @@ def test_make_lab_as_a_learner_sees_it(make_lab, browser):
         server.api("PUT", f"lab/api/settings/{NOTIFICATION}", {"raw": json.dumps({"fetchNews": "none"})})
         lab.open_notebook(start, workspace="news")
         expect(lab.page.get_by_text(NEWS)).to_be_visible()
+    finally:
+        lab.page.close()
+        server.shutdown_sessions()
+
+
+def _tab_labels(lab: Lab) -> list[str]:
+    return lab.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab .lm-TabBar-tabLabel").all_inner_texts()
+
+
+def test_the_learners_terminal_grades_the_learners_copy(make_lab, browser):
+    """The learner solved the exercise in their copy (JupyterLab's root); the course's own copy is blank. From
+    File > New > Terminal, `make grade NB=exercises/...` grades the learner's copy: full marks, not 0."""
+    server, repo, _ = make_lab
+    solved = nbformat.read(REPO / "solutions" / Path(EXERCISE).name, as_version=4)
+    nbformat.write(solved, server.root / EXERCISE)
+    lab = Lab(browser.new_page(), server)
+    try:
+        lab.open_notebook(CHAPTER, workspace="both")
+        lab.page.goto(f"{server.url}lab/workspaces/both/tree/{EXERCISE}?token={server.token}")
+        expect(lab.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab")).to_have_count(2, timeout=120_000)
+        labels = _tab_labels(lab)
+        assert len(set(labels)) == 2, f"a chapter and its exercise on two tabs of one name: {labels}"
+        lab.page.locator(".lm-MenuBar-item", has_text="File").click()
+        lab.page.locator(".lm-Menu-item", has_text=re.compile(r"^\s*New\s*$")).hover()
+        lab.page.locator(".lm-Menu-item:not(.lm-mod-disabled)", has_text=re.compile(r"^\s*Terminal\s*$")).click()
+        terminal = lab.page.locator(".jp-Terminal:not(.lm-mod-hidden) .xterm")
+        expect(terminal).to_be_visible(timeout=60_000)
+        terminal.click()
+        lab.page.keyboard.type(f"pwd > where.txt; make grade NB={EXERCISE} > graded.txt 2>&1; echo END >> graded.txt")
+        lab.page.keyboard.press("Enter")
+        graded = server.root / "graded.txt"
+        deadline = time.monotonic() + 400
+        while not (graded.exists() and "END" in graded.read_text()) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert (server.root / "where.txt").read_text().strip() == str(server.root), "the terminal opened elsewhere"
+        out = graded.read_text()
+        assert "total: 12/12 points" in out, out[-3000:]
+        assert _git_status(repo) == ""
     finally:
         lab.page.close()
         server.shutdown_sessions()

@@ -122,3 +122,22 @@ def test_next_links_walk_the_chapters_in_order(browser, served):
         assert json.loads((out / "pages.json").read_text())[: len(chapters)] == visited
     finally:
         tab.close()
+
+
+def test_a_widgets_text_table_keeps_its_columns(browser, served):
+    """The ZeRO widget's table is a <pre> of aligned columns: the lab theme gives output <pre> the UI font, so
+    the site sets the code font back (a proportional font breaks the columns)."""
+    base, _ = served
+    tab = browser.new_page()
+    tab.route("**/*", lambda r: r.continue_() if r.request.url.startswith(base) else r.abort())
+    try:
+        tab.goto(base + "notebooks/03_zero_fsdp.html", wait_until="load")
+        table = tab.locator("div.course-widget pre").first
+        style = table.evaluate("e => [getComputedStyle(e).fontFamily, getComputedStyle(e).whiteSpace]")
+        assert "mono" in style[0].lower() and style[1] == "pre", style
+        widths = table.evaluate("""e => ['iiiiiiiiii', 'MMMMMMMMMM'].map(s => {
+            const probe = document.createElement('span'); probe.textContent = s; e.appendChild(probe);
+            const w = probe.getBoundingClientRect().width; probe.remove(); return w; })""")
+        assert abs(widths[0] - widths[1]) < 0.5, f"not monospace: {widths}"
+    finally:
+        tab.close()
