@@ -39,7 +39,7 @@ from nbconvert import HTMLExporter
 
 from course_lib.viz.panel import INTERACTIVE_ONLY
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = Path(__file__).resolve().parent / "site_templates"
 START = "START_HERE.ipynb"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"

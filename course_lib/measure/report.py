@@ -40,7 +40,7 @@ from course_lib.model_config import GPTConfig, param_count
 
 def code_version() -> str:
     """``git describe --always --dirty`` of the course's checkout, or "unknown" outside one."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True,
                              timeout=5, check=True)
