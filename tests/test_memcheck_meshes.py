@@ -120,7 +120,7 @@ def _mutated_layout(monkeypatch: pytest.MonkeyPatch, **wrong: object) -> None:
     _clear_planner_caches()
 
 
-@pytest.mark.parametrize("wrong", [{"tp": 1, "sp": False}, {"zero": 0}], ids=["forgets tp", "forgets ZeRO-3"])
+@pytest.mark.parametrize("wrong", [{"tp": 1, "sp": False}, {"zero_stage": 0}], ids=["forgets tp", "forgets ZeRO-3"])
 def test_a_planner_that_forgets_a_division_goes_red(monkeypatch: pytest.MonkeyPatch, wrong: dict) -> None:
     runs = _runs(4)[FSDP_TP]
     assert not _mismatches(FSDP_TP, runs)

@@ -94,11 +94,11 @@ def test_training_memory_model_states_match_zero_formula() -> None:
     c = PRESETS["llama2-7b"]
     psi = param_count(c)
     for stage in range(4):
-        est = training_memory(c, precision="mixed", optimizer="adam", layout=ParallelLayout(dp=64, zero=stage))
+        est = training_memory(c, precision="mixed", optimizer="adam", layout=ParallelLayout(dp=64, zero_stage=stage))
         states = est["parameters"] + est["gradients"] + est["optimizer_state"]
         assert states == pytest.approx(zero_memory_per_device(psi, 12, 64, stage), rel=1e-12)
     # context-parallel ranks replicate the weights, so ZeRO shards over dp x cp
-    est = training_memory(c, layout=ParallelLayout(dp=16, cp=4, zero=3), seq_len=4096)
+    est = training_memory(c, layout=ParallelLayout(dp=16, cp=4, zero_stage=3), seq_len=4096)
     assert est["parameters"] == pytest.approx(2 * psi / 64, rel=1e-12)
 
 
@@ -181,8 +181,8 @@ def test_layout_validation() -> None:
         training_memory("llama2-7b", layout=ParallelLayout(dp=2, ep=2))
     with pytest.raises(ValueError, match="carved out of DP"):
         training_memory("mixtral-8x7b", layout=ParallelLayout(dp=2, ep=4))
-    with pytest.raises(ValueError, match="zero"):
-        training_memory("tiny", layout=ParallelLayout(zero=4))
+    with pytest.raises(ValueError, match="ZeRO stage 4: the stages are 0"):
+        training_memory("tiny", layout=ParallelLayout(zero_stage=4))
     with pytest.raises(ValueError, match="recompute"):
         training_memory("tiny", recompute="some")  # type: ignore[arg-type]
 

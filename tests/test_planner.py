@@ -82,10 +82,10 @@ def test_zero_2_with_a_pipeline_is_refused_and_priced_per_micro_batch():
     cfg = PRESETS["llama2-7b"]
     cands = list(P.candidates(cfg, 16, 64, 4096, zero_stages=(2,), recomputes=("selective",)))
     assert cands and all(c.pp == 1 for c in cands)
-    assert P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=2), 8).startswith("ZeRO-2 with pipeline parallelism")
+    assert P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero_stage=2), 8).startswith("ZeRO-2 with pipeline parallelism")
     # ZeRO-2's reduce-scatter runs once per micro-batch: more micro-batches, more exposed DP time than ZeRO-1
     cl = P.cluster("pcie-h100-ethernet", 2)
-    one, two = (P.predict(cfg, cl, 64, 4096, P.Candidate(dp=16, tp=1, pp=1, zero=z, micro_batch=1))
+    one, two = (P.predict(cfg, cl, 64, 4096, P.Candidate(dp=16, tp=1, pp=1, zero_stage=z, micro_batch=1))
                 for z in (1, 2))
     assert two.seconds["dp"] > 2 * one.seconds["dp"]
 
@@ -94,13 +94,13 @@ def test_zero_3_with_a_pipeline_is_planned_in_torchtitans_form_with_or_without_t
     cfg = PRESETS["llama2-7b"]
     space = dict(zero_stages=(3,), recomputes=("selective",))
     free = list(P.candidates(cfg, 16, 64, 4096, **space))
-    assert any(c.pp > 1 for c in free) and P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 8) == ""
+    assert any(c.pp > 1 for c in free) and P.refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero_stage=3), 8) == ""
     ruled = list(P.candidates(cfg, 16, 64, 4096, library_rules=True, **space))
     assert any(c.pp > 1 for c in ruled)  # the library composes it in the same form (parallel.fsdp2_pipeline)
-    assert P.library_refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero=3), 64, 4096) == ""
+    assert P.library_refusal(cfg, P.Candidate(dp=8, tp=1, pp=2, zero_stage=3), 64, 4096) == ""
     # memory: the stage's gradients whole (ZeRO-1's), its parameters and optimizer state sharded (ZeRO-3's)
     cl = P.cluster("pcie-h100-ethernet", 2)
-    mem = {z: P.predict(cfg, cl, 64, 4096, P.Candidate(dp=8, tp=1, pp=2, zero=z)).memory for z in (1, 3)}
+    mem = {z: P.predict(cfg, cl, 64, 4096, P.Candidate(dp=8, tp=1, pp=2, zero_stage=z)).memory for z in (1, 3)}
     assert mem[3]["gradients"] == mem[1]["gradients"]
     assert mem[3]["parameters"] == pytest.approx(mem[1]["parameters"] / 8)
     assert mem[3]["optimizer_state"] == mem[1]["optimizer_state"]
@@ -109,7 +109,7 @@ def test_zero_3_with_a_pipeline_is_planned_in_torchtitans_form_with_or_without_t
     no_overlap = P.Assumptions(grad_overlap=0.0, zero3_overlap=0.0)
 
     def dp_s(zero: int, batch: int) -> tuple[float, int]:
-        c = P.Candidate(dp=8, tp=1, pp=2, zero=zero)
+        c = P.Candidate(dp=8, tp=1, pp=2, zero_stage=zero)
         return P.predict(cfg, cl, batch, 4096, c, no_overlap).seconds["dp"], c.microbatches(batch)
 
     (z3a, m_a), (z3b, m_b), (z1, _) = dp_s(3, 32), dp_s(3, 64), dp_s(1, 32)
@@ -240,15 +240,15 @@ def test_no_valid_mesh_names_the_constraint():
         P.plan("llama2-7b", P.cluster("dgx-h100", 1), 8, 4100, fixed={"cp": 8})
 
 
-@pytest.mark.parametrize("key", ["tpp", "zero_stage", "nodes"])
+@pytest.mark.parametrize("key", ["tpp", "zero", "nodes"])
 def test_unknown_fixed_keys_are_named(key):
     with pytest.raises(ValueError, match=rf"fixed has unknown key\(s\) \['{key}'\]"):
         P.plan("llama2-7b", P.cluster("dgx-h100", 1), 8, 4096, fixed={key: 2})
 
 
 def test_fixed_ep_and_zero_are_honoured():
-    res = P.plan("mixtral-8x7b", P.cluster("dgx-h100", 2), 64, 4096, fixed={"ep": 8, "zero": 1}, **SMALL)
-    assert res.ranked and all(p.candidate.ep == 8 and p.candidate.zero == 1 for p in res.ranked)
+    res = P.plan("mixtral-8x7b", P.cluster("dgx-h100", 2), 64, 4096, fixed={"ep": 8, "zero_stage": 1}, **SMALL)
+    assert res.ranked and all(p.candidate.ep == 8 and p.candidate.zero_stage == 1 for p in res.ranked)
 
 
 @pytest.mark.parametrize("nodes", [0, -1, 1.5, True])
@@ -446,7 +446,7 @@ def test_attention_is_slower_on_short_blocks_as_flashattention_measures_it():
 
 
 def test_bf16_model_states_take_half_the_bytes_of_mixed_precision():
-    cfg, cl, cand = PRESETS["llama2-7b"], P.cluster("dgx-h100", 1), P.Candidate(dp=8, tp=1, pp=1, zero=1)
+    cfg, cl, cand = PRESETS["llama2-7b"], P.cluster("dgx-h100", 1), P.Candidate(dp=8, tp=1, pp=1, zero_stage=1)
     mixed, bf16 = (P.predict(cfg, cl, 8, 4096, cand, P.Assumptions(precision=x)).memory for x in ("mixed", "bf16"))
     assert (mixed["parameters"], mixed["gradients"]) == (bf16["parameters"], bf16["gradients"])
     assert mixed["optimizer_state"] == pytest.approx(3 * bf16["optimizer_state"])  # (4 + 4 + 4) / (2 + 2)
@@ -462,7 +462,7 @@ def test_the_zero_pipeline_refusal_is_the_librarys_own():
     from course_lib.parallel.config import check_composable
     with pytest.raises(ValueError) as e:
         check_composable(MeshShape(dp=4, pp=2), GPTConfig(), global_batch=16, microbatches=2, zero_stage=2)
-    assert P.refusal(GPTConfig(), P.Candidate(dp=4, tp=1, pp=2, zero=2), 2).split(";")[0] in str(e.value)
+    assert P.refusal(GPTConfig(), P.Candidate(dp=4, tp=1, pp=2, zero_stage=2), 2).split(";")[0] in str(e.value)
 
 
 @pytest.mark.parametrize("cfg", [TOY_MOE, TOY_MOE.with_(aux_loss_coef=0.0, capacity_factor=1.0),

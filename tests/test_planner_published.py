@@ -87,7 +87,7 @@ def test_a_published_mesh_that_does_not_fit_is_priced_and_says_so():
     c = PP.check(mixed, free=False)
     assert _check("Kimi K2").pinned.fits and not c.pinned.fits
     got = c.pinned.candidate
-    assert (got.dp, got.pp, got.ep, got.zero, got.schedule, got.v) == (32, 8, 32, 3, "interleaved", 4)
+    assert (got.dp, got.pp, got.ep, got.zero_stage, got.schedule, got.v) == (32, 8, 32, 3, "interleaved", 4)
     assert c.pinned.seconds and c.pinned.memory.total > c.pinned.usable_bytes  # priced all the same
     bf16, mixed = _check("Kimi K2").pinned.memory, c.pinned.memory
     assert (bf16["parameters"], bf16["gradients"]) == (mixed["parameters"], mixed["gradients"])  # 2 + 2 bytes

@@ -32,8 +32,8 @@ def _direct_stage_memory(cfg, lay, micro_batch, seq_len, recompute, formula, pre
     out = []
     for stage in PM.worst_stages(lay.pp):
         parts = budget(stage, lay)
-        if PM.zero3_with_pipeline(lay.zero, lay.pp):
-            parts["gradients"] = budget(stage, replace(lay, zero=1))["gradients"]
+        if PM.zero3_with_pipeline(lay.zero_stage, lay.pp):
+            parts["gradients"] = budget(stage, replace(lay, zero_stage=1))["gradients"]
         out.append((stage, parts))
     return tuple(out)
 
@@ -77,7 +77,7 @@ def test_a_shortcut_that_drops_what_activations_depend_on_goes_red(monkeypatch):
     must change the ranking of the 128K run, which uses CP."""
     def wrong(lay):
         states = replace(lay, microbatches=min(lay.m, lay.pp) if lay.pp > 1 else 1)
-        return states, replace(states, dp=1, ep=1, zero=0, cp=1), states
+        return states, replace(states, dp=1, ep=1, zero_stage=0, cp=1), states
 
     _clear()
     monkeypatch.setattr(PM, "_budget_layouts", wrong)

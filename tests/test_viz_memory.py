@@ -38,7 +38,7 @@ def _widget(**values: object) -> MemoryBudgetWidget:
 
 
 def test_plot_has_one_segment_per_category_with_the_estimators_heights() -> None:
-    est = training_memory("llama2-70b", layout=ParallelLayout(dp=8, zero=3, tp=8), recompute="selective")
+    est = training_memory("llama2-70b", layout=ParallelLayout(dp=8, zero_stage=3, tp=8), recompute="selective")
     fig = plot_budget(est, target="H100 80GB")
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
@@ -92,7 +92,7 @@ def test_widget_is_a_container_with_stable_descriptions() -> None:
         assert w.controls[name].description == desc, name
     assert len(set(CONTROL_DESCRIPTIONS.values())) == len(CONTROL_DESCRIPTIONS)
     with pytest.raises(KeyError):
-        w.set(zero_stage=3)
+        w.set(zero=3)  # the stage is spelled zero_stage everywhere
 
 
 def test_verdict_flips_when_zero_shards_over_more_dp_ranks() -> None:
@@ -105,11 +105,11 @@ def test_verdict_flips_when_zero_shards_over_more_dp_ranks() -> None:
     assert w.fits is False and w.budget.total >= one_gpu  # plain DP: same states + a gradient bucket
     totals = []
     for stage in (1, 2, 3):
-        w.set(zero=stage)
+        w.set(zero_stage=stage)
         totals.append(w.budget.total)
     assert totals == sorted(totals, reverse=True)
     assert w.fits is True and w.text.startswith("fits on H100 80GB")
-    want = training_memory(LLAMA70, layout=ParallelLayout(dp=64, zero=3), recompute="full")
+    want = training_memory(LLAMA70, layout=ParallelLayout(dp=64, zero_stage=3), recompute="full")
     assert dict(w.budget) == dict(want)  # the widget shows exactly the estimator's numbers
     w.set(dp=8)  # ZeRO-3 over 8 ranks is not enough
     assert w.fits is False
@@ -136,7 +136,7 @@ def test_inference_shows_the_kv_cache_with_gqa() -> None:
     kv, weights = w.budget["kv_cache"], w.budget["weights"]
     assert kv == kv_cache_bytes(LLAMA70, 4096, 8) == 8 * 4096 * 2 * 80 * 8 * 128 * 2  # 8 KV heads of 128
     assert dict(w.budget) == dict(inference_memory(LLAMA70, batch=8, context_len=4096))
-    assert w.controls["zero"].disabled and not w.controls["kv_bytes"].disabled
+    assert w.controls["zero_stage"].disabled and not w.controls["kv_bytes"].disabled
     w.set(tp=8)
     assert w.budget["kv_cache"] == kv / 8  # 8 KV heads, one per TP rank
     assert w.budget["weights"] == pytest.approx(weights / 8, rel=2e-3)
@@ -165,7 +165,7 @@ def test_user_edits_update_the_widget() -> None:
     """What a browser does: change a control's value directly (no ``set``)."""
     w = _widget()
     before = w.budget.total
-    w.controls["zero"].value = 3
+    w.controls["zero_stage"].value = 3
     w.controls["dp"].value = 8
     assert w.budget.total < before
     w.controls["model"].value = "llama3-8b"  # a preset fills the sizes and the sequence

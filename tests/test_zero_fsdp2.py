@@ -347,7 +347,7 @@ def estimator_errors(states: dict[str, int], n: int) -> list[str]:
     tolerance of tests/test_zero.py's flat form: the padding rows are the difference), per category and in
     total. fp32 weights and gradients, K = 8 (AdamW's m and v)."""
     est = training_memory(CFG, precision="fp32", optimizer="adamw", micro_batch=ADAMW.global_batch // n,
-                          layout=ParallelLayout(dp=n, zero=3), activation_formula="adapted")
+                          layout=ParallelLayout(dp=n, zero_stage=3), activation_formula="adapted")
     predicted = {**{cat: est[cat] for cat in MODEL_STATES},
                  "total": zero_memory_per_device(PSI, K=8, N_d=n, stage=3, param_bytes=4, grad_bytes=4)}
     measured = {**{cat: states[cat] for cat in MODEL_STATES}, "total": sum(states[cat] for cat in MODEL_STATES)}
@@ -366,7 +366,7 @@ def test_measured_memory_by_category_matches_the_zero3_estimate():
     docstring of ``fsdp2`` states.)"""
     n = 2
     est = training_memory(CFG, precision="fp32", optimizer="adamw", micro_batch=ADAMW.global_batch // n,
-                          layout=ParallelLayout(dp=n, zero=3), activation_formula="adapted")
+                          layout=ParallelLayout(dp=n, zero_stage=3), activation_formula="adapted")
     for rank, runs in enumerate(suite(n)):
         states, peaks, units = runs["memory"]
         assert estimator_errors(states, n) == [], f"rank {rank}"

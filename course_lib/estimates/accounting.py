@@ -22,6 +22,7 @@ from typing import Literal
 from course_lib import comm
 from course_lib.estimates.activation_memory import layer_activation_bytes, model_activation_bytes
 from course_lib.model_config import GPTConfig, param_count
+from course_lib.parallel.zero import check_stage
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,7 @@ def comm_bytes_per_step(padded_numels: Sequence[int], world_size: int, stage: in
     if stage == 0:
         out["all_reduce"] = sent("all_reduce", padded_numels)
         return out
-    if stage not in (1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    check_stage(stage)
     if any(p % n for p in padded_numels):
         raise ValueError(f"padded sizes {list(padded_numels)} must be multiples of world_size={n}")
     out["reduce_scatter"] = out["all_gather"] = sent("all_gather", padded_numels)

@@ -16,6 +16,7 @@ from typing import Literal
 from course_lib.model_config import GPTConfig, dense_twin, norm_params, resolve
 from course_lib.parallel.pp_layers import layer_split
 from course_lib.parallel.schedules import SCHEDULE_ALIASES, canonical_schedule
+from course_lib.parallel.zero import check_stage
 
 __all__ = ["ParallelLayout", "block_params_per_rank", "params_per_rank"]
 
@@ -24,7 +25,7 @@ __all__ = ["ParallelLayout", "block_params_per_rank", "params_per_rank"]
 class ParallelLayout:
     """How one training job is split. World size = dp x cp x tp x pp.
 
-    * ``dp`` data-parallel ranks with ZeRO ``zero`` stage 0..3. Context-parallel ranks hold the same weights,
+    * ``dp`` data-parallel ranks with ZeRO stage ``zero_stage`` 0..3. Context-parallel ranks hold the same weights,
       so ZeRO shards model states over dp x cp ranks (as Megatron's distributed optimizer and torchtitan's
       FSDP over the ``dp_shard_cp`` mesh do).
     * ``tp`` tensor-parallel ranks; ``sp`` adds sequence parallelism (norms/dropout work on s/t tokens).
@@ -41,7 +42,7 @@ class ParallelLayout:
     """
 
     dp: int = 1
-    zero: int = 0
+    zero_stage: int = 0
     tp: int = 1
     sp: bool = False
     pp: int = 1
@@ -82,8 +83,7 @@ class ParallelLayout:
         for name in ("dp", "tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero stage must be 0..3, got {self.zero}")
+        check_stage(self.zero_stage)
         if self.schedule not in SCHEDULE_ALIASES or canonical_schedule(self.schedule) not in ("one_f_one_b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'afab', got {self.schedule!r}")
         if self.m < 1:

@@ -52,7 +52,7 @@ def _stage_budget(c: GPTConfig, lay: ParallelLayout, stage: int, pb: ParamBytes,
     dense = counts["embedding"] + counts["blocks"] + counts["head"]
     experts = counts["experts"]
     n_dense, n_expert = lay.dp * lay.cp, lay.dp * lay.cp // lay.ep  # ranks that replicate each parameter
-    z = lay.zero
+    z = lay.zero_stage
 
     def shard(count: float, n_shard: int, sharded: bool) -> float:
         return count / n_shard if sharded else count
@@ -158,7 +158,7 @@ def training_memory(config: GPTConfig | str, *, precision: str | Precision = "mi
                                   headroom, bucket_bytes) for i in stages}
     worst = max(stages, key=lambda i: sum(per_stage[i].values()))
     label = (f"{c.name} training | {prec.name}/{optimizer} | b={micro_batch} s={s} recompute={recompute} | "
-             f"dp={lay.dp} zero={lay.zero} tp={lay.tp}{'+sp' if lay.sp else ''} pp={lay.pp} cp={lay.cp} "
+             f"dp={lay.dp} zero={lay.zero_stage} tp={lay.tp}{'+sp' if lay.sp else ''} pp={lay.pp} cp={lay.cp} "
              f"ep={lay.ep} | per GPU")
     notes = [f"activations: {_FORMULA_NOTES[activation_formula]}"]
     if lay.pp > 1:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from course_lib.estimates.memory_budget import check_amount, check_count
+from course_lib.parallel.zero import check_stage
 
 __all__ = [
     "PRECISIONS",
@@ -150,8 +151,7 @@ def zero_memory_per_device(psi: float, K: float = 12, N_d: int = 1, stage: int =
 
     The paper's example: Ψ = 7.5B, K = 12, N_d = 64 gives 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    check_stage(stage)
     check_count("N_d", N_d)
     for name, value in (("psi", psi), ("K", K), ("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
         check_amount(name, value)

@@ -78,7 +78,7 @@ def fewest_budget(model: str, layout: dict, seq_len: int) -> MemoryBudget:
     """The budget ``fewest_gpus`` must use for a layout ``{"tp": t, "pp": p, "dp": d}``."""
     return training_memory(model, micro_batch=1, seq_len=seq_len, recompute="full",
                            layout=ParallelLayout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                                                 zero=3, sp=layout["tp"] > 1))
+                                                 zero_stage=3, sp=layout["tp"] > 1))
 
 
 def reference_fewest(model: str, gpu: str, seq_len: int) -> int:

@@ -70,7 +70,8 @@ def library_prediction(cfg: GPTConfig, degrees: dict[str, int], gpu: planner.GPU
     parameters + gradients + optimizer state of its ``memory.training_memory`` budget (worst stage), the step
     is its ``step_s`` (compute and the 1F1B bubble: nothing else costs time on free links)."""
     tp, cp, dp, pp = _axes(degrees)
-    cand = planner.Candidate(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero_stage, micro_batch=micro_batch, recompute="none")
+    cand = planner.Candidate(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, micro_batch=micro_batch,
+                             recompute="none")
     cl = planner.Cluster("free links", 1, tp * cp * dp * pp, gpu, IDEAL_LINK, IDEAL_LINK)
     assume = planner.Assumptions(efficiency=efficiency, gemm_rows_half=0.0, gemm_cols_half=0.0,
                                  attention_efficiency=efficiency, attention_by_length=False, elementwise_passes=0.0)

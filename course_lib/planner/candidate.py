@@ -80,7 +80,7 @@ class Candidate:
     pp: int
     cp: int = 1
     ep: int = 1
-    zero: int = 1
+    zero_stage: int = 1
     micro_batch: int = 1
     recompute: Recompute = "selective"
     schedule: Schedule = "1f1b"
@@ -109,13 +109,13 @@ class Candidate:
     def layout(self, global_batch: int, n_layer: int, dense_layers: int = 0) -> ParallelLayout:
         """The ``layout.ParallelLayout`` of this candidate: its degrees, ZeRO stage, m, blocks per rank and, of an
         MoE model whose first ``dense_layers`` blocks are dense, how many of those each rank holds."""
-        return _layout(self.dp, self.zero, self.tp, self.pp, self.cp, self.ep, self.v,
+        return _layout(self.dp, self.zero_stage, self.tp, self.pp, self.cp, self.ep, self.v,
                        self.microbatches(global_batch), n_layer, dense_layers)
 
     def __str__(self) -> str:
         extra = "".join([f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1])
         sched = f" {self.schedule_label}" if self.pp > 1 else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} mb={self.micro_batch} "
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero_stage} mb={self.micro_batch} "
                 f"recompute={self.recompute}{sched}")
 
 
@@ -145,7 +145,7 @@ def _shape(dp: int, tp: int, pp: int, cp: int, ep: int) -> MeshShape:
 def _layout(dp: int, zero: int, tp: int, pp: int, cp: int, ep: int, v: int, m: int, n_layer: int,
             dense_layers: int = 0) -> ParallelLayout:
     layers = _rank_layers(pp, v, n_layer)
-    return ParallelLayout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, microbatches=m, cp=cp, ep=ep,
+    return ParallelLayout(dp=dp, zero_stage=zero, tp=tp, sp=tp > 1, pp=pp, microbatches=m, cp=cp, ep=ep,
                           split=None if len(set(layers)) == 1 else layers,
                           dense=rank_dense_layers(pp, v, n_layer, dense_layers) if dense_layers else None)
 
@@ -159,7 +159,7 @@ def refusal(cfg: GPTConfig, cand: Candidate, m: int) -> str:
     (``parallel.fsdp2_pipeline``), so ``library_rules`` keeps it too. Interleaved 1F1B needs m a multiple of p in the
     library's runtime (``parallel.pp_stages``; torch and Megatron-Core take more: ``schedules.interleaved_groups``);
     ZB-H1's bubble formula holds for m >= p."""
-    if cand.pp > 1 and cand.zero == 2:
+    if cand.pp > 1 and cand.zero_stage == 2:
         return ZERO_WITH_PIPELINE
     if cand.schedule == "interleaved" and (cand.pp == 1 or m % cand.pp or cfg.n_layer < cand.pp * cand.v):
         return f"interleaved v={cand.v} needs pp > 1, m={m} a multiple of pp={cand.pp} and pp x v <= n_layer"

@@ -68,8 +68,8 @@ def _budget_layouts(lay: ParallelLayout) -> tuple[ParallelLayout, ParallelLayout
     activations); the layout whose gradients the stage holds (ZeRO-1's, unsharded, under
     ``zero3_with_pipeline``; else the first)."""
     states = replace(lay, microbatches=min(lay.m, lay.pp) if lay.pp > 1 else 1)
-    grads = replace(states, zero=1) if zero3_with_pipeline(lay.zero, lay.pp) else states
-    return states, replace(states, dp=1, ep=1, zero=0), grads
+    grads = replace(states, zero_stage=1) if zero3_with_pipeline(lay.zero_stage, lay.pp) else states
+    return states, replace(states, dp=1, ep=1, zero_stage=0), grads
 
 
 def worst_stages(pp: int) -> list[int]:
@@ -160,7 +160,7 @@ def states_exceed(cfg: GPTConfig, lay: ParallelLayout, headroom: float, usable: 
     """True when the model states of one stage of ``lay`` alone, with the budget's headroom, exceed ``usable``
     bytes: a lower bound of ``_memory``'s total (its worst stage adds activations, temporaries and buffers, and
     under ``zero3_with_pipeline`` holds its gradients whole), so such a candidate cannot fit and is not priced."""
-    floor = _states_floor(cfg, lay.tp, lay.pp, lay.ep, lay.split, lay.dense, lay.dp * lay.cp, lay.zero, precision)
+    floor = _states_floor(cfg, lay.tp, lay.pp, lay.ep, lay.split, lay.dense, lay.dp * lay.cp, lay.zero_stage, precision)
     return (floor + headroom * floor) * (1 - FLOOR_MARGIN) > usable
 
 

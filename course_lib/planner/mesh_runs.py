@@ -100,14 +100,14 @@ def candidate_of(parallel: ParallelConfig, global_batch: int) -> Candidate:
     s = parallel.shape
     micro = global_batch // (s.dp * parallel.microbatches) if s.pp > 1 else global_batch // s.dp
     return Candidate(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep,
-                     zero=parallel.zero_stage, micro_batch=max(micro, 1), recompute="none",
+                     zero_stage=parallel.zero_stage, micro_batch=max(micro, 1), recompute="none",
                      schedule=parallel.schedule, v=parallel.v)  # type: ignore[arg-type]
 
 
 def config_of(cand: Candidate, global_batch: int) -> ParallelConfig:
     """The ``ParallelConfig`` that trains the planner's ``cand`` (its micro-batches per pipeline, SP with TP)."""
     return ParallelConfig(MeshShape(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp, ep=cand.ep),
-                          zero_stage=cand.zero, sequence_parallel=cand.tp > 1, schedule=cand.schedule, v=cand.v,
+                          zero_stage=cand.zero_stage, sequence_parallel=cand.tp > 1, schedule=cand.schedule, v=cand.v,
                           microbatches=cand.microbatches(global_batch) if cand.pp > 1 else 2)
 
 

@@ -322,11 +322,11 @@ def predict(cfg: GPTConfig, cl: Cluster, global_batch: int, seq_len: int, cand: 
 
         rs, ag = coll("reduce_scatter"), coll("all_gather")
         hide_b, hide_f = assume.grad_overlap * t_bwd_mb, assume.grad_overlap * t_fwd_mb
-        if cand.zero == 0:  # one all-reduce (RS + AG) behind the last backward
+        if cand.zero_stage == 0:  # one all-reduce (RS + AG) behind the last backward
             dp_s = max(0.0, rs + ag - hide_b)
-        elif cand.zero == 1:  # RS behind the last backward, AG of the updated weights behind the next forward
+        elif cand.zero_stage == 1:  # RS behind the last backward, AG of the updated weights behind the next forward
             dp_s = max(0.0, rs - hide_b) + max(0.0, ag - hide_f)
-        elif cand.zero == 2:  # sharded gradients cannot accumulate whole: one RS per micro-batch
+        elif cand.zero_stage == 2:  # sharded gradients cannot accumulate whole: one RS per micro-batch
             dp_s = m * max(0.0, rs - hide_b) + max(0.0, ag - hide_f)
         elif p == 1:  # ZeRO-3: per micro-batch AG before forward, AG before backward and RS after it
             o = assume.zero3_overlap

@@ -78,7 +78,7 @@ def _megatron_runs() -> list[PublishedRun]:
     return [PublishedRun(f"Megatron-LM {name}", "Megatron-LM README, H100 weak-scaling table (Megatron-Core r0.8.0)",
                          megatron_config(name, heads, h, layers), "dgx-h100", gpus // 8, gb, MEGATRON_SEQ,
                          {"dp": 48, "tp": tp, "pp": pp, "cp": 1}, mfu, "the table's MFU column",
-                         pinned={"zero": 1}, space=MEGATRON_SPACE, assume=Assumptions(tp_overlap=TP_OVERLAP),
+                         pinned={"zero_stage": 1}, space=MEGATRON_SPACE, assume=Assumptions(tp_overlap=TP_OVERLAP),
                          gaps="the table's own batch per row; the planner has no launch or optimizer-step overhead",
                          study_fixed={"dp": 48, "cp": 1})
             for name, heads, h, layers, tp, pp, gpus, gb, mfu in MEGATRON_WEAK_SCALING]
@@ -121,7 +121,7 @@ OTHER_RUNS: list[PublishedRun] = [
         MT_NLG_530B, "dgx-a100-80gb", 280, 1920, 2048, {"dp": 8, "tp": 8, "pp": 35, "cp": 1}, 0.30,
         "60.1 s per iteration on 280 nodes: 1920 x 2048 tokens x (6 N + 12 L h s) FLOPs / (60.1 s x 2240 x 312 "
         "TFLOP/s) = 0.30 (the paper's 126 TFLOP/s per GPU count the recomputed forward)",
-        pinned={"zero": 1, "recompute": "full", "schedule": "1f1b"},
+        pinned={"zero_stage": 1, "recompute": "full", "schedule": "1f1b"},
         space={"recomputes": ("full",), "zero_stages": (0, 1)},
         gaps="DeepSpeed's ZeRO-1 + Megatron's TP x PP; no sequence parallelism then (the planner assumes SP)"),
     PublishedRun(
@@ -129,27 +129,27 @@ OTHER_RUNS: list[PublishedRun] = [
         "Model, Sec. 3.4", BLOOM_176B, "dgx-a100-80gb", 48, 2048, 2048, {"dp": 8, "tp": 4, "pp": 12, "cp": 1}, 0.37,
         "156 TFLOP/s per GPU counting the recomputed forward (Megatron-DeepSpeed's formula, full activation "
         "checkpointing): x 3/4 = 0.37 of 312",
-        pinned={"zero": 1, "recompute": "full", "schedule": "1f1b"},
+        pinned={"zero_stage": 1, "recompute": "full", "schedule": "1f1b"},
         space={"zero_stages": (0, 1), "recomputes": ("selective", "full")},
         gaps="70 blocks on 12 stages: DeepSpeed balanced by parameters (embedding counted as a layer), the planner "
              "uses ends_split; ALiBi and the embedding LayerNorm are not modelled"),
     PublishedRun(
         "OPT-175B", "Zhang et al. 2022, OPT: Open Pre-trained Transformer Language Models, Sec. 2.4",
         OPT_175B, "dgx-a100-80gb", 124, 992, 2048, {"dp": 124, "tp": 8, "pp": 1, "cp": 1}, 0.47,
-        "up to 147 TFLOP/s per GPU, / 312", pinned={"zero": 3}, space={"zero_stages": (1, 3)},
+        "up to 147 TFLOP/s per GPU, / 312", pinned={"zero_stage": 3}, space={"zero_stages": (1, 3)},
         gaps="FSDP (ZeRO-3) with Megatron TP 8 on 992 GPUs; the batch of ~2M tokens does not divide by DP 124: "
              "992 sequences here; 'up to' 147 TFLOP/s, its counting not stated"),
     PublishedRun(
         "Llama 3 405B, 8K", "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 and Sec. 3.3.2",
         LLAMA3_405B, "dgx-h100", 2048, 2048, 8192, {"dp": 128, "tp": 8, "pp": 16, "cp": 1}, 0.41,
-        "Table 4: 400 TFLOP/s per GPU, 41 % BF16 MFU on 16,384 GPUs", pinned={"zero": 1},
+        "Table 4: 400 TFLOP/s per GPU, 41 % BF16 MFU on 16,384 GPUs", pinned={"zero_stage": 1},
         space={"zero_stages": (1,), "recomputes": ("selective", "full"), "micro_batches": (1,)},
         gaps="their interleaved schedule with a tunable number of micro-batches per group; 126 layers on 16 stages "
              "(7, 8, ..., 8, 7) as ends_split cuts them"),
     PublishedRun(
         "Llama 3 405B, 128K", "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4", LLAMA3_405B, "dgx-h100",
         2048, 128, 131072, {"dp": 8, "tp": 8, "pp": 16, "cp": 16}, 0.38,
-        "Table 4: 380 TFLOP/s per GPU, 38 % BF16 MFU", pinned={"zero": 1},
+        "Table 4: 380 TFLOP/s per GPU, 38 % BF16 MFU", pinned={"zero_stage": 1},
         space={"zero_stages": (1,), "recomputes": ("selective", "full"), "micro_batches": (1,)},
         gaps="their CP all-gathers K/V instead of a ring; document masks shorten attention (the planner assumes "
              "full causal attention over 128K)"),
@@ -158,7 +158,7 @@ OTHER_RUNS: list[PublishedRun] = [
         DEEPSEEK_V3_LIKE, "hgx-h800", 256, 15360, 4096, {"dp": 128, "tp": 1, "pp": 16, "cp": 1, "ep": 64}, 0.36,
         "180K H800 GPU hours per trillion tokens: 1e12 / (180e3 x 3600 s) = 1543 tokens/s per GPU x ~2.33e11 "
         "FLOPs per token (6 x 37B active + causal attention) = 0.36 of 989 TFLOP/s", full_attention=False,
-        pinned={"zero": 1, "schedule": "zb_h1"}, space={"zero_stages": (1,), "micro_batches": (1,)},
+        pinned={"zero_stage": 1, "schedule": "zb_h1"}, space={"zero_stages": (1,), "micro_batches": (1,)},
         assume=Assumptions(ep_overlap=1.0, dense_layers=DEEPSEEK_V3_DENSE_LAYERS),
         gaps="MLA (modelled as MHA), multi-token prediction, FP8 GEMMs and DualPipe (priced as ZB-H1 with the "
              "all-to-all fully overlapped) are not modelled; the 3 dense leading blocks' activations are "
@@ -184,7 +184,7 @@ NVIDIA_RUNS: list[PublishedRun] = [
         QWEN3_30B_A3B, "dgx-h100", 1, 512, 4096, {"dp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 8}, 0.28,
         "277 model TFLOP/s per GPU / 989 = 0.28; the table counts causal attention: 12,040 tokens/s x (6 x 3.04e9 "
         "active + 3 x 48 x 2 x 4096 x 4096) = 278 TFLOP/s with the real 128-wide heads (full attention would give 336)",
-        full_attention=False, pinned={"zero": 3, "micro_batch": 4, "recompute": "full"},
+        full_attention=False, pinned={"zero_stage": 3, "micro_batch": 4, "recompute": "full"},
         space={"zero_stages": AUTOMODEL_ZERO},
         assume=Assumptions(precision=AUTOMODEL_PRECISION, ep_dedup=True),
         gaps="FSDP2 (ZeRO-3) over the 8 GPUs, EP 8 inside it, MBS 4 with full activation checkpointing as its "
@@ -200,7 +200,7 @@ NVIDIA_RUNS: list[PublishedRun] = [
         "189 model TFLOP/s per GPU / 989 = 0.19 (924 tokens/s x 6 x ~32.6e9 active parameters = 181 TFLOP/s: the "
         "rest is attention; how the table counts MLA's attention is not stated, assumed causal)",
         full_attention=False,
-        pinned={"zero": 3, "schedule": "interleaved", "v": 4, "micro_batch": 1, "recompute": "full"},
+        pinned={"zero_stage": 3, "schedule": "interleaved", "v": 4, "micro_batch": 1, "recompute": "full"},
         space={"zero_stages": AUTOMODEL_ZERO, "micro_batches": (1,), "schedules": ("1f1b", "interleaved"),
                "virtual_stages": (2, 4)},
         assume=Assumptions(dense_layers=KIMI_K2_DENSE_LAYERS, precision=AUTOMODEL_PRECISION, ep_dedup=True),

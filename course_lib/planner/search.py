@@ -110,7 +110,7 @@ def cluster(name: str, nodes: int) -> Cluster:
 # ------------------------------------------------------------------------------------------------ the search
 
 MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
-FIXED_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "schedule", "v")
+FIXED_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch", "recompute", "schedule", "v")
 """What ``fixed`` may pin: the mesh degrees and every other field of a ``Candidate``."""
 
 
@@ -160,7 +160,7 @@ def library_refusal(cfg: GPTConfig, cand: Candidate, global_batch: int, seq_len:
     c = replace(cfg, seq_len=seq_len, vocab_size=padded_vocab(cfg.vocab_size, cand.tp))
     try:
         check_composable(cand.shape, c, sequence_parallel=cand.tp > 1, global_batch=global_batch,
-                         microbatches=cand.microbatches(global_batch), v=cand.v, zero_stage=cand.zero)
+                         microbatches=cand.microbatches(global_batch), v=cand.v, zero_stage=cand.zero_stage)
     except (MeshError, ValueError) as e:
         return "library: " + str(e)
     return moe_pipeline_refusal(cfg, cand.shape)
@@ -215,7 +215,7 @@ def candidates(cfg: GPTConfig, world: int, global_batch: int, seq_len: int, *,
             m = global_batch // (dp * mb)
             for (sched, v), zero, rc in itertools.product(pipes if pp > 1 else [("1f1b", 1)], zero_stages,
                                                           recomputes):
-                if not pinned(zero=zero, recompute=rc, schedule=sched, v=v):
+                if not pinned(zero_stage=zero, recompute=rc, schedule=sched, v=v):
                     continue
                 cand = Candidate(dp, tp, pp, cp, ep, zero, mb, rc, sched, v)  # type: ignore[arg-type]
                 why = refusal(cfg, cand, m) or (library_rules and library_refusal(cfg, cand, global_batch, seq_len))
@@ -269,7 +269,7 @@ class PlanResult:
         rows = []
         for i, p in enumerate(self.ranked[:top], 1):
             c = p.candidate
-            rows.append({"rank": i, "dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero": c.zero,
+            rows.append({"rank": i, "dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero": c.zero_stage,
                          "mb": c.micro_batch, "recompute": c.recompute, "schedule": c.schedule_label,
                          "GiB/GPU": round(p.memory.total / GiB, 1), "step_s": round(p.step_s, 3),
                          "MFU": round(p.mfu, 3), "why": "; ".join(p.reasons[1:])})
@@ -284,7 +284,7 @@ def _no_mesh_message(cl: Cluster, closest: Prediction | None, problems: dict[str
     c, need = closest.candidate, closest.memory.total / closest.usable_bytes
     fixes = ["raise the number of nodes (more ways to split)"]
     fixes += [f"unpin {sorted(fixed)}"] if fixed else []
-    fixes += ["allow ZeRO-3"] if c.zero < 3 and c.pp == 1 else []
+    fixes += ["allow ZeRO-3"] if c.zero_stage < 3 and c.pp == 1 else []
     fixes += ["allow full recomputation"] if c.recompute != "full" else []
     return (f"no mesh fits: the closest ({c}) needs {need:.2f}x the memory per GPU "
             f"({closest.memory.total / GiB:.1f} GiB of {closest.usable_bytes / GiB:.1f} GiB usable on "

@@ -179,7 +179,7 @@ SIZE_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size"
 
 def budget_for(config: GPTConfig | str, *, mode: str = "training", precision: str = "mixed",
                fp32_grad_accum: bool = False, optimizer: str = "adamw", batch: int = 1, seq_len: int | None = None,
-               recompute: str = "none", zero: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+               recompute: str = "none", zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                ep: int = 1, sp: bool = False, weight_bytes: float = 2.0, kv_bytes: float = 2.0) -> MemoryBudget:
     """The budget the widget shows, from plain values: training -> :func:`training_memory` with a
     :class:`ParallelLayout` (its default activations: flash attention, no s x s scores); inference ->
@@ -190,7 +190,7 @@ def budget_for(config: GPTConfig | str, *, mode: str = "training", precision: st
     if c.pos == "learned" and s > c.seq_len:  # a longer sequence needs a longer position table
         c = c.with_(seq_len=s)
     if mode == "training":
-        layout = ParallelLayout(dp=dp, zero=zero, tp=tp, sp=sp, pp=pp, cp=cp, ep=ep)
+        layout = ParallelLayout(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp, cp=cp, ep=ep)
         return training_memory(c, precision=precision, optimizer=optimizer,  # type: ignore[arg-type]
                                fp32_grad_accum=fp32_grad_accum, micro_batch=batch, seq_len=s,
                                recompute=recompute, layout=layout)  # type: ignore[arg-type]
@@ -209,12 +209,12 @@ CONTROL_DESCRIPTIONS: dict[str, str] = {
     "vocab_size": "vocab", "n_expert": "experts", "top_k": "top-k",
     "precision": "precision", "optimizer": "optimizer", "recompute": "recompute",
     "batch": "batch", "seq_len": "sequence",
-    "zero": "ZeRO stage", "dp": "DP", "tp": "TP", "pp": "PP", "cp": "CP", "ep": "EP", "sp": "SP",
+    "zero_stage": "ZeRO stage", "dp": "DP", "tp": "TP", "pp": "PP", "cp": "CP", "ep": "EP", "sp": "SP",
     "weight_bytes": "weights", "kv_bytes": "KV cache",
 }
 """Control name (for :meth:`MemoryBudgetWidget.set`) -> the ``description`` shown next to it (stable)."""
 
-_TRAINING_ONLY = ("precision", "optimizer", "recompute", "zero", "dp", "cp", "sp")
+_TRAINING_ONLY = ("precision", "optimizer", "recompute", "zero_stage", "dp", "cp", "sp")
 _INFERENCE_ONLY = ("weight_bytes", "kv_bytes")
 _POW2 = [2**i for i in range(13)]
 
@@ -222,7 +222,7 @@ _POW2 = [2**i for i in range(13)]
 class MemoryBudgetWidget(ControlPanel):
     """An ipywidgets container: controls, then the verdict, the stacked bar and the budget table.
 
-    From code: ``w.set(zero=3, dp=64)`` sets controls (one redraw) and returns ``w.text``; ``w.budget`` is the
+    From code: ``w.set(zero_stage=3, dp=64)`` sets controls (one redraw) and returns ``w.text``; ``w.budget`` is the
     current :class:`MemoryBudget` (None when the settings are invalid), ``w.fits`` the verdict as a bool,
     ``w.controls`` {name: control widget} with the names of ``CONTROL_DESCRIPTIONS``.
     """
@@ -265,7 +265,7 @@ class MemoryBudgetWidget(ControlPanel):
             "recompute": drop("recompute", ["none", "selective", "full"], "none", "170px"),
             "batch": num("batch", 1),
             "seq_len": num("seq_len", c0.seq_len, "170px"),
-            "zero": drop("zero", [0, 1, 2, 3], 0, "130px"),
+            "zero_stage": drop("zero_stage", [0, 1, 2, 3], 0, "130px"),
             "dp": drop("dp", _POW2, 1, "100px"),
             "tp": drop("tp", _POW2[:8], 1, "100px"),
             "pp": drop("pp", _POW2[:9], 1, "100px"),
@@ -286,7 +286,7 @@ class MemoryBudgetWidget(ControlPanel):
             W.Accordion(children=[sizes], titles=("model sizes (editing one makes the model 'custom')",)),
             W.HBox([ctl["precision"], ctl["optimizer"], ctl["recompute"], ctl["batch"], ctl["seq_len"]],
                    layout=W.Layout(flex_flow="row wrap")),
-            W.HBox([ctl[k] for k in ("zero", "dp", "tp", "pp", "cp", "ep", "sp")],
+            W.HBox([ctl[k] for k in ("zero_stage", "dp", "tp", "pp", "cp", "ep", "sp")],
                    layout=W.Layout(flex_flow="row wrap")),
             W.HBox([ctl["weight_bytes"], ctl["kv_bytes"]], layout=W.Layout(flex_flow="row wrap")),
             self.verdict_html, self.image, self.table,
@@ -403,9 +403,9 @@ class MemoryBudgetWidget(ControlPanel):
             self.config = self._current_config()
             self.budget = budget_for(self.config, mode=v["mode"], precision=precision, fp32_grad_accum=acc,
                                      optimizer=v["optimizer"], batch=v["batch"], seq_len=v["seq_len"],
-                                     recompute=v["recompute"], zero=v["zero"], dp=v["dp"], tp=v["tp"], pp=v["pp"],
-                                     cp=v["cp"], ep=v["ep"], sp=v["sp"], weight_bytes=v["weight_bytes"],
-                                     kv_bytes=v["kv_bytes"])
+                                     recompute=v["recompute"], zero_stage=v["zero_stage"], dp=v["dp"],
+                                     tp=v["tp"], pp=v["pp"], cp=v["cp"], ep=v["ep"], sp=v["sp"],
+                                     weight_bytes=v["weight_bytes"], kv_bytes=v["kv_bytes"])
         except ValueError as err:  # the message names the field and what it accepts; no stale or empty figure
             self.budget, self.fits = None, None
             self.verdict_text = f"invalid settings: {err}"

@@ -43,6 +43,7 @@ from course_lib.estimates.memory_budget import GB
 from course_lib.estimates.model_states import bytes_per_param, zero_memory_per_device
 from course_lib.measure.instrument import record_zero_step
 from course_lib.model_config import PRESETS, GPTConfig, param_count
+from course_lib.parallel.zero import check_stage
 from course_lib.viz.memory import CATEGORY_COLORS, PRECISION_OPTIONS
 from course_lib.viz.panel import ControlPanel, figure_png
 
@@ -73,8 +74,7 @@ STAGE_NAMES = {0: "DP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}
 
 
 def _check(stage: int, n_d: int) -> None:
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    check_stage(stage)
     if isinstance(n_d, bool) or not isinstance(n_d, int) or n_d < 1:
         raise ValueError(f"N_d must be a positive int, got {n_d!r}")
 

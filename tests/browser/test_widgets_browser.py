@@ -57,10 +57,10 @@ def test_memory_budget_widget(lab):
     step("model_by_mouse", model=model)
 
     # the ZeRO stage, by keyboard: focus the dropdown, open it, one option up, Enter
-    zero = mirror.controls["zero"]
+    zero = mirror.controls["zero_stage"]
     assert zero.index > 0, "the notebook's widget should start above ZeRO-0"
-    ui.choose_by_keyboard(MEMORY["zero"], "ArrowUp")
-    step("zero_by_keyboard", zero=zero.options[zero.index - 1])
+    ui.choose_by_keyboard(MEMORY["zero_stage"], "ArrowUp")
+    step("zero_by_keyboard", zero_stage=zero.options[zero.index - 1])
 
     # the DP degree, by typing into the dropdown (type-ahead picks the option "8")
     assert mirror.controls["dp"].value != 8
@@ -89,7 +89,7 @@ def test_memory_budget_widget(lab):
     # inference, by mouse: the training-only controls are disabled
     ui.click("inference")
     step("inference_by_mouse", mode="inference")
-    expect(ui.input(MEMORY["zero"])).to_be_disabled()
+    expect(ui.input(MEMORY["zero_stage"])).to_be_disabled()
     expect(ui.input(MEMORY["kv_bytes"])).to_be_enabled()
 
     # TP, by keyboard, in inference
@@ -101,7 +101,7 @@ def test_memory_budget_widget(lab):
     ui.button("training").focus()
     lab.page.keyboard.press("Space")
     step("training_by_keyboard", mode="training")
-    expect(ui.input(MEMORY["zero"])).to_be_enabled()
+    expect(ui.input(MEMORY["zero_stage"])).to_be_enabled()
 
 
 # ----------------------------------------------------------------------------------------------------------------

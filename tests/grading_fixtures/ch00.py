@@ -50,7 +50,7 @@ def _search(model, gpu, seq_len, *, tps=(1, 2, 4, 8), sp=True, cap_gib=False):
     for tp in tps:
         for pp in (1, 2, 4, 8, 16):
             for dp in (2 ** k for k in range(11)):
-                layout = ParallelLayout(dp=dp, tp=tp, pp=pp, zero=3, sp=sp and tp > 1)
+                layout = ParallelLayout(dp=dp, tp=tp, pp=pp, zero_stage=3, sp=sp and tp > 1)
                 total = training_memory(model, micro_batch=1, seq_len=seq_len, recompute="full", layout=layout).total
                 if total <= cap and (best is None or tp * pp * dp < best[0]):
                     best = (tp * pp * dp, {"tp": tp, "pp": pp, "dp": dp})
