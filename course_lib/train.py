@@ -142,8 +142,11 @@ def with_fp32_noise(train: Callable[[torch.dtype], TrainResult]) -> TrainResult:
     return fp32
 
 
-def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int], nn.Module], freeze: Iterable[str],
-           accumulation: int, dtype: torch.dtype) -> TrainResult:
+def train_single(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
+                 model_fn: Callable[[GPTConfig, int], nn.Module] = GPT, freeze: Iterable[str] = (),
+                 accumulation: int = 1, dtype: torch.dtype = torch.float32) -> TrainResult:
+    """One single-process run in ``dtype`` (the loss in at least fp32, as the parallel forms compute it), without
+    its noise: ``train_baseline`` runs it in fp32 and fp64; chapter 11 in bf16, in two reduction orders."""
     model = model_fn(cfg, tc.seed).to(dtype)
     frozen = set(freeze)
     for name, p in model.named_parameters():
@@ -155,7 +158,9 @@ def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int],
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for xm, ym in micro_batches(x, y, accumulation):
-            loss = (lm_loss(model(xm), ym) + moe_aux_loss(model)) / accumulation
+            logits = model(xm)
+            loss = (lm_loss(logits.to(torch.promote_types(logits.dtype, torch.float32)), ym)
+                    + moe_aux_loss(model)) / accumulation
             loss.backward()
             total += loss.item()
         opt.step()
@@ -171,7 +176,7 @@ def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
     The loss is the LM loss plus the MoE router losses (``moe_aux_loss``; 0 for a dense model). With
     ``accumulation`` = m each step's batch is split into m micro-batches, each loss scaled by 1/m.
     The result carries its fp32 rounding error (``noise``, from a second run in float64: ``with_fp32_noise``)."""
-    return with_fp32_noise(lambda dtype: _train(cfg, tc, model_fn, freeze, accumulation, dtype))
+    return with_fp32_noise(lambda dtype: train_single(cfg, tc, model_fn, freeze, accumulation, dtype))
 
 
 @dataclass
