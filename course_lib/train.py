@@ -143,11 +143,12 @@ def with_fp32_noise(train: Callable[[torch.dtype], TrainResult]) -> TrainResult:
 
 
 def train_single(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
-                 model_fn: Callable[[GPTConfig, int], nn.Module] = GPT, freeze: Iterable[str] = (),
+                 model_fn: Callable[[GPTConfig, int], nn.Module] | None = None, freeze: Iterable[str] = (),
                  accumulation: int = 1, dtype: torch.dtype = torch.float32) -> TrainResult:
-    """One single-process run in ``dtype`` (the loss in at least fp32, as the parallel forms compute it), without
-    its noise: ``train_baseline`` runs it in fp32 and fp64; chapter 11 in bf16, in two reduction orders."""
-    model = model_fn(cfg, tc.seed).to(dtype)
+    """One single-process run of ``model_fn`` (default the GPT) in ``dtype`` (the loss in at least fp32, as the
+    parallel forms compute it), without its noise: ``train_baseline`` runs it in fp32 and fp64; chapter 11 in
+    bf16, in two reduction orders."""
+    model = (model_fn or GPT)(cfg, tc.seed).to(dtype)
     frozen = set(freeze)
     for name, p in model.named_parameters():
         p.requires_grad_(name not in frozen)

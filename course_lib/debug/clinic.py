@@ -282,16 +282,18 @@ def partial_not_summed(tp: int = 2) -> Case:
                 Diagnosis(PARTIAL_NOT_SUMMED, tuple(range(tp)), 0, "blocks.0.norm1.weight"))
 
 
-def accumulation(executor: type[PipelineExecutor] = TwiceScaled, shape: MeshShape = DP_PP,
-                 microbatches: int = 2) -> Case:
-    """Under DP x PP each micro-batch's loss scaled twice (``TwiceScaled``) or not at all (``Unscaled``)."""
-    def target(ex: type[PipelineExecutor]) -> Callable[..., Any]:
+SCALINGS = {"twice": TwiceScaled, "none": Unscaled}
+
+
+def accumulation(scaled: str = "twice", shape: MeshShape = DP_PP, microbatches: int = 2) -> Case:
+    """Under DP x PP each micro-batch's loss scaled twice or not at all (``SCALINGS``)."""
+    def target(ex: Callable[..., PipelineExecutor]) -> Callable[..., Any]:
         steps = C.with_step(C.STEPS, C.pipeline_parallel, functools.partial(C.pipeline_parallel, executor=ex))
         return functools.partial(train_parallel, cfg=CFG, tc=SGD,
                                  parallel=ParallelConfig(shape, microbatches=microbatches), steps=steps)
     return Case("accumulation", "replicas agree, but with SGD the loss leaves one process's curve from step 1",
                 "divide each micro-batch's loss by m once (the executor's scale_loss)", shape.world_size,
-                target(executor), target(PipelineExecutor), _ins(checksums=shape),
+                target(SCALINGS[scaled]), target(PipelineExecutor), _ins(checksums=shape),
                 Diagnosis(ACCUMULATION, tuple(range(shape.world_size)), 1), tc=SGD, composed=True)
 
 

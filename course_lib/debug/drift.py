@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
 from course_lib.parallel.loop import ModelFn
 from course_lib.train import FLOOR_ULPS, NOISE_MULTIPLE, UNIT_ROUNDOFF, TrainConfig, TrainResult, train_single
@@ -57,8 +56,8 @@ class Drift:
                 f"{self.param_ratio:.2g} x ({self.worst_param}){where}")
 
 
-def reordered(cfg: GPTConfig, tc: TrainConfig, *, dtype: torch.dtype = torch.float32, model_fn: ModelFn = GPT,
-              accumulation: int = 2) -> TrainResult:
+def reordered(cfg: GPTConfig, tc: TrainConfig, *, dtype: torch.dtype = torch.float32,
+              model_fn: ModelFn | None = None, accumulation: int = 2) -> TrainResult:
     """The single-process run with each step's gradient summed from ``accumulation`` micro-batches."""
     return train_single(cfg, tc, model_fn, accumulation=accumulation, dtype=dtype)
 

@@ -106,7 +106,10 @@ def _waits_for(rank: int, call: Entry, traces: Mapping[int, Trace]) -> tuple[tup
         return (call.peer,), f"its peer of the {call.op}"
     late, other = [], []
     for m in call.ranks:
-        if m == rank or m not in traces:
+        if m == rank:
+            continue
+        if m not in traces:  # no dump: as far as anyone knows, not there
+            late.append(m)
             continue
         theirs = [e for e in traces[m].entries if (e.group, e.ranks) == (call.group, call.ranks) and not e.p2p]
         match = next((e for e in theirs if e.group_seq == call.group_seq), None)
