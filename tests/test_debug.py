@@ -23,14 +23,7 @@ from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import MeshShape
 from course_lib.train import TrainConfig, TrainResult, train_single
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Single-process runs beside rank processes on 2 cores: one thread, or OpenMP's spinning threads take 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------- the recorder

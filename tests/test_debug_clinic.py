@@ -12,13 +12,7 @@ from course_lib.debug.checksums import same_batches
 from course_lib.debug.watch import Watched
 from course_lib.train import TrainResult, compare, train_baseline, train_single
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _drift(case: clinic.Case, got: TrainResult) -> drift.Drift:
