@@ -5,21 +5,13 @@ parity with one process (the bf16 case: noise by the drift test, never a bug).""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from course_lib.debug import clinic, drift
 from course_lib.debug.checksums import same_batches
 from course_lib.debug.watch import Watched
-from course_lib.train import TrainResult, compare, train_baseline, train_single
+from course_lib.train import compare, train_baseline
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _drift(case: clinic.Case, got: TrainResult) -> drift.Drift:
-    ref = train_single(clinic.CFG, case.tc, case.model_fn, dtype=case.dtype)
-    reorder = drift.reordered(clinic.CFG, case.tc, dtype=case.dtype, model_fn=case.model_fn)
-    start = case.resume_at or 0
-    return drift.drift_test(ref.from_step(start), got, reorder.from_step(start), start=start)
 
 
 def _alarm(w: Watched) -> tuple:
@@ -42,7 +34,7 @@ def _symptom(case: clinic.Case, w: Watched) -> clinic.Diagnosis:
         (first,) = [f for f in (r.nonfinite for r in w.reports) if f is not None and f.phase == "backward"]
         return clinic.Diagnosis(a.bug, (first.rank,), first.step, first.module)
     assert _alarm(w) is None  # the rest keep their replicas equal
-    verdict = _drift(case, case.result(w))
+    verdict = case.drift(w)[2]
     if case.key == "same_data":
         dup = same_batches([r.batches for r in w.reports], [list(range(case.world_size))])
         assert [i for i, _ in dup] == list(range(case.tc.steps))
@@ -86,11 +78,10 @@ def test_each_fix_restores_parity(key):
 @pytest.mark.slow
 def test_bf16_fails_the_fp32_rule_and_is_noise_by_its_own():
     case = clinic.bf16_noise()
-    got = case.result(case.run())
-    fp32_rule = compare(train_single(clinic.CFG, case.tc, case.model_fn, dtype=torch.bfloat16), got,
-                        noise=train_baseline(clinic.CFG, case.tc).noise)
+    ref, got, verdict = case.drift(case.run())
+    fp32_rule = compare(ref, got, noise=train_baseline(clinic.CFG, case.tc).noise)
     assert not fp32_rule.ok and fp32_rule.worst_ratio > 100
-    assert _drift(case, got).verdict == drift.NOISE
+    assert verdict.verdict == drift.NOISE
 
 
 def test_hidden_variants_move_the_answer():

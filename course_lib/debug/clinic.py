@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 
 from course_lib.data import global_batch, shard
 from course_lib.debug.checksums import BEFORE_TRAINING
+from course_lib.debug.drift import Drift, drift_test, reordered
 from course_lib.debug.watch import Instruments, Watched, run
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
@@ -36,11 +37,11 @@ from course_lib.parallel.runs import Checkpointing, merge_composed, train_dp, tr
 from course_lib.parallel.tp import gpt_plan
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import MeshShape
-from course_lib.train import TrainConfig, TrainResult
+from course_lib.train import TrainConfig, TrainResult, train_baseline, train_single
 
 CFG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, bias=False)
 """The clinic's model: small enough that a 4-rank run of a few steps takes about a second."""
-TC = TrainConfig(steps=4, global_batch=8)
+TC = TrainConfig(steps=3, global_batch=8)
 SGD = replace(TC, optimizer="sgd", lr=0.05)
 """For a bug that scales gradients: AdamW divides the scale away, SGD shows it (chapter 05's lesson)."""
 DP_TP = MeshShape(dp=2, tp=2)
@@ -204,27 +205,75 @@ class Sampler:
 # ------------------------------------------------------------------------------------------------------ cases
 
 
+def composed(shape: MeshShape, *, data_parallel: Any, tc: TrainConfig = TC, microbatches: int = 4,
+             executor: Any = None, sampler: Any = None) -> Callable[..., Any]:
+    """A composed run on ``shape`` (``runs.train_parallel``) built from its parts: the data-parallel compose step,
+    the pipeline's executor class (None: the library's), the data sampler."""
+    steps = C.with_step(C.STEPS, C.data_parallel, data_parallel)
+    if executor is not None:
+        steps = C.with_step(steps, C.pipeline_parallel, functools.partial(C.pipeline_parallel, executor=executor))
+    return functools.partial(train_parallel, cfg=CFG, tc=tc, parallel=ParallelConfig(shape, microbatches=microbatches),
+                             steps=steps, sampler=sampler)
+
+
+def data_parallel_run(*, data_parallel: Any, model_fn: Any, sampler: Any) -> Callable[..., Any]:
+    """A data-parallel run (``runs.train_dp``) built from its parts: the form, the model function, the sampler."""
+    return functools.partial(train_dp, cfg=CFG, tc=TC, data_parallel=data_parallel, model_fn=model_fn,
+                             sampler=sampler)
+
+
+def tensor_parallel_run(*, plan: Any, model_fn: Any, sequence_parallel: bool = False) -> Callable[..., Any]:
+    """A tensor-parallel run (``runs.train_tp``) built from its parts: the TP plan and the model function."""
+    return functools.partial(train_tp, cfg=CFG, tc=TC, sequence_parallel=sequence_parallel, plan=plan,
+                             model_fn=model_fn)
+
+
 @dataclass(frozen=True)
 class Case:
-    """One broken run: its launch target on ``world_size`` ranks (``target``), the same run fixed (``fixed``),
-    the ``instruments`` that show its symptom, the ``answer``, and what the chapter says of it (``symptom``,
-    ``fix``). ``resume_at``: the run is resumed from a checkpoint written after that many steps."""
+    """One broken run: ``build(**parts)`` is its launch target on the ranks of ``shape``, one of its ``parts`` is
+    broken and ``repair`` holds it put right (empty: nothing is wrong); the ``instruments`` that show its symptom;
+    the ``answer``; and what the chapter says of it (``symptom``, ``fix``). ``resume_at``: the run is resumed from
+    a checkpoint written after that many steps. ``with_parts`` swaps pieces (a fix, or a variant)."""
 
     key: str
     symptom: str
     fix: str
-    world_size: int
-    target: Callable[..., Any]
-    fixed: Callable[..., Any]
+    shape: MeshShape
+    build: Callable[..., Callable[..., Any]]
+    parts: dict[str, Any]
+    repair: dict[str, Any]
     instruments: Instruments
-    answer: Diagnosis
+    answer: Diagnosis | None
     tc: TrainConfig = TC
     dtype: torch.dtype = torch.float32
     model_fn: Callable[[GPTConfig, int], nn.Module] = GPT
     composed: bool = False
     resume_at: int | None = None
     timeout: float = 60.0
-    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def target(self) -> Callable[..., Any]:
+        return self.build(**self.parts)
+
+    @property
+    def fixed(self) -> Callable[..., Any]:
+        return self.build(**(self.parts | self.repair))
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    def with_parts(self, **parts: Any) -> Case:
+        """The same run with some of its parts replaced (unknown names refused)."""
+        unknown = sorted(set(parts) - set(self.parts))
+        if unknown:
+            raise KeyError(f"{self.key} has no part {unknown}; its parts are {sorted(self.parts)}")
+        return replace(self, parts=self.parts | parts)
+
+    def suspect(self) -> Case:
+        """The case as a learner gets it: the run and its parts, without its name, answer, repair, symptom and the
+        instruments chosen for it (the recorder only: choose the others)."""
+        return replace(self, key="suspect", repair={}, answer=None, fix="", symptom="", instruments=Instruments())
 
     def run(self, fixed: bool = False, instruments: Instruments | None = None) -> Watched:
         """Launch the broken run (or the fixed one) with the instruments; a hang comes back as a report."""
@@ -244,41 +293,49 @@ class Case:
         merged = merge_composed(results) if self.composed else results[0]
         return TrainResult(list(merged.losses), merged.params)
 
+    def baseline(self) -> TrainResult:
+        """One process, in fp32 with its fp32 noise (``train_baseline``), from ``resume_at`` on."""
+        return train_baseline(CFG, self.tc, self.model_fn).from_step(self.resume_at or 0)
 
-def _ins(**kwargs: Any) -> Instruments:
-    return Instruments(**kwargs)
+    def drift(self, watched: Watched) -> tuple[TrainResult, TrainResult, Drift]:
+        """(one process, this run, the drift test): the single-process run in the run's dtype, and again in another
+        reduction order for the noise (from ``resume_at`` on for a resumed run)."""
+        start = self.resume_at or 0
+        ref = train_single(CFG, self.tc, self.model_fn, dtype=self.dtype).from_step(start)
+        reorder = reordered(CFG, self.tc, dtype=self.dtype, model_fn=self.model_fn).from_step(start)
+        got = self.result(watched)
+        return ref, got, drift_test(ref, got, reorder, start=start)
 
 
 def hang(only_rank: int = 0, after: int = 1, shape: MeshShape = DP_TP) -> Case:
     """A rank gathers the weights for a snapshot that its tp peers do not take: they hang in the next step."""
-    def target(snapshot_rank: int | None) -> Callable[..., Any]:
-        steps = C.with_step(C.STEPS, C.data_parallel, functools.partial(snapshot_step, after=after,
-                                                                           only_rank=snapshot_rank))
-        return functools.partial(train_parallel, cfg=CFG, tc=TC, parallel=ParallelConfig(shape), steps=steps)
+    broken = functools.partial(snapshot_step, after=after, only_rank=only_rank)
     return Case("hang", "the run stops making progress: no error, no output, every rank waiting",
-                "every rank takes part in the gather (rank 0 alone keeps the snapshot)", shape.world_size,
-                target(only_rank), target(None), _ins(stall_s=2.0, torch_recorder=True),
-                Diagnosis(HANG, (only_rank,), after, "all_gather on tp"), composed=True, timeout=10.0)
+                "every rank takes part in the gather (rank 0 alone keeps the snapshot)", shape,
+                functools.partial(composed, shape), {"data_parallel": broken},
+                {"data_parallel": functools.partial(snapshot_step, after=after)},
+                Instruments(stall_s=2.0, torch_recorder=True), Diagnosis(HANG, (only_rank,), after, "all_gather on tp"),
+                composed=True, timeout=10.0)
 
 
 def wrong_group(shape: MeshShape = DP_TP) -> Case:
     """Gradients all-reduced over every rank instead of the data-parallel group."""
-    def target(steps: tuple) -> Callable[..., Any]:
-        return functools.partial(train_parallel, cfg=CFG, tc=TC, parallel=ParallelConfig(shape), steps=steps)
     return Case("wrong_group", "replicas agree with each other, but the loss leaves one process's curve",
-                "all-reduce each bucket over the group it was given (the data-parallel group)", shape.world_size,
-                target(C.with_step(C.STEPS, C.data_parallel, every_rank_step)), target(C.STEPS),
-                _ins(checksums=shape), Diagnosis(WRONG_GROUP, tuple(range(shape.world_size)), 1), composed=True)
+                "all-reduce each bucket over the group it was given (the data-parallel group)", shape,
+                functools.partial(composed, shape), {"data_parallel": every_rank_step},
+                {"data_parallel": C.data_parallel}, Instruments(checksums=shape),
+                Diagnosis(WRONG_GROUP, tuple(range(shape.world_size)), 1), composed=True)
 
 
 def partial_not_summed(tp: int = 2) -> Case:
     """Under TP + SP the norms' gradients are partial sums that nobody sums over tp."""
     plan = gpt_plan(CFG) | {"blocks.*.norm1": replicated_norm, "blocks.*.norm2": replicated_norm,
                             "norm_f": replicated_norm}
-    common = functools.partial(train_tp, cfg=CFG, tc=TC, sequence_parallel=True)
     return Case("partial_not_summed", "the copies of a replicated weight disagree across tp ranks",
                 "record the norms Partial() on tp (the 'sequence' style), so data parallelism sums them",
-                tp, functools.partial(common, plan=plan), common, _ins(checksums=MeshShape(tp=tp)),
+                MeshShape(tp=tp),
+                functools.partial(tensor_parallel_run, sequence_parallel=True), {"plan": plan, "model_fn": None},
+                {"plan": None}, Instruments(checksums=MeshShape(tp=tp)),
                 Diagnosis(PARTIAL_NOT_SUMMED, tuple(range(tp)), 0, "blocks.0.norm1.weight"))
 
 
@@ -287,80 +344,76 @@ SCALINGS = {"twice": TwiceScaled, "none": Unscaled}
 
 def accumulation(scaled: str = "twice", shape: MeshShape = DP_PP, microbatches: int = 2) -> Case:
     """Under DP x PP each micro-batch's loss scaled twice or not at all (``SCALINGS``)."""
-    def target(ex: Callable[..., PipelineExecutor]) -> Callable[..., Any]:
-        steps = C.with_step(C.STEPS, C.pipeline_parallel, functools.partial(C.pipeline_parallel, executor=ex))
-        return functools.partial(train_parallel, cfg=CFG, tc=SGD,
-                                 parallel=ParallelConfig(shape, microbatches=microbatches), steps=steps)
     return Case("accumulation", "replicas agree, but with SGD the loss leaves one process's curve from step 1",
-                "divide each micro-batch's loss by m once (the executor's scale_loss)", shape.world_size,
-                target(SCALINGS[scaled]), target(PipelineExecutor), _ins(checksums=shape),
-                Diagnosis(ACCUMULATION, tuple(range(shape.world_size)), 1), tc=SGD, composed=True)
+                "divide each micro-batch's loss by m once (the executor's scale_loss)", shape,
+                functools.partial(composed, shape, data_parallel=C.data_parallel, tc=SGD, microbatches=microbatches),
+                {"executor": SCALINGS[scaled]}, {"executor": PipelineExecutor},
+                Instruments(checksums=shape), Diagnosis(ACCUMULATION, tuple(range(shape.world_size)), 1), tc=SGD,
+                composed=True)
 
 
 def dropout_rng(tp: int = 2) -> Case:
     """Each tensor-parallel rank seeds its dropout with its own rank."""
-    def target(by_rank: bool) -> Callable[..., Any]:
-        return functools.partial(train_tp, cfg=CFG, tc=TC,
-                                 model_fn=functools.partial(dropout_model, by_rank=by_rank))
     return Case("dropout_rng", "the copies of a replicated weight disagree across tp ranks after the first step",
-                "seed the generator that draws the replicated region's dropout alike on every tp rank", tp,
-                target(True), target(False), _ins(checksums=MeshShape(tp=tp)),
-                Diagnosis(DROPOUT_RNG, tuple(range(1, tp)), 0, "pos_emb.weight"),
-                model_fn=functools.partial(dropout_model, by_rank=False))
+                "seed the generator that draws the replicated region's dropout alike on every tp rank",
+                MeshShape(tp=tp),
+                tensor_parallel_run, {"plan": None, "model_fn": functools.partial(dropout_model, by_rank=True)},
+                {"model_fn": dropout_model}, Instruments(checksums=MeshShape(tp=tp)),
+                Diagnosis(DROPOUT_RNG, tuple(range(1, tp)), 0, "pos_emb.weight"), model_fn=dropout_model)
 
 
 def same_data(world_size: int = 2) -> Case:
     """Every rank draws its rows from the same generator: the data-parallel ranks train on the same rows."""
-    def target(same: bool) -> Callable[..., Any]:
-        return functools.partial(train_dp, cfg=CFG, tc=TC, sampler=Sampler(TC.global_batch, CFG.seq_len,
-                                                                           TC.seed, same_rows=same))
     return Case("same_data", "the loss falls, replicas agree, the curve leaves one process's",
                 "deal each rank its own slice of the global batch (DistributedSampler's rank and num_replicas)",
-                world_size, target(True), target(False), _ins(checksums=MeshShape(dp=world_size), batches=True),
+                MeshShape(dp=world_size), data_parallel_run,
+                {"data_parallel": DataParallel, "model_fn": None, "sampler": _sampler(same_rows=True)},
+                {"sampler": _sampler()}, Instruments(checksums=MeshShape(dp=world_size), batches=True),
                 Diagnosis(SAME_DATA, tuple(range(world_size)), 0))
 
 
 def no_broadcast(world_size: int = 2, ranks: tuple[int, ...] = (1,)) -> Case:
     """Ranks ``ranks`` initialise from their own seed and the initial broadcast was turned off."""
-    def target(bug: bool) -> Callable[..., Any]:
-        return functools.partial(train_dp, cfg=CFG, tc=TC,
-                                 model_fn=functools.partial(rank_seeded_model, ranks=ranks),
-                                 data_parallel=functools.partial(DataParallel, broadcast=not bug))
     return Case("no_broadcast", "the replicas' weights differ from the start",
                 "broadcast the first replica's weights to the others before training (DataParallel's broadcast)",
-                world_size, target(True), target(False), _ins(checksums=MeshShape(dp=world_size)),
+                MeshShape(dp=world_size), data_parallel_run,
+                {"data_parallel": functools.partial(DataParallel, broadcast=False),
+                 "model_fn": functools.partial(rank_seeded_model, ranks=ranks), "sampler": None},
+                {"data_parallel": DataParallel}, Instruments(checksums=MeshShape(dp=world_size)),
                 Diagnosis(NO_BROADCAST, ranks, BEFORE_TRAINING, "tok_emb.weight"))
 
 
 def bf16_noise(world_size: int = 2) -> Case:
     """A bf16 run on ranks: its gradients are summed in another order than on one process. Not a bug."""
-    target = functools.partial(train_dp, cfg=CFG, tc=TC, model_fn=bf16_model)
     return Case("bf16_noise", "fails parity with one process by the fp32 rule, by far",
-                "none: measure the noise in the run's own precision", world_size, target, target,
-                _ins(checksums=MeshShape(dp=world_size)), Diagnosis(NO_BUG), dtype=torch.bfloat16,
+                "none: measure the noise in the run's own precision", MeshShape(dp=world_size), data_parallel_run,
+                {"data_parallel": DataParallel, "model_fn": bf16_model, "sampler": None}, {},
+                Instruments(checksums=MeshShape(dp=world_size)), Diagnosis(NO_BUG), dtype=torch.bfloat16,
                 model_fn=bf16_model)
 
 
-def skipped_batch(at: int = 2, world_size: int = 2) -> Case:
+def skipped_batch(at: int = 1, world_size: int = 2) -> Case:
     """Resumed from a checkpoint written after ``at`` steps, the data loader starts one batch ahead."""
-    def target(skip: int | None) -> Callable[..., Any]:
-        return functools.partial(train_parallel, cfg=CFG, tc=TC, parallel=ParallelConfig(MeshShape(dp=world_size)),
-                                 sampler=Sampler(TC.global_batch, CFG.seq_len, TC.seed, skip_from=skip))
     return Case("skipped_batch", "after a restart the loss leaves the uninterrupted run's curve",
-                "restore the loader at the first batch the checkpoint has not trained on", world_size,
-                target(at), target(None), _ins(checksums=MeshShape(dp=world_size), batches=True),
+                "restore the loader at the first batch the checkpoint has not trained on", MeshShape(dp=world_size),
+                functools.partial(composed, MeshShape(dp=world_size), data_parallel=C.data_parallel),
+                {"sampler": _sampler(skip_from=at)}, {"sampler": _sampler()},
+                Instruments(checksums=MeshShape(dp=world_size), batches=True),
                 Diagnosis(SKIPPED_BATCH, tuple(range(world_size)), at), composed=True, resume_at=at)
 
 
 def non_finite(rank: int = 1, step: int = 2, world_size: int = 2) -> Case:
     """Rank ``rank``'s batch of step ``step`` is all padding: its hand-written mean loss is 0/0."""
-    def target(empty: tuple[int, int] | None) -> Callable[..., Any]:
-        return functools.partial(train_dp, cfg=CFG, tc=TC, data_parallel=MaskedMeanDP,
-                                 sampler=Sampler(TC.global_batch, CFG.seq_len, TC.seed, empty=empty))
     return Case("non_finite", "the loss turns NaN on every rank at once",
-                "never hand a rank a batch without targets (or divide by the global token count)", world_size,
-                target((rank, step)), target(None), _ins(nonfinite=True),
-                Diagnosis(NON_FINITE, (rank,), step, "lm_head"))
+                "never hand a rank a batch without targets (or divide by the global token count)",
+                MeshShape(dp=world_size),
+                data_parallel_run,
+                {"data_parallel": MaskedMeanDP, "model_fn": None, "sampler": _sampler(empty=(rank, step))},
+                {"sampler": _sampler()}, Instruments(nonfinite=True), Diagnosis(NON_FINITE, (rank,), step, "lm_head"))
+
+
+def _sampler(**bug: Any) -> Sampler:
+    return Sampler(TC.global_batch, CFG.seq_len, TC.seed, **bug)
 
 
 CASES: dict[str, Callable[[], Case]] = {
