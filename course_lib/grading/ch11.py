@@ -122,6 +122,9 @@ def _why(name: str, got: Any, want: dict[str, Any] | None) -> str:
                 "interleaved": "compare each group on its own: ranks may order calls on different groups differently",
                 }.get(name, "every group's calls agree")
         return f"scenario {name!r}: expected None (no desync), got {got!r}: {hint}"
+    if got is None:
+        return (f"scenario {name!r}: you found no desync, but call #{want['n']} of group {want['group']} "
+                f"{want['ranks']} differs between its members (compare op, shapes, dtype and the calling line)")
     if not isinstance(got, dict) or set(got) != {"group", "ranks", "n", "culprits"}:
         return (f"scenario {name!r}: return None or a dict with keys group, ranks, n, culprits; got {got!r:.120}")
     for key in ("group", "ranks", "n"):
