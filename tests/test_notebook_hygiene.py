@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.course.handout import exercises_of
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (REPO / d).glob("*.ipynb"))
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (LLM scaling course)", "language": "python"}
@@ -100,7 +102,9 @@ def stderr_outputs(nb: dict) -> list[str]:
 
 
 def _compared_cells(nb: dict) -> list[tuple[int, dict]]:
-    return [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and MARKER in _source(c)]
+    """The cells nbval compares: tagged ``nbval-check-output``, or (the older way) marked with a comment line."""
+    return [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (
+        MARKER in _source(c) or "nbval-check-output" in c.get("metadata", {}).get("tags", []))]
 
 
 def _rel(path: Path) -> str:
@@ -192,7 +196,8 @@ def test_compared_cells_print_no_float_noise(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
 def test_marker_is_the_last_line(path):
-    late = [i for i, c in _compared_cells(_load(path)) if _source(c).rstrip().splitlines()[-1].strip() != MARKER]
+    late = [i for i, c in _compared_cells(_load(path))
+            if MARKER in _source(c) and _source(c).rstrip().splitlines()[-1].strip() != MARKER]
     assert not late, f"{_rel(path)}: put {MARKER} on the last line of cells {late}"
 
 
@@ -243,7 +248,7 @@ def test_no_internal_jargon(path):
 @pytest.mark.parametrize("path", CHAPTERS, ids=_rel)
 def test_every_chapter_links_its_neighbours_and_its_exercises(path):
     i = CHAPTERS.index(path)
-    wanted = [CHAPTERS[i - 1].name if i else "START_HERE.ipynb", f"../exercises/{path.name}"]
+    wanted = [CHAPTERS[i - 1].name if i else "START_HERE.ipynb", f"../exercises/{exercises_of(REPO, path).name}"]
     if i + 1 < len(CHAPTERS):
         wanted.append(CHAPTERS[i + 1].name)
     text = "\n".join(_source(c) for c in _load(path)["cells"] if c["cell_type"] == "markdown")

@@ -108,6 +108,15 @@ def learner_environment(text: str, pyproject: str) -> str:
     return "".join(line for line in text.splitlines(keepends=True) if line.strip().removeprefix("- ") not in tools)
 
 
+def exercises_of(folder: Path, chapter: Path) -> Path | None:
+    """The exercise notebook of a chapter in ``folder``: ``exercises/NN_topic.ipynb`` or
+    ``exercises/NN_topic_exercises.ipynb`` for ``notebooks/NN_topic.ipynb`` (None for the start page)."""
+    for name in (chapter.name, f"{chapter.stem}_exercises.ipynb"):
+        if chapter.name[:2].isdigit() and (folder / "exercises" / name).exists():
+            return folder / "exercises" / name
+    return None
+
+
 def learner_readme(folder: Path) -> str:
     """The handout's README: the template, with one line per chapter (its title, START_HERE first) and a link to its
     exercises."""
@@ -116,8 +125,9 @@ def learner_readme(folder: Path) -> str:
         cells = nbformat.read(nb, as_version=4).cells
         title = next(c.source for c in cells if c.cell_type == "markdown").splitlines()[0].lstrip("# ")
         line = f"- [{title}](notebooks/{nb.name})"
-        if (folder / "exercises" / nb.name).exists():
-            line += f" · [exercises](exercises/{nb.name})"
+        exercises = exercises_of(folder, nb)
+        if exercises is not None:
+            line += f" · [exercises](exercises/{exercises.name})"
         lines.append(line)
     return (TEMPLATES / "README.md").read_text().replace("{chapters}", "\n".join(lines))
 

@@ -2,7 +2,9 @@
 reason that says "write it yourself" (``course_lib.grading.off_limits``). Keyed (chapter, exercise)."""
 
 import course_lib.parallel.schedules
+from course_lib.debug import desync as desync_lib
 from course_lib.estimates.memory import kv_cache_bytes as library_kv
+from course_lib.grading.ch11 import as_traces
 from course_lib.moe import expert_positions
 from course_lib.parallel import cp_attention as ca
 from course_lib.parallel import cp_ulysses, tp_layers
@@ -140,10 +142,7 @@ def place_parameter_from_the_records(name, shape, n_layer, parallel):
 
 def first_desync_by_the_library(calls, finished):
     """The library's comparison, on the calls turned back into its traces."""
-    from course_lib.debug import desync
-    from course_lib.grading.ch11 import as_traces
-
-    d = desync.first_desync(as_traces(calls, finished))
+    d = desync_lib.first_desync(as_traces(calls, finished))
     return None if d is None else {"group": d.group, "ranks": list(d.ranks), "n": d.position,
                                    "culprits": list(d.culprits)}
 
