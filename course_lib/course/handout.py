@@ -38,7 +38,7 @@ import nbformat
 
 from course_lib.grading import notebooks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("notebooks", "exercises", "course_lib", "benchmarks", "jupyter")
 FILES = ("pyproject.toml", "LICENSE", ".gitignore")
 WRITTEN = ("README.md", "Makefile", "environment.yml")

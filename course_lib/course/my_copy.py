@@ -38,7 +38,7 @@ import nbformat
 
 from course_lib.grading.notebooks import fingerprint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("notebooks", "exercises")
 RECORD = ".copies.json"  # {"notebooks/00_budgets.ipynb": fingerprint of the cells it was copied with}
 

@@ -35,7 +35,7 @@ from typing import Any
 import nbformat
 from nbconvert import HTMLExporter
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = Path(__file__).resolve().parent / "site_templates"
 START = "START_HERE.ipynb"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
