@@ -25,11 +25,12 @@ def test_timeline_widget(lab):
         ui.expect_image(mirror.image.value, step=step)
         ui.screenshot(step)
 
-    check("initial")
-    ui.select_by_mouse(TIMELINES["group"], "tp")
-    mirror.set(group="tp")
-    check("tp_by_mouse")
-    ui.set_slider_by_keyboard(TIMELINES["window"], 10)
-    mirror.set(window=10)
+    mirror.set(group="tp", window=10)  # where the notebook's next cell leaves it
+    check("after_run_all")
+    ui.select_by_mouse(TIMELINES["group"], "every group")
+    mirror.set(group="every group")
+    check("every_group_by_mouse")
+    ui.set_slider_by_keyboard(TIMELINES["window"], 14)
+    mirror.set(window=14)
     check("window_by_keyboard")
     lab.assert_no_errors()
