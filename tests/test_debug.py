@@ -241,28 +241,31 @@ def _check_drift(test) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         fn = GPT if dtype == torch.float32 else bf16_model
         ref = train_single(CFG, tc, fn, dtype=dtype)
-        reorder = drift.reordered(CFG, tc, dtype=dtype, model_fn=fn)
-        other = train_single(CFG, tc, fn, accumulation=4, dtype=dtype)  # a correct run in a third order
-        assert test(ref, other, reorder).verdict == drift.NOISE, dtype
+        others = drift.noise_runs(CFG, tc, dtype=dtype, model_fn=fn)
+        correct = train_single(CFG, tc, fn, accumulation=8, dtype=dtype)  # a correct run in an order not measured
+        assert test(ref, correct, others).verdict == drift.NOISE, dtype
         wrong = train_single(CFG, TrainConfig(steps=4, global_batch=8, lr=1.2e-3), fn, dtype=dtype)  # lr x 1.2
-        verdict = test(ref, wrong, reorder)
+        verdict = test(ref, wrong, others)
         assert (verdict.verdict, verdict.first_step) == (drift.BUG, 1), (dtype, verdict.describe())
 
 
 def test_drift_separates_noise_from_a_bug_in_fp32_and_bf16():
     _check_drift(drift.drift_test)
+    with pytest.raises(ValueError, match="same steps"):
+        drift.drift_test(TrainResult([1.0], {}), TrainResult([1.0, 2.0], {}), [TrainResult([1.0], {})])
 
 
 def test_drift_mutation():
-    def unmeasured(ref, cand, reorder):  # mutation: no noise measured (the reference against itself): floor only
-        return drift.drift_test(ref, cand, TrainResult(ref.losses, ref.params))
+    def unmeasured(ref, cand, others):  # mutation: no noise measured (the reference against itself): floor only
+        return drift.drift_test(ref, cand, [TrainResult(ref.losses, ref.params)])
     with pytest.raises(AssertionError):
         _check_drift(unmeasured)
 
 
 @pytest.mark.slow
 def test_drift_false_alarm_rate_on_correct_runs_on_ranks():
-    """20 seeds of a correct 2-rank data-parallel run, fp32 and bf16: how often the drift test says "bug"."""
+    """20 seeds of a correct data-parallel run on 2 and on 4 ranks, in fp32 and in bf16: none called a bug, and the
+    largest difference stays under half its tolerance (measured: 0.17 at most)."""
     def runs(rank, world_size, dtype):
         out = []
         for seed in range(20):
@@ -270,15 +273,15 @@ def test_drift_false_alarm_rate_on_correct_runs_on_ranks():
             res = train_dp(rank, world_size, CFG, tc, model_fn=None if dtype == torch.float32 else bf16_model)
             out.append(TrainResult(res.losses, res.params))
         return out
-    for dtype in (torch.float32, torch.bfloat16):
-        fn = GPT if dtype == torch.float32 else bf16_model
-        cands = launch(runs, 2, dtype, timeout=300)[0]
-        alarms = 0
-        for seed, cand in enumerate(cands):
-            tc = TrainConfig(steps=4, global_batch=8, seed=seed)
-            ref = train_single(CFG, tc, fn, dtype=dtype)
-            alarms += drift.drift_test(ref, cand, drift.reordered(CFG, tc, dtype=dtype, model_fn=fn)).verdict == "bug"
-        assert alarms == 0, (dtype, alarms)
+    for world_size in (2, 4):
+        for dtype in (torch.float32, torch.bfloat16):
+            fn = GPT if dtype == torch.float32 else bf16_model
+            for seed, cand in enumerate(launch(runs, world_size, dtype, timeout=600)[0]):
+                tc = TrainConfig(steps=4, global_batch=8, seed=seed)
+                verdict = drift.drift_test(train_single(CFG, tc, fn, dtype=dtype), cand,
+                                           drift.noise_runs(CFG, tc, dtype=dtype, model_fn=fn))
+                assert verdict.verdict == drift.NOISE, (world_size, dtype, seed, verdict.describe())
+                assert max(*verdict.ratios, verdict.param_ratio) < 0.5, (world_size, dtype, seed, verdict.describe())
 
 
 # -------------------------------------------------------------------------------------------- non-finite

@@ -24,7 +24,7 @@ from torch import nn
 
 from course_lib.data import global_batch, shard
 from course_lib.debug.checksums import BEFORE_TRAINING
-from course_lib.debug.drift import Drift, drift_test, reordered
+from course_lib.debug.drift import Drift, drift_test, noise_runs
 from course_lib.debug.watch import Instruments, Watched, run
 from course_lib.model import GPT
 from course_lib.model_config import GPTConfig
@@ -298,13 +298,13 @@ class Case:
         return train_baseline(CFG, self.tc, self.model_fn).from_step(self.resume_at or 0)
 
     def drift(self, watched: Watched) -> tuple[TrainResult, TrainResult, Drift]:
-        """(one process, this run, the drift test): the single-process run in the run's dtype, and again in another
-        reduction order for the noise (from ``resume_at`` on for a resumed run)."""
+        """(one process, this run, the drift test): the single-process run in the run's dtype, and again in other
+        reduction orders and in float64 for the noise (from ``resume_at`` on for a resumed run)."""
         start = self.resume_at or 0
         ref = train_single(CFG, self.tc, self.model_fn, dtype=self.dtype).from_step(start)
-        reorder = reordered(CFG, self.tc, dtype=self.dtype, model_fn=self.model_fn).from_step(start)
+        others = [r.from_step(start) for r in noise_runs(CFG, self.tc, dtype=self.dtype, model_fn=self.model_fn)]
         got = self.result(watched)
-        return ref, got, drift_test(ref, got, reorder, start=start)
+        return ref, got, drift_test(ref, got, others, start=start)
 
 
 def hang(only_rank: int = 0, after: int = 1, shape: MeshShape = DP_TP) -> Case:

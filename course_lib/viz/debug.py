@@ -127,9 +127,9 @@ def plot_drift(reference: TrainResult, candidate: TrainResult, drift: Drift, tit
     left.legend()
     floor = min(a for a in drift.allowed) / 100
     right.semilogy(steps, [max(d, floor) for d in drift.diffs], "x-", color="tab:red", label="|run - one process|")
-    right.semilogy(steps, drift.allowed, "-", color="tab:green", label="tolerance (8 x the reorder noise)")
+    right.semilogy(steps, drift.allowed, "-", color="tab:green", label="tolerance (8 x the measured noise)")
     right.semilogy(steps, [max(n, floor) for n in drift.noise], ":", color="tab:green",
-                   label="another reduction order")
+                   label="noise: other orders, float64")
     right.set(xlabel="step", ylabel="loss difference", xticks=steps, title=f"drift test: {drift.verdict}")
     right.legend(fontsize=8)
     return fig
