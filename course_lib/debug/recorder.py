@@ -9,7 +9,8 @@ entries are kept (``Trace.dropped`` says how many were overwritten), as a ring b
 cannot keep them all.
 
 ``Trace`` is the picklable dump (what ``watch`` writes to disk when a call has been in flight for too long), read
-by ``desync`` and ``hang``. Recording costs a few microseconds per call (the stack walk), nothing without it.
+by ``desync`` and ``hang``. What recording adds per call (a stack walk and an entry) is measured by
+``benchmarks/debug_bench.py``; without a recorder the comm layer does nothing more.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class FlightRecorder:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity, self.step = capacity, None
         self._entries: deque[Entry] = deque(maxlen=capacity)
-        self._open: dict[int, int] = {}  # id(record) -> seq of its entry, while the call runs
+        self._open: dict[int, tuple[int, float]] = {}  # id(record) -> (seq, start) of its entry, while it runs
+        self._ends: dict[int, float] = {}  # seq -> when the call returned
         self._counts: dict[tuple[str, tuple[int, ...], bool], int] = {}
         self._total = 0
         self._lock = threading.Lock()  # the watchdog thread reads while the rank records
@@ -133,20 +135,28 @@ class FlightRecorder:
                           if tensors else "-", record.peer, self.step, call_site(), time.time())
             self._total += 1
             self._entries.append(entry)
-            self._open[id(record)] = entry.seq
+            self._open[id(record)] = entry.seq, entry.start
 
     def _ended(self, record: comm.CommRecord) -> None:
         with self._lock:
-            seq = self._open.pop(id(record), None)
-            for i in range(len(self._entries) - 1, -1, -1):  # the newest entries are the likeliest
-                if self._entries[i].seq == seq:
-                    self._entries[i] = replace(self._entries[i], end=time.time())
-                    break
+            seq, _ = self._open.pop(id(record), (None, 0.0))
+            if seq is not None:
+                self._ends[seq] = time.time()
+            if len(self._ends) > 2 * self.capacity:  # forget what the ring buffer dropped
+                self._ends = {s: t for s, t in self._ends.items() if s >= self._total - self.capacity}
+
+    def stalled(self, seconds: float) -> int | None:
+        """The sequence number of the oldest call in flight for more than ``seconds``, or None (cheap: what a
+        watchdog polls)."""
+        now = time.time()
+        with self._lock:
+            late = [seq for seq, start in self._open.values() if now - start > seconds]
+        return min(late) if late else None
 
     def trace(self, rank: int | None = None, finished: bool = False) -> Trace:
         """A copy of the buffer as a ``Trace``."""
         with self._lock:
-            entries = list(self._entries)
+            entries = [replace(e, end=self._ends[e.seq]) if e.seq in self._ends else e for e in self._entries]
             dropped = self._total - len(entries)
         return Trace(dist.get_rank() if rank is None else rank, entries, dropped, finished)
 

@@ -19,7 +19,6 @@ import pickle
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,11 +108,10 @@ def on_rank(rank: int, world_size: int, instruments: Instruments, folder: str, f
 def _watchdog(recorder: FlightRecorder, rank: int, folder: str, ins: Instruments, stop: threading.Event) -> None:
     dumped = None
     while not stop.wait(0.05):
-        trace = recorder.trace(rank)
-        stalled = [e for e in trace.in_flight() if time.time() - e.start > ins.stall_s]
-        if stalled and stalled[0].seq != dumped:
-            _dump(trace, folder, rank, ins.torch_recorder)
-            dumped = stalled[0].seq
+        stalled = recorder.stalled(ins.stall_s)
+        if stalled is not None and stalled != dumped:
+            _dump(recorder.trace(rank), folder, rank, ins.torch_recorder)
+            dumped = stalled
 
 
 def _dump(trace: Trace, folder: str, rank: int, torch_recorder: bool) -> None:
