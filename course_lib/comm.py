@@ -18,13 +18,16 @@ of a reduce-scatter). ``sent_bytes`` and ``recv_bytes`` are what *this rank* tra
   ``course_lib.runtime.collectives`` send exactly these bytes through logged send/recv (measured records), and a test
   checks that the measured sum equals the model;
 * broadcast: a pipelined chain from the source: every rank but the last in the chain sends V once.
+
+``watching(watcher)`` lets an instrument see every call as it starts and as it ends (chapter 11's flight
+recorder, as PyTorch's Flight Recorder sits inside its process groups): a call that never ends is a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +121,10 @@ class CommLog:
 
 _LOGS: list[CommLog] = [CommLog()]  # the process-wide log, then any active ``recording()`` blocks
 _GROUP_NAMES: dict[int, str] = {}
+Watcher = Callable[[str, CommRecord, "Group", tuple[torch.Tensor, ...]], None]
+"""``watcher(event, record, group, tensors)``: event "start" before the backend is called, "end" once the call
+(or, async, its ``wait()``) returned; ``tensors`` the call's input and output."""
+_WATCHERS: list[Watcher] = []
 
 
 def log() -> CommLog:
@@ -134,6 +141,16 @@ def recording() -> Iterator[CommLog]:
         yield fresh
     finally:
         _LOGS[:] = [lg for lg in _LOGS if lg is not fresh]
+
+
+@contextlib.contextmanager
+def watching(watcher: Watcher) -> Iterator[None]:
+    """Call ``watcher`` at the start and the end of every call made inside the block (see ``Watcher``)."""
+    _WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(watcher)
 
 
 def name_group(group: dist.ProcessGroup, name: str) -> dist.ProcessGroup:
@@ -199,26 +216,36 @@ def ring_bytes(op: str, numel: int, element_size: int, n: int, rank: int) -> tup
 class _TimedWork:
     """An async handle whose ``wait()`` fills in the record's seconds (issue -> completion)."""
 
-    def __init__(self, work: dist.Work, record: CommRecord, start: float) -> None:
-        self._work, self._record, self._start = work, record, start
+    def __init__(self, work: dist.Work, record: CommRecord, start: float, ended: Callable[[], None]) -> None:
+        self._work, self._record, self._start, self._ended = work, record, start, ended
 
     def wait(self) -> bool:
         ok = self._work.wait()
         if self._record.seconds is None:
             self._record.seconds = time.perf_counter() - self._start
+            self._ended()
         return ok
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
 
-def _run(call, record: CommRecord, async_op: bool):
+def _run(call, record: CommRecord, async_op: bool, group: Group, *tensors: torch.Tensor):
+    watchers = list(_WATCHERS)
+    for w in watchers:
+        w("start", record, group, tensors)
+
+    def ended() -> None:
+        for w in watchers:
+            w("end", record, group, tensors)
+
     start = time.perf_counter()
     work = call()
     _add(record)
     if async_op:
-        return _TimedWork(work, record, start)
+        return _TimedWork(work, record, start, ended)
     record.seconds = time.perf_counter() - start
+    ended()
     return None
 
 
@@ -236,7 +263,8 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = ReduceOp.SUM, group: Gr
     n, r = _size_rank(group)
     sent, recv = ring_bytes("all_reduce", tensor.numel(), tensor.element_size(), n, r)
     rec = CommRecord("all_reduce", group_label(group), n, nbytes(tensor), sent, recv, None)
-    return _run(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op)
+    return _run(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op, group,
+                tensor)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
@@ -247,7 +275,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()}")
     sent, recv = ring_bytes("all_gather", output.numel(), output.element_size(), n, r)
     rec = CommRecord("all_gather", group_label(group), n, nbytes(output), sent, recv, None)
-    return _run(lambda: dist.all_gather_single(output, input, group=group, async_op=async_op), rec, async_op)
+    return _run(lambda: dist.all_gather_single(output, input, group=group, async_op=async_op), rec, async_op,
+                group, input, output)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp = ReduceOp.SUM,
@@ -259,7 +288,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp 
     sent, recv = ring_bytes("reduce_scatter", input.numel(), input.element_size(), n, r)
     rec = CommRecord("reduce_scatter", group_label(group), n, nbytes(input), sent, recv, None)
     return _run(lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op), rec,
-                async_op)
+                async_op, group, input, output)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
@@ -275,7 +304,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Se
     rec = CommRecord("all_to_all", group_label(group), n, nbytes(input), nbytes(input) - keep_in,
                      nbytes(output) - keep_out, None)
     return _run(lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                               async_op=async_op), rec, async_op)
+                                               async_op=async_op), rec, async_op, group, input, output)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> _TimedWork | None:
@@ -285,13 +314,15 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: boo
     pos = (r - src_pos) % n  # place in the chain starting at the source
     v = nbytes(tensor)
     rec = CommRecord("broadcast", group_label(group), n, v, v if pos < n - 1 else 0, v if pos > 0 else 0, None)
-    return _run(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), rec, async_op)
+    return _run(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), rec, async_op, group,
+                tensor)
 
 
 def barrier(group: Group = None) -> None:
     """Wait for every rank of the group (no payload)."""
     n, _ = _size_rank(group)
-    _run(lambda: dist.barrier(group=group), CommRecord("barrier", group_label(group), n, 0, 0, 0, None), False)
+    _run(lambda: dist.barrier(group=group), CommRecord("barrier", group_label(group), n, 0, 0, 0, None), False,
+         group)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,22 +332,22 @@ def barrier(group: Group = None) -> None:
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     n, _ = _size_rank(group)
     rec = CommRecord("send", group_label(group), n, nbytes(tensor), nbytes(tensor), 0, None, dst)
-    _run(lambda: dist.send(tensor, dst=dst, group=group), rec, False)
+    _run(lambda: dist.send(tensor, dst=dst, group=group), rec, False, group, tensor)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> None:
     n, _ = _size_rank(group)
     rec = CommRecord("recv", group_label(group), n, nbytes(tensor), 0, nbytes(tensor), None, src)
-    _run(lambda: dist.recv(tensor, src=src, group=group), rec, False)
+    _run(lambda: dist.recv(tensor, src=src, group=group), rec, False, group, tensor)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> _TimedWork:
     n, _ = _size_rank(group)
     rec = CommRecord("send", group_label(group), n, nbytes(tensor), nbytes(tensor), 0, None, dst)
-    return _run(lambda: dist.isend(tensor, dst=dst, group=group), rec, True)
+    return _run(lambda: dist.isend(tensor, dst=dst, group=group), rec, True, group, tensor)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> _TimedWork:
     n, _ = _size_rank(group)
     rec = CommRecord("recv", group_label(group), n, nbytes(tensor), 0, nbytes(tensor), None, src)
-    return _run(lambda: dist.irecv(tensor, src=src, group=group), rec, True)
+    return _run(lambda: dist.irecv(tensor, src=src, group=group), rec, True, group, tensor)

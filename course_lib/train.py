@@ -145,10 +145,14 @@ def with_fp32_noise(train: Callable[[torch.dtype], TrainResult]) -> TrainResult:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int], nn.Module], freeze: Iterable[str],
-           accumulation: int, dtype: torch.dtype, split: Callable[[torch.Tensor, torch.Tensor], list[Batch]] | None
-           ) -> TrainResult:
-    model = model_fn(cfg, tc.seed).to(dtype)
+def train_single(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
+                 model_fn: Callable[[GPTConfig, int], nn.Module] | None = None, freeze: Iterable[str] = (),
+                 accumulation: int = 1, dtype: torch.dtype = torch.float32, *,
+                 split: Callable[[torch.Tensor, torch.Tensor], list[Batch]] | None = None) -> TrainResult:
+    """One single-process run of ``model_fn`` (default the GPT) in ``dtype`` (the loss in at least fp32, as the
+    parallel forms compute it), without its noise: ``train_baseline`` runs it in fp32 and fp64; chapter 11 in
+    bf16, in two reduction orders. ``split``: as ``train_baseline``'s."""
+    model = (model_fn or GPT)(cfg, tc.seed).to(dtype)
     frozen = set(freeze)
     for name, p in model.named_parameters():
         p.requires_grad_(name not in frozen)
@@ -160,7 +164,9 @@ def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int],
         total = 0.0
         micro = micro_batches(x, y, accumulation) if split is None else split(x, y)
         for xm, ym in micro:
-            loss = (lm_loss(model(xm), ym) + moe_aux_loss(model)) / len(micro)
+            logits = model(xm)
+            loss = (lm_loss(logits.to(torch.promote_types(logits.dtype, torch.float32)), ym)
+                    + moe_aux_loss(model)) / len(micro)
             loss.backward()
             total += loss.item()
         opt.step()
@@ -169,7 +175,7 @@ def _train(cfg: GPTConfig, tc: TrainConfig, model_fn: Callable[[GPTConfig, int],
 
 
 def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
-                   model_fn: Callable[[GPTConfig, int], nn.Module] = GPT, freeze: Iterable[str] = (),
+                   model_fn: Callable[[GPTConfig, int], nn.Module] | None = None, freeze: Iterable[str] = (),
                    accumulation: int = 1, *,
                    split: Callable[[torch.Tensor, torch.Tensor], list[Batch]] | None = None) -> TrainResult:
     """Train ``model_fn(cfg, tc.seed)`` (the GPT by default) on one process: the reference for every parallel
@@ -178,7 +184,7 @@ def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
     ``accumulation`` = m each step's batch is split into m micro-batches, each loss scaled by 1/m; ``split``
     (x, y) -> micro-batches replaces that cut (``parallel.moe_reference``: the micro-batches a mesh's ranks hold).
     The result carries its fp32 rounding error (``noise``, from a second run in float64: ``with_fp32_noise``)."""
-    return with_fp32_noise(lambda dtype: _train(cfg, tc, model_fn, freeze, accumulation, dtype, split))
+    return with_fp32_noise(lambda dtype: train_single(cfg, tc, model_fn, freeze, accumulation, dtype, split=split))
 
 
 @dataclass

@@ -58,6 +58,18 @@ def no_leftover_ranks():
     assert not left, f"rank processes left running: {left}"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Single-process training beside rank processes on 2 cores: one torch thread (OpenMP's spinning threads
+    compete with the ranks and make a 0.1 s run take 10 s under load)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Write the session's end to ``$COURSE_PYTEST_DONE`` (the Makefile checks it): a test that ends the process
     itself (``os._exit`` in imported code) would otherwise end a run early with exit status 0 and no summary."""

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / "course_lib"
 
 
-LAYERS = ["core", "runtime", "parallel", "estimates", "measure", "planner", "failures", "serving", "viz",
+LAYERS = ["core", "runtime", "parallel", "estimates", "measure", "planner", "failures", "serving", "debug", "viz",
           "grading", "course"]
 """Bottom to top: a module may import its own package and the packages before it. ``core`` is the top level
 (the GPT, comm, data, the baseline)."""

@@ -9,14 +9,15 @@ the step is recorded (``comm.recording``) into ``step_comm``; the losses are red
 (``wrapper.reduce_losses``), into the global-batch mean per step -- comparable with ``train_baseline``.
 What a chapter adds to a step (clipping, a memory sample, a checkpoint, markers) goes through the hooks of
 ``train_loop``, never through a loop of its own: this is the library's only training loop besides the
-single-process baseline (``course_lib.train.train_baseline``).
+single-process baseline (``course_lib.train.train_baseline``). Instruments that watch every run (chapter 11's
+checksums, non-finite watch) attach with ``observing(observer)``; ``sampler`` replaces what a rank trains on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,39 @@ from course_lib.parallel.contract import LossFn, ParallelWrapper
 from course_lib.train import TrainConfig
 
 ModelFn = Callable[[GPTConfig, int], nn.Module]
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+Sampler = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
+"""``sampler(step, data_rank, data_size)`` -> this rank's rows (x, y) of the step (before micro-batching)."""
+
+
+class LoopObserver:
+    """What an instrument sees of every ``train_loop`` in this process (``observing``); each method a no-op here.
+    ``batch``: this rank's micro-batches of the step; ``before_optimizer``: the gradients are reduced."""
+
+    def start(self, wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def batch(self, step: int, micro: Batch) -> None:
+        pass
+
+    def before_optimizer(self, step: int) -> None:
+        pass
+
+    def step_end(self, step: int) -> None:
+        pass
+
+
+_OBSERVERS: list[LoopObserver] = []
+
+
+@contextlib.contextmanager
+def observing(observer: LoopObserver) -> Iterator[LoopObserver]:
+    """``observer`` sees every training loop run inside the block (on this rank)."""
+    _OBSERVERS.append(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVERS.remove(observer)
 
 
 def build_model(cfg: GPTConfig, seed: int, model_fn: ModelFn | None = None, freeze: Sequence[str] = (),
@@ -93,21 +127,31 @@ def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: 
                data_rank: int, data_size: int, accumulation: int = 1, loss_fn: LossFn | None = None,
                start_step: int = 0, before_optimizer: Callable[[int], None] | None = None,
                after_optimizer: Callable[[int], None] | None = None,
-               on_step_end: Callable[[int], None] | None = None) -> LoopOutput:
+               on_step_end: Callable[[int], None] | None = None, sampler: Sampler | None = None) -> LoopOutput:
     """Train ``tc.steps - start_step`` steps (see the module docstring). ``loss_fn`` None: the wrapper's own
     ``loss``. Hooks, each called with the step: ``before_optimizer`` after ``finish_gradient_sync()``, before
     ``optimizer.step()`` (gradient clipping); ``after_optimizer`` right after ``optimizer.step()``, before
     ``after_step()`` (where a form's memory is sampled); ``on_step_end`` after the step is complete (outside
-    its communication record)."""
+    its communication record). ``sampler``: this rank's rows of each step (default: its slice of
+    ``global_batch``; not with a wrapper whose ``batch_wide_loss`` cuts the global batch first)."""
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     device = module_device(wrapper.module)
     local: list[float] = []
     out = LoopOutput([])
+    observers = list(_OBSERVERS)
+    for o in observers:
+        o.start(wrapper, optimizer)
     for step in range(start_step, tc.steps):
-        x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
-        micro = step_micro_batches(x.to(device), y.to(device), data_rank, data_size, accumulation,
-                                   wrapper.batch_wide_loss)
+        if sampler is None:
+            x, y = global_batch(step, tc.global_batch, cfg.seq_len, tc.seed)
+            micro = step_micro_batches(x.to(device), y.to(device), data_rank, data_size, accumulation,
+                                       wrapper.batch_wide_loss)
+        else:
+            x, y = sampler(step, data_rank, data_size)
+            micro = micro_batches(x.to(device), y.to(device), accumulation)
+        for o in observers:
+            o.batch(step, micro)
         optimizer.zero_grad(set_to_none=True)
         loss_sum, marks = 0.0, []
         with comm.recording() as log:
@@ -120,6 +164,8 @@ def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: 
             wrapper.finish_gradient_sync()
             t2 = time.perf_counter()
             marks[-1] = len(log.records)
+            for o in observers:
+                o.before_optimizer(step)
             if before_optimizer is not None:
                 before_optimizer(step)
             optimizer.step()
@@ -129,6 +175,8 @@ def train_loop(wrapper: ParallelWrapper, optimizer: torch.optim.Optimizer, cfg: 
             t3 = time.perf_counter()
         if on_step_end is not None:
             on_step_end(step)
+        for o in observers:
+            o.step_end(step)
         local.append(loss_sum)
         out.step_comm.append(list(log.records))
         out.timeline.append(StepTime(step, t1 - t0, t2 - t1, t3 - t2, log.seconds(), log.count(), log.sent_bytes(),

@@ -41,7 +41,7 @@ from course_lib.parallel.cp_attention import BlockAttention, Layout
 from course_lib.parallel.dp import DEFAULT_BUCKET_MB, DataParallel, Mode
 from course_lib.parallel.dp_reduce import sum_partials
 from course_lib.parallel.ep import EPRoutingStats, ExpertParallelMoE
-from course_lib.parallel.loop import ModelFn, StepTime, build_model, train_loop
+from course_lib.parallel.loop import ModelFn, Sampler, StepTime, build_model, train_loop
 from course_lib.parallel.placement_ops import clip_grad_norm_, full_parameters, merge_parameters
 from course_lib.parallel.pp import PipelineParallel
 from course_lib.parallel.pp_executor import StepRecord
@@ -69,16 +69,17 @@ class RunResult(TrainResult):
 def train_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None, mode: Mode = "overlapped",
              bucket_mb: float = DEFAULT_BUCKET_MB, accumulation: int = 1, find_unused_parameters: bool = False, *,
              mesh: HasGroups | None = None, group: comm.Group = None, model_fn: ModelFn | None = None,
-             freeze: Sequence[str] = (), data_parallel: Callable[..., ParallelWrapper] = DataParallel
-             ) -> RunResult:
+             freeze: Sequence[str] = (), data_parallel: Callable[..., ParallelWrapper] = DataParallel,
+             sampler: Sampler | None = None) -> RunResult:
     """Data parallelism over ``group`` / ``mesh`` (chapter 02). ``data_parallel``: the form (a variant of
-    ``DataParallel``, or one of your own with its constructor's keywords)."""
+    ``DataParallel``, or one of your own with its constructor's keywords); ``sampler``: ``train_loop``'s."""
     tc = tc or TrainConfig()
     model = build_model(cfg, tc.seed, model_fn, freeze)
     dp = data_parallel(model, mesh=mesh, group=group, mode=mode, bucket_mb=bucket_mb,
                        find_unused_parameters=find_unused_parameters)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
-    out = train_loop(dp, opt, cfg, tc, data_rank=dp.rank, data_size=dp.world_size, accumulation=accumulation)
+    out = train_loop(dp, opt, cfg, tc, data_rank=dp.rank, data_size=dp.world_size, accumulation=accumulation,
+                     sampler=sampler)
     return RunResult(out.losses, full_params(model), out.step_comm, out.timeline)
 
 
@@ -286,13 +287,13 @@ class Checkpointing:
 def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None = None,
                    parallel: ParallelConfig | None = None, *, checkpoint: Checkpointing | None = None,
                    model_fn: ModelFn | None = None, freeze: Sequence[str] = (),
-                   steps: Sequence[C.Step] = C.STEPS, mesh_fn: Callable[[ParallelConfig], Mesh] | None = None
-                   ) -> ComposedResult:
+                   steps: Sequence[C.Step] = C.STEPS, mesh_fn: Callable[[ParallelConfig], Mesh] | None = None,
+                   sampler: Sampler | None = None) -> ComposedResult:
     """Train on the mesh of ``parallel`` (default one rank) through ``parallelize`` and the one loop
     (chapter 08): ``launch(train_parallel, 8, cfg, tc, ParallelConfig(MeshShape(dp=2, tp=2, pp=2)))``.
     ``steps``: the composition (``compose.with_step`` swaps one); ``mesh_fn``: how the mesh is built (a test's
-    wrong mesh). Compare ``merge_composed`` of the ranks' results with ``train_baseline(cfg, tc,
-    accumulation=parallel.accumulation)``."""
+    wrong mesh); ``sampler``: ``train_loop``'s. Compare ``merge_composed`` of the ranks' results with
+    ``train_baseline(cfg, tc, accumulation=parallel.accumulation)``."""
     tc, parallel, checkpoint = tc or TrainConfig(), parallel or ParallelConfig(), checkpoint or Checkpointing()
     mesh = (mesh_fn or ParallelConfig.mesh)(parallel)
     model = build_model(cfg, tc.seed, model_fn, freeze)
@@ -317,7 +318,7 @@ def train_parallel(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig |
             routing.append([layer.stats for layer in run.ep])
 
     out = train_loop(run, optimizer, cfg, tc, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"),
-                     accumulation=parallel.accumulation, start_step=start, on_step_end=step_end)
+                     accumulation=parallel.accumulation, start_step=start, on_step_end=step_end, sampler=sampler)
     return ComposedResult(out.losses, run.full_parameters(), out.step_comm, out.timeline, rank=rank,
                           coords=mesh.shape.coords(rank), pairs=[b - a for a, b in itertools.pairwise(pairs)],
                           routing=routing)

@@ -2,7 +2,9 @@
 reason that says "write it yourself" (``course_lib.grading.off_limits``). Keyed (chapter, exercise)."""
 
 import course_lib.parallel.schedules
+from course_lib.debug import desync as desync_lib
 from course_lib.estimates.memory import kv_cache_bytes as library_kv
+from course_lib.grading.ch11 import as_traces
 from course_lib.moe import expert_positions
 from course_lib.parallel import cp_attention as ca
 from course_lib.parallel import cp_ulysses, tp_layers
@@ -138,6 +140,18 @@ def place_parameter_from_the_records(name, shape, n_layer, parallel):
             "stage": 0, "local_shape": tuple(shape), "grad": []}
 
 
+def first_desync_by_the_library(calls, finished):
+    """The library's comparison, on the calls turned back into its traces."""
+    d = desync_lib.first_desync(as_traces(calls, finished))
+    return None if d is None else {"group": d.group, "ranks": list(d.ranks), "n": d.position,
+                                   "culprits": list(d.culprits)}
+
+
+def train_clipped_by_the_librarys_data_parallel(rank, world_size, steps=4, seed=0):
+    """The library's data parallelism (and its runs) instead of the colleague's loop, fixed."""
+    return dp_lib.DataParallel, steps, seed
+
+
 CASES = {
     ("05", "zb_h1_schedule"): [zb_h1_by_full_path, zb_h1_through_a_helper],
     ("05", "one_f_one_b_order"): [one_f_one_b_imported],
@@ -155,4 +169,6 @@ CASES = {
     ("04", "vocab_parallel_embedding"): [embedding_by_the_librarys_layer],
     ("04", "gqa_attention"): [AttentionInheritsTheLibrarys],
     ("08", "place_parameter"): [place_parameter_from_the_records],
+    ("11", "first_desync"): [first_desync_by_the_library],
+    ("11", "train_clipped"): [train_clipped_by_the_librarys_data_parallel],
 }
