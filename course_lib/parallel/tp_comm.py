@@ -10,10 +10,9 @@ Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2) sha
 regions along the sequence: **g-bar** all-gathers forward and reduce-scatters backward (before a
 column-parallel linear), its conjugate the reverse (after a row-parallel one): (t-1)/t x V bytes per
 rank each, the 2(t-1)/t x V of the all-reduce they replace (V = b*s*h activation elements).
-``sequence_parallel_linears`` keeps the s/t shard for the weight gradient and all-gathers it again
-in backward, overlapped with the input-gradient GEMM (Megatron-LM's
-``LinearWithGradAccumulationAndAsyncCommunication``): a TP + SP block's activations are an unsplit
-block's / t, for one more all-gather of V per region.
+``sequence_parallel_linears`` saves the s/t shard and all-gathers it again in backward, overlapped
+with the input-gradient GEMM (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``): a
+TP + SP block's activations are an unsplit block's / t for one more all-gather of V per region.
 
 ``gather_from_`` / ``scatter_to_tensor_parallel_region`` (last dim) serve ``gather_output=True`` /
 ``input_is_parallel=False``. Activations: ``[batch, seq, hidden]``; every collective goes through

@@ -1,24 +1,22 @@
 """Overlapping tensor-parallel communication with compute: the collective matmul.
 
 Under sequence parallelism a column-parallel GEMM needs the all-gathered input,
-``Y_r = AllGather(x) W_r^T``: done in that order, it waits for the whole all-gather. But the
-all-gather is a ring of t - 1 steps that each pass one s/t shard, and the GEMM splits by rows into t
-partial GEMMs (``Y_r[shard j] = x_j W_r^T``): at step i a rank multiplies shard (r - i) mod t while
-passing it on. Same bytes, (t - 1)/t x V per rank (our send/recv: measured); only the order changes.
-This is Wang et al. 2023's collective matmul (ASPLOS '23), Megatron-LM's ``--tp-comm-overlap``
-(Transformer Engine's userbuffers) and torchtitan's async TP; the row-parallel GEMM's reduce-scatter
-decomposes the same way, in reverse.
+``Y_r = AllGather(x) W_r^T``, and waits for all of it. But the all-gather is a ring of t - 1 steps
+that each pass one s/t shard, and the GEMM splits by rows into t partial GEMMs
+(``Y_r[shard j] = x_j W_r^T``): at step i a rank multiplies shard (r - i) mod t while passing it on.
+Same bytes, (t - 1)/t x V per rank (our send/recv: measured), in another order: the collective
+matmul (Wang et al. 2023, ASPLOS '23) of Megatron-LM's ``--tp-comm-overlap`` and torchtitan's async
+TP; the row-parallel GEMM's reduce-scatter decomposes alike, in reverse.
 
 With c the time of one partial GEMM (1/t of the GEMM) and m of one ring step::
 
     sequential   (t - 1) m + t c            exposed communication  (t - 1) m
     overlapped   (t - 1) max(c, m) + c      exposed communication  (t - 1) max(0, m - c)
 
-The transfer hides once c >= m. Per shard of n tokens c = 2 n h (o/t) / F and m = n h e / B (F:
-FLOP/s, B: link bytes/s, o: output features, e: bytes an element), so it takes o / t >= e F / (2 B)
-(``hide_threshold_features``): at high t the local GEMMs shrink below it. On a laptop CPU the timing
-is emulated (``EmulatedCost``, as ``measure.instrument``): the exposed time follows the schedule,
-not the OS. Chapter 04 measures it.
+The transfer hides once c >= m. Per shard of n tokens c = 2 n h (o/t) / F and m = n h e / B (F
+FLOP/s, B link bytes/s, o output features, e bytes per element), i.e. once o / t >= e F / (2 B)
+(``hide_threshold_features``): high t shrinks the local GEMMs below it. The timing is emulated
+(``EmulatedCost``) to follow the schedule, not the OS. Chapter 04 measures it.
 """
 
 from __future__ import annotations
