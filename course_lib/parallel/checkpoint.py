@@ -1,17 +1,19 @@
 """The checkpoint formats: a run saved at one mesh, resumed at another.
 
-* **Sharded** (``save_sharded``, ``load_sharded``): ZeRO's flat units, each rank writing only its shard and the
-  optimizer state of that shard, with the units' layouts in ``metadata.json``; a checkpoint loads at any
-  data-parallel degree and stage (re-sharded by offsets), or into one process (``load_sharded_state_dict``).
-* **Whole** (``save_whole``, ``load_whole``): any composed run (TP, FSDP2, PP, EP, ZeRO-1/2) holds **whole**
-  tensors by the single-process model's names: every parameter and its optimizer state, gathered as its
-  placements say, each written once by the first of its copies (the experts by their global index, ZeRO-1's
-  state by its owner). Resuming: ``load_parameters`` into the single-process model *before* ``parallelize``
-  (which cuts what it finds), then ``restore_optimizer`` cuts each state like its parameter on the new mesh.
+* **Sharded** (``save_sharded``, ``load_sharded``): ZeRO's flat units, each rank writing only its
+  shard and the optimizer state of that shard, with the units' layouts in ``metadata.json``; a
+  checkpoint loads at any data-parallel degree and stage (re-sharded by offsets), or into one
+  process (``load_sharded_state_dict``).
+* **Whole** (``save_whole``, ``load_whole``): any composed run (TP, FSDP2, PP, EP, ZeRO-1/2) holds
+  **whole** tensors by the single-process model's names: every parameter and its optimizer state,
+  gathered as its placements say, each written once by the first of its copies (the experts by their
+  global index, ZeRO-1's state by its owner). Resuming: ``load_parameters`` into the single-process
+  model *before* ``parallelize`` (which cuts what it finds), then ``restore_optimizer`` cuts each
+  state like its parameter on the new mesh.
 
-PyTorch's Distributed Checkpoint and Megatron's ``dist_checkpointing`` store each shard with its place in the
-global tensor instead, so that nothing is gathered; on the course's tiny models gathering first is simpler.
-Chapter 03 saves the sharded form, chapter 10 resumes the whole one.
+PyTorch's Distributed Checkpoint and Megatron's ``dist_checkpointing`` store each shard with its
+place in the global tensor instead, so that nothing is gathered; on the course's tiny models
+gathering first is simpler. Chapter 03 saves the sharded form, chapter 10 resumes the whole one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from course_lib.parallel.zero_unit import FlatLayout
 
 
 class Sharded(Protocol):
-    """What the sharded format reads of a ``zero.ZeroDataParallel``: its units and how it shards them."""
+    """What the sharded format reads of ``zero.ZeroDataParallel``: its units and their sharding."""
 
     units: list[Any]
     stage: int
@@ -42,25 +44,28 @@ class Sharded(Protocol):
 
 
 def layout_to_json(layout: FlatLayout) -> dict[str, Any]:
-    return {"params": [{"name": n, "shape": list(s), "offset": o}
-                       for n, s, o in zip(layout.names, layout.shapes, layout.offsets, strict=True)],
-            "numel": layout.numel, "padded_numel": layout.padded_numel, "world_size": layout.world_size}
+    entries = zip(layout.names, layout.shapes, layout.offsets, strict=True)
+    return {"params": [{"name": n, "shape": list(s), "offset": o} for n, s, o in entries],
+            "numel": layout.numel, "padded_numel": layout.padded_numel,
+            "world_size": layout.world_size}
 
 
 def layout_from_json(d: dict[str, Any]) -> FlatLayout:
     ps = d["params"]
     return FlatLayout(tuple(p["name"] for p in ps), tuple(tuple(p["shape"]) for p in ps),
-                      tuple(p["offset"] for p in ps), d["numel"], d["padded_numel"], d["world_size"])
+                      tuple(p["offset"] for p in ps), d["numel"], d["padded_numel"],
+                      d["world_size"])
 
 CHECKPOINT_FORMAT = "course_lib.zero/v1"
 
 
 def _require_flat(zdp: Sharded) -> None:
     if not all(u.flat for u in zdp.units):
-        raise ValueError("sharded checkpoints store flat-parameter units; per-parameter (FSDP2-style) units are not "
-                         "supported: save zdp.full_state_dict() instead")
+        raise ValueError("sharded checkpoints store flat-parameter units; per-parameter "
+                         "(FSDP2-style) units are not supported: save zdp.full_state_dict() "
+                         "instead")
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sharded checkpoints
 
 
@@ -68,13 +73,14 @@ def _shard_file(path: Path, shard_rank: int, num_shards: int) -> Path:
     return path / f"shard_{shard_rank:05d}_of_{num_shards:05d}.pt"
 
 
-def save_sharded(zdp: Sharded, optimizer: torch.optim.Optimizer, path: str | Path, step: int) -> None:
-    """Each rank writes only what it owns: its shard of every unit and the optimizer state of that shard.
+def save_sharded(zdp: Sharded, optimizer: torch.optim.Optimizer, path: str | Path,
+                 step: int) -> None:
+    """Each rank writes only what it owns: its shard of every unit and that shard's optimizer state.
 
-    Layout of ``path``: ``metadata.json`` (rank 0: format, step, world size, stage, and per unit the parameter
-    names, shapes and offsets in the flat buffer, its sizes and padding) and ``shard_<r>_of_<N>.pt`` per
-    rank (stage 0: one file, every rank holds the same). A collective: every rank must call it; it returns once
-    every file is on disk (a barrier)."""
+    Layout of ``path``: ``metadata.json`` (rank 0: format, step, world size, stage, and per unit the
+    parameter names, shapes and offsets in the flat buffer, its sizes and padding) and
+    ``shard_<r>_of_<N>.pt`` per rank (stage 0: one file, every rank holds the same). A collective:
+    every rank must call it; it returns once every file is on disk (a barrier)."""
     _require_flat(zdp)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -88,8 +94,8 @@ def save_sharded(zdp: Sharded, optimizer: torch.optim.Optimizer, path: str | Pat
                                        for k, v in state.items()}}
         torch.save({"step": step, "units": units}, _shard_file(path, zdp.rank, num_shards))
     if zdp.rank == 0:
-        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": zdp.world_size, "num_shards": num_shards,
-                "stage": zdp.stage, "optimizer": type(optimizer).__name__,
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": zdp.world_size,
+                "num_shards": num_shards, "stage": zdp.stage, "optimizer": type(optimizer).__name__,
                 "units": [{"name": u.name, **layout_to_json(u.layout)} for u in zdp.units]}
         (path / "metadata.json").write_text(json.dumps(meta, indent=1))
     comm.barrier(zdp.group)
@@ -98,12 +104,13 @@ def save_sharded(zdp: Sharded, optimizer: torch.optim.Optimizer, path: str | Pat
 def _read_metadata(path: Path) -> dict[str, Any]:
     meta = json.loads((path / "metadata.json").read_text())
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint (format {meta.get('format')!r})")
+        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint "
+                         f"(format {meta.get('format')!r})")
     return meta
 
 
 class _ShardReader:
-    """Reads the old ranks' files lazily (memory-mapped) and assembles any element range of a unit."""
+    """Reads the old ranks' files lazily (memory-mapped); assembles any element range of a unit."""
 
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
         self.path, self.meta = path, meta
@@ -111,13 +118,14 @@ class _ShardReader:
 
     def file(self, j: int) -> dict[str, Any]:
         if j not in self._files:
-            self._files[j] = torch.load(_shard_file(self.path, j, self.meta["num_shards"]), mmap=True,
-                                        weights_only=True)
+            name = _shard_file(self.path, j, self.meta["num_shards"])
+            self._files[j] = torch.load(name, mmap=True, weights_only=True)
         return self._files[j]
 
-    def gather(self, unit_name: str, layout: FlatLayout, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the unit's flat ``key`` ("param" or a per-element optimizer state), in the
-        unpadded coordinates shared by every layout; elements past Ψ_u are padding (zeros)."""
+    def gather(self, unit_name: str, layout: FlatLayout, key: str, lo: int,
+               hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the unit's flat ``key`` ("param" or a per-element optimizer state),
+        in the unpadded coordinates every layout shares; past Ψ_u: padding (zeros)."""
         out = torch.zeros(hi - lo, dtype=torch.float32)
         s_old = layout.shard_numel
         end = min(hi, layout.numel)
@@ -131,28 +139,31 @@ class _ShardReader:
 
     def scalars(self, unit_name: str) -> dict[str, Any]:
         state = self.file(0)["units"][unit_name]["state"]
-        return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)}
+        return {k: v for k, v in state.items()
+                if not (isinstance(v, torch.Tensor) and v.dim() == 1)}
 
     def vector_keys(self, unit_name: str) -> list[str]:
         state = self.file(0)["units"][unit_name]["state"]
         return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
 
 
-def _check_units(meta: dict[str, Any], names: list[tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...]]]) -> None:
-    saved = [(u["name"], tuple(p["name"] for p in u["params"]), tuple(tuple(p["shape"]) for p in u["params"]))
-             for u in meta["units"]]
+def _check_units(meta: dict[str, Any],
+                 names: list[tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...]]]) -> None:
+    saved = [(u["name"], tuple(p["name"] for p in u["params"]),
+              tuple(tuple(p["shape"]) for p in u["params"])) for u in meta["units"]]
     if saved != names:
         raise ValueError("the checkpoint's units do not match this model's: saved "
-                         f"{[(n, len(ps)) for n, ps, _ in saved]}, here {[(n, len(ps)) for n, ps, _ in names]}")
+                         f"{[(n, len(ps)) for n, ps, _ in saved]}, "
+                         f"here {[(n, len(ps)) for n, ps, _ in names]}")
 
 
 def load_sharded(zdp: Sharded, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
-    """Load a checkpoint saved by ``save_sharded`` at *any* data-parallel degree and stage into ``zdp``.
+    """Load a ``save_sharded`` checkpoint into ``zdp`` at *any* data-parallel degree and stage.
 
-    Each rank computes its new range [lo, hi) of each unit and copies it from the old shards that overlap it
-    (old shard j holds [j S_old, (j+1) S_old)): a re-sharding by offsets, reading only the files it needs.
-    Per-element optimizer states (Adam's m and v, SGD's momentum) follow the same rule; scalar ones (``step``)
-    are copied. Returns the step the checkpoint was taken at."""
+    Each rank computes its new range [lo, hi) of each unit and copies it from the old shards that
+    overlap it (old shard j holds [j S_old, (j+1) S_old)): a re-sharding by offsets, reading only
+    the files it needs. Per-element optimizer states (Adam's m and v, SGD's momentum) follow the
+    same rule; scalar ones (``step``) are copied. Returns the step the checkpoint was taken at."""
     _require_flat(zdp)
     path = Path(path)
     meta = _read_metadata(path)
@@ -163,7 +174,8 @@ def load_sharded(zdp: Sharded, optimizer: torch.optim.Optimizer, path: str | Pat
         lo, hi = u.bounds()
         with torch.no_grad():
             u.shard.copy_(reader.gather(u.name, old, "param", lo, hi))
-        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in reader.scalars(u.name).items()}
+        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                 for k, v in reader.scalars(u.name).items()}
         for key in reader.vector_keys(u.name):
             state[key] = reader.gather(u.name, old, key, lo, hi)
         if state:
@@ -172,9 +184,11 @@ def load_sharded(zdp: Sharded, optimizer: torch.optim.Optimizer, path: str | Pat
     return int(meta["step"])
 
 
-def load_sharded_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], int]:
-    """A sharded checkpoint as one process sees it: (parameters by name, optimizer state by parameter name,
-    step). No process group needed: this is how a checkpoint from N ranks becomes a plain single-process one."""
+def load_sharded_state_dict(path: str | Path
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], int]:
+    """A sharded checkpoint as one process sees it: (parameters by name, optimizer state by
+    parameter name, step). No process group needed: this is how a checkpoint from N ranks becomes a
+    plain single-process one."""
     path = Path(path)
     meta = _read_metadata(path)
     reader = _ShardReader(path, meta)
@@ -190,14 +204,16 @@ def load_sharded_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], 
             o, n, s = layout.offsets[i], layout.numels[i], layout.shapes[i]
             params[name] = flat[o:o + n].view(s).clone()
             if vectors or scalars:
-                states[name] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()},
+                states[name] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                   for k, v in scalars.items()},
                                 **{k: v[o:o + n].view(s).clone() for k, v in vectors.items()}}
     return params, states, int(meta["step"])
 
 
-def load_sharded_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> int:
-    """Load a sharded checkpoint into a plain single-process model (and its per-parameter optimizer, built over
-    ``model.parameters()``). Returns the step."""
+def load_sharded_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                            path: str | Path) -> int:
+    """Load a sharded checkpoint into a plain single-process model (and its per-parameter optimizer,
+    built over ``model.parameters()``). Returns the step."""
     params, states, step = load_sharded_state_dict(path)
     named = dict(model.named_parameters())
     missing = sorted(set(named) - set(params))
@@ -213,13 +229,13 @@ def load_sharded_into_model(model: nn.Module, optimizer: torch.optim.Optimizer |
     return step
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Whole tensors, any mesh
 
 
 class Composed(Protocol):
-    """What a checkpoint needs of ``compose.Composed`` (a protocol, so this module does not import compose):
-    the model, its mesh and the parameters this rank trains (placed on the mesh's axes)."""
+    """What a checkpoint needs of ``compose.Parallelized`` (a protocol: this module does not import
+    compose): the model, its mesh, the parameters this rank trains (placed on its axes)."""
 
     module: nn.Module
     mesh: Any
@@ -227,7 +243,7 @@ class Composed(Protocol):
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-"""The per-element optimizer states of AdamW and SGD (shaped like the parameter); ``step`` is a scalar."""
+"""The per-element optimizer states of AdamW and SGD (parameter-shaped); ``step`` is a scalar."""
 
 
 def _gather(composed: Composed, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
@@ -239,8 +255,9 @@ def _cut(composed: Composed, p: nn.Parameter, full: torch.Tensor) -> torch.Tenso
 
 
 def _names(composed: Composed) -> dict[int, str]:
-    """id(parameter) -> its single-process name: a module list split over an axis (experts) names its local
-    entry i of rank r by the global index r n_local + i (``placement.full_parameters`` does the same)."""
+    """id(parameter) -> its single-process name: a module list split over an axis (experts) names
+    its local entry i of rank r by the global index r n_local + i (``placement_ops.full_parameters``
+    does the same)."""
     names = {id(p): n for n, p in composed.module.named_parameters()}
     for lname, experts, axis, _ in sharded_lists(composed.module):
         first = axis_group(composed.mesh, axis)
@@ -252,8 +269,8 @@ def _names(composed: Composed) -> dict[int, str]:
 
 
 def _writers(composed: Composed) -> dict[int, bool]:
-    """id(parameter) -> whether this rank writes it: the first of its copies once gathered (tp = 0 and the
-    first replica: dp = cp = 0 for a dense parameter, edp = 0 for an expert, which ep splits)."""
+    """id(parameter) -> whether this rank writes it: the first of its copies once gathered (tp = 0
+    and the first replica: dp = cp = 0 for a dense parameter, edp = 0 for an expert)."""
     coords = composed.mesh.shape.coords(composed.mesh.rank)
     in_list = {id(p) for _, m, _, _ in sharded_lists(composed.module) for p in m.parameters()}
     dense = coords["dp"] == coords["cp"] == coords["tp"] == 0
@@ -261,17 +278,19 @@ def _writers(composed: Composed) -> dict[int, bool]:
     return {id(p): (expert if id(p) in in_list else dense) for p in composed.module.parameters()}
 
 
-def _steppers(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.optim.Optimizer, bool, bool]]:
-    """id(parameter) -> (the optimizer that holds its state, whether this rank steps it, whether its state is
-    partitioned over a group). ZeRO-1's ``ShardedOptimizer`` keeps the state in its local optimizer, on the group
-    rank its partition gives the parameter; ``compose.Optimizers`` has one per data group: the dense parameters' over
-    dp x cp and the experts' over edp (a plain optimizer when edp = 1)."""
+def _steppers(optimizer: torch.optim.Optimizer
+              ) -> dict[int, tuple[torch.optim.Optimizer, bool, bool]]:
+    """id(parameter) -> (the optimizer that holds its state, whether this rank steps it, whether its
+    state is partitioned over a group). ZeRO-1's ``ShardedOptimizer`` keeps the state in its local
+    optimizer, on the group rank its partition gives the parameter; ``compose.Optimizers`` has one
+    per data group: the dense parameters' over dp x cp and the experts' over edp (a plain optimizer
+    when edp = 1)."""
     parts = getattr(optimizer, "parts", [optimizer])
     out: dict[int, tuple[torch.optim.Optimizer, bool, bool]] = {}
     for part in parts:
         if isinstance(part, ShardedOptimizer):
-            out |= {id(p): (part.optimizer, r == part.rank, True) for p, r in zip(part.params, part.owner,
-                                                                                    strict=True)}
+            out |= {id(p): (part.optimizer, r == part.rank, True)
+                    for p, r in zip(part.params, part.owner, strict=True)}
         elif part is not None:
             out |= {id(p): (part, True, False) for g in part.param_groups for p in g["params"]}
     return out
@@ -283,16 +302,18 @@ def _inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
 
 
 def _flat_units(composed: Composed) -> list[Any]:
-    """ZeRO-2's flat units (one 1-D shard over dp of a buffer holding several parameters); FSDP2's are not."""
-    return [u for u in getattr(getattr(composed, "dp", None), "units", ()) if getattr(u, "flat", False)]
+    """ZeRO-2's flat units (a 1-D shard over dp of a buffer of several parameters); not FSDP2's."""
+    units = getattr(getattr(composed, "dp", None), "units", ())
+    return [u for u in units if getattr(u, "flat", False)]
 
 
 def _entries(composed: Composed, optimizer: torch.optim.Optimizer
              ) -> Iterator[tuple[nn.Parameter, torch.Tensor, dict[str, Any] | None]]:
-    """(parameter, its value, its optimizer state or None where another rank steps it), each placed like the
-    parameter (a collective: every rank walks them in the same order). ZeRO-2's flat shards are gathered over
-    dp first and cut into their parameters (``layout.views``): each piece is then placed like its parameter on
-    the other axes (TP's slices); a scalar state (AdamW's step) is the unit's, shared by its parameters."""
+    """(parameter, its value, its optimizer state or None where another rank steps it), each placed
+    like the parameter (a collective: every rank walks them in the same order). ZeRO-2's flat shards
+    are gathered over dp first and cut into their parameters (``layout.views``): each piece is then
+    placed like its parameter on the other axes (TP's slices); a scalar state (AdamW's step) is the
+    unit's, shared by its parameters."""
     steppers, flat = _steppers(optimizer), _flat_units(composed)
     shards = {id(u.shard) for u in flat}
     for p in composed.parameters():
@@ -302,7 +323,8 @@ def _entries(composed: Composed, optimizer: torch.optim.Optimizer
     for u in flat:
         group = {u.axis: u.group}
         state = steppers[id(u.shard)][0].state.get(u.shard, {})
-        vectors = {k: u.layout.views(full_tensor(u.shard, group, v)) for k, v in state.items() if k in STATE_KEYS}
+        vectors = {k: u.layout.views(full_tensor(u.shard, group, v))
+                   for k, v in state.items() if k in STATE_KEYS}
         scalars = {k: v for k, v in state.items() if k not in STATE_KEYS}
         values = u.layout.views(full_tensor(u.shard, group))
         for i, p in enumerate(u.params):
@@ -311,8 +333,8 @@ def _entries(composed: Composed, optimizer: torch.optim.Optimizer
 
 def _restore_flat(composed: Composed, inner: torch.optim.Optimizer, u: Any,
                   states: list[dict[str, torch.Tensor]]) -> None:
-    """A ZeRO-2 unit's state from its parameters' whole ones: each cut like its parameter (TP), laid out in the
-    unit's flat buffer (``layout.views``), this rank's [lo, hi) kept."""
+    """A ZeRO-2 unit's state from its parameters' whole ones: each cut like its parameter (TP), laid
+    out in the unit's flat buffer (``layout.views``), this rank's [lo, hi) kept."""
     lo, hi = u.bounds()
     state = {k: v.clone() for k, v in states[0].items() if k not in STATE_KEYS}
     for key in [k for k in states[0] if k in STATE_KEYS]:
@@ -328,21 +350,24 @@ def _check_optimizer(composed: Composed, optimizer: torch.optim.Optimizer) -> No
     known = (torch.optim.AdamW, torch.optim.SGD)
     unknown = sorted({type(o).__name__ for o in _inners(optimizer) if not isinstance(o, known)})
     if unknown:
-        raise ValueError(f"rank {composed.mesh.rank}: save_whole takes AdamW or SGD (directly or in ZeRO-1's "
-                         f"ShardedOptimizer, or one per data group), got {', '.join(unknown)} in "
-                         f"{type(optimizer).__name__}: its state keys are not known")
+        raise ValueError(f"rank {composed.mesh.rank}: save_whole takes AdamW or SGD (directly or "
+                         f"in ZeRO-1's ShardedOptimizer, or one per data group), got "
+                         f"{', '.join(unknown)} in {type(optimizer).__name__}: its state keys are "
+                         "not known")
 
 
-def save_whole(composed: Composed, optimizer: torch.optim.Optimizer, step: int, path: str | Path) -> None:
-    """Write the whole parameters and optimizer state of the run after ``step`` steps to folder ``path`` (every
-    rank calls it: the gathers are collectives). Each rank writes the tensors it is the
-    first copy of (``_writers``; ZeRO-1's state: its owner), so the files together hold every name once."""
+def save_whole(composed: Composed, optimizer: torch.optim.Optimizer, step: int,
+               path: str | Path) -> None:
+    """Write the whole parameters and optimizer state of the run after ``step`` steps to folder
+    ``path`` (every rank calls it: the gathers are collectives). Each rank writes what it is the
+    first copy of (``_writers``; ZeRO-1's state: its owner): every name once."""
     _check_optimizer(composed, optimizer)
     path = Path(path)
     names, writes = _names(composed), _writers(composed)
-    partitioned = {k for k, (_, _, part) in _steppers(optimizer).items() if part}  # ZeRO-1's, written by owners
+    # ZeRO-1's states, written by their owners
+    partitioned = {k for k, (_, _, part) in _steppers(optimizer).items() if part}
     coords = composed.mesh.shape.coords(composed.mesh.rank)
-    if dist.get_rank() == 0 and path.is_dir():  # a previous save's files (another mesh, other writers)
+    if dist.get_rank() == 0 and path.is_dir():  # a previous save's files (other mesh, writers)
         for old in [*path.glob("stage*.pt"), path / "meta.json"]:
             old.unlink(missing_ok=True)
     dist.barrier()
@@ -360,27 +385,30 @@ def save_whole(composed: Composed, optimizer: torch.optim.Optimizer, step: int, 
             states[names[id(p)]] = state
     path.mkdir(parents=True, exist_ok=True)
     if params or states:
-        first = coords["dp"] == coords["cp"] == coords["tp"] == 0  # the stage's dense writer: stage<pp>.pt
-        name = f"stage{coords['pp']}.pt" if first else f"stage{coords['pp']}-rank{composed.mesh.rank}.pt"
+        first = coords["dp"] == coords["cp"] == coords["tp"] == 0  # the stage's dense writer
+        stage = f"stage{coords['pp']}"
+        name = f"{stage}.pt" if first else f"{stage}-rank{composed.mesh.rank}.pt"
         torch.save({"params": params, "optimizer": states}, path / name)
     if dist.get_rank() == 0:
         shape = composed.mesh.shape
-        meta = {"step": step, "mesh": {a: getattr(shape, a) for a in ("dp", "cp", "tp", "pp", "ep")},
-                "order": shape.order}
+        meta = {"step": step, "order": shape.order,
+                "mesh": {a: getattr(shape, a) for a in ("dp", "cp", "tp", "pp", "ep")}}
         (path / "meta.json").write_text(json.dumps(meta))
     dist.barrier()
 
 
-def load_whole(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """(steps done, whole parameters by name, optimizer state by parameter name) from folder ``path``: the
-    union of its rank files."""
+def load_whole(path: str | Path
+               ) -> tuple[int, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """(steps done, whole parameters by name, optimizer state by parameter name) from folder
+    ``path``: the union of its rank files."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
     files = sorted(path.glob("stage*.pt"))
     if not files:
-        raise ValueError(f"{path}: no stage*.pt files next to meta.json: not a finished checkpoint")
+        raise ValueError(f"{path}: no stage*.pt files next to meta.json: not a finished "
+                         "checkpoint")
     for f in files:
         part = torch.load(f, weights_only=True)
         params |= part["params"]
@@ -395,9 +423,11 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
     unknown = sorted(set(params) - set(own))
     if missing or unknown:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        raise ValueError(f"rank {rank}: the checkpoint has no {missing[:4]}{' ...' if len(missing) > 4 else ''}"
-                         f"{f' and unknown {unknown[:4]}' if unknown else ''}: it was written for another model "
-                         "(or by an unfinished save): resume with the GPTConfig that saved it, or save again")
+        more = " ..." if len(missing) > 4 else ""
+        others = f" and unknown {unknown[:4]}" if unknown else ""
+        raise ValueError(f"rank {rank}: the checkpoint has no {missing[:4]}{more}{others}: it was "
+                         "written for another model (or by an unfinished save): resume with the "
+                         "GPTConfig that saved it, or save again")
     with torch.no_grad():
         for name, t in params.items():
             own[name].copy_(t)
@@ -405,18 +435,19 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
 
 def restore_optimizer(composed: Composed, optimizer: torch.optim.Optimizer,
                       states: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Give each parameter this rank steps its optimizer state, cut for the new mesh like the parameter
-    (``shard_like``: TP's slices, FSDP2's dim-0 shards; experts by global index; ZeRO-1: only its owner; ZeRO-2:
-    laid out in the flat shard, ``_restore_flat``)."""
+    """Give each parameter this rank steps its optimizer state, cut for the new mesh like the
+    parameter (``shard_like``: TP's slices, FSDP2's dim-0 shards; experts by global index; ZeRO-1:
+    only its owner; ZeRO-2: laid out in the flat shard, ``_restore_flat``)."""
     names, steppers = _names(composed), _steppers(optimizer)
     flat = _flat_units(composed)
     shards = {id(u.shard) for u in flat}
     stepped = [p for p in composed.parameters() if id(p) in steppers and id(p) not in shards]
     missing = sorted(names[id(p)] for p in [*stepped, *(p for u in flat for p in u.params)]
                      if names[id(p)] not in states)
-    if missing:  # checked for every parameter of the partitions, owned or not: its peers raise alike
-        raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for {missing[:4]}"
-                         f"{' ...' if len(missing) > 4 else ''}: it was written by an unfinished save or for "
+    if missing:  # checked for every parameter of the partitions, owned or not: peers raise alike
+        more = " ..." if len(missing) > 4 else ""
+        raise ValueError(f"rank {composed.mesh.rank}: the checkpoint has no optimizer state for "
+                         f"{missing[:4]}{more}: it was written by an unfinished save or for "
                          "another model; save it again")
     for p in stepped:
         inner, owns, _ = steppers[id(p)]
@@ -424,4 +455,5 @@ def restore_optimizer(composed: Composed, optimizer: torch.optim.Optimizer,
             inner.state[p] = {k: (_cut(composed, p, v) if k in STATE_KEYS else v.clone())
                               for k, v in states[names[id(p)]].items()}
     for u in flat:
-        _restore_flat(composed, steppers[id(u.shard)][0], u, [states[names[id(p)]] for p in u.params])
+        _restore_flat(composed, steppers[id(u.shard)][0], u,
+                      [states[names[id(p)]] for p in u.params])

@@ -1,7 +1,7 @@
-"""The contract the training loop drives every form through (``loop.train_loop``): per micro-batch
-``forward_backward`` (all but the last under ``no_sync()``), then ``finish_gradient_sync()``, the optimizer's
-step on ``parameters()``, ``after_step()``. ``ParallelWrapper`` resolves ``mesh=`` / ``group=`` to one process
-group, refuses a rank outside it, keeps its hooks for ``remove_hooks`` and gives no-op defaults.
+"""The contract the training loop (``loop.train_loop``) drives every form through: per micro-batch
+``forward_backward`` (all but the last under ``no_sync()``), then ``finish_gradient_sync()``, the
+optimizer's step on ``parameters()``, ``after_step()``. ``ParallelWrapper`` resolves ``mesh=`` /
+``group=`` to one group, refuses ranks outside it, keeps hooks for ``remove_hooks``; no-op defaults.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from course_lib.parallel.groups import HasGroups
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def resolve_group(mesh: HasGroups | None, group: comm.Group, axes: tuple[str, ...], who: str) -> comm.Group:
+def resolve_group(mesh: HasGroups | None, group: comm.Group, axes: tuple[str, ...],
+                  who: str) -> comm.Group:
     """``mesh.group(*axes)`` when a mesh is given, else ``group`` (None = every rank); not both."""
     if mesh is not None and group is not None:
         raise ValueError(f"{who}: pass either mesh= or group=, not both")
@@ -29,18 +30,21 @@ def resolve_group(mesh: HasGroups | None, group: comm.Group, axes: tuple[str, ..
 
 
 def require_member(group: comm.Group, who: str) -> None:
-    """A clear error when this rank is not in ``group`` (torch would fail later, deep in a collective)."""
+    """A clear error when this rank is not in ``group`` (torch fails later, in a collective)."""
     if not dist.is_initialized():
-        raise RuntimeError(f"{who} needs a process group: run it on ranks started by course_lib.runtime.launch")
+        raise RuntimeError(f"{who} needs a process group: run it on ranks started by "
+                           "course_lib.runtime.launch")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{who}: global rank {dist.get_rank()} is not a member of the group "
-                         f"{dist.get_process_group_ranks(group)}; build it on the ranks of its group only "
-                         f"(or pass the group this rank belongs to, e.g. mesh.group(axis))")
+                         f"{dist.get_process_group_ranks(group)}; build it on the ranks of its "
+                         "group only (or pass the group this rank belongs to, e.g. "
+                         "mesh.group(axis))")
 
 
 def broadcast_from_first(module: nn.Module, group: comm.Group) -> None:
-    """Every rank's parameters and buffers := those of the group's first rank (one logged broadcast each, tied
-    parameters once): replicas start identical however each rank initialised its model, as DDP does."""
+    """Every rank's parameters and buffers := those of the group's first rank (one logged broadcast
+    each, tied parameters once): replicas start identical however each rank initialised its model,
+    as DDP does."""
     src = comm.global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -48,15 +52,16 @@ def broadcast_from_first(module: nn.Module, group: comm.Group) -> None:
 
 
 class ParallelWrapper(nn.Module):
-    """A form the loop drives: ``module``, its ``group`` (``mesh.group(*axes)`` or ``group=``), ``rank``."""
+    """A form: ``module``, its ``group`` (``mesh.group(*axes)`` or ``group=``) and ``rank``."""
 
     axes: tuple[str, ...] = ("dp", "cp")
 
     batch_wide_loss: bool = False
-    """True when the loss is no mean over rows (an MoE's router losses): the loop then cuts each step's batch
-    into micro-batches before the ranks' slices, so each micro-batch holds the rows it holds on one process."""
+    """True when the loss is no mean over rows (an MoE's router losses): the loop cuts each step's
+    batch into micro-batches before the ranks' slices, each with the rows it has on one process."""
 
-    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None) -> None:
+    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None,
+                 group: comm.Group = None) -> None:
         super().__init__()
         who = type(self).__name__
         self.group = resolve_group(mesh, group, self.axes, who)
@@ -74,13 +79,13 @@ class ParallelWrapper(nn.Module):
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
                          scale: float = 1.0) -> float:
-        """One micro-batch: ``loss_fn(self(x), y) * scale`` back-propagated; returns the scaled loss."""
+        """Back-propagate ``loss_fn(self(x), y) * scale`` for one micro-batch; return that loss."""
         loss = (loss_fn or self.loss)(self(x).float(), y) * scale
         loss.backward()
         return loss.item()
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
-        """This rank's per-step losses -> the global-batch means: the mean over the group of equal slices."""
+        """This rank's per-step losses -> global-batch means (the group's mean of equal slices)."""
         losses = local.to(torch.float32)
         if self.world_size > 1:
             comm.all_reduce(losses, group=self.group)
@@ -88,7 +93,7 @@ class ParallelWrapper(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Forward/backward inside this block accumulate gradients locally, without communication."""
+        """Forward/backward in this block accumulate gradients locally, without communicating."""
         saved, self._require_sync = self._require_sync, False
         try:
             yield

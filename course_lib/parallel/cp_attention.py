@@ -1,37 +1,22 @@
-"""The math of context parallelism: blockwise attention, the log-sum-exp merge, sequence layouts, ring attention.
+"""The math of context parallelism: blockwise attention, log-sum-exp merge, layouts, ring attention.
 
-Context parallelism (CP) splits the *sequence* of every example over the ``cp`` ranks of a group. Everything in
-a transformer is per token except attention, where each query needs every key and value before it. Ring
-attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers", arXiv:2310.01889) keeps the
-local queries in place and passes the K,V blocks around a ring: at each of the cp - 1 steps a rank sends the
-block it holds to the next rank and receives one from the previous, overlapping the transfer with the attention
-of the block it already has.
+Context parallelism splits every example's *sequence* over the ``cp`` ranks of a group; only
+attention mixes tokens. Ring attention (Liu, Zaharia & Abbeel 2023, arXiv:2310.01889) keeps the
+local queries and passes the K,V blocks around a ring, each of the cp - 1 transfers overlapped with
+attention over the block at hand. Blocks merge exactly by their log-sum-exp (online softmax: Milakov
+& Gimelshein 2018; FlashAttention, Dao et al. 2022)::
 
-**Online softmax** (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022). Attention of a query over a
-block of keys gives a partial output ``o_j = softmax(s_j) v_j`` and the block's log-sum-exp
-``lse_j = log sum_k exp(s_jk)``. Two blocks merge exactly::
-
-    lse = log(exp(lse_1) + exp(lse_2)) = m + log(exp(lse_1 - m) + exp(lse_2 - m)),  m = max(lse_1, lse_2)
+    lse = m + log(exp(lse_1 - m) + exp(lse_2 - m)),  m = max(lse_1, lse_2)
     o   = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2
 
-Every exponent is <= 0, so nothing overflows however large the scores; a row that saw no key yet has
-lse = -inf and weight 0 (never NaN).
-
-**Causal masks over chunks.** With global positions ``p_q`` and ``p_k`` a key is visible when ``p_k <= p_q``. A
-block (q chunk, k chunk) is skipped when no pair is visible, computed without a mask when all are, and masked
-only when partly visible (the diagonal). The **contiguous** layout gives rank r chunk r of cp (length c): its
-queries see c^2 r + c(c + 1)/2 keys in all, so the last rank does (2cp - 1)/cp x the mean work (for large c)
-while rank 0 does almost nothing, and the step waits for the slowest. The **zig-zag** layout (Megatron-LM's
-context parallel; Brandon et al. 2023's "Striped Attention" is the cyclic variant) cuts the sequence into 2cp
-chunks and gives rank r chunks r and 2cp - 1 - r: every rank then holds one early and one late chunk and does
-the same work (max/mean = 1).
-
-Backward (FlashAttention-2's recomputation, Dao 2023): from the saved output ``o`` and ``lse`` of each query
-row, every block recomputes ``P = exp(s - lse)`` and adds ``dQ += dS K``, ``dK = dS^T Q``, ``dV = P^T dO`` with
-``dS = P * (dO V^T - rowsum(dO * o))``. The dK, dV of a block travel around the ring with its K, V and arrive
-at the block's owner after cp sends.
-
-GQA: the ring carries the n_kv heads (each serving n_head / n_kv query heads), not the expanded n_head.
+Every exponent is <= 0 (no overflow); a row that saw no key has lse = -inf, weight 0 (never NaN).
+Causal masks: a (q chunk, k chunk) block is skipped when no key is visible, unmasked when all are,
+masked only on the diagonal. In the **contiguous** layout rank r's queries (chunk r, length c) see
+c^2 r + c(c + 1)/2 keys: the last rank does (2cp - 1)/cp x the mean work, rank 0 almost none. The
+**zig-zag** layout (Megatron-LM; Brandon et al. 2023's "Striped Attention" is the cyclic variant)
+gives rank r chunks r and 2cp - 1 - r of 2cp: equal work. Backward recomputes ``P = exp(s - lse)``
+per block from the saved ``o`` and ``lse`` (FlashAttention-2, Dao 2023); a block's dK, dV ride the
+ring with its K, V back to their owner. The ring carries GQA's n_kv heads. Chapter 06 derives it.
 """
 
 from __future__ import annotations
@@ -49,7 +34,7 @@ Layout = Literal["contiguous", "zigzag"]
 LAYOUTS: tuple[Layout, ...] = ("contiguous", "zigzag")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Layouts: which global positions a rank holds
 
 
@@ -61,7 +46,7 @@ def chunks_per_rank(layout: Layout) -> int:
 
 
 def chunk_ids(rank: int, cp: int, layout: Layout) -> tuple[int, ...]:
-    """The chunks of rank ``rank``: (r,) of cp chunks, or (r, 2cp - 1 - r) of 2cp chunks (zig-zag)."""
+    """Rank ``rank``'s chunks: (r,) of cp chunks, or (r, 2cp - 1 - r) of 2cp chunks (zig-zag)."""
     if not 0 <= rank < cp:
         raise ValueError(f"rank {rank} is outside a context-parallel group of {cp}")
     return (rank,) if chunks_per_rank(layout) == 1 else (rank, 2 * cp - 1 - rank)
@@ -80,15 +65,18 @@ def positions(seq_len: int, rank: int, cp: int, layout: Layout,
               device: torch.device | str | None = None) -> torch.Tensor:
     """Global positions (int64, ascending within each chunk) of the tokens rank ``rank`` holds."""
     c = check_sequence(seq_len, cp, layout)
-    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, cp, layout)])
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
+                      for i in chunk_ids(rank, cp, layout)])
 
 
-def all_positions(seq_len: int, cp: int, layout: Layout, device: torch.device | str | None = None) -> torch.Tensor:
+def all_positions(seq_len: int, cp: int, layout: Layout,
+                  device: torch.device | str | None = None) -> torch.Tensor:
     """[cp, seq_len / cp]: row r holds the positions of rank r."""
     return torch.stack([positions(seq_len, r, cp, layout, device) for r in range(cp)])
 
 
-def shard_sequence(t: torch.Tensor, rank: int, cp: int, layout: Layout, dim: int = 1) -> torch.Tensor:
+def shard_sequence(t: torch.Tensor, rank: int, cp: int, layout: Layout,
+                   dim: int = 1) -> torch.Tensor:
     """Rank ``rank``'s tokens of ``t`` along ``dim`` (inputs, targets, anything per token)."""
     return t.index_select(dim, positions(t.shape[dim], rank, cp, layout, t.device))
 
@@ -103,11 +91,10 @@ def unshard_sequence(parts: list[torch.Tensor], layout: Layout, dim: int = 1) ->
 
 
 def causal_pairs(seq_len: int, cp: int, layout: Layout) -> list[int]:
-    """Unmasked (q, k) pairs per rank under a causal mask: sum over the rank's query positions p of (p + 1).
+    """Unmasked (q, k) pairs per rank, causal mask: the sum of (p + 1) over its query positions p.
 
-    Contiguous: rank r holds positions [rc, (r+1)c), so pairs = c^2 (2r + 1)/2 + c/2; the last rank does
-    (2cp - 1)/cp x the mean for large c. Zig-zag: every rank does s(s + 1)/(2cp), the mean exactly.
-    """
+    Contiguous: rank r holds positions [rc, (r+1)c), so pairs = c^2 (2r + 1)/2 + c/2; the last rank
+    does (2cp - 1)/cp x the mean for large c. Zig-zag: each rank does s(s + 1)/(2cp), the mean."""
     return [int((positions(seq_len, r, cp, layout) + 1).sum()) for r in range(cp)]
 
 
@@ -116,12 +103,12 @@ def imbalance(pairs: list[int]) -> float:
     return max(pairs) / (sum(pairs) / len(pairs))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One block: forward with (out, lse), backward by recomputation
 
 
 def expand_kv(t: torch.Tensor, n_head: int) -> torch.Tensor:
-    """[B, H_kv, T, d] -> [B, H, T, d]: K/V head g serves query heads g*rep .. g*rep + rep - 1 (GQA)."""
+    """[B, H_kv, T, d] -> [B, H, T, d]: K/V head g serves the query heads [g*rep, (g+1)*rep)."""
     b, h_kv, s, d = t.shape
     if n_head == h_kv:
         return t
@@ -137,22 +124,22 @@ def reduce_kv(t: torch.Tensor, n_kv_head: int) -> torch.Tensor:
 
 
 class BlockAttention:
-    """The per-block operations ring attention is made of, as overridable methods (the seams tests and exercises
-    inject bugs through). Shapes: q [B, H, Tq, d]; k, v [B, H_kv, Tk, d]; lse [B, H, Tq]; mask [Tq, Tk] bool,
-    True = visible, or None = all visible."""
+    """The per-block operations ring attention is made of, as overridable methods (the seams tests
+    and exercises inject bugs through). Shapes: q [B, H, Tq, d]; k, v [B, H_kv, Tk, d]; lse [B, H,
+    Tq]; mask [Tq, Tk] bool, True = visible, or None = all visible."""
 
     def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Causal visibility from *global* positions: key k is visible to query q when p_k <= p_q."""
+        """Causal visibility from *global* positions: key k is visible to query q if p_k <= p_q."""
         return k_pos[None, :] <= q_pos[:, None]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial attention of q over one block: (softmax(s) v, logsumexp(s)), with s = scale q k^T.
+        """Partial attention of q over one block: (softmax(s) v, logsumexp(s)), s = scale q k^T.
 
-        Stable: exp(s - m) with m the row max; a fully masked row gives out 0 and lse -inf (no NaN), also in
-        autograd's backward (``allgather_attention``): a row with a visible key has a denominator >= 1 (its max
-        term is exp(0)), so only an empty row's 0 is replaced, by 1 -- dividing by a tiny clamp instead would
-        turn dO / tiny into inf and 0 x inf into NaN once |dO| > 4."""
+        Stable: exp(s - m) with m the row max; a fully masked row gives out 0 and lse -inf (no NaN),
+        also in autograd's backward (``allgather_attention``): a row with a visible key has a
+        denominator >= 1 (its max term is exp(0)), so only an empty row's 0 is replaced, by 1 -- a
+        tiny clamp instead would turn dO / tiny into inf and 0 x inf into NaN once |dO| > 4."""
         s = scale * q @ expand_kv(k, q.shape[1]).transpose(-1, -2)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
@@ -168,16 +155,17 @@ class BlockAttention:
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
               block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Combine two partial results by the log-sum-exp rule, every exponent shifted to be <= 0."""
+        """Combine two partial results by the log-sum-exp rule, every exponent shifted to <= 0."""
         new = torch.logaddexp(lse, block_lse)
-        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # both -inf: weights 0, not NaN
+        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # both -inf: no NaN
         w_old, w_new = torch.exp(lse - safe)[..., None], torch.exp(block_lse - safe)[..., None]
         return w_old * out + w_new * block_out, new
 
-    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                 d_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(dq, dk, dv) of one block from the *final* lse and delta = rowsum(dO * O), recomputing P."""
+    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 mask: torch.Tensor | None, d_out: torch.Tensor, lse: torch.Tensor,
+                 delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) of one block from the *final* lse and delta = rowsum(dO * O), recomputing P:
+        ``dS = P * (dO V^T - delta)``, ``dQ = dS K``, ``dK = dS^T Q``, ``dV = P^T dO``."""
         h = q.shape[1]
         ke, ve = expand_kv(k, h), expand_kv(v, h)
         s = scale * q @ ke.transpose(-1, -2)
@@ -191,22 +179,24 @@ class BlockAttention:
         dk = scale * ds.transpose(-1, -2) @ q
         return dq, reduce_kv(dk, k.shape[1]), reduce_kv(dv, k.shape[1])
 
-    def kv_for_backward_step(self, step: int, received: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-        """The K,V block the backward recomputes with at ``step``: the one the ring delivered (``own`` at 0)."""
+    def kv_for_backward_step(self, step: int, received: torch.Tensor,
+                             own: torch.Tensor) -> torch.Tensor:
+        """The K,V block the backward recomputes with at ``step``: the ring's (``own`` at 0)."""
         return received
 
 
 class DocumentMaskAttention(BlockAttention):
-    """Packed sequences: several documents share one row of ``seq_len`` tokens, and a token attends only to the
-    earlier tokens of its own document -- a block-diagonal causal mask (what Llama 3 trains with; FlexAttention's
-    ``document_mask``). ``doc_starts``: the global position where each document begins (0 first), the same for
-    every row of the batch. The mask reads global positions, so it works unchanged in the ring (which then also
-    skips every block that crosses a document boundary: less work, and a new load balance), the all-gather form
-    and Ulysses."""
+    """Packed sequences: several documents share one row of ``seq_len`` tokens, and a token attends
+    only to the earlier tokens of its own document -- a block-diagonal causal mask (what Llama 3
+    trains with; FlexAttention's ``document_mask``). ``doc_starts``: the global position where each
+    document begins (0 first), the same for every row of the batch. The mask reads global positions,
+    so it works unchanged in the ring (which then also skips every block that crosses a document
+    boundary: less work, and a new load balance), the all-gather form and Ulysses."""
 
     def __init__(self, doc_starts: list[int]) -> None:
         if not doc_starts or doc_starts[0] != 0 or sorted(set(doc_starts)) != list(doc_starts):
-            raise ValueError(f"doc_starts must be increasing positions starting at 0, got {doc_starts}")
+            raise ValueError(f"doc_starts must be increasing positions starting at 0, "
+                             f"got {doc_starts}")
         self.starts = torch.tensor(doc_starts)
 
     def document(self, pos: torch.Tensor) -> torch.Tensor:
@@ -219,12 +209,12 @@ class DocumentMaskAttention(BlockAttention):
 
 
 class EmulatedDeviceAttention(BlockAttention):
-    """Blocks that cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs in forward, twice
-    that in backward (as a host waits for a GPU kernel), the real computation included in that time. The sleep
-    costs no CPU, so cp ranks run side by side on a 2-core machine and step times follow the work per rank, not
-    the OS scheduler.
-    ``n_head``: when set, a pair costs in proportion to the heads the block computes (q.shape[1] / n_head), so
-    Ulysses' blocks of H/cp heads cost what they compute."""
+    """Blocks that cost an **emulated device** time: ``seconds_per_pair`` x visible (q, k) pairs in
+    forward, twice that in backward (as a host waits for a GPU kernel), the real computation
+    included in that time. The sleep costs no CPU, so cp ranks run side by side on a 2-core machine
+    and step times follow the work per rank, not the OS scheduler. ``n_head``: when set, a pair
+    costs in proportion to the heads the block computes (q.shape[1] / n_head), so Ulysses' blocks of
+    H/cp heads cost what they compute."""
 
     def __init__(self, seconds_per_pair: float, n_head: int | None = None) -> None:
         self.seconds_per_pair, self.n_head = seconds_per_pair, n_head
@@ -234,9 +224,9 @@ class EmulatedDeviceAttention(BlockAttention):
         return pairs * (q.shape[1] / self.n_head if self.n_head else 1)
 
     def _until(self, start: float, seconds: float) -> None:
-        """Sleep until ``seconds`` after ``start``: the host's real compute runs inside the emulated kernel time
-        (as a CPU prepares the next launch while the GPU computes), so a block costs exactly its emulated time
-        whenever that exceeds the real one."""
+        """Sleep until ``seconds`` after ``start``: the host's real compute runs inside the emulated
+        kernel time (as a CPU prepares the next launch while the GPU computes), so a block costs
+        exactly its emulated time whenever that exceeds the real one."""
         time.sleep(max(0.0, seconds - (time.perf_counter() - start)))
 
     def forward(self, q, k, v, scale, mask):
@@ -252,18 +242,20 @@ class EmulatedDeviceAttention(BlockAttention):
         return out
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """Full attention on one process (PyTorch's SDPA), the oracle: q [B, H, T, d], k, v [B, H_kv, T, d]."""
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        causal: bool = True) -> torch.Tensor:
+    """Full attention on one process (SDPA), the oracle: q [B, H, T, d]; k, v [B, H_kv, T, d]."""
     h = q.shape[1]
-    return torch.nn.functional.scaled_dot_product_attention(q, expand_kv(k, h), expand_kv(v, h), is_causal=causal)
+    return torch.nn.functional.scaled_dot_product_attention(q, expand_kv(k, h), expand_kv(v, h),
+                                                            is_causal=causal)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Work accounting
 
 
 class AttentionStats:
-    """What one rank's attention did: unmasked (q, k) pairs computed, blocks computed and skipped (forward)."""
+    """What one rank's attention did (forward): unmasked (q, k) pairs, blocks computed, skipped."""
 
     def __init__(self) -> None:
         self.pairs = 0
@@ -271,8 +263,8 @@ class AttentionStats:
         self.skipped = 0
 
 
-def _block_plan(kernel: BlockAttention, q_pos: torch.Tensor, k_pos: torch.Tensor, n_chunks: int, causal: bool
-                ) -> list[tuple[slice, slice, torch.Tensor | None, int]]:
+def _block_plan(kernel: BlockAttention, q_pos: torch.Tensor, k_pos: torch.Tensor, n_chunks: int,
+                causal: bool) -> list[tuple[slice, slice, torch.Tensor | None, int]]:
     """(q slice, k slice, mask or None, unmasked pairs) of every sub-block with visible pairs."""
     tq, tk = q_pos.numel() // n_chunks, k_pos.numel() // n_chunks
     plan = []
@@ -291,7 +283,7 @@ def _block_plan(kernel: BlockAttention, q_pos: torch.Tensor, k_pos: torch.Tensor
     return plan
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Ring attention as an autograd Function
 
 
@@ -306,24 +298,25 @@ def ring_peers(group: comm.Group) -> tuple[int, int, int, int]:
 
 
 def ring_shift(t: torch.Tensor, nxt: int, prv: int, group: comm.Group) -> tuple[torch.Tensor, list]:
-    """Start sending ``t`` to the next rank and receiving the previous rank's tensor of the same shape."""
+    """Start sending ``t`` to the next rank and receiving the previous rank's (same shape)."""
     incoming = torch.empty_like(t)
     return incoming, [comm.isend(t, nxt, group), comm.irecv(incoming, prv, group)]
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """out = softmax(q k^T / sqrt(d) [+ causal mask]) v over the whole sequence, from local q, k, v chunks.
+    """out = softmax(q k^T / sqrt(d) [+ causal mask]) v over the whole sequence, from local chunks.
 
-    ``pos`` [cp, T_local]: the global positions of every rank's tokens (row r for rank r of ``group``);
-    ``n_chunks``: contiguous chunks per rank (1 contiguous, 2 zig-zag), the granularity at which fully masked
-    blocks are skipped. Forward: cp - 1 sends of one K,V block (2 x B x H_kv x T_local x d elements). Backward:
-    cp - 1 sends of the K,V block and cp sends of its fp32 dK,dV accumulator (the last one brings it home).
+    ``pos`` [cp, T_local]: the global positions of every rank's tokens (row r for rank r of
+    ``group``); ``n_chunks``: contiguous chunks per rank (1 contiguous, 2 zig-zag), the granularity
+    at which fully masked blocks are skipped. Forward: cp - 1 sends of one K,V block (2 x B x H_kv x
+    T_local x d elements). Backward: cp - 1 sends of the K,V block and cp sends of its fp32 dK,dV
+    accumulator (the last one brings it home).
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
-                causal: bool, group: comm.Group, kernel: BlockAttention, stats: AttentionStats | None
-                ) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                n_chunks: int, causal: bool, group: comm.Group, kernel: BlockAttention,
+                stats: AttentionStats | None) -> torch.Tensor:
         r, n, nxt, prv = ring_peers(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros_like(q)
@@ -331,16 +324,19 @@ class RingAttentionFunction(torch.autograd.Function):
         kv = torch.stack((k, v)).contiguous()
         for step in range(n):
             if step < n - 1:
-                incoming, works = ring_shift(kv, nxt, prv, group)  # overlapped with this step's compute
-            for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
+                incoming, works = ring_shift(kv, nxt, prv, group)  # overlaps this step's compute
+            blocks = _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal)
+            for qs, ks, mask, pairs in blocks:
                 if stats is not None:
                     stats.pairs += pairs
                     stats.blocks += pairs > 0
                     stats.skipped += pairs == 0
                 if pairs == 0:
                     continue
-                b_out, b_lse = kernel.forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask)
-                out[:, :, qs], lse[:, :, qs] = kernel.merge(out[:, :, qs], lse[:, :, qs], b_out, b_lse)
+                b_out, b_lse = kernel.forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                              scale, mask)
+                out[:, :, qs], lse[:, :, qs] = kernel.merge(out[:, :, qs], lse[:, :, qs],
+                                                            b_out, b_lse)
             if step < n - 1:
                 for w in works:
                     w.wait()
@@ -359,43 +355,49 @@ class RingAttentionFunction(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         own = torch.stack((k, v)).contiguous()
         kv = own
-        dkv = torch.zeros_like(own, dtype=torch.float32)  # dK, dV of the block we hold, accumulated in fp32
+        dkv = torch.zeros_like(own, dtype=torch.float32)  # the held block's dK, dV, in fp32
         for step in range(n):
             if step < n - 1:
                 incoming, works = ring_shift(kv, nxt, prv, group)
             use = kernel.kv_for_backward_step(step, kv, own)
-            for qs, ks, mask, pairs in _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal):
+            blocks = _block_plan(kernel, pos[r], pos[(r - step) % n], n_chunks, causal)
+            for qs, ks, mask, pairs in blocks:
                 if pairs == 0:
                     continue
-                dq_b, dk_b, dv_b = kernel.backward(q[:, :, qs], use[0][:, :, ks], use[1][:, :, ks], scale, mask,
-                                                   d_out[:, :, qs], lse[:, :, qs], delta[:, :, qs])
+                dq_b, dk_b, dv_b = kernel.backward(q[:, :, qs], use[0][:, :, ks], use[1][:, :, ks],
+                                                   scale, mask, d_out[:, :, qs], lse[:, :, qs],
+                                                   delta[:, :, qs])
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += dk_b
                 dkv[1][:, :, ks] += dv_b
             if n > 1:
-                incoming_grad, grad_works = ring_shift(dkv, nxt, prv, group)  # on to the next holder of the block
+                # on to the block's next holder
+                incoming_grad, grad_works = ring_shift(dkv, nxt, prv, group)
                 for w in grad_works + (works if step < n - 1 else []):
                     w.wait()
                 dkv = incoming_grad
                 if step < n - 1:
                     kv = incoming
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None, None, None, None, None, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int = 1,
-                   causal: bool = True, group: comm.Group = None, kernel: BlockAttention | None = None,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                   n_chunks: int = 1, causal: bool = True, group: comm.Group = None,
+                   kernel: BlockAttention | None = None,
                    stats: AttentionStats | None = None) -> torch.Tensor:
-    """Ring attention of this rank's q [B, H, T, d] over everyone's k, v [B, H_kv, T, d] (see the Function)."""
+    """Ring attention: local q [B, H, T, d] over all ranks' k, v [B, H_kv, T, d]."""
     check_qkv(q, k, v, pos, n_chunks, group)
-    return RingAttentionFunction.apply(q, k, v, pos, n_chunks, causal, group, kernel or BlockAttention(), stats)
+    kernel = kernel or BlockAttention()
+    return RingAttentionFunction.apply(q, k, v, pos, n_chunks, causal, group, kernel, stats)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The all-gather form (Llama 3's and PyTorch's default): gather all K,V, attend locally
 
 
 class AllGatherKV(torch.autograd.Function):
-    """kv [2, B, H_kv, T, d] -> every rank's kv [cp, 2, B, H_kv, T, d]; backward reduce-scatters the gradient."""
+    """kv [2, B, H_kv, T, d] -> all ranks' kv [cp, 2, B, H_kv, T, d]; backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, kv: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -413,11 +415,13 @@ class AllGatherKV(torch.autograd.Function):
         return d_kv.view(d_full.shape[1:]), None
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int = 1,
-                        causal: bool = True, group: comm.Group = None, kernel: BlockAttention | None = None,
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                        n_chunks: int = 1, causal: bool = True, group: comm.Group = None,
+                        kernel: BlockAttention | None = None,
                         stats: AttentionStats | None = None) -> torch.Tensor:
-    """Attention of this rank's q over the all-gathered K,V (one collective of (cp-1)/cp x cp K,V blocks per
-    rank instead of cp - 1 ring steps; memory for the whole sequence's K,V). Autograd does the backward."""
+    """Attention of this rank's q over the all-gathered K,V (one collective of (cp-1)/cp x cp K,V
+    blocks per rank instead of cp - 1 ring steps; memory for the whole sequence's K,V). Autograd
+    does the backward."""
     check_qkv(q, k, v, pos, n_chunks, group)
     kernel = kernel or BlockAttention()
     full = AllGatherKV.apply(torch.stack((k, v)), group)  # [cp, 2, B, H_kv, T, d]
@@ -433,15 +437,18 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int,
               group: comm.Group) -> None:
-    """Raise unless q [B, H, T, d], k, v [B, H_kv, T, d] and pos [cp, T] agree (T split into ``n_chunks``)."""
+    """Raise unless q [B, H, T, d], k, v [B, H_kv, T, d] and pos [cp, T] agree (T split into
+    ``n_chunks``)."""
     n = dist.get_world_size(group)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"expected q [B, H, T, d] and k, v [B, H_kv, T, d], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, tokens or head_dim, or "
-                         f"{q.shape[1]} query heads do not share {k.shape[1]} K/V heads evenly")
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, tokens or "
+                         f"head_dim, or {q.shape[1]} query heads do not share {k.shape[1]} K/V "
+                         "heads evenly")
     if tuple(pos.shape) != (n, q.shape[2]):
-        raise ValueError(f"positions must be [cp={n}, T_local={q.shape[2]}], got {tuple(pos.shape)}")
+        raise ValueError(f"positions must be [cp={n}, T_local={q.shape[2]}], "
+                         f"got {tuple(pos.shape)}")
     if q.shape[2] % n_chunks:
         raise ValueError(f"{q.shape[2]} local tokens do not split into {n_chunks} chunks")

@@ -1,29 +1,22 @@
-"""DeepSpeed-Ulysses: context parallelism by re-splitting the heads (Jacobs et al. 2023, "DeepSpeed Ulysses:
-System Optimizations for Enabling Training of Extreme Long Sequence Transformer Models", arXiv:2309.14509).
+"""DeepSpeed-Ulysses: context parallelism by re-splitting the heads over the ranks.
 
-Ring attention keeps each rank's queries and moves the K,V blocks past them. Ulysses instead notices that
-attention is independent per head: one **all-to-all** turns q, k, v from *sequence-sharded* [B, H, s/cp, d] into
-*head-sharded* [B, H/cp, s, d] (rank r keeps heads [r H/cp, (r+1) H/cp) of every token), each rank runs ordinary
-attention over the whole sequence for its heads, and a second all-to-all turns the output back into sequence
-shards [B, H, s/cp, d]. The all-to-all is a permutation of blocks, so its backward is the inverse all-to-all.
+Attention is independent per head (Jacobs et al. 2023, arXiv:2309.14509): one **all-to-all** turns
+q, k, v from *sequence-sharded* [B, H, s/cp, d] into *head-sharded* [B, H/cp, s, d], each rank
+attends over the whole sequence for its heads, and a second all-to-all turns the output back (a
+permutation of blocks: its backward is the inverse all-to-all). An all-to-all of X bytes sends
+(cp-1)/cp X per rank (``collectives.all_to_all``: *measured*); with e bytes an element and
+``n = B (s/cp) d e``, per rank and layer::
 
-Per rank and layer, with e bytes an element and n = B (s/cp) d e, an all-to-all of a tensor of X bytes sends
-(cp-1)/cp X (``collectives.all_to_all``: our own send/recv, so the bytes are *measured*)::
+    forward   q (H heads), k, v (H_kv each) to heads, the output (H) back:  (cp-1)/cp n (2H + 2H_kv)
+    backward  the same four tensors' gradients, the other way:             (cp-1)/cp n (2H + 2H_kv)
 
-    forward   q (H heads), k, v (H_kv each) to heads, the output (H) back:   (cp-1)/cp n (2H + 2H_kv)
-    backward  the same four tensors' gradients, the other way:              (cp-1)/cp n (2H + 2H_kv)
-
-against the ring's 2 H_kv n per step, (cp - 1) steps forward. Ulysses' bytes per rank *fall* as 1/cp while the
-ring's stay ~constant, but an all-to-all cannot hide behind the attention it feeds (the ring overlaps each step
-with a block's compute), and **cp cannot exceed the K/V heads**: rank r needs K/V heads [r H_kv/cp, ...)
-whole (GQA: query head j reads K/V head j // (H / H_kv)), so cp must divide H_kv (and H). Past that, K/V heads
-would have to be replicated (more bytes) or the ring used -- or both: USP (Fang & Zhao 2024) runs Ulysses inside
-a node and the ring across nodes.
-
-Load balance comes free: every rank attends over the *whole* sequence for H/cp heads, so a causal mask costs
-every rank the same (no zig-zag needed; any layout is only an order, the mask reads the global positions).
-Masks come from the kernel's ``mask(q_pos, k_pos)`` (a ``cp_attention.BlockAttention``), so document masking
-(``cp_attention.DocumentMaskAttention``) works here as in the ring.
+against the ring's 2 H_kv n per step for cp - 1 steps. Ulysses' bytes per rank *fall* as 1/cp, the
+ring's stay ~constant, but an all-to-all cannot hide behind the attention it feeds, and **cp must
+divide H_kv** (and H): rank r needs its K/V heads whole (GQA: query head j reads K/V head
+``j // (H / H_kv)``). Past that, replicate K/V heads or use the ring, or both: USP (Fang & Zhao
+2024) runs Ulysses inside a node, the ring across nodes. Load balance is free (each rank attends
+over the *whole* sequence for H/cp heads); masks come from the kernel's ``mask(q_pos, k_pos)``
+(``cp_attention.BlockAttention``), so document masking works as in the ring. Chapter 06.
 """
 
 from __future__ import annotations
@@ -38,37 +31,42 @@ from course_lib import comm
 from course_lib.parallel.cp_attention import AttentionStats, BlockAttention, check_qkv
 from course_lib.runtime import collectives
 
-__all__ = ["AllToAll", "UlyssesExchange", "check_ulysses_heads", "ulysses_attention", "ulysses_bytes_per_rank"]
+__all__ = ["AllToAll", "UlyssesExchange", "check_ulysses_heads", "ulysses_attention",
+           "ulysses_bytes_per_rank"]
 
 
 def check_ulysses_heads(n_head: int, n_kv_head: int, cp: int) -> None:
-    """Raise unless cp divides both the query heads and the K/V heads (each rank takes whole heads)."""
+    """Raise unless cp divides both the query and the K/V heads (each rank takes whole heads)."""
     if n_head % cp or n_kv_head % cp:
-        raise ValueError(f"Ulysses splits the heads over the cp={cp} ranks, but {n_head} query heads and "
-                         f"{n_kv_head} K/V heads do not both divide by {cp}: use cp in "
-                         f"{[d for d in range(1, n_kv_head + 1) if n_kv_head % d == 0 and n_head % d == 0]} "
-                         f"(cp <= n_kv_head), or the ring (algorithm='ring'), which has no such limit")
+        fits = [d for d in range(1, n_kv_head + 1) if n_kv_head % d == 0 and n_head % d == 0]
+        raise ValueError(f"Ulysses splits the heads over the cp={cp} ranks, but {n_head} query "
+                         f"heads and {n_kv_head} K/V heads do not both divide by {cp}: use cp in "
+                         f"{fits} (cp <= n_kv_head), or the ring (algorithm='ring'), which has no "
+                         "such limit")
 
 
-def ulysses_bytes_per_rank(seq_len: int, batch: int, n_head: int, n_kv_head: int, head_dim: int, cp: int,
-                           element_size: int) -> dict[str, int]:
-    """Bytes one rank sends per layer: each of forward and backward (cp-1)/cp x B (s/cp) d e x (2H + 2H_kv)."""
+def ulysses_bytes_per_rank(seq_len: int, batch: int, n_head: int, n_kv_head: int, head_dim: int,
+                           cp: int, element_size: int) -> dict[str, int]:
+    """Bytes one rank sends per layer, each way: (cp-1)/cp x B (s/cp) d e x (2H + 2H_kv)."""
     local = batch * (seq_len // cp) * head_dim * element_size
     each = (cp - 1) * local * (2 * n_head + 2 * n_kv_head) // cp
     return {"forward": each, "backward": each}
 
 
 def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: comm.Group) -> torch.Tensor:
-    """Send chunk j of ``split_dim`` to group rank j; concatenate what rank j sent along ``cat_dim``, in order."""
+    """Send chunk j of ``split_dim`` to group rank j; join what rank j sent along ``cat_dim``."""
     n = dist.get_world_size(group)
-    return torch.cat(collectives.all_to_all([c.contiguous() for c in x.chunk(n, split_dim)], group), cat_dim)
+    chunks = [c.contiguous() for c in x.chunk(n, split_dim)]
+    return torch.cat(collectives.all_to_all(chunks, group), cat_dim)
 
 
 class AllToAll(torch.autograd.Function):
-    """``_all_to_all(x, split_dim, cat_dim)``; backward the inverse (split ``cat_dim``, concatenate ``split_dim``)."""
+    """``_all_to_all(x, split_dim, cat_dim)``; backward the inverse (split ``cat_dim``, join
+    ``split_dim``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split_dim: int, cat_dim: int, group: comm.Group) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, split_dim: int, cat_dim: int,
+                group: comm.Group) -> torch.Tensor:
         ctx.dims, ctx.group = (split_dim, cat_dim), group
         return _all_to_all(x, split_dim, cat_dim, group)
 
@@ -79,10 +77,10 @@ class AllToAll(torch.autograd.Function):
 
 
 class UlyssesExchange:
-    """The two re-splits, as overridable methods (the seam a mutation test breaks): [B, H, s/cp, d] tensors."""
+    """The two re-splits of [B, H, s/cp, d] tensors, overridable (a mutation test's seam)."""
 
     def to_heads(self, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
-        """Sequence-sharded [B, H, s/cp, d] -> head-sharded [B, H/cp, s, d] (tokens in rank order)."""
+        """[B, H, s/cp, d] sequence shards -> [B, H/cp, s, d] head shards (tokens in rank order)."""
         return AllToAll.apply(x, 1, 2, group)
 
     def to_sequence(self, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -90,16 +88,17 @@ class UlyssesExchange:
         return AllToAll.apply(x, 2, 1, group)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_chunks: int = 1,
-                      causal: bool = True, group: comm.Group = None, kernel: BlockAttention | None = None,
-                      stats: AttentionStats | None = None, exchange: UlyssesExchange | None = None
-                      ) -> torch.Tensor:
-    """Attention of this rank's q [B, H, T, d] over everyone's k, v [B, H_kv, T, d] by two all-to-alls.
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                      n_chunks: int = 1, causal: bool = True, group: comm.Group = None,
+                      kernel: BlockAttention | None = None, stats: AttentionStats | None = None,
+                      exchange: UlyssesExchange | None = None) -> torch.Tensor:
+    """Attention of this rank's q [B, H, T, d] over all k, v [B, H_kv, T, d] by two all-to-alls.
 
-    ``pos`` [cp, T]: every rank's global positions (the mask reads them, so any layout works; ``n_chunks`` is
-    accepted for the ring's signature and unused). The attention itself is the kernel's block forward over the
-    whole sequence (autograd does its backward; a flash kernel in production). ``stats.pairs``: the visible
-    (q, k) pairs this rank computes, for H/cp heads -- the same on every rank.
+    ``pos`` [cp, T]: every rank's global positions (the mask reads them, so any layout works;
+    ``n_chunks`` is accepted for the ring's signature and unused). The attention itself is the
+    kernel's block forward over the whole sequence (autograd does its backward; a flash kernel in
+    production). ``stats.pairs``: the visible (q, k) pairs this rank computes, for H/cp heads -- the
+    same on every rank.
     """
     check_qkv(q, k, v, pos, n_chunks, group)
     cp = dist.get_world_size(group)

@@ -1,22 +1,20 @@
-"""Data parallelism from scratch: naive, bucketed and overlapped gradient all-reduce, and accumulation.
+"""Data parallelism from scratch: naive, bucketed and overlapped gradient all-reduce; accumulation.
 
-Every rank holds a replica and processes its own slice of the global batch (B = b x m x N: micro-batch x
-accumulation steps x ranks); after backward the ranks average their gradients, so every replica takes the same
-step. With equal slices the average of the local mean-loss gradients *is* the gradient of the global mean loss.
-A ring all-reduce sends 2 (N-1)/N x V bytes per rank and step, however the gradients are grouped (grouping
-changes the number of calls, the alpha term, not the bytes; Patarasuk & Yuan 2009).
+Every rank holds a replica and its own slice of the global batch (B = b x m x N: micro-batch x
+accumulation steps x ranks); after backward the ranks average their gradients, so every replica
+takes the same step: with equal slices the mean of the local mean-loss gradients *is* the global
+mean loss's gradient. A ring all-reduce sends 2 (N-1)/N x V bytes per rank and step however they
+are grouped (grouping changes the number of calls, the alpha term; Patarasuk & Yuan 2009).
 
 * ``naive``: one all-reduce per gradient after backward;
 * ``bucketed``: gradients packed into flat buckets of ~``bucket_mb`` MiB in reverse parameter order;
-* ``overlapped``: a bucket is all-reduced asynchronously as soon as backward filled it, in bucket order on
-  every rank (DDP, Li et al. 2020, VLDB 13(12), sections 3.2.2-3.2.3);
-* ``scheduled``: nothing runs by itself; ``launch(params)`` starts their reduction (a pipeline's
-  ``REDUCE_GRAD`` action, once its stage's gradients are complete).
+* ``overlapped``: a bucket is all-reduced asynchronously once backward filled it, in bucket order
+  on every rank (DDP, Li et al. 2020, VLDB 13(12), sections 3.2.2-3.2.3);
+* ``scheduled``: ``launch(params)`` starts their reduction (a pipeline's ``REDUCE_GRAD``).
 
-Which group each gradient is averaged over, and which are summed over another axis too, is read from its
-placements (``dp_reduce``): the only place gradients are reduced. ``no_sync()`` accumulates without
-communicating; ``find_unused_parameters`` leaves ``.grad`` None where no rank has one (DDP's flag).
-Chapter 02 builds it in the notebook first.
+Each gradient's group, and the axes that sum it too, are read from its placements (``dp_reduce``).
+``no_sync()`` accumulates without communicating; ``find_unused_parameters`` leaves ``.grad`` None
+where no rank has one (DDP's flag). Chapter 02 builds it in the notebook first.
 """
 
 from __future__ import annotations
@@ -39,10 +37,10 @@ DEFAULT_BUCKET_MB = 25.0
 
 
 def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``params`` (in the order their gradients come) grouped greedily, as DDP's
-    ``compute_bucket_assignment_by_size``: one open bucket per dtype and data group (one flat buffer, one
-    collective), closed once it holds ``bucket_bytes`` (its last tensor may overflow it; 0: one tensor
-    each); the buckets in the order of their first tensor, so they fill in turn."""
+    """Indices of ``params`` (in gradient order) grouped greedily, as DDP's
+    ``compute_bucket_assignment_by_size``: one open bucket per dtype and data group (one buffer, one
+    collective), closed once it holds ``bucket_bytes`` (its last tensor may overflow it; 0: one
+    each); buckets in the order of their first tensor, so they fill in turn."""
     buckets: list[list[int]] = []
     open_: dict[tuple[torch.dtype, str], tuple[list[int], int]] = {}
     for i, p in enumerate(params):
@@ -60,7 +58,7 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[li
 
 @dataclass(eq=False)
 class Bucket:
-    """The gradients of ``params`` back to back in ``buffer``, reduced over the group of axis key ``key``."""
+    """``params``' gradients back to back in ``buffer``, reduced over axis key ``key``'s group."""
 
     params: list[nn.Parameter]
     key: str
@@ -70,7 +68,7 @@ class Bucket:
 
 
 class DataParallel(ParallelWrapper):
-    """Average ``module``'s gradients over its data-parallel ranks: ``mesh.group("dp", "cp")`` (experts over
+    """Average ``module``'s gradients over its data ranks: ``mesh.group("dp", "cp")`` (experts over
     ``"edp"``, partial sums over their axes: ``dp_reduce``) or ``group`` (default: every rank).
 
         dp = DataParallel(model, mode="overlapped")
@@ -80,12 +78,13 @@ class DataParallel(ParallelWrapper):
         dp.finish_gradient_sync()     # before optimizer.step(): waits for / runs the all-reduces
         optimizer.step()
 
-    ``broadcast``: start every replica from its group's first copy. Seams a variant overrides: ``average``,
-    ``build_buckets``, ``all_reduce``."""
+    ``broadcast``: start every replica from its group's first copy. Seams a variant overrides:
+    ``average``, ``build_buckets``, ``all_reduce``."""
 
-    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None, group: comm.Group = None,
-                 mode: Mode = "overlapped", bucket_mb: float = DEFAULT_BUCKET_MB,
-                 find_unused_parameters: bool = False, broadcast: bool = True) -> None:
+    def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None,
+                 group: comm.Group = None, mode: Mode = "overlapped",
+                 bucket_mb: float = DEFAULT_BUCKET_MB, find_unused_parameters: bool = False,
+                 broadcast: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
         if bucket_mb < 0:
@@ -95,12 +94,11 @@ class DataParallel(ParallelWrapper):
         self.groups = mesh if mesh is not None else {R.DATA: self.group}
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.find_unused_parameters = find_unused_parameters
-        if broadcast:
-            if mesh is not None:
-                R.broadcast_replicas([*module.parameters(), *module.buffers()], mesh)
-            else:
-                broadcast_from_first(module, self.group)
-        # trainable parameters, each once (tied weights are one Parameter), in the order backward makes them
+        if broadcast and mesh is not None:
+            R.broadcast_replicas([*module.parameters(), *module.buffers()], mesh)
+        elif broadcast:
+            broadcast_from_first(module, self.group)
+        # trainable parameters, each once (tied weights are one), in the order backward makes them
         self.params = [p for p in module.parameters() if p.requires_grad][::-1]
         self.buckets = self.build_buckets() if mode in ("bucketed", "overlapped") else []
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -113,7 +111,7 @@ class DataParallel(ParallelWrapper):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def build_buckets(self, params: Sequence[nn.Parameter] | None = None) -> list[Bucket]:
-        """Buckets of ``params`` (default: all) at ``bucket_bytes`` (``assign_buckets``), each a flat buffer."""
+        """Buckets of ``params`` (default: all) by ``assign_buckets``, each a flat buffer."""
         params = self.params if params is None else list(params)
         out = []
         for members in assign_buckets(params, self.bucket_bytes):
@@ -122,14 +120,15 @@ class DataParallel(ParallelWrapper):
             out.append(Bucket(ps, R.data_axis(ps[0]), buffer))
         return out
 
-    # -- the loop's steps -------------------------------------------------------------------------------------
+    # -- the loop's steps --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; outside ``no_sync()`` this arms the coming backward's reduction (after the module
-        returned: a forward that raises leaves the wrapper as it was)."""
+        """Run the module; outside ``no_sync()`` this arms the coming backward's reduction (after
+        the module returned: a forward that raises leaves the wrapper as it was)."""
         if self._require_sync and torch.is_grad_enabled() and self._unsynced:
-            raise RuntimeError("a synchronising forward while the previous step's gradients were never "
-                               "averaged: call finish_gradient_sync() after the last backward, before the step")
+            raise RuntimeError("a synchronising forward while the previous step's gradients were "
+                               "never averaged: call finish_gradient_sync() after the last "
+                               "backward, before the step")
         out = self.module(*args, **kwargs)
         self._arm()
         return out
@@ -142,8 +141,8 @@ class DataParallel(ParallelWrapper):
                 b.pending, b.work = len(b.params), None
 
     def launch(self, params: Sequence[nn.Parameter]) -> None:
-        """Start reducing ``params`` now (scheduled mode: a pipeline stage whose gradients are complete). Inside
-        ``no_sync()`` nothing is reduced: the next synchronising step reduces the accumulated sum."""
+        """Start reducing ``params`` now (scheduled: a pipeline stage's gradients are complete).
+        Inside ``no_sync()`` nothing is reduced: the next synchronising step reduces the sum."""
         if not self._require_sync:
             return
         if not self._unsynced:
@@ -151,18 +150,19 @@ class DataParallel(ParallelWrapper):
         params = [p for p in params if p.requires_grad]
         done = {id(p) for b in self._launched for p in b.params}
         if any(id(p) in done for p in params):
-            raise RuntimeError(f"rank {self.rank}: launch() of parameters already reduced this step: a stage "
-                               "reduced twice (two REDUCE_GRAD actions for one stage?)")
+            raise RuntimeError(
+                f"rank {self.rank}: launch() of parameters already reduced this step: a stage "
+                "reduced twice (two REDUCE_GRAD actions for one stage?)")
         for b in self.build_buckets(params[::-1]):
             self.launch_bucket(b, async_op=True)
 
     def finish_gradient_sync(self) -> None:
-        """Wait for (or run) every all-reduce, average, write ``.grad``, then sum the partial gradients."""
+        """Wait for (or run) every all-reduce, average, write ``.grad``, then sum the partials."""
         if self.mode == "scheduled":
             self._check_all_launched()
         if not self._unsynced:
-            raise RuntimeError("finish_gradient_sync() without a synchronising forward/backward: the last "
-                               "micro-batch must run outside no_sync()")
+            raise RuntimeError("finish_gradient_sync() without a synchronising forward/backward: "
+                               "the last micro-batch must run outside no_sync()")
         with torch.no_grad():
             had = [p.grad is not None for p in self.params]
             if self.mode == "naive":
@@ -184,11 +184,12 @@ class DataParallel(ParallelWrapper):
         self._unsynced, self._launched = False, []
 
     def _restore_unused(self, had: list[bool]) -> None:
-        """Parameters no rank of their data group had a gradient for get ``.grad`` None back (one small
-        all-reduce of the "used" map per group), so the optimizer skips them as on one process."""
+        """Parameters no rank of their data group had a gradient for get ``.grad`` None back (one
+        small all-reduce of a "used" map per group): the optimizer skips them as on one process."""
         flags = dict(zip(map(id, self.params), had, strict=True))
         for key, params in R.by_data_axis(self.params).items():
-            used = torch.tensor([flags[id(p)] for p in params], dtype=torch.int32, device=params[0].device)
+            used = torch.tensor([flags[id(p)] for p in params], dtype=torch.int32,
+                                device=params[0].device)
             R.all_reduce_flat(used, R.group_of(self.groups, key))
             for p, u in zip(params, used.tolist(), strict=True):
                 if u == 0:
@@ -198,21 +199,21 @@ class DataParallel(ParallelWrapper):
         done = {id(p) for b in self._launched for p in b.params}
         missed = [p for p in self.params if id(p) not in done]
         if missed:
-            raise RuntimeError(f"rank {self.rank}: {len(missed)} of {len(self.params)} parameters were never "
-                               "reduced this step: launch(params) must run for every stage (the pipeline's "
-                               "REDUCE_GRAD action)")
+            raise RuntimeError(f"rank {self.rank}: {len(missed)} of {len(self.params)} parameters "
+                               "were never reduced this step: launch(params) must run for every "
+                               "stage (the pipeline's REDUCE_GRAD action)")
 
-    # -- the seams ----------------------------------------------------------------------------------------
+    # -- the seams ---------------------------------------------------------------------------------
 
     def average(self, summed: torch.Tensor) -> None:
         """Sum over the data ranks -> their mean (in place): / N."""
         summed.div_(self.world_size)
 
     def all_reduce(self, tensor: torch.Tensor, group: comm.Group, async_op: bool) -> Any:
-        """One sum all-reduce over ``group`` (none on one rank); the work handle when ``async_op``."""
+        """One sum all-reduce over ``group`` (none on one rank); the work handle if ``async_op``."""
         return R.all_reduce_flat(tensor, group, async_op)
 
-    # -- buckets ----------------------------------------------------------------------------------------------
+    # -- buckets -----------------------------------------------------------------------------------
 
     def launch_bucket(self, b: Bucket, async_op: bool) -> None:
         """Pack ``b``'s gradients (None as zeros) and all-reduce its buffer over its group."""
@@ -222,20 +223,21 @@ class DataParallel(ParallelWrapper):
         self._launched.append(b)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        """Overlapped: ``p.grad`` is final for this backward; launch every bucket now complete, in order."""
+        """Overlapped: ``p.grad`` is final for this backward; launch the buckets now complete."""
         if not self._sync_this_backward:
             return
         b = self._bucket_of[id(p)]
         b.pending -= 1
         if b.pending < 0:
-            raise RuntimeError("a gradient became ready twice for one synchronising forward: a parameter "
-                               "hooked twice, or a second backward without a new forward through the wrapper")
+            raise RuntimeError("a gradient became ready twice for one synchronising forward: a "
+                               "parameter hooked twice, or a second backward without a new forward "
+                               "through the wrapper")
         if b.pending == 0:
             self._launch_in_order(force=False)
 
     def _launch_in_order(self, force: bool) -> None:
-        """Launch buckets next, next+1, ... while complete (all if ``force``): never out of order, so every
-        rank issues the same collectives in the same sequence."""
+        """Launch buckets next, next+1, ... while complete (all if ``force``): never out of order,
+        so every rank issues the same collectives in the same sequence."""
         while self._next < len(self.buckets) and (force or self.buckets[self._next].pending == 0):
             self.launch_bucket(self.buckets[self._next], async_op=True)
             self._next += 1

@@ -1,18 +1,18 @@
 """Where each gradient is reduced, read from its placements: the one rule of data parallelism.
 
-Only data parallelism reduces gradients (torchtitan's rule); the other axes only record what theirs are:
+Only data parallelism reduces gradients (torchtitan's rule); the other axes only record placements:
 
-* a trainable parameter is replicated over its **data group**, ``"dp+cp"`` (data- and context-parallel ranks
-  hold other tokens of the same model), or ``"edp"`` for an expert (expert parallelism records it there: its
-  copies live on the dp x cp / ep ranks that hold the same experts). Its gradient is summed over that group and
-  divided by W = dp x cp, the number of data ranks: every rank's loss is the mean over its own tokens, and the
+* a trainable parameter is replicated over its **data group**: ``"dp+cp"`` (data- and
+  context-parallel ranks hold other tokens of the same model), or ``"edp"`` for an expert (its
+  copies live on the dp x cp / ep ranks holding the same experts). Its gradient is summed over that
+  group and divided by W = dp x cp: each rank's loss is the mean over its own tokens, and the
   all-to-alls already summed an expert's gradient over its ep peers;
-* a parameter recorded ``Partial()`` on an axis (a norm under sequence parallelism, replicated K/V heads under
-  TP) holds only its share of the sum there: summed over that axis too, not divided.
+* a parameter recorded ``Partial()`` on an axis (a norm under sequence parallelism, replicated K/V
+  heads under TP) holds only its share of the sum there: summed over that axis too, not divided.
 
-Every data-parallel form applies this rule to what it owns (``DataParallel`` its buckets, ZeRO its flat units,
-FSDP2 its shards and replicated parameters), through the helpers here: one "flatten, all-reduce, split back".
-Chapter 02 derives it; chapter 08 composes it with the other axes.
+Every data-parallel form applies this rule to what it owns (``DataParallel`` its buckets, ZeRO its
+flat units, FSDP2 its shards and replicated parameters) through the helpers here. Chapter 02
+derives it; chapter 08 composes it with the other axes.
 """
 
 from __future__ import annotations
@@ -50,19 +50,21 @@ def by_data_axis(params: Iterable[nn.Parameter]) -> dict[str, list[nn.Parameter]
 
 
 def group_of(groups: Groups, key: str) -> comm.Group:
-    """The group of axis key ``key`` in ``groups`` (a mesh, or a map key -> group), with the fix if missing."""
+    """The group of axis key ``key`` in ``groups`` (a mesh or a map); if missing, the fix."""
     try:
         return axis_group(groups, key)
     except KeyError as e:
-        raise KeyError(f"a gradient must be reduced over {key!r} but no group is given for it ({e.args[0]}): "
-                       f"build the data-parallel form with mesh= (a Mesh has every axis)") from None
+        raise KeyError(f"a gradient must be reduced over {key!r} but no group is given for it "
+                       f"({e.args[0]}): build the data-parallel form with mesh= (a Mesh has every "
+                       "axis)") from None
 
 
 def flatten_grads(params: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The gradients of ``params`` back to back in one buffer (a missing gradient counts as zeros)."""
+    """The gradients of ``params`` back to back in one buffer (a missing one counts as zeros)."""
     if not params:
         return torch.zeros(0)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
     return flat if dtype is None else flat.to(dtype)
 
 
@@ -77,15 +79,15 @@ def write_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def all_reduce_flat(flat: torch.Tensor, group: comm.Group, async_op: bool = False) -> Any:
-    """Sum ``flat`` over ``group`` (nothing to do on one rank); the work handle when ``async_op``."""
+    """Sum ``flat`` over ``group`` (none on one rank); the work handle if ``async_op``."""
     if dist.get_world_size(group) == 1:
         return None
     return comm.all_reduce(flat, group=group, async_op=async_op)
 
 
 def sum_partials(params: Iterable[torch.Tensor], groups: Groups) -> None:
-    """Sum over each axis the gradients recorded ``Partial()`` there: one flat all-reduce per axis, the axes in
-    the order first met (the same on every rank). Call once, after the data-parallel reduction."""
+    """Sum each gradient recorded ``Partial()`` over its axis: one flat all-reduce per axis, in the
+    order first met (the same on every rank). Once, after the data-parallel reduction."""
     params = [p for p in params if p.requires_grad]
     axes = list(dict.fromkeys(a for p in params for a in partial_axes(p)))
     for axis in axes:
@@ -96,8 +98,8 @@ def sum_partials(params: Iterable[torch.Tensor], groups: Groups) -> None:
 
 
 def reduce_gradients(params: Iterable[torch.Tensor], groups: Groups, data_size: int) -> None:
-    """The whole rule for ``params``, blocking: each data group's gradients summed (one flat all-reduce per
-    group) and divided by ``data_size``, then the partial sums."""
+    """The whole rule for ``params``, blocking: each data group's gradients summed (one flat
+    all-reduce per group) and divided by ``data_size``, then the partial sums."""
     params = [p for p in params if p.requires_grad]
     for key, mine in by_data_axis(params).items():
         flat = flatten_grads(mine)
@@ -107,7 +109,7 @@ def reduce_gradients(params: Iterable[torch.Tensor], groups: Groups, data_size: 
 
 
 def broadcast_replicas(params: Iterable[torch.Tensor], groups: Groups) -> None:
-    """Every parameter := its data group's first copy (one broadcast each): replicas start identical."""
+    """Every parameter := its data group's first copy (one broadcast each): replicas start equal."""
     with torch.no_grad():
         for p in params:
             group = group_of(groups, data_axis(p))

@@ -1,4 +1,4 @@
-"""What every parallel form needs of ``course_lib.runtime.mesh.Mesh``: the process group of some of its axes."""
+"""What every parallel form needs of ``course_lib.runtime.mesh.Mesh``: some axes' process group."""
 
 from typing import Protocol
 

@@ -1,18 +1,18 @@
-"""Where each parameter lives on the mesh: one placement per parameter and mesh axis (DTensor's names).
+"""Where each parameter lives: one placement per parameter and mesh axis (DTensor's names).
 
 * ``Replicate()``: every rank of the axis holds the same values (DP replicas, a norm under TP);
-* ``Shard(dim)``: the ranks hold consecutive slices of ``dim`` (``ceil(size / n)`` long, the last padded when
-  n does not divide it, as ``fully_shard`` pads dim 0): a column-parallel weight is ``Shard(0)`` on "tp";
-* ``Partial()``: a *gradient* state: the weight is replicated but each rank's gradient is only its share of
-  the sum (a norm under sequence parallelism sees s/t tokens), so it must be summed over the axis.
+* ``Shard(dim)``: the ranks hold consecutive slices of ``dim``, ``ceil(size / n)`` long (the last
+  padded, as ``fully_shard`` pads dim 0): a column-parallel weight is ``Shard(0)`` on "tp";
+* ``Partial()``: a *gradient* state: the weight is replicated but each rank's gradient is only its
+  share of the sum (a norm under sequence parallelism sees s/t tokens): sum it over the axis.
 
-Each axis rewrites the model in place and records here what it did; everything that needs to know where a
-parameter lives (data parallelism's reduction, gathering whole tensors, clipping, checkpoints) reads only these
-records. An axis without a record is ``Replicate()``. Records nest in the order made: ZeRO-3 of a TP weight is
-``{"tp": Shard(0), "dp+cp": Shard(0)}``. An axis key names one group: ``"tp"``, or axes joined by ``+``.
-Expert parallelism also records on the ``nn.ModuleList`` of each layer's experts ``Shard(0, size=E)`` on "ep"
-(the list is split, each rank holding E/ep entries), and on each expert parameter ``Replicate()`` on "edp":
-its copies live on the expert-data-parallel ranks, which is where its gradient is reduced.
+Each axis rewrites the model in place and records here what it did; all that needs to know where a
+parameter lives (data parallelism's reduction, gathering, clipping, checkpoints) reads only these
+records. No record means ``Replicate()``. Records nest in the order made: ZeRO-3 of a TP weight is
+``{"tp": Shard(0), "dp+cp": Shard(0)}``. An axis key names one group: ``"tp"``, or axes joined by
+``+``. Expert parallelism records ``Shard(0, size=E)`` on "ep" on each layer's ``nn.ModuleList`` of
+experts (a rank holds E/ep of them), and ``Replicate()`` on "edp" on each expert parameter: its
+copies live on the expert-data-parallel ranks, where its gradient is reduced.
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
-    """The ranks of the axis hold consecutive slices of ``dim`` (padded to ``ceil(size / n)`` when n does not
-    divide ``size``; ``size`` is the logical length, kept to strip the padding when gathering; None: n divides
-    it and no rank holds padding)."""
+    """The ranks of the axis hold consecutive slices of ``dim``, padded to ``ceil(size / n)``;
+    ``size``, the logical length, strips the padding when gathering (None: n divides it)."""
 
     dim: int
     size: int | None = None
@@ -56,8 +55,8 @@ class Shard:
 
 @dataclass(frozen=True)
 class Partial:
-    """The weight is replicated on the axis, but each rank's gradient is a partial sum: reduce it (sum) over the
-    axis before the optimizer step."""
+    """The weight is replicated on the axis, but each rank's gradient is a partial sum: reduce it
+    (sum) over the axis before the optimizer step."""
 
     def __str__(self) -> str:
         return "P"
@@ -66,16 +65,15 @@ class Partial:
 Placement = Replicate | Shard | Partial
 
 Placed = torch.Tensor | nn.Module
-"""What carries placements: a parameter, or a module list split over an axis (see the module docstring)."""
+"""What carries placements: a parameter, or a module list split over an axis (module docstring)."""
 
 
 Groups = HasGroups | Mapping[str, comm.Group]
-"""Where the axes' groups come from: a mesh, or a map axis key -> group (a wrapper built on ``group=``)."""
+"""Where the axes' groups come from: a mesh, or a map axis key -> group (for ``group=``)."""
 
 
 def placements_of(p: Placed) -> dict[str, Placement]:
-    """The placements recorded on ``p``, axis -> placement in the order recorded (a copy; an axis not listed is
-    ``Replicate()``)."""
+    """``p``'s placements, axis -> placement in the order recorded (a copy; unlisted: Replicate)."""
     return dict(getattr(p, _ATTR, {}))
 
 
@@ -85,26 +83,27 @@ def placement(p: Placed, axis: str) -> Placement:
 
 
 def set_placement(p: Placed, axis: str, where: Placement) -> None:
-    """Record that ``p`` is placed ``where`` on ``axis`` (the transforms call this for every parameter they
-    change). A tensor sharded twice on one axis is refused: it would be one slice of a slice."""
+    """Record that ``p`` is placed ``where`` on ``axis`` (each axis does, for every parameter it
+    changes). A tensor sharded twice on one axis is refused: it would be one slice of a slice."""
     table = getattr(p, _ATTR, None)
     if table is None:
         table = {}
         setattr(p, _ATTR, table)
     old = table.get(axis)
     if isinstance(old, Shard) and isinstance(where, Shard) and old != where:
-        raise ValueError(f"axis {axis!r} already shards this parameter as {old}; it cannot also be {where}")
+        raise ValueError(f"axis {axis!r} already shards this parameter as {old}; "
+                         f"it cannot also be {where}")
     table[axis] = where
 
 
 def clear_placement(p: Placed, axis: str) -> None:
-    """Forget ``p``'s record on ``axis`` (it is ``Replicate()`` there again): for a wrapper that places its own
-    tensors anew (FSDP2's shards moved from "dp" to HSDP's "dp_shard")."""
+    """Forget ``p``'s record on ``axis`` (it is ``Replicate()`` there again): for a wrapper that
+    places its own tensors anew (FSDP2's shards moved from "dp" to HSDP's "dp_shard")."""
     getattr(p, _ATTR, {}).pop(axis, None)
 
 
 def copy_placements(src: Placed, dst: Placed) -> None:
-    """Give ``dst`` (a replacement parameter, e.g. a shard built from ``src``) ``src``'s placements."""
+    """Give ``dst`` (a replacement parameter, e.g. a shard of ``src``) ``src``'s placements."""
     for axis, where in placements_of(src).items():
         set_placement(dst, axis, where)
 

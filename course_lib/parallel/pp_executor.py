@@ -1,17 +1,14 @@
-"""The pipeline executor: runs one rank's action list (``schedules``) for one batch on real ranks, and records
-when each action ran.
+"""The pipeline executor: runs one rank's action list (``schedules``) for one batch on real ranks
+and records when each action ran.
 
-Transfers: ``RECV_F`` / ``RECV_B`` post an ``irecv`` the consuming compute action waits for (posted one compute
-action ahead, as torch's runtime batches it with the previous one, so the message travels while this rank
-computes); ``SEND_F`` / ``SEND_B`` post an ``isend`` waited for at the end of the step; all through
-``course_lib.comm`` (logged). Each message is one activation (forward) or its gradient (backward) of
-[b, s, h], so per step 2 (n - 1) m messages of b s h x 4 bytes (n = p v stages: interleaving crosses about v
-times as many boundaries, which buys its v times smaller bubble).
-
-Each compute action (F, B, and ``pp_split``'s I and W) records its start, end and wait (``TimedAction``);
-``emulate=(t_f, t_b, t_w)`` adds that much sleep (the emulated device). ``REDUCE_GRAD`` calls
-``grad_reduce(stage)``, the data-parallel step; under ZeRO-3 an ``engine`` (``fsdp2_pipeline``) gathers the
-stage's shards before each compute action and frees them after.
+``RECV_F`` / ``RECV_B`` post an ``irecv`` the consuming compute action waits for (one compute
+action ahead, as torch's runtime batches it with the previous one, so the message travels while
+this rank computes); ``SEND_F`` / ``SEND_B`` post an ``isend`` waited for at the end of the step;
+all through ``course_lib.comm`` (logged). Each message is one activation or its gradient, [b, s, h]:
+per step 2 (n - 1) m messages of b s h x 4 bytes (n = p v stages: interleaving crosses about v
+times as many boundaries, the price of its v times smaller bubble). ``REDUCE_GRAD`` calls
+``grad_reduce(stage)``, the data-parallel step; under ZeRO-3 an ``engine`` (``fsdp2_pipeline``)
+gathers the stage's shards before each compute action and frees them after.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StageEngine(Protocol):
-    """What the executor calls around each compute action of a stage (``fsdp2_pipeline.StageSharding``)."""
+    """What runs around each compute action of a stage (``fsdp2_pipeline.StageSharding``)."""
 
     def before(self, action: Action) -> None: ...
 
@@ -44,8 +41,8 @@ class StageEngine(Protocol):
 
 @dataclass(frozen=True)
 class TimedAction:
-    """One action as it ran: ``start``/``end`` in ``time.perf_counter`` seconds (transfers: when posted);
-    ``wait``: seconds spent waiting for the action's input (a receive) before ``start``."""
+    """One action as it ran: ``start``/``end`` in ``time.perf_counter`` seconds (transfers: when
+    posted); ``wait``: seconds spent waiting for the action's input (a receive) before ``start``."""
 
     action: Action
     start: float
@@ -55,8 +52,8 @@ class TimedAction:
 
 @dataclass
 class StepRecord:
-    """One optimizer step on one rank: its actions as they ran, its communication, the unscaled loss of each
-    micro-batch (last stage only), and the step's wall-clock span including the optimizer."""
+    """One optimizer step of one rank: its actions as run, its communication, each micro-batch's
+    unscaled loss (last stage only), the step's wall-clock span (optimizer included)."""
 
     step: int
     actions: list[TimedAction] = field(repr=False)
@@ -67,13 +64,15 @@ class StepRecord:
 
 
 class PipelineExecutor:
-    """Runs this rank's action list for one batch: ``run(x, y)``. Subclass to change a piece (a test breaks
-    ``scale_loss`` on purpose). ``emulate=(t_f, t_b, t_w)`` adds that many seconds of sleep to each F, B, W
-    (I: t_b - t_w): the emulated-device mode for timing on a small CPU."""
+    """Runs this rank's action list for one batch: ``run(x, y)``. Subclass to change a piece (a test
+    breaks ``scale_loss`` on purpose). ``emulate=(t_f, t_b, t_w)`` adds that many seconds of sleep
+    to each F, B, W (I: t_b - t_w): the emulated-device mode for timing on a small CPU."""
 
-    def __init__(self, stages: dict[int, Stage], plan: PipelinePlan, rank: int, group: comm.Group = None,
-                 loss_fn: LossFn = lm_loss, emulate: tuple[float, float, float] | None = None,
-                 hidden_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, stages: dict[int, Stage], plan: PipelinePlan, rank: int,
+                 group: comm.Group = None, loss_fn: LossFn = lm_loss,
+                 emulate: tuple[float, float, float] | None = None,
+                 hidden_shape: Sequence[int] | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.stages, self.plan, self.rank, self.group = stages, plan, rank, group
         self.loss_fn, self.emulate = loss_fn, emulate
         self.actions = plan.actions[rank]
@@ -85,23 +84,24 @@ class PipelineExecutor:
             attn = getattr(next(iter(first.blocks.values()), None), "attn", None)
             hidden_shape = (attn.q_proj.in_features,) if attn is not None else None
         self.hidden_shape = tuple(hidden_shape) if hidden_shape is not None else None
-        """Each message's shape after [rows, tokens] (GPT: [d_model]); ``PipelineParallel`` sets it otherwise."""
+        """Each message's shape after [rows, tokens] (GPT: [d_model]); ``PipelineParallel`` sets it
+        otherwise."""
         self.sequence_shards = 1
-        """Each message holds 1 / sequence_shards of the tokens (tp under sequence parallelism: the hidden state
-        between TP regions is sequence-sharded, so a stage sends its s/tp tokens, a tp-th of the traffic)."""
+        """Each message holds 1 / sequence_shards of the tokens (tp under sequence parallelism: a
+        stage sends its s/tp tokens, a tp-th of the traffic)."""
         self.grad_reduce: Callable[[int], None] | None = None
-        """What ``REDUCE_GRAD`` of a stage calls (set by ``PipelineParallel.connect``: the data-parallel step)."""
+        """The data-parallel step a stage's ``REDUCE_GRAD`` calls (``PipelineParallel.connect``)."""
         self.engine: StageEngine | None = None
-        """What runs around each compute action (``fsdp2_pipeline.StageSharding``: gather the stage's shards before,
-        free them after), set by ``PipelineParallel.connect``."""
+        """What runs around each compute action (``fsdp2_pipeline.StageSharding``: gather the
+        stage's shards before, free them after); set by ``connect``."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """What each micro-batch back-propagates: its mean loss / m, so the m backwards sum to the batch mean."""
+        """Back-propagate a micro-batch's mean loss / m: the m backwards sum to the batch mean."""
         return loss / self.plan.m
 
     def reduce_grad(self, stage: int) -> None:
-        """``REDUCE_GRAD``: the weight gradients of ``stage`` are complete; start their data-parallel reduction
-        (``grad_reduce(stage)``). A seam: a test skips it on purpose."""
+        """``REDUCE_GRAD``: the weight gradients of ``stage`` are complete; start their
+        data-parallel reduction (``grad_reduce(stage)``). A seam: a test skips it on purpose."""
         if self.grad_reduce is not None:
             self.grad_reduce(stage)
 
@@ -114,16 +114,18 @@ class PipelineExecutor:
             time.sleep({Kind.F: t_f, Kind.B: t_b, Kind.I: t_b - t_w, Kind.W: t_w}[kind])
 
     def run(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[TimedAction]]:
-        """One pass of the schedule over the micro-batches of (x, y); gradients accumulate into ``.grad``.
-        Returns the unscaled micro-batch losses (on the rank of the last stage, else []) and the timeline."""
+        """One pass of the schedule over (x, y)'s micro-batches, gradients accumulating in
+        ``.grad``: the unscaled micro-batch losses (last stage's rank, else []) and the timeline."""
         plan = self.plan
         if x.shape[0] % plan.m:
-            raise ValueError(f"a batch of {x.shape[0]} rows does not split into m={plan.m} micro-batches")
+            raise ValueError(f"a batch of {x.shape[0]} rows does not split into m={plan.m} "
+                             "micro-batches")
         micro = list(zip(x.chunk(plan.m), y.chunk(plan.m), strict=True))
-        # every message: one [b, s / sequence_shards, h] tensor (sequence parallelism: each TP rank's s/tp tokens)
+        # every message: one [b, s / sequence_shards, h] tensor (SP: each TP rank's s/tp tokens)
         self._shape = (x.shape[0] // plan.m, x.shape[1] // self.sequence_shards, *self.hidden_shape)
         self._ctx: dict[tuple[int, int], dict[str, Any]] = {}
-        self._inbox: dict[tuple[Kind, int, int], tuple[torch.Tensor, Any]] = {}  # (F|B, j, stage) -> data, work
+        # (F|B, j, stage) -> data, work
+        self._inbox: dict[tuple[Kind, int, int], tuple[torch.Tensor, Any]] = {}
         self._outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self._losses: dict[int, float] = {}
@@ -136,7 +138,7 @@ class PipelineExecutor:
                 self.reduce_grad(a.stage) if a.kind is Kind.REDUCE_GRAD else self._transfer(a)
                 timed[i] = TimedAction(a, start, time.perf_counter())
                 continue
-            if self.prefetch:  # post the next compute action's receives now: its data arrives while this one runs
+            if self.prefetch:  # post the next compute's receives now, to arrive while this one runs
                 k = i + 1
                 while k < len(actions) and not actions[k].is_compute:
                     k += 1
@@ -159,29 +161,25 @@ class PipelineExecutor:
         for work, _ in self._sends:
             work.wait()
         if self._inbox or self._outbox or self._ctx:
-            raise RuntimeError(f"rank {self.rank}: data left after the schedule (a schedule without every transfer?): "
-                               f"{sorted(self._inbox)} {sorted(self._outbox)} {sorted(self._ctx)}")
+            raise RuntimeError(f"rank {self.rank}: data left after the schedule (a schedule "
+                               f"without every transfer?): {sorted(self._inbox)} "
+                               f"{sorted(self._outbox)} {sorted(self._ctx)}")
         return [self._losses[j] for j in sorted(self._losses)], timeline
 
     # -- transfers
     def _transfer(self, a: Action) -> None:
-        j, s = a.microbatch, a.stage
-        if a.kind is Kind.RECV_F:
+        key = (Kind.F if a.kind in (Kind.RECV_F, Kind.SEND_F) else Kind.B, a.microbatch, a.stage)
+        peer = self._peer(a.peer_stage)
+        if a.kind in (Kind.RECV_F, Kind.RECV_B):
             buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
-            self._inbox[Kind.F, j, s] = (buf, comm.irecv(buf, self._peer(s - 1), self.group))
-        elif a.kind is Kind.RECV_B:
-            buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)
-            self._inbox[Kind.B, j, s] = (buf, comm.irecv(buf, self._peer(s + 1), self.group))
-        elif a.kind is Kind.SEND_F:
-            t = self._outbox.pop((Kind.F, j, s))
-            self._sends.append((comm.isend(t, self._peer(s + 1), self.group), t))
-        else:  # SEND_B
-            t = self._outbox.pop((Kind.B, j, s))
-            self._sends.append((comm.isend(t, self._peer(s - 1), self.group), t))
+            self._inbox[key] = (buf, comm.irecv(buf, peer, self.group))
+        else:
+            t = self._outbox.pop(key)
+            self._sends.append((comm.isend(t, peer, self.group), t))
 
     def _wait_inputs(self, a: Action) -> float:
         """Wait for the receive the action needs (if any); return the seconds waited."""
-        key = (Kind.F, a.microbatch, a.stage) if a.kind is Kind.F else (Kind.B, a.microbatch, a.stage)
+        key = (Kind.F if a.kind is Kind.F else Kind.B, a.microbatch, a.stage)
         if a.kind is Kind.W or key not in self._inbox:
             return 0.0
         t0 = time.perf_counter()
@@ -192,19 +190,19 @@ class PipelineExecutor:
         return time.perf_counter() - t0
 
     def _deliver(self, kind: Kind, j: int, to_stage: int, tensor: torch.Tensor) -> None:
-        """Output of a compute action for stage ``to_stage``: same rank -> its inbox; else -> the SEND's outbox."""
+        """Output for stage ``to_stage``: on this rank -> its inbox, else -> the outbox."""
         if self.plan.rank_of(to_stage) == self.rank:
             self._inbox[kind, j, to_stage] = (tensor, None)
         else:
-            # key: the sender; contiguous for the send (a sequence-parallel state is a strided slice of the batch)
-            self._outbox[kind, j, to_stage - 1 if kind is Kind.F else to_stage + 1] = tensor.contiguous()
+            sender = to_stage - 1 if kind is Kind.F else to_stage + 1
+            self._outbox[kind, j, sender] = tensor.contiguous()  # SP: a strided slice of the batch
 
     # -- compute
     def _forward(self, a: Action, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         j, s = a.microbatch, a.stage
         stage, ctx = self.stages[s], {}
         if stage.is_first:
-            ctx["h"] = stage.embed(micro[j][0])  # its backward is weight work only (no input gradient)
+            ctx["h"] = stage.embed(micro[j][0])  # its backward is weight work only
             x = ctx["h"].detach().requires_grad_(True)
         else:
             x = self._inbox.pop((Kind.F, j, s))[0].requires_grad_(True)
@@ -234,7 +232,8 @@ class PipelineExecutor:
     def _backward_input(self, a: Action, micro: Any) -> None:
         j, s = a.microbatch, a.stage
         ctx, stage = self._ctx[j, s], self.stages[s]
-        dx, ctx["groups"] = backward_input(ctx.pop("out"), self._grad_output(j, s), ctx["x"], stage.body_parameters())
+        dx, ctx["groups"] = backward_input(ctx.pop("out"), self._grad_output(j, s), ctx["x"],
+                                           stage.body_parameters())
         if stage.is_first:
             ctx["dh"] = dx
         else:

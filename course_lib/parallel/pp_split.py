@@ -1,13 +1,13 @@
-"""The backward split in two for zero-bubble schedules: ``I`` (the input gradient) and ``W`` (the weights').
+"""The backward split in two for zero-bubble schedules: ``I`` (input gradient), ``W`` (weights').
 
-``B`` is one backward. ``I`` computes only the gradient of the stage input, the one the previous stage waits for
-(``torch.autograd.grad(output, inputs=[input], retain_graph=True)``); ``W`` the weight gradients later, when the
-schedule has a gap. ``I`` keeps, for every weight, the graph nodes where its gradient branches off the
-input-gradient path and the gradient that reached each (a pre-hook); ``W`` restarts back-propagation from those
-nodes (``GradientEdge``), so it does only the weight part (g^T x per linear), as ``torch.distributed.pipelining``'s
-``stage_backward_input`` / ``stage_backward_weight`` do. Until ``W`` the micro-batch's graph stays alive
-(``schedule_run.peak_in_flight`` counts it until its W). Stage 0's embedding has no input gradient: its whole
-backward is weight work, in ``W``.
+``I`` computes only the stage input's gradient, the one the previous stage waits for
+(``torch.autograd.grad(output, inputs=[input], retain_graph=True)``); ``W`` the weight gradients
+later, in a gap of the schedule. ``I`` keeps, for every weight, the graph nodes where its gradient
+branches off the input-gradient path and the gradient that reached each (a pre-hook); ``W``
+restarts back-propagation from those nodes (``GradientEdge``), so it does only the weight part
+(g^T x per linear), as ``torch.distributed.pipelining``'s ``stage_backward_input`` /
+``stage_backward_weight`` do. The micro-batch's graph lives until ``W`` (``peak_in_flight`` counts
+it). Stage 0's embedding has no input gradient: its whole backward is weight work, in ``W``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 
 def _grad_node(t: torch.Tensor) -> Node:
-    """The autograd node a tensor's gradient flows into: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
+    """The node a tensor's gradient flows into: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
     if t.grad_fn is not None:
         return t.grad_fn
     return t.view_as(t).grad_fn.next_functions[0][0]
@@ -29,18 +29,19 @@ def _grad_node(t: torch.Tensor) -> Node:
 
 @dataclass(eq=False)  # compared by identity (it holds tensors)
 class _WeightGroup:
-    """Weights whose gradients branch off the input-gradient path at ``nodes``; ``grads[i]``: what reached
-    ``nodes[i]`` (one gradient per output of the forward op) during ``I``."""
+    """Weights whose gradients branch off the input-gradient path at ``nodes``; ``grads[i]``: what
+    reached ``nodes[i]`` (one gradient per output of the forward op) during ``I``."""
 
     params: list[torch.Tensor]
     nodes: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
 
 
-def _weight_groups(output: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_WeightGroup]:
-    """Where each parameter's gradient leaves the path output -> x (the nodes ``I`` runs anyway), grouped so that
-    parameters sharing such a node are computed together (then none is counted twice)."""
-    parents: defaultdict[Node, list[Node]] = defaultdict(list)  # reverse edges: node -> nodes that feed it a grad
+def _weight_groups(output: torch.Tensor, x: torch.Tensor,
+                   params: Sequence[torch.Tensor]) -> list[_WeightGroup]:
+    """Where each parameter's gradient leaves the path output -> x (nodes ``I`` runs anyway),
+    grouped so that parameters sharing such a node are computed together (none counted twice)."""
+    parents: defaultdict[Node, list[Node]] = defaultdict(list)  # reverse edges (child -> parents)
     seen, stack = {output.grad_fn}, [output.grad_fn]
     while stack:
         node = stack.pop()
@@ -61,7 +62,7 @@ def _weight_groups(output: torch.Tensor, x: torch.Tensor, params: Sequence[torch
     owner: dict[Node, _WeightGroup] = {}
     for p in params:
         hits, visited, stack = [], set(), [_grad_node(p)]
-        while stack:  # walk up from the weight until the path: weight-only nodes (transposes, ...) are W's work
+        while stack:  # up from the weight to the path; weight-only nodes (transposes...) are W's
             node = stack.pop()
             for parent in parents[node]:
                 if parent in on_path:
@@ -70,7 +71,7 @@ def _weight_groups(output: torch.Tensor, x: torch.Tensor, params: Sequence[torch
                     visited.add(parent)
                     stack.append(parent)
         if not hits:
-            continue  # the weight does not influence the output (e.g. an expert no token chose): no gradient
+            continue  # no influence on the output (e.g. an expert no token chose): no gradient
         merged = list({id(owner[n]): owner[n] for n in hits if n in owner}.values())
         group = _WeightGroup([p], list(dict.fromkeys(hits)))
         for other in merged:
@@ -85,10 +86,10 @@ def _weight_groups(output: torch.Tensor, x: torch.Tensor, params: Sequence[torch
 
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor,
                    params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[_WeightGroup]]:
-    """``I``: the gradient of the stage input ``x`` only (``x`` must influence ``output``); returns it and what
-    ``backward_weight`` needs: for each group of weights, the nodes where their gradients leave the input path and
-    the gradients that reached those nodes (captured by pre-hooks while this pass runs them anyway). The graph is
-    retained (``retain_graph=True``): W still needs the stored layer inputs."""
+    """``I``: the gradient of the stage input ``x`` only (``x`` must influence ``output``), and what
+    ``backward_weight`` needs: per group of weights, the nodes where their gradients leave the input
+    path and the gradients that reached them (caught by pre-hooks while this pass runs them anyway).
+    The graph is retained: W still needs the stored layer inputs."""
     if grad_output is None:
         grad_output = torch.ones_like(output)
     groups = _weight_groups(output, x, params)
@@ -108,7 +109,7 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: to
 
 
 def backward_weight(groups: list[_WeightGroup]) -> None:
-    """``W``: accumulate the weight gradients into ``.grad``, restarting from the nodes ``I`` captured."""
+    """``W``: accumulate the weight gradients into ``.grad``, from the nodes ``I`` captured."""
     for group in groups:
         edges, grads = [], []
         for node, captured in zip(group.nodes, group.grads, strict=True):
@@ -119,7 +120,7 @@ def backward_weight(groups: list[_WeightGroup]) -> None:
         if not edges:
             continue
         hooks = []
-        if len(group.nodes) > 1:  # a captured node below another one of the group: use only its captured gradient
+        if len(group.nodes) > 1:  # a node below another of the group: only its captured gradient
             for node, captured in zip(group.nodes, group.grads, strict=True):
                 hooks.append(node.register_prehook(lambda _, saved=captured: saved))
         try:

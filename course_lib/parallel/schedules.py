@@ -1,19 +1,15 @@
-"""Pipeline schedules as data: one ordered list of actions per rank, built, checked and given its transfers
-without any process.
+"""Pipeline schedules as data: an ordered list of actions per rank, built and checked without ranks.
 
-``schedule[r]`` is what rank r runs, in order; the model is cut into n = p x v stages, stage s on rank s % p
-(with v > 1 Megatron-LM's interleaved placement: chunk c of rank r is stage c p + r). Actions, the letters of the
-literature and of ``torch.distributed.pipelining``: ``F`` forward of one micro-batch through one stage; ``B``
-its backward, or split as in Zero Bubble (Qi et al. 2023) into ``I`` (input gradient, what the previous stage
-waits for) and ``W`` (weight gradient, nobody waits); ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B`` the
-transfers (``stage`` is the stage on this rank); ``REDUCE_GRAD`` the data-parallel reduction of one stage's
-gradients, after its last action that writes them.
-
-The builders (``gpipe``, ``one_f_one_b``, ``interleaved_one_f_one_b``, ``zb_h1``) return compute-only
-schedules; ``validate`` checks one (correct, and no deadlock under the executor's model: a RECV posts an
-``irecv`` the consumer waits for, a SEND an ``isend`` waited for at the end, receives on each link in the order
-of the sends); ``add_send_recv`` and ``add_grad_reduce`` insert the transfers and the reductions for real
-ranks. ``schedule_run.simulate`` times a schedule. Chapter 05 builds them.
+``schedule[r]`` is what rank r runs, in order; stage s of the n = p x v stages lives on rank s % p
+(v > 1: Megatron-LM's interleaved placement, chunk c of rank r is stage c p + r). Actions, named as
+in the literature and ``torch.distributed.pipelining``: ``F`` forward of one micro-batch through one
+stage; ``B`` its backward, or split as in Zero Bubble (Qi et al. 2023) into ``I`` (input gradient,
+what the previous stage waits for) and ``W`` (weight gradient, nobody waits); ``SEND_F`` /
+``RECV_F`` / ``SEND_B`` / ``RECV_B`` the transfers (``stage``: the one on this rank);
+``REDUCE_GRAD`` the data-parallel reduction of one stage's gradients. The builders (``gpipe``,
+``one_f_one_b``, ``interleaved_one_f_one_b``, ``zb_h1``) return compute-only schedules;
+``validate`` checks one (correct, no deadlock); ``add_send_recv`` / ``add_grad_reduce`` insert the
+transfers / reductions for real ranks; ``schedule_run.simulate`` times one. Chapter 05 builds them.
 """
 
 from __future__ import annotations
@@ -30,13 +26,12 @@ SCHEDULE_ALIASES: dict[str, str] = {
     "interleaved_one_f_one_b": "interleaved_one_f_one_b",
     "zb_h1": "zb_h1", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
 }
-"""Every accepted name -> the canonical one (the builder's name here; what the runtime, the figures and the
-estimator resolve)."""
+"""Every accepted name -> the canonical one, the builder's name (what every consumer resolves)."""
 SCHEDULE_NAMES: tuple[str, ...] = tuple(dict.fromkeys(SCHEDULE_ALIASES.values()))
 
 
 def canonical_schedule(name: str) -> str:
-    """The canonical name of ``name`` ("1f1b" -> "one_f_one_b"); a clear ``ValueError`` for an unknown one."""
+    """``name``'s canonical name ("1f1b" -> "one_f_one_b"); a clear ``ValueError`` if unknown."""
     if name not in SCHEDULE_ALIASES:
         raise ValueError(f"unknown schedule {name!r}: use one of {sorted(SCHEDULE_ALIASES)}")
     return SCHEDULE_ALIASES[name]
@@ -59,7 +54,7 @@ COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank: ``kind`` on micro-batch ``microbatch`` through (virtual) stage ``stage``."""
+    """A rank's step: ``kind`` on micro-batch ``microbatch`` through (virtual) stage ``stage``."""
 
     kind: Kind
     microbatch: int
@@ -74,7 +69,7 @@ class Action:
 
     @property
     def peer_stage(self) -> int | None:
-        """The stage at the other end of a transfer (its rank is ``peer_stage % p``); None for compute."""
+        """The stage at the other end of a transfer (on rank ``peer_stage % p``); None: compute."""
         if self.kind in (Kind.SEND_F, Kind.RECV_B):
             return self.stage + 1
         if self.kind in (Kind.RECV_F, Kind.SEND_B):
@@ -89,7 +84,7 @@ class ScheduleError(ValueError):
     """A schedule that breaks a rule of ``validate`` (the message says which action and why)."""
 
 
-# --------------------------------------------------------------------------------------------- builders
+# ----------------------------------------------------------------------------------------- builders
 
 
 def check_positive(**values: int) -> None:
@@ -103,13 +98,14 @@ def gpipe(p: int, m: int) -> Schedule:
     """GPipe (Huang et al. 2019, AFAB): all m forwards, then all m backwards (in order, as torch's
     ``ScheduleGPipe``). Bubble (p-1)/(m+p-1); every rank holds all m micro-batches at the turn."""
     check_positive(p=p, m=m)
-    return [[Action(Kind.F, j, r) for j in range(m)] + [Action(Kind.B, j, r) for j in range(m)] for r in range(p)]
+    return [[Action(Kind.F, j, r) for j in range(m)] + [Action(Kind.B, j, r) for j in range(m)]
+            for r in range(p)]
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM): GPipe's bubble, less memory. Rank r runs
-    min(p-1-r, m) warm-up forwards, then one forward and one backward at a time, then the backwards left: at most
-    min(p - r, m) micro-batches in flight (torch's ``Schedule1F1B`` runs the same order but refuses m < p)."""
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM): GPipe's bubble, less memory. Rank
+    r runs min(p-1-r, m) warm-up forwards, then alternates F and B, then the backwards left: at most
+    min(p - r, m) micro-batches in flight (torch's ``Schedule1F1B``: the same order, but m >= p)."""
     check_positive(p=p, m=m)
     schedule = []
     for r in range(p):
@@ -123,38 +119,40 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def interleaved_groups(p: int, m: int, group: int | None = None) -> list[int]:
-    """The micro-batch groups of interleaved 1F1B (a group goes through every chunk of a rank before the next
-    starts), in order. ``group=None``: torch 2.13's ``ScheduleInterleaved1F1B``, max(1, m // p) rounds of equal
-    size (p = 4: m = 6 is one group of 6, m = 10 two of 5, m = 9 refused); ``group=n``: Megatron-Core's
-    ``microbatch_group_size_per_vp_stage``, groups of p <= n <= m, the last m % n, 0 or >= p. Both give groups of
-    p when p divides m: older Megatron-LM's rule, which required it."""
+    """The micro-batch groups of interleaved 1F1B, in order (each passes all of a rank's chunks
+    before the next starts). ``group=None``: torch 2.13's ``ScheduleInterleaved1F1B``, max(1, m //
+    p) rounds of equal size (p = 4: m = 6 is one group of 6, m = 10 two of 5, m = 9 refused);
+    ``group=n``: Megatron-Core's ``microbatch_group_size_per_vp_stage``, groups of p <= n <= m, the
+    last m % n, 0 or >= p. Both give groups of p if p divides m (old Megatron-LM's rule)."""
     check_positive(p=p, m=m)
     if group is None:
         rounds = max(1, m // p)
         if m % rounds:
             raise ValueError(
-                f"interleaved 1F1B as torch's ScheduleInterleaved1F1B runs it takes max(1, m // p) = {rounds} rounds "
-                f"of equal size, which do not divide m={m} (p={p}); Megatron-Core takes m={m} with a group size "
-                f"(microbatch_group_size_per_vp_stage) whose remainder is 0 or >= p"
-            )
+                "interleaved 1F1B as torch's ScheduleInterleaved1F1B runs it takes "
+                f"max(1, m // p) = {rounds} rounds of equal size, which do not divide m={m} "
+                f"(p={p}); Megatron-Core takes m={m} with a group size "
+                "(microbatch_group_size_per_vp_stage) whose remainder is 0 or >= p")
         return [m // rounds] * rounds
     check_positive(group=group)
     if not p <= group <= m:
-        raise ValueError(f"a micro-batch group of interleaved 1F1B holds p <= n <= m micro-batches; got n={group}, "
-                         f"p={p}, m={m}")
+        raise ValueError("a micro-batch group of interleaved 1F1B holds p <= n <= m "
+                         f"micro-batches; got n={group}, p={p}, m={m}")
     last = m % group
     if 0 < last < p:
-        raise ValueError(f"m={m} in groups of {group} leaves a last group of {last} < p={p} micro-batches: its "
-                         f"ranks would wait on each other (Megatron-Core refuses it too)")
+        raise ValueError(f"m={m} in groups of {group} leaves a last group of {last} < p={p} "
+                         "micro-batches: its ranks would wait on each other (Megatron-Core refuses "
+                         "it too)")
     return [group] * (m // group) + ([last] if last else [])
 
 
 def interleaved_one_f_one_b(p: int, m: int, v: int, group: int | None = None) -> Schedule:
-    """Interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, chunk c on rank c % p. Micro-batches go in
-    groups (``interleaved_groups``) through one chunk, then the next (depth first); rank r runs
-    min(2(p-1-r) + (v-1)g, m v) warm-up forwards (g the first group's size, Megatron's and torch's count), then
-    one forward and one backward at a time (backwards take the chunks in reverse), then the rest. Bubble/ideal
-    = (p-1)/(v m) when every group holds >= p micro-batches, for v times the point-to-point messages."""
+    """Interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, chunk c on rank c % p.
+    Micro-batches go in groups (``interleaved_groups``) through one chunk, then the next (depth
+    first); rank r runs min(2(p-1-r) + (v-1)g, m v) warm-up forwards (g the first group's size,
+    Megatron's and torch's count), then alternates F and B (backwards take the chunks in reverse),
+    then the rest. Bubble/ideal = (p-1)/(v m) when every group holds >= p micro-batches, for v
+    times the point-to-point messages."""
     check_positive(p=p, m=m, v=v)
     groups = interleaved_groups(p, m, group)
     pairs = []  # (micro-batch, chunk) in the order the rank's forwards take them
@@ -184,13 +182,11 @@ def interleaved_one_f_one_b(p: int, m: int, v: int, group: int | None = None) ->
 def zb_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with B split into I and W.
 
-    The order of F and I is 1F1B's; rank r delays its weight-gradient passes by r micro-batches (W of j runs
-    right after I of j + r), and the delayed W's fill the cool-down bubble. Each rank's bubble is then
-    (p-1)(T_F + T_I - T_W) instead of 1F1B's (p-1)(T_F + T_I + T_W): one third when the three costs are equal.
-    That is exact (in ``simulate``) for m >= p and T_W <= min(T_F, T_I); otherwise the bubble is larger.
-    Every rank holds at most min(p, m) micro-batches (counting until W), 1F1B's peak (rank 0's).
-    Same order as torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank.
-    """
+    F and I run in 1F1B's order; rank r delays its W passes by r micro-batches (W of j right after I
+    of j + r), so they fill the cool-down bubble: (p-1)(T_F + T_I - T_W) per rank instead of 1F1B's
+    (p-1)(T_F + T_I + T_W), a third when the three are equal; exact (``simulate``) for m >= p and
+    T_W <= min(T_F, T_I), larger otherwise. At most min(p, m) micro-batches in flight (until their
+    W), 1F1B's peak. Same order as torch's ``ScheduleInterleavedZeroBubble``, one stage per rank."""
     check_positive(p=p, m=m)
     schedule = []
     for r in range(p):
@@ -208,7 +204,7 @@ def zb_h1(p: int, m: int) -> Schedule:
 
 
 def _inputs(a: Action, n_stages: int) -> list[tuple[Action, ...]]:
-    """What compute action ``a`` waits for: one entry per input, each a tuple of alternatives (B or I)."""
+    """What compute action ``a`` waits for: per input, a tuple of alternatives (B or I)."""
     j, s = a.microbatch, a.stage
     if a.kind is Kind.F:
         return [(Action(Kind.F, j, s - 1),)] if s > 0 else []
@@ -231,7 +227,7 @@ def _recv_of(send: Action) -> Action:
 
 
 def _remote_send(a: Action, n_stages: int, p: int) -> Action | None:
-    """The SEND that must follow compute action ``a``, if its output goes to a stage on another rank."""
+    """The SEND that must follow compute action ``a`` if its output goes to another rank."""
     if a.kind is Kind.F and a.stage < n_stages - 1 and (a.stage + 1) % p != a.stage % p:
         return _send_of(a)
     if a.kind in (Kind.B, Kind.I) and a.stage > 0 and (a.stage - 1) % p != a.stage % p:
@@ -249,12 +245,11 @@ def schedule_shape(schedule: Schedule) -> tuple[int, int, int]:
     return p, 1 + max(a.microbatch for a in actions), -(-n_stages // p)
 
 
-def execute(schedule: Schedule, n_stages: int, duration: Callable[[Action], float], comm: float) -> Timeline:
-    """Run every rank's list in order; return each rank's (start, end, action) for its compute actions.
-
-    Expects a schedule that passed validate's per-action checks. Raises ScheduleError if the ranks stop with
-    actions left (a deadlock), naming what each one waits for.
-    """
+def execute(schedule: Schedule, n_stages: int, duration: Callable[[Action], float],
+            comm: float) -> Timeline:
+    """Run every rank's list in order; each rank's (start, end, action) of its compute actions.
+    Expects a schedule that passed validate's per-action checks; if the ranks stop with actions
+    left (a deadlock), a ScheduleError names what each one waits for."""
     p = len(schedule)
     present = {a for actions in schedule for a in actions}
     explicit = any(not a.is_compute for a in present)
@@ -264,7 +259,7 @@ def execute(schedule: Schedule, n_stages: int, duration: Callable[[Action], floa
     timeline: Timeline = [[] for _ in range(p)]
 
     def inputs_at(a: Action) -> tuple[float, list[Action]]:
-        """When the inputs of ``a`` are there, and what it still waits for (the producer, or its SEND)."""
+        """When ``a``'s inputs are there and what it still waits for (the producer or its SEND)."""
         time, missing = 0.0, []
         for alternatives in _inputs(a, n_stages):
             producer = next(d for d in alternatives if d in present)
@@ -303,19 +298,17 @@ def execute(schedule: Schedule, n_stages: int, duration: Callable[[Action], floa
             a = actions[next_index[r]]
             stuck.append(f"rank {r} at {a} (waits for {', '.join(map(str, inputs_at(a)[1]))})")
     if stuck:
-        raise ScheduleError("deadlock: every rank left waits for an input never produced: " + "; ".join(stuck))
+        raise ScheduleError("deadlock: every rank left waits for an input never produced: "
+                            + "; ".join(stuck))
     return timeline
 
 
 def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
-    """Raise ScheduleError (a ValueError) unless ``schedule`` is a correct pipeline schedule.
-
-    Checks: p lists; every action on the rank of its stage (s % p) with indices in range; on every stage and
-    micro-batch one F and either one B or one I and one W; F before its B/I and I before its W; if the schedule
-    has transfers, exactly the needed ones, each SEND after its producer, each RECV before its consumer, and
-    on each link the receives in the order of the sends; finally that running the ranks in order finishes
-    (no deadlock, so every cross-stage dependency is satisfiable).
-    """
+    """Raise ScheduleError (a ValueError) unless ``schedule`` is a correct pipeline schedule: p
+    lists; each action on its stage's rank (s % p), indices in range; per stage and micro-batch one
+    F and either one B or one I and one W; F before its B/I, I before its W; with transfers, exactly
+    the needed ones, each SEND after its producer, each RECV before its consumer, on each link the
+    receives in the order of the sends; and running the ranks in order finishes (no deadlock)."""
     check_positive(p=p, m=m, v=v)
     if len(schedule) != p:
         raise ScheduleError(f"expected one action list per rank, p={p} lists, got {len(schedule)}")
@@ -326,9 +319,11 @@ def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
             if not isinstance(a, Action):
                 raise ScheduleError(f"rank {r} item {i} is {a!r}, not an Action")
             if not (0 <= a.microbatch < m and 0 <= a.stage < n_stages):
-                raise ScheduleError(f"rank {r}: {a} is out of range (m={m} micro-batches, {n_stages} stages)")
+                raise ScheduleError(f"rank {r}: {a} is out of range (m={m} micro-batches, "
+                                    f"{n_stages} stages)")
             if a.stage % p != r:
-                raise ScheduleError(f"rank {r}: {a} belongs to stage {a.stage}, which lives on rank {a.stage % p}")
+                raise ScheduleError(f"rank {r}: {a} belongs to stage {a.stage}, which lives on "
+                                    f"rank {a.stage % p}")
             if a in position:
                 raise ScheduleError(f"rank {r}: {a} appears twice")
             position[a] = i
@@ -343,72 +338,78 @@ def _check_compute(position: dict[Action, int], m: int, n_stages: int) -> None:
         for j in range(m):
             f, b, i, w = (Action(kind, j, s) for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
             if f not in position:
-                raise ScheduleError(f"missing {f}: stage {s} never runs the forward of micro-batch {j}")
+                raise ScheduleError(f"missing {f}: stage {s} never runs the forward of "
+                                    f"micro-batch {j}")
             if (b in position) == (i in position) or (i in position) != (w in position):
-                raise ScheduleError(f"stage {s}, micro-batch {j} needs one backward: either {b}, or {i} and {w}")
+                raise ScheduleError(f"stage {s}, micro-batch {j} needs one backward: either {b}, "
+                                    f"or {i} and {w}")
             backward = b if b in position else i
             if position[backward] < position[f]:
-                raise ScheduleError(f"{backward} runs before {f}: a backward needs its own forward's activations")
+                raise ScheduleError(f"{backward} runs before {f}: a backward needs its own "
+                                    "forward's activations")
             if w in position and position[w] < position[i]:
-                raise ScheduleError(f"{w} runs before {i}: W needs the output gradient that I receives")
+                raise ScheduleError(f"{w} runs before {i}: W needs the output gradient that I "
+                                    "receives")
 
 
 def _check_transfers(schedule: Schedule, position: dict[Action, int], n_stages: int) -> None:
     p = len(schedule)
-    sends = [s for a in position if a.is_compute and (s := _remote_send(a, n_stages, p)) is not None]
+    sends = [s for a in position
+             if a.is_compute and (s := _remote_send(a, n_stages, p)) is not None]
     expected = Counter(sends + [_recv_of(s) for s in sends])
     actual = Counter(a for a in position if not a.is_compute)
     if actual != expected:
         missing, extra = expected - actual, actual - expected
-        raise ScheduleError(
-            f"transfers do not match the cross-rank dependencies: missing {sorted(map(str, missing))}, "
-            f"not needed {sorted(map(str, extra))}"
-        )
+        raise ScheduleError("transfers do not match the cross-rank dependencies: missing "
+                            f"{sorted(map(str, missing))}, not needed {sorted(map(str, extra))}")
     for send in sends:
         producer = Action(Kind.F, send.microbatch, send.stage)
         if send.kind is Kind.SEND_B:
             producer = _backward_input(send.microbatch, send.stage, position)
         if position[send] < position[producer]:
-            raise ScheduleError(f"{send} must come after {producer}, which produces the data it sends")
+            raise ScheduleError(f"{send} must come after {producer}, which produces the data it "
+                                "sends")
         recv = _recv_of(send)
         consumer = Action(Kind.F, recv.microbatch, recv.stage)
         if recv.kind is Kind.RECV_B:
             consumer = _backward_input(recv.microbatch, recv.stage, position)
         if position[recv] > position[consumer]:
-            raise ScheduleError(f"{recv} must come before {consumer}, which needs the data it receives")
+            raise ScheduleError(f"{recv} must come before {consumer}, which needs the data it "
+                                "receives")
     for src, actions in enumerate(schedule):
         for dst in range(p):
-            sent = [_recv_of(a) for a in actions if a.kind in (Kind.SEND_F, Kind.SEND_B) and a.peer_stage % p == dst]
-            received = [a for a in schedule[dst] if a.kind in (Kind.RECV_F, Kind.RECV_B) and a.peer_stage % p == src]
+            sent = [_recv_of(a) for a in actions
+                    if a.kind in (Kind.SEND_F, Kind.SEND_B) and a.peer_stage % p == dst]
+            received = [a for a in schedule[dst]
+                        if a.kind in (Kind.RECV_F, Kind.RECV_B) and a.peer_stage % p == src]
             if sent != received:
                 raise ScheduleError(
-                    f"link rank {src} -> rank {dst}: receives posted as {list(map(str, received))} but sends go "
-                    f"out as {list(map(str, sent))} (messages match in order, so a receive would get the wrong "
-                    f"tensor)"
-                )
+                    f"link rank {src} -> rank {dst}: receives posted as {list(map(str, received))} "
+                    f"but sends go out as {list(map(str, sent))} (messages match in order, so a "
+                    "receive would get the wrong tensor)")
 
 
 def _backward_input(microbatch: int, stage: int, present: dict[Action, int]) -> Action:
-    """The action that computes stage ``stage``'s input gradient: its B, or its I when B is split."""
+    """What computes stage ``stage``'s input gradient: its B, or its I when B is split."""
     b = Action(Kind.B, microbatch, stage)
     return b if b in present else Action(Kind.I, microbatch, stage)
 
 
 def add_send_recv(schedule: Schedule) -> Schedule:
-    """Insert the point-to-point transfers into a compute-only schedule, for an executor on real ranks.
-
-    Each SEND goes right after the action producing its data. Each RECV goes right before the action that
-    consumes its data, or earlier when needed so that on every link the receives are posted in the order of
-    the sends (a RECV posts an ``irecv``, so posting early never blocks).
-    """
+    """Insert the point-to-point transfers into a compute-only schedule, for real ranks: each SEND
+    right after the action producing its data, each RECV right before its consumer, or earlier so
+    that on every link the receives are posted in the order of the sends (a RECV posts an
+    ``irecv``: posting early never blocks)."""
     if any(not a.is_compute for rank in schedule for a in rank):
-        raise ValueError("add_send_recv expects a compute-only schedule (F, B, I, W), it already has transfers")
+        raise ValueError("add_send_recv expects a compute-only schedule (F, B, I, W), it already "
+                         "has transfers")
     p, m, v = schedule_shape(schedule)
     validate(schedule, p, m, v)
     n_stages = p * v
-    index = {a: i for actions in schedule for i, a in enumerate(actions)}  # position in its rank's list
+    index = {a: i for actions in schedule for i, a in enumerate(actions)}  # position in its rank
     sends_after: dict[Action, Action] = {}
-    by_link: defaultdict[tuple[int, int], list[tuple[Action, int]]] = defaultdict(list)  # (recv, consumer index)
+    # per link (src, dst): (recv, its consumer's index)
+    by_link: defaultdict[tuple[int, int], list[tuple[Action, int]]] = defaultdict(list)
     for r, actions in enumerate(schedule):
         for a in actions:
             send = _remote_send(a, n_stages, p)
@@ -423,7 +424,8 @@ def add_send_recv(schedule: Schedule) -> Schedule:
     recvs_before: defaultdict[tuple[int, int], list[Action]] = defaultdict(list)
     for (_, dst), messages in sorted(by_link.items()):
         slots, earliest = [], None
-        for recv, consumer_index in reversed(messages):  # a RECV must precede its own and all later consumers
+        # a RECV must precede its own and all later consumers
+        for recv, consumer_index in reversed(messages):
             earliest = consumer_index if earliest is None else min(earliest, consumer_index)
             slots.append((earliest, recv))
         for slot, recv in reversed(slots):
@@ -441,11 +443,10 @@ def add_send_recv(schedule: Schedule) -> Schedule:
 
 
 def add_grad_reduce(schedule: Schedule) -> Schedule:
-    """Insert one ``REDUCE_GRAD`` per stage right after its last action writing weight gradients (its last
-    ``B``, or last ``W`` when the backward is split). With data parallelism on top, the stage's reduction can
-    start there and overlap the other stages' drain, as Megatron-LM and torchtitan do. After the last ``I``
-    instead, it would miss the pending ``W`` passes' gradients (a bug torch's pipelining once had).
-    """
+    """Insert one ``REDUCE_GRAD`` per stage right after its last action writing weight gradients
+    (its last ``B``, or ``W`` when split): with data parallelism the stage's reduction overlaps the
+    other stages' drain, as in Megatron-LM and torchtitan. After the last ``I`` it would miss the
+    pending ``W``s' gradients (a bug torch's pipelining once had)."""
     result: Schedule = []
     for actions in schedule:
         last: dict[int, int] = {}

@@ -1,15 +1,16 @@
-"""ZeRO-1 at the optimizer level: ``ShardedOptimizer(params, optimizer_cls, **kw)``, the shape of PyTorch's
-``ZeroRedundancyOptimizer``.
+"""ZeRO-1 at the optimizer level: ``ShardedOptimizer(params, optimizer_cls, **kw)``, shaped like
+PyTorch's ``ZeroRedundancyOptimizer``.
 
-The parameters are partitioned over the N ranks of the group, whole tensors each (largest first, to the least
-loaded rank: about Psi/N per rank), and each rank builds ``optimizer_cls`` over its partition only, so Adam's m
-and v exist once over the group: K Psi / N bytes per rank instead of K Psi (ZeRO stage 1, Rajbhandari et al.
-2020, section 5.1). ``step()``: every rank steps its own partition, then every parameter is broadcast from its
-owner, (N-1)/N V bytes per rank in all (ZeRO-1's all-gather).
+The parameters are partitioned over the N ranks of the group, whole tensors each (largest first, to
+the least loaded rank: about Psi/N per rank), and each rank builds ``optimizer_cls`` over its
+partition only, so Adam's m and v exist once over the group: K Psi / N bytes per rank instead of K
+Psi (ZeRO stage 1, Rajbhandari et al. 2020, section 5.1). ``step()``: every rank steps its own
+partition, then every parameter is broadcast from its owner, (N-1)/N V bytes per rank in all
+(ZeRO-1's all-gather).
 
-The gradients must already be averaged, as behind DDP: data parallelism reduces them (``dp.DataParallel``), this
-optimizer only shards the state. Parameters without a gradient are skipped by their owner, as on one process.
-Chapter 03 derives the bytes.
+The gradients must already be averaged, as behind DDP: data parallelism reduces them
+(``dp.DataParallel``), this optimizer only shards the state. Parameters without a gradient are
+skipped by their owner, as on one process. Chapter 03 derives the bytes.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from course_lib.parallel.contract import HasGroups, require_member, resolve_grou
 
 
 def partition(sizes: list[int], n: int) -> list[int]:
-    """Owner rank of each parameter: largest first, each to the rank holding the fewest elements so far (ties:
-    the lowest rank). Deterministic, so every rank computes the same partition."""
+    """Owner rank of each parameter: largest first, each to the rank holding the fewest elements so
+    far (ties: the lowest rank). Deterministic, so every rank computes the same partition."""
     load = [0] * n
     owner = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -38,11 +39,12 @@ def partition(sizes: list[int], n: int) -> list[int]:
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """``optimizer_cls(<this rank's partition>, **kw)`` over ``group`` (or ``mesh.group("dp", "cp")``).
-    ``optimizer``: the local optimizer; ``owner[i]``: the group rank owning parameter i."""
+    """``optimizer_cls(<this rank's partition>, **kw)`` (``optimizer``) over ``group`` or
+    ``mesh.group("dp", "cp")``; ``owner[i]``: the group rank owning parameter i."""
 
-    def __init__(self, params: Iterable[nn.Parameter], optimizer_cls: type[torch.optim.Optimizer], *,
-                 mesh: HasGroups | None = None, group: comm.Group = None, **kwargs: Any) -> None:
+    def __init__(self, params: Iterable[nn.Parameter],
+                 optimizer_cls: type[torch.optim.Optimizer], *, mesh: HasGroups | None = None,
+                 group: comm.Group = None, **kwargs: Any) -> None:
         self.group = resolve_group(mesh, group, ("dp", "cp"), "ShardedOptimizer")
         require_member(self.group, "ShardedOptimizer")
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]

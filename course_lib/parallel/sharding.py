@@ -1,17 +1,18 @@
-"""The schedule ZeRO and FSDP share: when each unit's parameters are gathered, freed and reduced, from hooks.
+"""The schedule ZeRO and FSDP share: hooks that gather, free and reduce each unit's parameters.
 
-A *unit* is the parameters of one module (one transformer block, then the root for the rest: ``fully_shard``
-applied bottom-up). Per unit and training step: all-gather it before its forward (a forward pre-hook), free it
-after (``reshard_after_forward``), gather it again before its backward (a tensor hook on its outputs, FSDP2's
-pre-backward), reduce its gradients once the last one has accumulated (``register_post_accumulate_grad_hook``),
-free them; a final callback of the backward reduces what the hooks did not. ``prefetch`` starts the next
-unit's all-gather one unit ahead (FSDP's ``forward_prefetch`` / ``BACKWARD_PRE``). Stages 0 and 1 keep a full
-gradient buffer and reduce every unit at the end of backward; stages 2 and 3 reduce each unit as soon as its
-gradients are complete. Inside ``no_sync()`` nothing is reduced: the full gradients accumulate.
+A *unit* is the parameters of one module (one transformer block, then the root for the rest:
+``fully_shard`` applied bottom-up). Per unit and step: all-gather it before its forward (a
+pre-hook), free it after (``reshard_after_forward``), gather it again before its backward (a tensor
+hook on its outputs, FSDP2's pre-backward), reduce its gradients once the last has accumulated
+(``register_post_accumulate_grad_hook``), free them; a final backward callback reduces what the
+hooks did not. ``prefetch`` starts the next unit's all-gather one unit ahead (FSDP's
+``forward_prefetch`` / ``BACKWARD_PRE``). Stages 0 and 1 keep a full gradient buffer and reduce
+every unit at the end of backward; stages 2 and 3 reduce each unit once its gradients are complete.
+Inside ``no_sync()`` nothing is reduced.
 
 The units are ``zero_unit.FlatParamUnit`` (one flat buffer per unit: FSDP1, DeepSpeed) or
-``fsdp2.PerParameterUnit`` (every parameter sharded on dim 0: FSDP2). Chapter 03 derives the schedule and its
-memory; ``model_state_bytes`` measures what the units hold at each event.
+``fsdp2.PerParameterUnit`` (every parameter sharded on dim 0: FSDP2). Chapter 03 derives the
+schedule and its memory; ``model_state_bytes`` measures what the units hold at each event.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class Unit(Protocol):
 def model_state_bytes(units: Sequence[Unit], param_dtype: torch.dtype,
                       optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Live bytes of model states on this rank by ZeRO's categories, each storage counted once: the
-    compute-dtype weights (and the shards when they are the weights, fp32); the gradients of the full weights
-    and of the shards; the optimizer's state (and the fp32 master shards under mixed precision)."""
+    compute-dtype weights (and the shards when they are the weights, fp32); the gradients of the
+    full weights and of the shards; the optimizer's state (and the fp32 master shards if mixed)."""
     seen: set[int] = set()
 
     def total(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -73,7 +74,8 @@ def model_state_bytes(units: Sequence[Unit], param_dtype: torch.dtype,
     grads = total([p.grad for u in units for p in u.params] + [s.grad for s in shards])
     state = [] if fp32 else list(shards)
     if optimizer is not None:
-        state += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        state += [v for st in optimizer.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor)]
     return {"parameters": params, "gradients": grads, "optimizer_state": total(state)}
 
 
@@ -88,9 +90,9 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 
 class UnitSchedule:
-    """Runs ``units`` (bottom-up, the ``root`` last) from hooks: see the module docstring. ``sync()`` says,
-    at the root's forward, whether this step reduces (False inside the wrapper's ``no_sync``); ``sample`` is
-    called at every event (the wrapper's memory peaks)."""
+    """Runs ``units`` (bottom-up, the ``root`` last) from hooks: see the module docstring.
+    ``sync()`` says, at the root's forward, whether this step reduces (False inside the wrapper's
+    ``no_sync``); ``sample`` is called at every event (the wrapper's memory peaks)."""
 
     def __init__(self, units: Sequence[Unit], root: Unit | None, stage: int, prefetch: bool,
                  sync: Callable[[], bool], sample: Callable[[], None]) -> None:
@@ -98,10 +100,11 @@ class UnitSchedule:
         self.sync, self.sample = sync, sample
         self.hooks: list[Any] = []
         for unit in self.units:
-            self.hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
-            self.hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
-            for p in unit.params:
-                self.hooks.append(p.register_post_accumulate_grad_hook(partial(self._grad_ready, unit)))
+            module = unit.module
+            self.hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            self.hooks.append(module.register_forward_hook(partial(self._post_forward, unit)))
+            ready = partial(self._grad_ready, unit)
+            self.hooks += [p.register_post_accumulate_grad_hook(ready) for p in unit.params]
         self._order: list[Unit] = []  # pre-forward order of this iteration
         self._prev_order: list[Unit] = []  # ... of the previous one (forward prefetch)
         self._post_order: list[Unit] = []  # its reverse is the backward order
@@ -156,7 +159,7 @@ class UnitSchedule:
 
     def _reduce(self, unit: Unit) -> None:
         unit.accept_shard_grad(unit.reduce_gradients())
-        self.sample()  # the gradient peak: the full gradients and their reduced shard are both alive
+        self.sample()  # the gradient peak: the full gradients and their reduced shard both alive
         unit.free_grads()
         unit.reshard()
 
@@ -164,9 +167,10 @@ class UnitSchedule:
         """Reduce the units the hooks did not (every unit in stages 0/1), free, reset."""
         self._queued = False
         if self._sync_this_backward and self.stage < 2 and self.reduced_since_step:
-            raise RuntimeError(f"ZeRO stage {self.stage} reduces its full gradient buffer in place: one "
-                               "backward per optimizer step (call after_step() before the next backward; "
-                               "gradient accumulation is supported by stages 2 and 3)")
+            raise RuntimeError(f"ZeRO stage {self.stage} reduces its full gradient buffer in "
+                               "place: one backward per optimizer step (call after_step() before "
+                               "the next backward; gradient accumulation is supported by stages 2 "
+                               "and 3)")
         self.reduced_since_step |= self._sync_this_backward
         for unit in self.units:
             if self._sync_this_backward and not unit.reduced:

@@ -1,40 +1,22 @@
 """The communication operators of tensor and sequence parallelism, as autograd Functions.
 
-Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
-Parallelism", arXiv:1909.08053, Sec. 3) splits an MLP ``Z = GeLU(X A) B`` with A by columns and B by rows, so
-that each of the t ranks computes ``Z_i = GeLU(X A_i) B_i`` and ``Z = sum_i Z_i``. Two conjugate operators
-mark where the ranks talk:
+Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3) splits an MLP ``Z = GeLU(X A) B`` with A
+by columns and B by rows: rank i computes ``Z_i = GeLU(X A_i) B_i`` and ``Z = sum_i Z_i``. Two
+conjugate operators mark where the t ranks talk: **f** (identity forward, all-reduce backward, as
+``dL/dX = sum_i dL/dX_i``) and **g** (all-reduce forward, identity backward). A bare
+``dist.all_reduce`` in ``forward`` is unseen by autograd: f's backward would lose it.
 
-* **f**: identity forward, all-reduce backward (the input X is replicated, so dL/dX = sum_i dL/dX_i);
-* **g**: all-reduce forward (Z = sum_i Z_i), identity backward (dL/dZ is already replicated).
+Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2) shards the norm/dropout
+regions along the sequence: **g-bar** all-gathers forward and reduce-scatters backward (before a
+column-parallel linear), its conjugate the reverse (after a row-parallel one): (t-1)/t x V bytes per
+rank each, the 2(t-1)/t x V of the all-reduce they replace (V = b*s*h activation elements).
+``sequence_parallel_linears`` saves the s/t shard and all-gathers it again in backward, overlapped
+with the input-gradient GEMM (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``): a
+TP + SP block's activations are an unsplit block's / t for one more all-gather of V per region.
 
-A plain ``dist.all_reduce`` inside ``forward`` computes the right numbers but autograd does not see it: the
-backward of f then forgets the all-reduce and every rank keeps only its own partial input gradient. The
-Functions here say what the backward must do.
-
-Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-arXiv:2205.05198, Sec. 4.2.2) shards the norm/dropout regions along the sequence and replaces f and g by
-
-* **g-bar** ``gather_from_sequence_parallel_region``: all-gather forward along the sequence, reduce-scatter
-  backward (before a column-parallel linear);
-* **g-bar's conjugate** ``reduce_scatter_to_sequence_parallel_region``: reduce-scatter forward, all-gather backward
-  (after a row-parallel linear).
-
-An all-reduce is a reduce-scatter followed by an all-gather, so the pair moves the same bytes as f + g:
-per rank (t-1)/t x V for each, against 2(t-1)/t x V for one all-reduce (V = b*s*h elements of the activation).
-
-Under SP the column-parallel linears after g-bar would save the all-gathered [b, s, h] input for their weight
-gradient, so SP would shrink only the norms' activations. Megatron-LM keeps the s/t shard instead and
-all-gathers it again in backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022, Sec. 4.2.2;
-``LinearWithGradAccumulationAndAsyncCommunication``): ``sequence_parallel_linears`` does the same for one or
-several linears that read the same input (q/k/v, gate/up), so the activations of a TP + SP block per rank are
-those of one unsplit block divided by t. The price: one more all-gather of V per region in backward.
-
-``gather_from_tensor_model_parallel_region`` (all-gather along the last dim forward, keep own slice backward) and
-``scatter_to_tensor_model_parallel_region`` (its reverse) serve ``gather_output=True`` / ``input_is_parallel=False``.
-
-Activations here are ``[batch, seq, hidden]`` (the course's GPT); the sequence dimension is dim 1. Every
-collective goes through ``course_lib.comm`` so the bytes are logged, and keeps the input's dtype and device.
+``gather_from_`` / ``scatter_to_tensor_parallel_region`` (last dim) serve ``gather_output=True`` /
+``input_is_parallel=False``. Activations: ``[batch, seq, hidden]``; every collective goes through
+``course_lib.comm`` (logged), in the input's dtype and device. Chapter 04 derives them.
 """
 
 from __future__ import annotations
@@ -70,11 +52,12 @@ def all_gather_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tens
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather(out, front, group=group)
-    return out.movedim(0, dim).contiguous()  # one copy: the linears that read it then save one storage
+    return out.movedim(0, dim).contiguous()  # one copy: its readers save one storage
 
 
 def _start_sequence_gather(x: torch.Tensor, group: comm.Group) -> tuple[Any, torch.Tensor]:
-    """Launch the all-gather of the sequence shards ``x`` [b, s/t, ...] (async); returns (work, [t*s/t, b, ...])."""
+    """Launch the all-gather of the sequence shards ``x`` [b, s/t, ...] (async); returns (work,
+    [t*s/t, b, ...])."""
     n, _ = _world(group)
     front = x.movedim(SEQ_DIM, 0).contiguous()
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
@@ -82,7 +65,8 @@ def _start_sequence_gather(x: torch.Tensor, group: comm.Group) -> tuple[Any, tor
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
-    """Sum ``x`` over the ranks and keep chunk ``rank`` of ``dim`` (one logged reduce-scatter of ``x``)."""
+    """Sum ``x`` over the ranks and keep chunk ``rank`` of ``dim`` (one logged reduce-scatter of
+    ``x``)."""
     n, _ = _world(group)
     if n == 1:
         return x
@@ -104,7 +88,7 @@ def split_along(x: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
     return x.chunk(n, dim=dim)[r].contiguous()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tensor parallelism: f and g
 
 
@@ -134,7 +118,8 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
 
 class GatherFromTensorParallelRegion(torch.autograd.Function):
-    """All-gather along the last dim forward (``gather_output``); backward keeps this rank's slice."""
+    """All-gather along the last dim forward (``gather_output``); backward keeps this rank's
+    slice."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -147,7 +132,8 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 class ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Keep this rank's slice of the last dim forward; all-gather backward (``input_is_parallel=False``)."""
+    """Keep this rank's slice of the last dim forward; all-gather backward
+    (``input_is_parallel=False``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -159,12 +145,13 @@ class ScatterToTensorParallelRegion(torch.autograd.Function):
         return all_gather_along(grad, -1, ctx.group), None
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sequence parallelism
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """All-gather along the sequence forward, reduce-scatter backward (enters a TP region under SP)."""
+    """All-gather along the sequence forward, reduce-scatter backward (enters a TP region under
+    SP)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -177,7 +164,8 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward, all-gather backward (leaves a TP region under SP)."""
+    """Reduce-scatter along the sequence forward, all-gather backward (leaves a TP region under
+    SP)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -190,7 +178,8 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Keep this rank's chunk of the sequence forward, all-gather backward (no forward communication)."""
+    """Keep this rank's chunk of the sequence forward, all-gather backward (no forward
+    communication)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -203,15 +192,18 @@ class ScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class SequenceParallelLinears(torch.autograd.Function):
-    """g-bar followed by k column-parallel linears that read the same gathered input, saving only the s/t shard.
+    """g-bar followed by k column-parallel linears that read the same gathered input, saving only
+    the s/t shard.
 
-    Forward: X = all-gather(x) along the sequence, ``Y_j = X W_j^T + b_j``; saved: x [b, s/t, h] and the weights.
-    Backward: start the all-gather of x again (async), compute ``dX = sum_j dY_j W_j`` meanwhile (the overlap
-    Megatron-LM builds), wait, reduce-scatter dX to dx, and ``dW_j = dY_j^T X``, ``db_j = sum dY_j``.
+    Forward: X = all-gather(x) along the sequence, ``Y_j = X W_j^T + b_j``; saved: x [b, s/t, h] and
+    the weights. Backward: start the all-gather of x again (async), compute ``dX = sum_j dY_j W_j``
+    meanwhile (the overlap Megatron-LM builds), wait, reduce-scatter dX to dx, and
+    ``dW_j = dY_j^T X``, ``db_j = sum dY_j``.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group,
+                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         work, full = _start_sequence_gather(x, group)
         work.wait()
         xf = full.movedim(0, SEQ_DIM)
@@ -223,14 +215,14 @@ class SequenceParallelLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
-        work, full = _start_sequence_gather(x, ctx.group)  # the re-gather, hidden behind the dX GEMMs
+        work, full = _start_sequence_gather(x, ctx.group)  # the re-gather, behind the dX GEMMs
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_full = sum(g @ w for g, w in zip(grads, weights, strict=True))
             grad_x = reduce_scatter_along(grad_full, SEQ_DIM, ctx.group)
         work.wait()
         xf = full.movedim(0, SEQ_DIM).reshape(-1, x.shape[-1])
-        first = getattr(ctx, "n_args", 2)  # the inputs before the weights: x, group (a variant may add more)
+        first = getattr(ctx, "n_args", 2)  # inputs before the weights: x, group (+ a variant's)
         out: list[torch.Tensor | None] = [grad_x] + [None] * (first - 1)
         for j, (g, has_bias) in enumerate(zip(grads, ctx.has_bias, strict=True)):
             g2 = g.reshape(-1, g.shape[-1])
@@ -239,10 +231,12 @@ class SequenceParallelLinears(torch.autograd.Function):
         return tuple(out)
 
 
-def sequence_parallel_linears(x: torch.Tensor, linears: list[tuple[torch.Tensor, torch.Tensor | None]],
+def sequence_parallel_linears(x: torch.Tensor,
+                              linears: list[tuple[torch.Tensor, torch.Tensor | None]],
                               group: comm.Group = None) -> tuple[torch.Tensor, ...]:
-    """``[all-gather(x) W_j^T + b_j for (W_j, b_j) in linears]`` with x the sequence shard [b, s/t, h]: one
-    all-gather forward, one all-gather (the re-gather) and one reduce-scatter backward; only x is saved."""
+    """``[all-gather(x) W_j^T + b_j for (W_j, b_j) in linears]`` with x the sequence shard [b, s/t,
+    h]: one all-gather forward, one all-gather (the re-gather) and one reduce-scatter backward; only
+    x is saved."""
     if dist.get_world_size(group) == 1:
         return tuple(F.linear(x, w, b) for w, b in linears)
     return SequenceParallelLinears.apply(x, group, *(p for wb in linears for p in wb))
@@ -271,7 +265,8 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: comm.Group = No
     return GatherFromSequenceParallelRegion.apply(x, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
+                                               group: comm.Group = None) -> torch.Tensor:
     """The conjugate of g-bar: reduce-scatter along the sequence forward, all-gather backward."""
     return ReduceScatterToSequenceParallelRegion.apply(x, group)
 

@@ -1,30 +1,22 @@
 """Overlapping tensor-parallel communication with compute: the collective matmul.
 
-Under sequence parallelism a column-parallel GEMM needs the all-gathered input, ``Y_r = AllGather(x) W_r^T``.
-Done in that order, the GEMM waits for the whole all-gather. But the all-gather is a ring of t - 1 steps that
-each pass one s/t shard, and the GEMM splits by rows (tokens) into t partial GEMMs, one per shard
-(``Y_r[shard j] = x_j W_r^T``). So a rank can multiply the shard it holds while the next one travels: at step i
-it computes the partial GEMM of shard (r - i) mod t and passes that shard on. The bytes are the all-gather's,
-(t - 1)/t x V per rank (our own send/recv: measured); only the order changes.
+Under sequence parallelism a column-parallel GEMM needs the all-gathered input,
+``Y_r = AllGather(x) W_r^T``, and waits for all of it. But the all-gather is a ring of t - 1 steps
+that each pass one s/t shard, and the GEMM splits by rows into t partial GEMMs
+(``Y_r[shard j] = x_j W_r^T``): at step i a rank multiplies shard (r - i) mod t while passing it on.
+Same bytes, (t - 1)/t x V per rank (our send/recv: measured), in another order: the collective
+matmul (Wang et al. 2023, ASPLOS '23) of Megatron-LM's ``--tp-comm-overlap`` and torchtitan's async
+TP; the row-parallel GEMM's reduce-scatter decomposes alike, in reverse.
 
-This is the collective matmul of Wang et al. 2023 ("Overlap Communication with Dependent Computation via
-Decomposition in Large Deep Learning Models", ASPLOS '23), what Megatron-LM's ``--tp-comm-overlap``
-(Transformer Engine's userbuffers) and torchtitan's async TP (PyTorch's micro-pipelined TP) do on GPUs; the
-row-parallel GEMM's reduce-scatter decomposes the same way, in reverse.
-
-Timeline, with c the time of one partial GEMM (1/t of the GEMM) and m of one ring step::
+With c the time of one partial GEMM (1/t of the GEMM) and m of one ring step::
 
     sequential   (t - 1) m + t c            exposed communication  (t - 1) m
     overlapped   (t - 1) max(c, m) + c      exposed communication  (t - 1) max(0, m - c)
 
-The transfer hides once a partial GEMM outlasts a step, c >= m. Per shard of n tokens, c = 2 n h (o/t) / F and
-m = n h e / B (F FLOP/s, B link bytes/s, o output features, e bytes an element): the condition is
-o / t >= e F / (2 B), a lower bound on each rank's output width. At high t the local GEMMs shrink below it and
-the communication shows again (see ``hide_threshold_features``).
-
-On a laptop CPU the timing is emulated (``EmulatedCost``: a partial GEMM costs a sleep, a ring step completes
-no earlier than its emulated transfer time after issue), as ``course_lib.measure.instrument`` emulates a device: the
-ranks then run side by side on 2 cores and the measured exposed time follows the schedule, not the OS.
+The transfer hides once c >= m. Per shard of n tokens c = 2 n h (o/t) / F and m = n h e / B (F
+FLOP/s, B link bytes/s, o output features, e bytes per element), i.e. once o / t >= e F / (2 B)
+(``hide_threshold_features``): high t shrinks the local GEMMs below it. The timing is emulated
+(``EmulatedCost``) to follow the schedule, not the OS. Chapter 04 measures it.
 """
 
 from __future__ import annotations
@@ -48,15 +40,17 @@ __all__ = ["CollectiveMatmul", "EmulatedCost", "collective_matmul", "exposed_com
 
 @dataclass(frozen=True)
 class EmulatedCost:
-    """An emulated device: ``gemm_s`` seconds per partial GEMM (one shard's), ``step_s`` per ring step (one
-    shard's transfer, from issue to completion). Sleeps cost no CPU; the real GEMMs and sends still run."""
+    """An emulated device: ``gemm_s`` seconds per partial GEMM (one shard's), ``step_s`` per ring
+    step (one shard's transfer, from issue to completion). Sleeps cost no CPU; the real GEMMs and
+    sends still run."""
 
     gemm_s: float
     step_s: float
 
 
 def exposed_comm_seconds(t: int, gemm_s: float, step_s: float, overlap: bool) -> float:
-    """Exposed communication of one collective matmul: (t-1) m sequential, (t-1) max(0, m - c) overlapped."""
+    """Exposed communication of one collective matmul: (t-1) m sequential, (t-1) max(0, m - c)
+    overlapped."""
     return (t - 1) * (max(0.0, step_s - gemm_s) if overlap else step_s)
 
 
@@ -66,13 +60,14 @@ def hide_threshold_features(element_bytes: float, flops: float, link_bytes_per_s
 
 
 def ring_source(rank: int, step: int, t: int) -> int:
-    """The shard rank ``rank`` holds at ring step ``step``: its own at 0, then the previous rank's, ...: (r - i) mod t
-    (a public seam: the partial GEMM's output rows go where this says)."""
+    """The shard rank ``rank`` holds at ring step ``step``: its own at 0, then the previous rank's,
+    ...: (r - i) mod t (a public seam: the partial GEMM's output rows go where this says)."""
     return (rank - step) % t
 
 
-def _ring_matmul(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
-                 group: comm.Group, overlap: bool, cost: EmulatedCost | None) -> tuple[torch.Tensor, ...]:
+def _ring_matmul(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                 biases: tuple[torch.Tensor | None, ...], group: comm.Group, overlap: bool,
+                 cost: EmulatedCost | None) -> tuple[torch.Tensor, ...]:
     r, t, nxt, prv = ring_peers(group)
     parts: list[list[torch.Tensor | None]] = [[None] * t for _ in weights]
 
@@ -111,11 +106,13 @@ def _ring_matmul(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tup
 
 
 class CollectiveMatmul(SequenceParallelLinears):
-    """``Y_j = AllGather(x) W_j^T + b_j`` by t partial GEMMs around a ring (overlapped or not); the backward is
-    ``SequenceParallelLinears``' (re-gather overlapped with the input-gradient GEMMs, then reduce-scatter)."""
+    """``Y_j = AllGather(x) W_j^T + b_j`` by t partial GEMMs around a ring (overlapped or not); the
+    backward is ``SequenceParallelLinears``' (re-gather overlapped with the input-gradient GEMMs,
+    then reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, overlap: bool, cost: EmulatedCost | None,
+    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, overlap: bool,
+                cost: EmulatedCost | None,
                 *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         weights, biases = params[0::2], params[1::2]
         ctx.group, ctx.has_bias, ctx.n_args = group, [b is not None for b in biases], 4
@@ -126,18 +123,19 @@ class CollectiveMatmul(SequenceParallelLinears):
 def collective_matmul(x: torch.Tensor, linears: list[tuple[torch.Tensor, torch.Tensor | None]],
                       group: comm.Group = None, overlap: bool = True,
                       cost: EmulatedCost | None = None) -> tuple[torch.Tensor, ...]:
-    """The column-parallel GEMMs of ``linears`` on the all-gathered sequence shards ``x`` [b, s/t, h], the
-    all-gather decomposed into ring steps overlapped with partial GEMMs (``overlap=False``: gather, then
-    multiply). Autograd-capable; equal to ``tp_comm.sequence_parallel_linears``."""
+    """The column-parallel GEMMs of ``linears`` on the all-gathered sequence shards ``x`` [b, s/t,
+    h], the all-gather decomposed into ring steps overlapped with partial GEMMs (``overlap=False``:
+    gather, then multiply). Autograd-capable; equal to ``tp_comm.sequence_parallel_linears``."""
     if dist.get_world_size(group) == 1:
         return tuple(F.linear(x, w, b) for w, b in linears)
     return CollectiveMatmul.apply(x, group, overlap, cost, *(p for wb in linears for p in wb))
 
 
-def measure_exposed_comm(rank: int, world_size: int, cost: EmulatedCost, *, tokens: int = 64, d_in: int = 64,
-                         d_out: int = 64, repeats: int = 5) -> dict[str, float]:
-    """A ``launch`` target: the median exposed communication (wall time minus the t emulated partial GEMMs) of
-    one forward collective matmul, sequential and overlapped, on the emulated device (after one untimed call)."""
+def measure_exposed_comm(rank: int, world_size: int, cost: EmulatedCost, *, tokens: int = 64,
+                         d_in: int = 64, d_out: int = 64, repeats: int = 5) -> dict[str, float]:
+    """A ``launch`` target: the median exposed communication (wall time minus the t emulated partial
+    GEMMs) of one forward collective matmul, sequential and overlapped, on the emulated device
+    (after one untimed call)."""
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(1, tokens // world_size, d_in, generator=g)
     w = torch.randn(d_out // world_size, d_in, generator=g)

@@ -1,18 +1,19 @@
 """ZeRO stages 0-3 over flat parameters (FSDP1's and DeepSpeed's form), from scratch.
 
-ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054) partitions the model states over the N data-parallel ranks.
-With Psi parameters, 16-bit weights and gradients and K optimizer bytes per parameter, per rank (section 5)::
+ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054) partitions the model states over the N
+data-parallel ranks. With Psi parameters, 16-bit weights and gradients and K optimizer bytes per
+parameter, per rank (section 5)::
 
     stage 0  plain DP                         (2 + 2 + K) Psi
     stage 1  P_os      optimizer states       (2 + 2) Psi + K Psi / N
     stage 2  P_os+g    + gradients            2 Psi + (2 + K) Psi / N
     stage 3  P_os+g+p  + parameters           (2 + 2 + K) Psi / N
 
-and per step 2 (N-1)/N V bytes for stages 0-2 (reduce-scatter + all-gather), 3 (N-1)/N V for stage 3 (V = Psi
-x bytes per element). A unit's parameters live in one flat buffer padded to a multiple of N; rank r owns slice
-r (``zero_unit``), and the ``sharding`` schedule gathers, frees and reduces the units from hooks. Stage 1 keeps
-the full gradient buffer until the end of backward and reduce-scatters it then; stage 2 reduce-scatters each
-unit as soon as its gradients are complete. The parity runs are fp32 (4 + 4 + 8 bytes per parameter).
+and per step 2 (N-1)/N V bytes for stages 0-2 (reduce-scatter + all-gather), 3 (N-1)/N V for stage 3
+(V = Psi x bytes per element). A unit's parameters live in one flat buffer padded to a multiple of
+N; rank r owns slice r (``zero_unit``); the ``sharding`` schedule gathers, frees and reduces the
+units from hooks. Stage 1 reduce-scatters the full gradient buffer at the end of backward, stage 2
+each unit once its gradients are complete. The parity runs are fp32 (4 + 4 + 8 bytes per parameter).
 FSDP2's per-parameter form is ``fsdp2``; chapter 03 derives both and measures their memory.
 """
 
@@ -34,30 +35,33 @@ from course_lib.parallel.zero_unit import FlatParamUnit, default_units
 def check_stage(stage: object) -> None:
     """The one check of a ZeRO stage (the library, the layouts and the planner call it)."""
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage {stage!r}: the stages are 0 (replicated optimizer), 1 (optimizer state "
-                         "sharded over the data ranks), 2 (and gradients), 3 (and parameters: FSDP)")
+        raise ValueError(f"ZeRO stage {stage!r}: the stages are 0 (replicated optimizer), "
+                         "1 (optimizer state sharded over the data ranks), 2 (and gradients), "
+                         "3 (and parameters: FSDP)")
 
 
 class ZeroDataParallel(ParallelWrapper):
-    """ZeRO ``stage`` 0-3 of ``module`` over ``mesh.group("dp", "cp")`` (Megatron's distributed optimizer
-    shards over the data and context ranks) or ``group``:
+    """ZeRO ``stage`` 0-3 of ``module`` over ``mesh.group("dp", "cp")`` (Megatron's distributed
+    optimizer shards over the data and context ranks) or ``group``:
 
         zdp = ZeroDataParallel(GPT(cfg), stage=3, prefetch=True)
         opt = make_optimizer(zdp.parameters(), tc)   # the shards: Psi/N elements per rank
-        lm_loss(zdp(x), y).backward()                # stage 3: gathers unit by unit, frees after each
+        lm_loss(zdp(x), y).backward()                # stage 3: gathers and frees unit by unit
         zdp.finish_gradient_sync(); opt.step()       # each rank updates its own shard
         zdp.after_step()                             # stages 1/2: all-gather the updated parameters
 
-    ``units``: modules bottom-up, the root last (``default_units``); ``reshard_after_forward`` (stage 3): None
-    frees every unit but the root (FSDP2's default), True every unit, False none; ``param_dtype``: the compute
-    dtype (fp32 master shards). ``unit``: the unit factory (``FlatParamUnit``; a variant overrides ``average``
-    or ``bounds``). ``peak_bytes``: the largest weight / gradient bytes seen at any hook. With a mesh, the
-    slices of the flat gradient that belong to ``Partial()`` parameters are summed over their axis."""
+    ``units``: modules bottom-up, the root last (``default_units``); ``reshard_after_forward``
+    (stage 3): None frees every unit but the root (FSDP2's default), True every unit, False none;
+    ``param_dtype``: the compute dtype (fp32 master shards). ``unit``: the unit factory
+    (``FlatParamUnit``; a variant overrides ``average`` or ``bounds``). ``peak_bytes``: the largest
+    weight / gradient bytes seen at any hook. With a mesh, ``Partial()`` parameters' slices of the
+    flat gradient are summed over their axis."""
 
     def __init__(self, module: nn.Module, stage: int = 3, *, mesh: HasGroups | None = None,
-                 group: comm.Group = None, units: Iterable[nn.Module] | None = None, prefetch: bool = False,
-                 reshard_after_forward: bool | None = None, param_dtype: torch.dtype = torch.float32,
-                 broadcast: bool = True, unit: type[FlatParamUnit] = FlatParamUnit) -> None:
+                 group: comm.Group = None, units: Iterable[nn.Module] | None = None,
+                 prefetch: bool = False, reshard_after_forward: bool | None = None,
+                 param_dtype: torch.dtype = torch.float32, broadcast: bool = True,
+                 unit: type[FlatParamUnit] = FlatParamUnit) -> None:
         check_stage(stage)
         super().__init__(module, mesh=mesh, group=group)
         self.stage, self.param_dtype, self.mesh = stage, param_dtype, mesh
@@ -66,7 +70,8 @@ class ZeroDataParallel(ParallelWrapper):
         self.events: list[tuple[str, str]] = []  # (collective, unit name) in issue order
         modules = list(default_units(module) if units is None else units)
         if not modules or modules[-1] is not module:
-            raise ValueError("units are applied bottom-up: the last unit must be the root module itself")
+            raise ValueError("units are applied bottom-up: the last unit must be the root module "
+                             "itself")
         paths = {m: name for name, m in module.named_modules()}
         owned: set[int] = set()
         self.units: list[FlatParamUnit] = []
@@ -74,19 +79,20 @@ class ZeroDataParallel(ParallelWrapper):
             if m not in paths:
                 raise ValueError(f"unit {type(m).__name__} is not a submodule of the model")
             prefix = paths[m] + "." if paths[m] else ""
-            named = [(prefix + n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned]
+            named = [(prefix + n, p) for n, p in m.named_parameters()
+                     if p.requires_grad and id(p) not in owned]
             owned.update(id(p) for _, p in named)
             self.units.append(unit(paths[m], m, named, stage, self.group, param_dtype, self.events))
         self.root = self.units[-1]
-        self.axis = "dp+cp" if mesh is not None and getattr(mesh, "size", lambda _: 1)("cp") > 1 else "dp"
+        self.axis = "dp+cp" if getattr(mesh, "size", lambda _: 1)("cp") > 1 else "dp"
         """The axis key the shards are recorded on (their placements)."""
         for u in self.units:
             u.record_placements(self.axis)
             u.reshard_after_forward = (u is not self.root) if reshard_after_forward is None \
                 else bool(reshard_after_forward)
         self.peak_bytes = {"parameters": 0, "gradients": 0}
-        self.schedule = UnitSchedule(self.units, self.root, stage, prefetch, lambda: self._require_sync,
-                                     self._sample)
+        self.schedule = UnitSchedule(self.units, self.root, stage, prefetch,
+                                     lambda: self._require_sync, self._sample)
         self._sample()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -94,12 +100,12 @@ class ZeroDataParallel(ParallelWrapper):
         return iter([s for u in self.units for s in u.optimizer_params()])
 
     def finish_gradient_sync(self) -> None:
-        """The sums over other axes of the ``Partial()`` parameters' slices of each rank's flat shard."""
+        """Sum over their axes the ``Partial()`` parameters' slices of each rank's flat shard."""
         if self.mesh is not None:
             sum_partial_slices(self.units, self.mesh)
 
     def after_step(self) -> None:
-        """Stages 1/2: all-gather the updated shards; stages 0/1: clear the full gradient buffers."""
+        """Stages 1/2: all-gather the updated shards; 0/1: zero the full gradient buffers."""
         for u in self.units:
             u.refresh_full()
             u.zero_flat_grad()
@@ -130,10 +136,10 @@ class ZeroDataParallel(ParallelWrapper):
 
 
 def sum_partial_slices(units: Iterable[FlatParamUnit], mesh: HasGroups) -> None:
-    """After each unit's reduce-scatter, rank r's shard [lo, hi) of the flat buffer holds the data-parallel
-    mean of the parameters overlapping it; equal local shapes give every TP rank the same layout, so summing
-    over an axis the elements of parameters recorded ``Partial()`` there completes their gradients. One flat
-    all-reduce per axis; every rank issues it (an empty one when its shard holds none)."""
+    """After each unit's reduce-scatter, rank r's shard [lo, hi) of the flat buffer holds the
+    data-parallel mean of the parameters overlapping it; equal local shapes give every TP rank the
+    same layout, so summing over an axis the elements of parameters recorded ``Partial()`` there
+    completes their gradients: one flat all-reduce per axis, on every rank (maybe empty)."""
     units = list(units)
     views: dict[str, list[torch.Tensor]] = {}
     axes: set[str] = set()
