@@ -121,7 +121,7 @@ def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], tc: TrainCon
     return cls(params, **kwargs)
 
 
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+def copy_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Detached CPU copies of every parameter, by name, in fp32 (fp64 stays fp64): what parity compares; CPU so
     that results of ranks on GPUs travel back and compare with the single-process baseline."""
     return {k: v.detach().cpu().to(torch.promote_types(v.dtype, torch.float32)).clone()
@@ -171,7 +171,7 @@ def train_single(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),
             total += loss.item()
         opt.step()
         losses.append(total)
-    return TrainResult(losses, full_params(model))
+    return TrainResult(losses, copy_parameters(model))
 
 
 def train_baseline(cfg: GPTConfig, tc: TrainConfig = TrainConfig(),

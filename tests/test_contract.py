@@ -105,12 +105,9 @@ LIFECYCLE_CFG = {"tp-sp": CFG.with_(n_head=4), "ep": MOE}  # 4 heads: TP over al
 
 
 def _full(w: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole parameters of a wrapper's model (a collective for the sharding forms)."""
-    if isinstance(w, (zero.ZeroDataParallel, FSDP2DataParallel)):
-        return w.full_state_dict()
-    if isinstance(w, compose.Parallelized):
-        return w.full_parameters()
-    return dict(w.module.named_parameters())
+    """The whole parameters of a wrapper's model: the contract's one method on every form (a
+    collective for the sharding forms)."""
+    return w.full_parameters()
 
 
 def _hooks_left(module: nn.Module) -> int:

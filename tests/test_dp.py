@@ -36,7 +36,7 @@ from course_lib.train import (
     TrainResult,
     assert_parity,
     compare,
-    full_params,
+    copy_parameters,
     make_optimizer,
     train_baseline,
 )
@@ -154,7 +154,7 @@ def _special_suite(rank: int, world_size: int) -> dict:
     model = GPT(CFG, seed=100 + rank)
     with comm.recording() as log:
         broadcast_from_first(model, None)
-    out["broadcast"] = (full_params(model), log.count("broadcast"))
+    out["broadcast"] = (copy_parameters(model), log.count("broadcast"))
     # a second synchronising forward without finish_gradient_sync() in between is refused
     model = dp.DataParallel(GPT(CFG), mode="overlapped")
     x, y = global_batch(0, 2, CFG.seq_len)
@@ -362,7 +362,7 @@ def test_overlapped_launches_the_same_buckets_in_order(special_runs):
 
 
 def test_broadcast_gives_every_rank_the_weights_of_rank_0(special_runs):
-    rank0 = full_params(GPT(CFG, seed=100))
+    rank0 = copy_parameters(GPT(CFG, seed=100))
     for params, calls in (suite["broadcast"] for suite in special_runs):
         assert calls == len(rank0)
         for name, value in params.items():
@@ -396,7 +396,7 @@ def test_frozen_parameters_are_not_communicated(special_runs, mode):
     model = GPT(CFG)
     for name in FROZEN:
         model.get_parameter(name).requires_grad_(False)
-        assert torch.equal(res.params[name], full_params(GPT(CFG))[name])  # untouched
+        assert torch.equal(res.params[name], copy_parameters(GPT(CFG))[name])  # untouched
     sizes = _grad_sizes(model)
     expected = sizes if mode == "naive" else _expected_buckets(sizes, BUCKET_MB)
     assert [r.tensor_bytes for r in _grad_records(res, 0)] == expected

@@ -188,7 +188,7 @@ def _fsdp(rank: int, world_size: int, units_of: str) -> dict:
 
     out = train_loop(w, opt, CFG, SGD, data_rank=w.rank, data_size=w.world_size, before_optimizer=keep_grads)
     replicated = {n for n, p in model.named_parameters() if not P.placements_of(p)}
-    return {"result": TrainResult(out.losses, w.full_state_dict()), "replicated": replicated,
+    return {"result": TrainResult(out.losses, w.full_parameters()), "replicated": replicated,
             "norms": sorted(n for n, _ in model.named_parameters() if n.rsplit(".", 1)[0] in norms),
             "norm_grads": grads}
 

@@ -35,7 +35,7 @@ from course_lib.train import (
     TrainConfig,
     TrainResult,
     compare,
-    full_params,
+    copy_parameters,
     make_optimizer,
     train_baseline,
     with_fp32_noise,
@@ -197,7 +197,7 @@ def _biased_baseline(cfg: GPTConfig, tc: TrainConfig, rate: float, dtype: torch.
         for block in model.blocks:
             block.mlp.balance_bias_(torch.tensor(block.mlp.stats.tokens_per_expert), rate)
         losses.append(loss.item())
-    return TrainResult(losses, full_params(model))
+    return TrainResult(losses, copy_parameters(model))
 
 
 @functools.cache

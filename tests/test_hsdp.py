@@ -127,7 +127,7 @@ def _run(rank, world_size, kind="ours", dtype=torch.float32, steps=ADAMW.steps, 
         return out
     out["placements"] = {n: placements_of(p) for n, p in model.named_parameters()}
     out["described"] = {n: describe(p, AXES) for n, p in model.named_parameters()}
-    out["result"] = TrainResult(w.reduce_losses(torch.tensor(losses)).tolist(), w.full_state_dict())
+    out["result"] = TrainResult(w.reduce_losses(torch.tensor(losses)).tolist(), w.full_parameters())
     out["events"] = list(w.events)
     return out
 

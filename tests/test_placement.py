@@ -227,8 +227,8 @@ def _zero_checks(ws: int, stage: int) -> dict:
     shards = list(zdp.parameters())
     out = {"records": all(P.placement(s, "dp") == (P.Shard(0, u.layout.numel) if stage else P.Replicate())
                           for s, u in zip(shards, zdp.units, strict=True)),
-           "gather": _equal(zdp.full_state_dict(), init)}
-    # the former FlatParamUnit.gather_full: one all-gather of the padded flat shards, cut into views
+           "gather": _equal(zdp.full_parameters(), init)}
+    # the former FlatParamUnit.full_parameters: one all-gather of the padded flat shards, cut into views
     former = {}
     for u in zdp.units:
         flat = torch.empty(u.layout.padded_numel)

@@ -46,7 +46,7 @@ from course_lib.train import (
     TrainConfig,
     TrainResult,
     compare,
-    full_params,
+    copy_parameters,
     make_optimizer,
     train_baseline,
 )
@@ -165,7 +165,7 @@ def accumulated(cfg: GPTConfig, tc: TrainConfig, m: int) -> TrainResult:
                 total += loss.item()
             opt.step()
             losses.append(total / m)
-        return TrainResult(losses, full_params(model))
+        return TrainResult(losses, copy_parameters(model))
 
 
 def exact(reference: TrainResult, candidate: TrainResult) -> None:

@@ -47,7 +47,7 @@ from course_lib.train import (
     TrainResult,
     assert_parity,
     compare,
-    full_params,
+    copy_parameters,
     make_optimizer,
     with_fp32_noise,
 )
@@ -481,7 +481,7 @@ def baseline(cfg: GPTConfig, tc: TrainConfig, clip: float | None = None) -> Trai
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
             losses.append(loss.item())
-        result = TrainResult(losses, full_params(model))
+        result = TrainResult(losses, copy_parameters(model))
         result.grad_norms = norms
         return result
 

@@ -35,7 +35,7 @@ from course_lib.train import (
     TrainResult,
     assert_parity,
     compare,
-    full_params,
+    copy_parameters,
     make_optimizer,
     train_baseline,
     with_fp32_noise,
@@ -85,7 +85,7 @@ def test_baseline_is_bitwise_deterministic(reference):
 def test_baseline_starts_from_the_seeded_model_and_trains_every_parameter(reference):
     untrained = train_baseline(CFG, TrainConfig(steps=0))
     assert untrained.losses == []
-    init = full_params(GPT(CFG, seed=0))
+    init = copy_parameters(GPT(CFG, seed=0))
     assert all(torch.equal(untrained.params[k], init[k]) for k in init)
     assert reference.params.keys() == init.keys()
     # the key bias is the exception: its gradient is mathematically zero (softmax ignores a constant per query)
@@ -307,7 +307,7 @@ def _naive_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig, divid
         for p, g in zip(params, flat[:-1].split([p.numel() for p in params]), strict=True):
             p.grad.copy_(g.view_as(p.grad))
         opt.step()
-    return TrainResult(losses, full_params(model))
+    return TrainResult(losses, copy_parameters(model))
 
 
 def _dp_both_ways(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig) -> dict:

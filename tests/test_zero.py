@@ -38,7 +38,7 @@ from course_lib.train import (
     TrainConfig,
     TrainResult,
     compare,
-    full_params,
+    copy_parameters,
     make_optimizer,
     train_baseline,
 )
@@ -108,7 +108,7 @@ def _accumulate(rank, world_size, stage, m):
         opt.zero_grad(set_to_none=True)
         comm.all_reduce(total)
         losses.append(total.item() / world_size)
-    return TrainResult(losses, zdp.full_state_dict())
+    return TrainResult(losses, zdp.full_parameters())
 
 
 def _suite_dp2(rank, world_size, ckpt):
@@ -467,7 +467,7 @@ def _continue_in_one_process(path):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return start, TrainResult(losses, full_params(model))
+    return start, TrainResult(losses, copy_parameters(model))
 
 
 @pytest.mark.parity

@@ -53,7 +53,7 @@ from course_lib.parallel.tp_comm import all_gather_along
 from course_lib.parallel.tp_layers import vocab_parallel_cross_entropy
 from course_lib.runtime.launch import launch
 from course_lib.runtime.mesh import Mesh
-from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
+from course_lib.train import TrainConfig, TrainResult, compare, copy_parameters, make_optimizer, train_baseline
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -163,7 +163,7 @@ def _fsdp_tp(rank, world_size, wrapper_class):
     loss = functools.partial(vocab_parallel_cross_entropy, group=mesh.group("tp"))
     out = train_loop(w, opt, CFG_2D, SGD, data_rank=mesh.coord("dp"), data_size=mesh.size("dp"), loss_fn=loss)
     full = {n: t if dims[n] is None else all_gather_along(t, dims[n], mesh.group("tp"))
-            for n, t in w.full_state_dict().items()}
+            for n, t in w.full_parameters().items()}
     partial: dict[str, int] = {}
     for s in w.parameters():
         for axis in partial_axes(s):
@@ -177,7 +177,7 @@ def _sharded_optimizer(rank, world_size, tc):
     opt = ShardedOptimizer(model.parameters(), opt_cls, lr=tc.lr, weight_decay=tc.weight_decay, foreach=False, **kw)
     out = train_loop(DataParallel(model), opt, CFG, tc, data_rank=rank, data_size=world_size)
     local = sum(p.numel() for g in opt.optimizer.param_groups for p in g["params"])
-    return TrainResult(out.losses, full_params(model)), local
+    return TrainResult(out.losses, copy_parameters(model)), local
 
 
 def _tracked_step(rank, world_size, wrapper_class):

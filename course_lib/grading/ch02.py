@@ -53,7 +53,7 @@ from course_lib.grading.core import (
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
 from course_lib.parallel import dp
-from course_lib.train import TrainConfig, TrainResult, compare, full_params, make_optimizer, train_baseline
+from course_lib.train import TrainConfig, TrainResult, compare, copy_parameters, make_optimizer, train_baseline
 
 GRADER_PARAMETERS = {"seed": 1}
 LAUNCH_TIMEOUT_S = 40.0
@@ -213,7 +213,7 @@ def _accumulate_on_rank(rank: int, world_size: int, fn: Callable[..., Any], tc: 
             loss = fn(wrapped, opt, micro)
         calls.append([log.count("all_reduce"), len(log.records)])
         losses.append(loss)
-    return {"losses": losses, "calls": calls, "params": full_params(model), "buckets": len(wrapped.buckets)}
+    return {"losses": losses, "calls": calls, "params": copy_parameters(model), "buckets": len(wrapped.buckets)}
 
 
 def check_accumulation_step(fn: Callable[..., Any], world_size: int = 2, accumulation: int = 2, seed: int = 0,

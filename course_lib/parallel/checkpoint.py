@@ -62,7 +62,7 @@ CHECKPOINT_FORMAT = "course_lib.zero/v1"
 def _require_flat(zdp: Sharded) -> None:
     if not all(u.flat for u in zdp.units):
         raise ValueError("sharded checkpoints store flat-parameter units; per-parameter "
-                         "(FSDP2-style) units are not supported: save zdp.full_state_dict() "
+                         "(FSDP2-style) units are not supported: save zdp.full_parameters() "
                          "instead")
 
 # --------------------------------------------------------------------------------------------------

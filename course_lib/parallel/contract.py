@@ -1,8 +1,7 @@
 """The contract the training loop (``loop.train_loop``) drives every form through: per micro-batch
-``forward_backward`` (all but the last under ``no_sync()``), then ``finish_gradient_sync()``, the
-optimizer's step on ``parameters()``, ``after_step()``. ``ParallelWrapper`` resolves ``mesh=`` /
-``group=`` to one group, refuses ranks outside it, keeps hooks for ``remove_hooks``; no-op defaults.
-"""
+``forward_backward`` (all but the last under ``no_sync()``), ``finish_gradient_sync()``, the step on
+``parameters()``, ``after_step()``; ``full_parameters()`` for parity. ``ParallelWrapper`` resolves
+``mesh=`` / ``group=`` to one group, refuses ranks outside it, keeps hooks for ``remove_hooks``."""
 
 from __future__ import annotations
 
@@ -42,9 +41,8 @@ def require_member(group: comm.Group, who: str) -> None:
 
 
 def broadcast_from_first(module: nn.Module, group: comm.Group) -> None:
-    """Every rank's parameters and buffers := those of the group's first rank (one logged broadcast
-    each, tied parameters once): replicas start identical however each rank initialised its model,
-    as DDP does."""
+    """Every rank's parameters and buffers := the group's first rank's (one logged broadcast each,
+    tied parameters once): replicas start identical, as DDP does."""
     src = comm.global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -57,8 +55,8 @@ class ParallelWrapper(nn.Module):
     axes: tuple[str, ...] = ("dp", "cp")
 
     batch_wide_loss: bool = False
-    """True when the loss is no mean over rows (an MoE's router losses): the loop cuts each step's
-    batch into micro-batches before the ranks' slices, each with the rows it has on one process."""
+    """True when the loss is no mean over rows (an MoE's router losses): the loop cuts micro-batches
+    before the ranks' slices, so each holds the rows it holds on one process."""
 
     def __init__(self, module: nn.Module, *, mesh: HasGroups | None = None,
                  group: comm.Group = None) -> None:
@@ -105,6 +103,10 @@ class ParallelWrapper(nn.Module):
 
     def after_step(self) -> None:
         pass
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the whole parameters by name (a replica holds them whole)."""
+        return {n: p.detach().cpu().clone() for n, p in self.module.named_parameters()}
 
     def remove_hooks(self) -> None:
         """Remove every hook this wrapper installed."""

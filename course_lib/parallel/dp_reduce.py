@@ -10,9 +10,8 @@ Only data parallelism reduces gradients (torchtitan's rule); the other axes only
 * a parameter recorded ``Partial()`` on an axis (a norm under sequence parallelism, replicated K/V
   heads under TP) holds only its share of the sum there: summed over that axis too, not divided.
 
-Every data-parallel form applies this rule to what it owns (``DataParallel`` its buckets, ZeRO its
-flat units, FSDP2 its shards and replicated parameters) through the helpers here. Chapter 02
-derives it; chapter 08 composes it with the other axes.
+Every data-parallel form applies it to what it owns (``DataParallel`` buckets, ZeRO flat units,
+FSDP2 shards) through these helpers. Chapter 02 derives it; chapter 08 composes it.
 """
 
 from __future__ import annotations

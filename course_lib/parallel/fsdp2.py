@@ -197,7 +197,7 @@ class PerParameterUnit:
         segments = gathered.view(self.world_size, self.segment)[:, o:o + k]
         return segments.reshape(-1, *self.shapes[i][1:])[:self.shapes[i][0]]
 
-    def gather_full(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self) -> dict[str, torch.Tensor]:
         """The unit's parameters, full, fp32 (master shards), on the CPU, by name (a collective)."""
         _, gathered, _ = self._all_gather(self.padded, torch.float32)
         return {name: self._full(gathered, i).cpu().clone() for i, name in enumerate(self.names)}
@@ -253,7 +253,7 @@ class PerParameterUnit:
         """Put full fp32 ``nn.Parameter`` s (the gathered master weights) back in the module for
         good, the unit's own tensors freed: the module runs on its own afterwards
         (``FSDP2DataParallel.remove_hooks``)."""
-        full = self.gather_full()
+        full = self.full_parameters()
         self.reshard()
         self._install([nn.Parameter(full[n].to(self.device)) for n in self.names])
 
@@ -418,11 +418,11 @@ class FSDP2DataParallel(ParallelWrapper):
         comm.all_reduce(losses, group=self.replicate_group)
         return losses / dist.get_world_size(self.replicate_group)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, full and fp32, by the model's names (a collective)."""
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
-            out.update(u.gather_full())
+            out.update(u.full_parameters())
         for name, p in self.module.named_parameters():
             if name not in out:
                 out[name] = p.detach().float().cpu().clone()

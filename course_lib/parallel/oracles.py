@@ -31,7 +31,7 @@ from course_lib.parallel.loop import ModelFn, build_model, train_loop
 from course_lib.parallel.pp_stages import build_stages, named_subset, plan_pipeline
 from course_lib.parallel.runs import PPResult, TPResult
 from course_lib.runtime.launch import device
-from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer
+from course_lib.train import TrainConfig, TrainResult, copy_parameters, make_optimizer
 
 
 class TorchDDP(ParallelWrapper):
@@ -68,7 +68,7 @@ def train_torch_ddp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig 
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
     out = train_loop(ddp, opt, cfg, tc, data_rank=ddp.rank, data_size=ddp.world_size,
                      accumulation=accumulation)
-    return TrainResult(out.losses, full_params(model))
+    return TrainResult(out.losses, copy_parameters(model))
 
 
 class TorchFullyShard(ParallelWrapper):

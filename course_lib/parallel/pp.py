@@ -86,7 +86,7 @@ class PipelineParallel(ParallelWrapper):
         """This rank's stages' trainable parameters."""
         return iter([q for st in self.stages.values() for q in st.parameters() if q.requires_grad])
 
-    def local_params(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by the wrapped module's names (copies, fp32)."""
         return pp_stages.named_subset(self.module, list(self.stages.values()))
 

@@ -52,7 +52,7 @@ from course_lib.parallel.tp import Builder, apply_tp
 from course_lib.parallel.tp_layers import vocab_parallel_cross_entropy
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.runtime.mesh import Mesh, MeshShape
-from course_lib.train import TrainConfig, TrainResult, full_params, make_optimizer, optimizer_spec
+from course_lib.train import TrainConfig, TrainResult, copy_parameters, make_optimizer, optimizer_spec
 
 
 @dataclass
@@ -80,7 +80,7 @@ def train_dp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], tc)
     out = train_loop(dp, opt, cfg, tc, data_rank=dp.rank, data_size=dp.world_size, accumulation=accumulation,
                      sampler=sampler)
-    return RunResult(out.losses, full_params(model), out.step_comm, out.timeline)
+    return RunResult(out.losses, copy_parameters(model), out.step_comm, out.timeline)
 
 
 @dataclass
@@ -129,7 +129,7 @@ def train_zero(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | Non
         save_sharded(zdp, opt, save_to, step=tc.steps)
     result.losses, result.step_comm, result.timeline = out.losses, out.step_comm, out.timeline
     fp32_replica = stage < 3 and param_dtype == torch.float32 and isinstance(zdp, ZeroDataParallel)
-    result.params = full_params(model) if fp32_replica else zdp.full_state_dict()
+    result.params = copy_parameters(model) if fp32_replica else zdp.full_parameters()
     result.peak = dict(zdp.peak_bytes)
     return result
 
@@ -229,7 +229,7 @@ def train_pp(rank: int, world_size: int, cfg: GPTConfig, tc: TrainConfig | None 
     out = train_loop(pipe, opt, cfg, tc, data_rank=0, data_size=1, loss_fn=loss_fn, on_step_end=span)
     records = [StepRecord(step, timeline, comm_, losses, start, end) for step, (timeline, comm_, losses, (start, end))
                in enumerate(zip(pipe.timelines, out.step_comm, pipe.micro_losses, spans, strict=True))]
-    return PPResult(out.losses, pipe.local_params(), out.step_comm, out.timeline, rank=pipe.rank,
+    return PPResult(out.losses, pipe.full_parameters(), out.step_comm, out.timeline, rank=pipe.rank,
                     stages=sorted(int(k) for k in pipe.stages), steps=records, plan=pipe.plan)
 
 

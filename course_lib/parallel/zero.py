@@ -119,11 +119,11 @@ class ZeroDataParallel(ParallelWrapper):
         self.schedule.remove()
         super().remove_hooks()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, full and fp32, by the model's names (a collective)."""
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
-            out.update(u.gather_full())
+            out.update(u.full_parameters())
         for name, p in self.module.named_parameters():  # frozen parameters were never sharded
             if name not in out:
                 out[name] = p.detach().float().cpu().clone()

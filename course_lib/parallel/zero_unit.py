@@ -165,7 +165,7 @@ class FlatParamUnit:
         """The compute-dtype weights: the full flat buffer (0 bytes when resharded), its views."""
         return [self.full, *self.params]
 
-    def gather_full(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unit, full, fp32, on the CPU, by name (a collective over the
         group): the flat shards all-gathered, cut into the parameters."""
         flat = self.shard.detach().float()
