@@ -31,7 +31,7 @@ from course_lib.parallel import dp_reduce as R
 from course_lib.parallel.contract import HasGroups, ParallelWrapper, broadcast_from_first
 
 Mode = Literal["naive", "bucketed", "overlapped", "scheduled"]
-MODES: tuple[Mode, ...] = ("naive", "bucketed", "overlapped", "scheduled")
+MODES: tuple[Mode, ...] = ("naive", "bucketed", "overlapped")  # "scheduled" waits for launch()
 DEFAULT_BUCKET_MB = 25.0
 """DDP's default ``bucket_cap_mb``."""
 
@@ -85,8 +85,8 @@ class DataParallel(ParallelWrapper):
                  group: comm.Group = None, mode: Mode = "overlapped",
                  bucket_mb: float = DEFAULT_BUCKET_MB, find_unused_parameters: bool = False,
                  broadcast: bool = True) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+        if mode not in (*MODES, "scheduled"):
+            raise ValueError(f"unknown mode {mode!r}: use one of {(*MODES, 'scheduled')}")
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
         super().__init__(module, mesh=mesh, group=group)
