@@ -1,23 +1,22 @@
 """Composing the axes: ``parallelize(model, mesh, config)`` is an ordered list of plain functions.
 
-Each step changes the *same* model in place on its own group of the mesh and records where every parameter now
-lives (``placement``), in the order torchtitan's ``parallelize_llama`` and Megatron-LM build a model:
+Each step changes the *same* model in place on its group of the mesh and records where each
+parameter now lives (``placement``), in torchtitan's (``parallelize_llama``) and Megatron's order:
 
-1. ``tensor_parallel``: the plan applied (sliced weights, f and g in forward, the vocab-parallel loss); whatever
-   follows sees the sharded layers;
-2. ``context_parallel``: attention over the cp ring, the tokens' global positions; no weight changes;
+1. ``tensor_parallel``: the plan applied (sliced weights, f and g, the vocab-parallel loss);
+   every later step sees the sharded layers;
+2. ``context_parallel``: attention over the cp ring at global positions; no weight changes;
 3. ``expert_parallel``: E/ep experts per MoE layer, their parameters recorded on "edp";
-4. ``moe_routing``: an MoE's capacity and router losses, as on one process or per rank (``moe_mesh``);
+4. ``moe_routing``: an MoE's capacity and router losses, as on one process or per rank;
 5. ``pipeline_parallel``: whatever 1-4 made of the model cut into this rank's stages;
-6. ``data_parallel``: **last, and the only step that reduces gradients**: it must see exactly the parameters
-   this rank trains, and it reads from their placements where each is reduced (``dp_reduce``): averaged over
-   dp x cp (experts over edp), summed over tp where ``Partial()``. A bucketed ``DataParallel`` (ZeRO 0/1; with a
-   pipeline, launched by each stage's ``REDUCE_GRAD``), the flat ``ZeroDataParallel`` (ZeRO-2) or FSDP2 (ZeRO-3;
-   per stage under a pipeline: ``fsdp2_pipeline``; HSDP with ``dp_replicate``).
+6. ``data_parallel``: **last, the only step that reduces gradients**: it must see exactly the
+   parameters this rank trains, and reads in their placements where each is reduced (``dp_reduce``):
+   averaged over dp x cp (experts: edp), summed over tp where ``Partial()``. A bucketed
+   ``DataParallel`` (ZeRO 0/1; under a pipeline launched by each stage's ``REDUCE_GRAD``), the flat
+   ``ZeroDataParallel`` (ZeRO-2) or FSDP2 (ZeRO-3; per stage: ``fsdp2_pipeline``; HSDP).
 
-The steps are data (``STEPS``): a variant or a test passes its own list (``with_step``). ``Parallelized`` is the
-run they build, behind the one loop's contract. Chapter 08 composes them on 8 ranks; the refusals and their
-reasons are ``config.check_composable``'s.
+The steps are data (``STEPS``): a variant or a test passes its own (``with_step``). Chapter 08
+composes them on 8 ranks; the refusals and their reasons are ``config.check_composable``'s.
 """
 
 from __future__ import annotations
@@ -57,19 +56,20 @@ ATTEND = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": u
 
 
 class Parallelized(ParallelWrapper):
-    """A model with every axis of ``mesh`` applied by ``steps``, behind the loop's contract (``train_loop``
-    drives it like any other form). The parts the steps set: ``loss_fn`` (the LM loss, or TP's vocab-parallel
-    one), ``cp`` (the ``CPContext``), ``ep`` (the expert-parallel layers), ``routing``, ``pipe`` (the
-    ``PipelineParallel`` of this rank's stages) and ``dp`` (the data-parallel form: the one that reduces).
+    """A model with every axis of ``mesh`` applied by ``steps``, behind the loop's contract
+    (``train_loop`` drives it like any other form). The parts the steps set: ``loss_fn`` (the LM
+    loss, or TP's vocab-parallel one), ``cp`` (the ``CPContext``), ``ep`` (the expert-parallel
+    layers), ``routing``, ``pipe`` (the ``PipelineParallel`` of this rank's stages) and ``dp`` (the
+    data-parallel form: the one that reduces).
 
-    ``forward_backward(x, y)`` takes this data-parallel rank's rows of full sequences: it cuts its cp share of
-    the tokens and runs forward and backward (the pipeline's schedule when pp > 1)."""
+    ``forward_backward(x, y)`` takes this data-parallel rank's rows of full sequences: it cuts its
+    cp share of the tokens and runs forward and backward (the pipeline's schedule when pp > 1)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, config: ParallelConfig,
                  global_batch: int | None = None) -> None:
         super().__init__(model, mesh=mesh)
         self.mesh, self.config, self.global_batch = mesh, config, global_batch
-        self.batch_wide_loss = bool(model.config.n_expert)  # router losses: micro-batches cut globally first
+        self.batch_wide_loss = bool(model.config.n_expert)  # MoE: micro-batches cut globally first
         self.loss_fn: LossFn = lm_loss
         self.cp: CPContext | None = None
         self.ep: list[ExpertParallelMoE] = []
@@ -83,8 +83,10 @@ class Parallelized(ParallelWrapper):
         return loss + moe_aux_loss(self.module) if self.batch_wide_loss else loss
 
     def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's context-parallel share of the tokens of ``t`` [rows, seq] (all when cp = 1)."""
-        return t if self.cp is None else shard_sequence(t, self.cp.rank, self.cp.size, self.cp.layout, dim=1)
+        """This rank's context-parallel share of ``t``'s tokens [rows, seq] (all when cp = 1)."""
+        if self.cp is None:
+            return t
+        return shard_sequence(t, self.cp.rank, self.cp.size, self.cp.layout, dim=1)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens: vocab-sharded under TP."""
@@ -93,7 +95,7 @@ class Parallelized(ParallelWrapper):
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
                          scale: float = 1.0) -> float:
         """One micro-batch of this rank's rows (full sequences); the loss is ``loss``."""
-        if self.cp is not None:  # every pipeline rank: its later stages never run the model's own forward
+        if self.cp is not None:  # every pipeline rank: later stages never run the model's forward
             self.cp.begin(x.shape[1], x.device)
         x, y = self.local_tokens(x), self.local_tokens(y)
         if self.pipe is not None:
@@ -103,7 +105,7 @@ class Parallelized(ParallelWrapper):
         return loss.item()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """What this rank's optimizer steps: its shards (ZeRO-2/3), its stages' or its trainable parameters."""
+        """What this rank's optimizer steps: its shards (ZeRO-2/3), stages' or trainable ones."""
         if isinstance(self.dp, (ZeroDataParallel, FSDP2DataParallel, StageSharding)):
             return self.dp.parameters()
         held = self.pipe.parameters() if self.pipe is not None else self.module.parameters()
@@ -131,22 +133,24 @@ class Parallelized(ParallelWrapper):
         super().remove_hooks()
 
     def reduce_losses(self, local: torch.Tensor) -> torch.Tensor:
-        """The global-batch mean per step: the last stage's (pipeline), averaged over the data ranks, plus
-        every stage's router losses."""
+        """The global-batch mean per step: the last stage's (pipeline), averaged over the data
+        ranks, plus every stage's router losses."""
         if self.pipe is not None:
             local = self.pipe.reduce_losses(local)
         losses = super().reduce_losses(local)
         return self.routing.add_stage_losses(losses) if self.routing is not None else losses
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The parameters this rank holds (its stages' under a pipeline), whole, by the single-process names,
-        fp32 on the CPU (a collective over the axes that shard them)."""
-        held = None if self.pipe is None else [q for st in self.pipe.stages.values() for q in st.parameters()]
+        """The parameters this rank holds (its stages' under a pipeline), whole, by the
+        single-process names, fp32 on the CPU (a collective over the axes that shard them)."""
+        held = (None if self.pipe is None
+                else [q for st in self.pipe.stages.values() for q in st.parameters()])
         return {n: t.cpu() for n, t in full_parameters(self.module, self.mesh, held).items()}
 
-    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
-        """``optimizer_cls`` on ``parameters()``; under ZeRO-1 its state partitioned over each data group
-        (``ShardedOptimizer``: the dense parameters' over dp x cp, the experts' over edp)."""
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer],
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_cls`` on ``parameters()``; under ZeRO-1 its state partitioned over each data
+        group (``ShardedOptimizer``: the dense parameters' over dp x cp, the experts' over edp)."""
         params = list(self.parameters())
         if self.config.zero_stage != 1 or self.mesh.size("dp", "cp") == 1:
             return optimizer_cls(params, **kwargs)
@@ -175,7 +179,7 @@ class Optimizers(torch.optim.Optimizer):
             o.zero_grad(set_to_none)
 
 
-# ------------------------------------------------------------------------------------------------- the steps
+# --------------------------------------------------------------------------------------- the steps
 
 Step = Callable[[Parallelized], None]
 
@@ -184,7 +188,8 @@ def tensor_parallel(run: Parallelized) -> None:
     """TP (and SP) over "tp": ``gpt_plan`` applied in place, the loss vocab-parallel."""
     if run.mesh.size("tp") > 1:
         group = run.mesh.group("tp")
-        apply_tp(run.module, group, gpt_plan(run.module.config), sequence_parallel=run.config.sequence_parallel)
+        apply_tp(run.module, group, gpt_plan(run.module.config),
+                 sequence_parallel=run.config.sequence_parallel)
         run.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group)
 
 
@@ -198,14 +203,14 @@ def context_parallel(run: Parallelized, **options: Any) -> None:
 
 
 def expert_parallel(run: Parallelized, **options: Any) -> None:
-    """EP over "ep": E/ep experts per MoE layer, the batch over dp x cp. ``options``: ``apply_ep``'s."""
+    """EP over "ep": E/ep experts per MoE layer, the batch over dp x cp; ``options``: apply_ep's."""
     if run.mesh.size("ep") > 1:
         run.ep = apply_ep(run.module, run.mesh.group("ep"), run.mesh.group("dp", "cp"), **options)
 
 
 def moe_routing(run: Parallelized) -> None:
-    """An MoE's capacity, queues and router losses over dp x cp (``moe_mesh``): as on one process (the global
-    scope) or each rank's own (``GPTConfig.capacity_scope="local"``)."""
+    """An MoE's capacity, queues and router losses over dp x cp (``moe_mesh``): as on one process
+    (the global scope) or each rank's own (``GPTConfig.capacity_scope="local"``)."""
     pipelined = run.mesh.size("pp") > 1
     run.routing = share_routing(run.module, run.mesh, cp_layout=run.config.cp_layout,
                                 microbatches=run.config.microbatches if pipelined else None)
@@ -217,25 +222,29 @@ def pipeline_parallel(run: Parallelized, **options: Any) -> None:
     if run.mesh.size("pp") == 1:
         return
     c, gb = run.config, run.global_batch
-    run.pipe = apply_pp(run.module, run.mesh.group("pp"), schedule=c.schedule, microbatches=c.microbatches, v=c.v,
+    run.pipe = apply_pp(run.module, run.mesh.group("pp"), schedule=c.schedule,
+                        microbatches=c.microbatches, v=c.v,
                         global_batch=gb // run.mesh.size("dp") if gb else None, loss_fn=run.loss,
-                        sequence_shards=run.mesh.size("tp") if c.sequence_parallel else 1, **options)
+                        sequence_shards=run.mesh.size("tp") if c.sequence_parallel else 1,
+                        **options)
 
 
 def data_parallel(run: Parallelized) -> None:
-    """The data-parallel step over dp x cp, last: the only one that reduces gradients (module docstring)."""
+    """Data parallelism over dp x cp, last: the only step reducing gradients (module docstring)."""
     mesh, zero, moe = run.mesh, run.config.zero_stage, bool(run.module.config.n_expert)
     if run.pipe is not None:
         pipe = run.pipe
         if zero == 3:
             hybrid = mesh.size("dp_replicate") > 1
+            shard = "dp_shard" if hybrid else "dp"
             run.dp = StageSharding({int(k): st for k, st in pipe.stages.items()},
-                                   mesh.group("dp_shard", "cp") if hybrid else mesh.group("dp", "cp"), groups=mesh,
-                                   axis=("dp_shard" if hybrid else "dp") + ("+cp" if mesh.size("cp") > 1 else ""),
+                                   mesh.group(shard, "cp"), groups=mesh,
+                                   axis=shard + ("+cp" if mesh.size("cp") > 1 else ""),
                                    replicate_group=mesh.group("dp_replicate") if hybrid else None)
             pipe.connect(run.dp.reduce, engine=run.dp)
         else:
-            run.dp = DataParallel(pipe.stages, mesh=mesh, mode="scheduled", find_unused_parameters=moe)
+            run.dp = DataParallel(pipe.stages, mesh=mesh, mode="scheduled",
+                                  find_unused_parameters=moe)
             pipe.connect(lambda stage: run.dp.launch(pipe.stage_parameters(stage)))
     elif zero == 3:
         run.dp = FSDP2DataParallel(run.module, mesh=mesh)
@@ -245,8 +254,8 @@ def data_parallel(run: Parallelized) -> None:
         run.dp = DataParallel(run.module, mesh=mesh, mode="bucketed", find_unused_parameters=moe)
 
 
-STEPS: tuple[Step, ...] = (tensor_parallel, context_parallel, expert_parallel, moe_routing, pipeline_parallel,
-                           data_parallel)
+STEPS: tuple[Step, ...] = (tensor_parallel, context_parallel, expert_parallel, moe_routing,
+                           pipeline_parallel, data_parallel)
 
 
 def with_step(steps: Sequence[Step], old: Step, new: Step) -> tuple[Step, ...]:
@@ -258,12 +267,13 @@ def with_step(steps: Sequence[Step], old: Step, new: Step) -> tuple[Step, ...]:
 
 def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig | None = None, *,
                 global_batch: int | None = None, steps: Sequence[Step] = STEPS) -> Parallelized:
-    """Apply every step to ``model`` in place on ``mesh`` with ``config``'s options (its shape must be the
-    mesh's) and return the run. Every rank calls it with the same model (built from the same seed)."""
+    """Apply every step to ``model`` in place on ``mesh`` with ``config``'s options (its shape must
+    be the mesh's) and return the run. Every rank calls it with the same model (same seed)."""
     config = config or ParallelConfig(mesh.shape)
     if config.shape != mesh.shape:
-        raise ValueError(f"rank {mesh.rank}: parallelize got a ParallelConfig for {config.shape} but the mesh "
-                         f"{mesh.shape}: build the mesh from the config (config.mesh())")
+        raise ValueError(f"rank {mesh.rank}: parallelize got a ParallelConfig for {config.shape} "
+                         f"but the mesh {mesh.shape}: build the mesh from the config "
+                         "(config.mesh())")
     check_composable(mesh.shape, model.config, sequence_parallel=config.sequence_parallel,
                      global_batch=global_batch, microbatches=config.microbatches, v=config.v,
                      zero_stage=config.zero_stage)

@@ -1,16 +1,17 @@
 """Context parallelism as an in-place transform of the model: ``apply_cp(model, group)``.
 
-Every example's sequence is split over the cp ranks of a group, each holding s/cp tokens (``shard_sequence``, in
-the zig-zag layout by default: chunks r and 2cp-1-r, equal work under the causal mask). Everything in the model
-is per token except attention, which becomes ring attention over the group (``cp_attention``: K,V blocks passed
-around the ring, merged by their log-sum-exp; Liu et al. 2023), and the positions: the learned position
-embedding and RoPE read each token's *global* position. Per layer and rank, forward: cp - 1 sends of one K,V
-block, 2 (s/cp) b n_kv d_head bytes each (GQA sends the K/V heads, not the query heads).
+Every example's sequence is split over the cp ranks of a group, s/cp tokens each
+(``shard_sequence``; zig-zag by default: chunks r and 2cp-1-r, equal work under the causal mask).
+All is per token but attention, which becomes ring attention over the group (``cp_attention``: K,V
+blocks passed around the ring, merged by their log-sum-exp; Liu et al. 2023), and the positions:
+the learned position embedding and RoPE read each token's *global* position. Per layer and rank,
+forward: cp - 1 sends of one K,V block, 2 (s/cp) b n_kv d_head bytes each (GQA: the K/V heads).
 
-No parameter changes (each is recorded ``Replicate()`` on "cp"): each cp rank's gradient is its own tokens'
-share of the mean, and data parallelism averages over ``dp+cp`` (Megatron-LM's gradient group). The attention
-function is a parameter (``cp_attention.ring_attention``, ``allgather_attention``, or the all-to-all of
-``cp_ulysses``); the composition picks it by name. Chapter 06 builds ring attention in the notebook first.
+No parameter changes (each is recorded ``Replicate()`` on "cp"): a cp rank's gradient is its
+tokens' share of the mean, and data parallelism averages over ``dp+cp`` (Megatron-LM's gradient
+group). The attention function is a parameter (``cp_attention.ring_attention``,
+``allgather_attention``, or ``cp_ulysses``'s all-to-all); the composition picks it by name.
+Chapter 06 builds ring attention in the notebook first.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ from course_lib.parallel.cp_attention import (
 from course_lib.parallel.placement import Replicate, set_placement
 
 Attend = Callable[..., torch.Tensor]
-"""``(q, k, v, positions, n_chunks, causal, group, kernel, stats) -> output``: ring, all-gather or Ulysses."""
+"""``(q, k, v, positions, n_chunks, causal, group, kernel, stats) -> output``: ring, all-gather or
+Ulysses."""
 
 
 class CPContext:
-    """What every attention layer of one model shares: the group, the layout, the attention function, the
-    positions of the batch now running (``begin``: called by the model's forward, or by the composed step on
+    """What a model's attention layers share: the group, the layout, the attention function, the
+    running batch's positions (``begin``: called by the model's forward, or by the composed step on
     every pipeline rank, whose later stages do not run the model's forward)."""
 
-    def __init__(self, group: comm.Group, layout: Layout = "zigzag", attend: Attend = ring_attention,
-                 causal: bool = True, kernel: BlockAttention | None = None, max_len: int | None = None) -> None:
+    def __init__(self, group: comm.Group, layout: Layout = "zigzag",
+                 attend: Attend = ring_attention, causal: bool = True,
+                 kernel: BlockAttention | None = None, max_len: int | None = None) -> None:
         chunks_per_rank(layout)  # validates the name
         self.group, self.layout, self.attend_fn, self.causal = group, layout, attend, causal
         self.kernel = kernel or BlockAttention()
@@ -71,16 +74,17 @@ class CPContext:
         return self.positions[self.rank]
 
     def embedding_positions(self, n: int) -> torch.Tensor:
-        """The positions the learned position embedding reads for this rank's ``n`` tokens: their global
-        ones (a seam: a first pipeline stage at chunk-local positions 0..n-1 is a variant)."""
+        """What the learned position embedding reads for this rank's ``n`` tokens: their global
+        positions (a seam: a first pipeline stage at chunk-local positions 0..n-1 is a variant)."""
         mine = self.local_positions()
         if mine.numel() != n:
-            raise ValueError(f"the position embedding got {n} positions, this rank holds {mine.numel()} tokens")
+            raise ValueError(f"the position embedding got {n} positions, this rank holds "
+                             f"{mine.numel()} tokens")
         return mine
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.attend_fn(q, k, v, self.positions, chunks_per_rank(self.layout), self.causal, self.group,
-                              self.kernel, self.stats)
+        return self.attend_fn(q, k, v, self.positions, chunks_per_rank(self.layout), self.causal,
+                              self.group, self.kernel, self.stats)
 
 
 class CPAttention(nn.Module):
@@ -88,9 +92,10 @@ class CPAttention(nn.Module):
 
     def __init__(self, attn: Attention, ctx: CPContext) -> None:
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim, self.rope = attn.n_head, attn.n_kv_head, attn.head_dim, \
-            attn.rope
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.n_head, self.n_kv_head = attn.n_head, attn.n_kv_head
+        self.head_dim, self.rope = attn.head_dim, attn.rope
+        self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
+        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
         self.ctx = ctx
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
@@ -111,19 +116,20 @@ class CPAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-def apply_cp(model: nn.Module, group: comm.Group, *, layout: Layout = "zigzag", attend: Attend = ring_attention,
-             causal: bool = True, kernel: BlockAttention | None = None, context: CPContext | None = None,
+def apply_cp(model: nn.Module, group: comm.Group, *, layout: Layout = "zigzag",
+             attend: Attend = ring_attention, causal: bool = True,
+             kernel: BlockAttention | None = None, context: CPContext | None = None,
              attention: Callable[[Attention, CPContext], nn.Module] = CPAttention) -> CPContext:
-    """Context parallelism of ``model`` over ``group``, in place: the model then runs on this rank's s/cp
-    tokens and is still a GPT a pipeline can cut.
+    """Context parallelism of ``model`` over ``group``, in place: the model then runs on this rank's
+    s/cp tokens and is still a GPT a pipeline can cut.
 
-    * every block's attention attends over the group: a tensor-parallel one (already transformed) gets the
-      context, the plain one becomes ``attention(attn, ctx)`` (``CPAttention``, same parameter names);
-    * the model's forward first sets every rank's global positions (a forward pre-hook), and the learned
-      position embedding reads them (a pre-hook on ``pos_emb``);
+    * every block's attention attends over the group: a tensor-parallel one (already transformed)
+      gets the context, the plain one becomes ``attention(attn, ctx)`` (``CPAttention``);
+    * the model's forward first sets every rank's global positions (a forward pre-hook), and the
+      learned position embedding reads them (a pre-hook on ``pos_emb``);
     * every parameter is recorded ``Replicate()`` on "cp".
 
-    Returns the ``CPContext`` the layers share (``context``: one built by the caller, e.g. a variant)."""
+    Returns the ``CPContext`` the layers share (``context``: one built by the caller, a variant)."""
     require_member(group, "apply_cp")
     ctx = context or CPContext(group, layout, attend, causal, kernel, max_len=model.config.seq_len)
     for p in model.parameters():  # the sequence is split, not the weights

@@ -1,18 +1,18 @@
-"""Tensor (and sequence) parallelism as an in-place transform of the model: ``apply_tp(model, group, plan)``.
+"""Tensor (and sequence) parallelism as an in-place transform: ``apply_tp(model, group, plan)``.
 
-Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053) splits each layer's matrices over the t ranks of a TP
-group: q/k/v and the MLP's first linear column-parallel, the output projections row-parallel, so each block
-costs one f and one g per region: 2 all-reduces of b*s*h forward and 2 backward. The embedding is split by
-vocabulary rows and the loss is the vocab-parallel cross-entropy (3 all-reduces of b*s scalars instead of
-gathering b*s*V logits). Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198) shards the norms
-between the regions along the sequence: each f/g becomes an all-gather / reduce-scatter of the same bytes and
-those activations shrink t-fold.
+Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053) splits each layer's matrices over the t ranks:
+q/k/v and the MLP's first linear column-parallel, the output projections row-parallel, so a block
+costs one f and one g per region: 2 all-reduces of b*s*h forward and 2 backward. The embedding is
+split by vocabulary rows, the loss is the vocab-parallel cross-entropy (3 all-reduces of b*s
+scalars, not a gather of b*s*V logits). Sequence parallelism (Korthikanti et al. 2022,
+arXiv:2205.05198) shards the norms between regions along the sequence: f/g become an all-gather /
+reduce-scatter of the same bytes and those activations shrink t-fold.
 
-The **plan** is data (as DTensor's ``parallelize_module`` and torchtitan's): module pattern -> style, a name of
-``STYLES`` or a builder ``(module, group, sequence_parallel) -> replacement or None`` (a variant passes its own).
-Each layer records every parameter's placement on "tp" (``Shard`` for its slices, ``Partial()`` for replicated
-weights whose gradient is a share: norms under SP, replicated K/V); data parallelism sums those over tp. The
-layers are in ``tp_layers``, f and g in ``tp_comm``. Chapter 04 builds them in the notebook first.
+The **plan** is data (as DTensor's ``parallelize_module``, torchtitan's): module pattern -> a name
+of ``STYLES`` or a builder ``(module, group, sequence_parallel) -> replacement or None``. Each layer
+records its parameters' placements on "tp" (``Shard`` for slices, ``Partial()`` for replicated
+weights whose gradient is a share: norms under SP, replicated K/V); data parallelism sums those
+over tp. Layers: ``tp_layers``; f and g: ``tp_comm``. Chapter 04 builds them in the notebook first.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def _need(m: nn.Module, kind: type, style: str) -> None:
 
 
 def column(m: nn.Module, group: comm.Group, sp: bool) -> nn.Module:
-    """An ``nn.Linear`` -> ``ColumnParallelLinear`` (f or all-gather in, output features sharded)."""
+    """``nn.Linear`` -> ``ColumnParallelLinear`` (f or all-gather in, output features sharded)."""
     _need(m, nn.Linear, "column")
     return ColumnParallelLinear.from_linear(m, group, sequence_parallel=sp)
 
 
 def row(m: nn.Module, group: comm.Group, sp: bool) -> nn.Module:
-    """An ``nn.Linear`` -> ``RowParallelLinear`` (input features sharded, g or reduce-scatter out)."""
+    """``nn.Linear`` -> ``RowParallelLinear`` (input features sharded, g or reduce-scatter out)."""
     _need(m, nn.Linear, "row")
     return RowParallelLinear.from_linear(m, group, sequence_parallel=sp)
 
@@ -65,7 +65,7 @@ def vocab(m: nn.Module, group: comm.Group, sp: bool) -> nn.Module:
 
 
 def attention(m: nn.Module, group: comm.Group, sp: bool) -> nn.Module:
-    """The course's ``Attention`` -> ``TensorParallelAttention`` (split by heads, one f in and one g out)."""
+    """The course's ``Attention`` -> ``TensorParallelAttention`` (by heads, one f in, one g out)."""
     _need(m, Attention, "attention")
     return TensorParallelAttention(m, group, sequence_parallel=sp)
 
@@ -77,8 +77,8 @@ def mlp(m: nn.Module, group: comm.Group, sp: bool) -> nn.Module:
 
 
 def sequence(m: nn.Module, group: comm.Group, sp: bool) -> nn.Module | None:
-    """A norm (or the learned position embedding) between regions: kept and replicated; under SP it sees s/t
-    tokens, so its gradient is a partial sum (recorded ``Partial()``)."""
+    """A norm (or the learned position embedding) between regions: kept and replicated; under SP
+    it sees s/t tokens, so its gradient is a partial sum (recorded ``Partial()``)."""
     if not sp:
         return None
     if isinstance(m, nn.Embedding):
@@ -92,25 +92,28 @@ STYLES: dict[str, Builder] = {"column": column, "row": row, "vocab": vocab, "att
 
 
 def gpt_plan(config: GPTConfig) -> dict[str, str]:
-    """The plan of the course's GPT: vocab-parallel embedding, attention by heads, MLP column -> row, norms
-    (and learned positions) as sequence-parallel regions, the LM head column-parallel over the vocabulary.
-    An MoE model keeps its MoE layers replicated over tp (no expert tensor parallelism)."""
+    """The course's GPT's plan: vocab-parallel embedding, attention by heads, MLP column -> row,
+    norms (and learned positions) as sequence-parallel regions, the LM head column-parallel over the
+    vocabulary. MoE layers stay replicated over tp (no expert tensor parallelism)."""
     plan = {"tok_emb": "vocab"}
     if config.pos == "learned":
         plan["pos_emb"] = "sequence"
-    plan |= {"blocks.*.norm1": "sequence", "blocks.*.attn": "attention", "blocks.*.norm2": "sequence",
-             "blocks.*.mlp": "mlp", "norm_f": "sequence", "lm_head": "column"}
+    plan |= {"blocks.*.norm1": "sequence", "blocks.*.attn": "attention",
+             "blocks.*.norm2": "sequence", "blocks.*.mlp": "mlp", "norm_f": "sequence",
+             "lm_head": "column"}
     if config.n_expert:
         del plan["blocks.*.mlp"]
     return plan
 
 
-def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Builder] | None = None, *,
-             sequence_parallel: bool = False, sp_matmul: Callable | None = None, broadcast: bool = True) -> None:
-    """Tensor parallelism of ``model`` over ``group``, in place: the weights made equal over the group
-    (``broadcast``), then each module matching a pattern of ``plan`` (default ``gpt_plan``) replaced by its
-    style's layer holding this rank's slices; what no style changed is recorded ``Replicate()`` on "tp".
-    ``sp_matmul``: under SP, the column-parallel GEMMs' function (``tp_overlap.collective_matmul``)."""
+def apply_tp(model: nn.Module, group: comm.Group,
+             plan: Mapping[str, str | Builder] | None = None, *, sequence_parallel: bool = False,
+             sp_matmul: Callable | None = None, broadcast: bool = True) -> None:
+    """Tensor parallelism of ``model`` over ``group``, in place: the weights made equal over the
+    group (``broadcast``), then each module matching a pattern of ``plan`` (default ``gpt_plan``)
+    replaced by its style's layer holding this rank's slices; what no style changed is recorded
+    ``Replicate()`` on "tp". ``sp_matmul``: under SP, the column-parallel GEMMs' function
+    (``tp_overlap.collective_matmul``)."""
     if plan is None:
         if not isinstance(getattr(model, "config", None), GPTConfig):
             raise ValueError("plan= is required for modules other than course_lib.model.GPT")
@@ -122,10 +125,12 @@ def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Build
     for pattern, style in plan.items():
         build = STYLES.get(style) if isinstance(style, str) else style
         if build is None:
-            raise ValueError(f"unknown plan style {style!r}: use one of {sorted(STYLES)} or a builder")
+            raise ValueError(f"unknown plan style {style!r}: use one of {sorted(STYLES)} "
+                             "or a builder")
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
-            raise ValueError(f"plan entry {pattern!r} matches no module (modules: {', '.join(names[:8])}, ...)")
+            raise ValueError(f"plan entry {pattern!r} matches no module "
+                             f"(modules: {', '.join(names[:8])}, ...)")
         for name in matched:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
@@ -142,7 +147,8 @@ def apply_tp(model: nn.Module, group: comm.Group, plan: Mapping[str, str | Build
     head, emb = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
     if getattr(getattr(model, "config", None), "tie_embeddings", False) and head is not None:
         if not (isinstance(head, ColumnParallelLinear) and isinstance(emb, VocabParallelEmbedding)):
-            raise ValueError("tied embeddings need tok_emb 'vocab' and lm_head 'column' in the plan")
+            raise ValueError("tied embeddings need tok_emb 'vocab' and lm_head 'column' "
+                             "in the plan")
         head.weight = emb.weight  # both hold the same vocabulary rows
     for p in model.parameters():
         if TP_AXIS not in placements_of(p):
