@@ -393,36 +393,28 @@ def check_vocab_parallel_cross_entropy(fn: Callable, world_size: int = 2, n: int
     return run_check("vocab_parallel_cross_entropy", body)
 
 
-SP_OFF_LIMITS = (
-    *(f"course_lib.parallel.tp_comm.{name}" for name in (
-        "GatherFromSequenceParallelRegion", "ReduceScatterToSequenceParallelRegion",
-        "ScatterToSequenceParallelRegion", "SequenceParallelLinears", "sequence_parallel_linears",
-        "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-        "scatter_to_sequence_parallel_region", "all_gather_along", "reduce_scatter_along")),
-    "course_lib.parallel.tp_layers.enter_tp_region", "course_lib.parallel.tp_layers.leave_tp_region",
-    "course_lib.parallel.tp_layers.TensorParallelMLP")
-"""The library's SP region pieces: the exercise's answer."""
 
 EXERCISES = [
     Exercise("sp_region", "A sequence-parallel region on ranks", 4, "sp_region", check_sp_region,
              hidden=[{"world_size": 4, "shape": (1, 8, 16), "seed": 2},
                      {"world_size": 2, "shape": (3, 4, 8), "seed": 7}],
-             off_limits=SP_OFF_LIMITS),
+             allowed=("course_lib.comm",)),
     Exercise("vocab_parallel_embedding", "A vocabulary-parallel embedding on ranks", 3, "vocab_parallel_embedding",
              check_vocab_parallel_embedding,
              hidden=[{"world_size": 4, "vocab": 32, "h": 4, "ids_shape": (3, 4), "seed": 3},
                      {"world_size": 2, "vocab": 6, "h": 3, "ids_shape": (1, 7), "seed": 8}],
-             off_limits=("course_lib.parallel.tp_layers.VocabParallelEmbedding",)),
+             allowed=("course_lib.comm", "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
     Exercise("gqa_attention", "TP attention with GQA: where the K/V heads go", 4, "gqa_attention",
              check_gqa_attention,
              hidden=[{"world_size": 4, "n_head": 8, "n_kv_head": 1, "shape": (1, 6, 16), "seed": 4},
                      {"world_size": 2, "n_head": 12, "n_kv_head": 6, "shape": (2, 4, 24), "seed": 9}],
-             off_limits=("course_lib.parallel.tp_layers.TensorParallelAttention",)),
+             allowed=("course_lib.comm", "course_lib.parallel.tp_comm.copy_to_tensor_parallel_region",
+                      "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
     Exercise("vocab_parallel_cross_entropy", "Vocab-parallel cross-entropy", 3, "vocab_parallel_cross_entropy",
              check_vocab_parallel_cross_entropy,
              hidden=[{"world_size": 4, "n": 12, "vocab": 32, "scale": 1000.0, "seed": 5},
                      {"world_size": 2, "n": 1, "vocab": 8, "seed": 6}],
-             off_limits=("course_lib.parallel.tp_layers.vocab_parallel_cross_entropy",)),
+             allowed=("course_lib.comm",)),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -255,28 +255,25 @@ def check_colleague_on_shape(colleague: Callable[..., Any], shape_fn: Callable[[
     return run_check("the colleague's step on your shape", body)
 
 
-PIPELINE_OFF_LIMITS = ("course_lib.parallel.pp.PipelineParallel", "course_lib.parallel.oracles.TorchPipeline",
-                       "course_lib.parallel.runs.train_pp", "course_lib.parallel.pp_executor.PipelineExecutor",
-                       "torch.distributed.pipelining.Schedule1F1B", "torch.distributed.pipelining.ScheduleGPipe",
-                       "torch.distributed.pipelining.PipelineStage")
-"""The library's pipeline runners, and PyTorch's: each runs the whole step."""
+SCHEDULE_DATA = ("course_lib.parallel.schedules.Action", "course_lib.parallel.schedules.Kind")
+"""A schedule as the library's data: its actions and their kinds."""
+STAGE_STEP = ("course_lib.comm", "course_lib.model.lm_loss", "course_lib.parallel.pp_stages.Stage", *SCHEDULE_DATA)
+"""What a training step on pipeline stages is given: the comm layer, the loss, the stages, the schedule's data."""
 
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
-             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}],
-             off_limits=("course_lib.parallel.schedules.one_f_one_b",
-                         "course_lib.parallel.schedules.interleaved_one_f_one_b")),
+             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}]),
     Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
              check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}],
-             off_limits=("course_lib.parallel.schedules.zb_h1",)),
+             allowed=SCHEDULE_DATA),
     Exercise("deep_pipeline_step", "One 1F1B step on p real ranks: the middle ranks", 5, "deep_pipeline_step",
              check_deep_pipeline_step,
              hidden=[{"p": 4, "m": 2, "batch": 6, "seed": 1}, {"p": 2, "m": 3, "batch": 6, "seed": 3}],
-             off_limits=PIPELINE_OFF_LIMITS),
+             allowed=(*STAGE_STEP, "course_lib.parallel.schedules.one_f_one_b")),
     Exercise("gpipe_step", "Find the bug: a GPipe step on two real ranks", 4, "gpipe_step", check_gpipe_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
                      {"m": 4, "batch": 12, "seed": 3}, {"m": 3, "batch": 6, "seed": 4}],
-             off_limits=PIPELINE_OFF_LIMITS),
+             allowed=STAGE_STEP),
     Exercise("shape_that_hides_the_bug", "Predict: the shape where the colleague's bug passes", 2,
              "shape_that_hides_the_bug", check_shape_that_hides_the_bug),
 ]

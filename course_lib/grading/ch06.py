@@ -341,30 +341,23 @@ def check_ulysses_attention(fn: Callable, world_size: int = 2, b: int = 2, seq: 
 
 EXERCISES = [
     Exercise("merge_partials", "Merge two partial attention results by log-sum-exp", 3, "merge_partials",
-             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}],
-             off_limits=("course_lib.parallel.cp_attention.BlockAttention.merge",)),
+             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}]),
     Exercise("zigzag_positions", "Zig-zag chunk assignment and positions", 2, "zigzag_positions",
-             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}],
-             off_limits=("course_lib.parallel.cp_attention.positions",
-                         "course_lib.parallel.cp_attention.all_positions",
-                         "course_lib.parallel.cp_attention.chunk_ids",
-                         "course_lib.parallel.cp_attention.check_sequence",
-                         "course_lib.parallel.cp_attention.shard_sequence")),
+             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}]),
     Exercise("ring_step", "One ring-attention step on real ranks", 4, "ring_step", check_ring_step,
              hidden=[{"world_size": 4, "seq": 24, "seed": 2, "layout": "zigzag"},
                      {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"},
                      {"world_size": 4, "seq": 12, "seed": 6, "layout": "contiguous", "rings": 2}],
-             off_limits=("course_lib.parallel.cp_attention.ring_attention",
-                         "course_lib.parallel.cp_attention.RingAttentionFunction")),
+             allowed=("course_lib.comm", "course_lib.parallel.cp_attention.BlockAttention.forward")),
     Exercise("fixed_kernel", "Find the bug: the ring backward's probabilities", 3, "FixedKernel", check_fixed_kernel,
              hidden=[{"world_size": 4, "seq": 24, "seed": 4}],
-             off_limits=("course_lib.parallel.cp_attention.BlockAttention.backward",)),
+             allowed=tuple(f"course_lib.parallel.cp_attention.BlockAttention.{name}" for name in (
+                 "forward", "merge", "mask", "kv_for_backward_step"))),
     Exercise("ulysses_attention", "Ulysses: re-split by heads with all-to-alls", 4, "ulysses_attention",
              check_ulysses_attention,
              hidden=[{"world_size": 4, "b": 1, "seq": 8, "heads": 8, "kv_heads": 4, "seed": 3},
                      {"world_size": 2, "b": 3, "seq": 6, "heads": 4, "kv_heads": 2, "seed": 5}],
-             off_limits=("course_lib.parallel.cp_ulysses", *(f"course_lib.parallel.cp_ulysses.{name}" for name in (
-                 "AllToAll", "UlyssesExchange", "ulysses_attention", "_all_to_all")))),
+             allowed=("course_lib.comm",)),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -173,9 +173,3 @@ HIDDEN = {"cfg": GPTConfig(vocab_size=254, seq_len=16, n_layer=4, n_head=4, d_mo
                      ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3))}
 """The grader's meshes: a pipeline with data parallelism (4 blocks), TP x CP + SP, ZeRO-3 over 4 (254 rows: 64
 on rank 0), FSDP + TP without SP (127 rows: 64)."""
-
-OFF_LIMITS = ("course_lib.parallel.placement.placements_of", "course_lib.parallel.placement.placement",
-              "course_lib.parallel.placement_ops.placement_table",
-              "course_lib.parallel.oracles.dtensor_fsdp_tp_placements",
-              "course_lib.parallel.compose.parallelize")
-"""The library's placement records and the transforms that write them: the exercise's answer."""

@@ -383,8 +383,7 @@ EXERCISES = [
              check_paged_decode,
              hidden=[{"lens": (9, 16, 2, 17, 1), "n_head": 8, "n_kv": 2, "block_size": 8, "seed": 1},
                      {"lens": (5, 3), "n_head": 4, "n_kv": 1, "block_size": 2, "seed": 2},
-                     {"lens": (33,), "n_head": 6, "n_kv": 6, "block_size": 16, "seed": 3}],
-             off_limits=("course_lib.serving.paged.PagedKVCache.read", "course_lib.serving.paged.PagedKVCache._where")),
+                     {"lens": (33,), "n_head": 6, "n_kv": 6, "block_size": 16, "seed": 3}]),
     Exercise("schedule_step", "A continuous-batching scheduler step: chunked prefill and preemption", 5,
              "schedule_step", check_schedule_step,
              hidden=[{"cases": (
