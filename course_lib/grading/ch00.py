@@ -1,14 +1,15 @@
-"""Chapter 00 — memory budgets by hand.
+"""Chapter 00 — memory budgets by hand: formulas and a search, checked against exact values.
 
-1. ``param_state_bytes(precision, optimizer)``: bytes per parameter of weights, gradients and optimizer state.
-2. ``zero_bytes_per_device(psi, n_d, stage, k)``: model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020).
-3. ``kv_cache_bytes(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value)``: the serving KV cache.
-4. ``fewest_gpus(model, gpu, seq_len)``: the smallest cluster whose busiest GPU holds a training step, searched
-   over ZeRO-3 x TP (with SP) x PP layouts with ``course_lib.estimates.memory.training_memory``; returns
-   ``(n_gpus, layout)``. Any layout of the minimal size that fits is accepted (the check recomputes its budget).
-5. ``model_states_per_gpu(psi, tp, pp, dp, zero, k)``: find the bug in a colleague's per-GPU model states of a
-   TP x PP x DP layout (ZeRO sharded over every GPU of the cluster instead of over the data-parallel ranks, which
-   alone hold the same parameters); returns bytes per category.
+1. ``param_state_bytes(precision, optimizer)``: bytes per parameter of weights, gradients and optimizer state,
+   each a Python int; checked for the text's precisions and optimizers.
+2. ``zero_bytes_per_device(psi, n_d, stage, k)``: model-state bytes per GPU under ZeRO stages 0-3; checked against
+   the ZeRO paper's Figure 1 (Rajbhandari et al. 2020) and other sizes, K and N_d.
+3. ``kv_cache_bytes(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value)``: the serving KV cache, a Python
+   int; checked on real models' shapes, GQA included.
+4. ``fewest_gpus(model, gpu, seq_len)``: ``(n_gpus, layout)``; the layout must lie in the text's search space, use
+   n_gpus GPUs and fit (the check recomputes its budget with the text's call), and no smaller cluster may fit.
+5. ``model_states_per_gpu(psi, tp, pp, dp, zero, k)`` (find the bug): bytes per GPU by category, within 1e-6 of
+   the expected ones, on layouts with and without tensor and pipeline parallelism.
 """
 
 from __future__ import annotations

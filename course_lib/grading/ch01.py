@@ -1,23 +1,20 @@
 """Chapter 01 — collectives from send/recv, checked on real ranks.
 
-1. ``ring_reduce_scatter(tensor)``: this rank's chunk of the sum over ranks, by the ring (Patarasuk & Yuan 2009).
-2. ``ring_all_gather(chunk, numel)``: every rank's chunk, laid end to end, by the ring.
+1. ``ring_reduce_scatter(tensor)``: this rank's chunk of the sum over ranks.
+2. ``ring_all_gather(chunk, numel)``: every rank's chunk, laid end to end (float32, float64 and int32 chunks).
 3. ``ring_all_reduce_bytes(numel, element_size, n, rank)``: the exact (sent, received) bytes of one rank in a ring
-   all-reduce, chunks not necessarily equal (``comm.ring_bytes``).
-4. ``pairwise_all_to_all(blocks)``: block j to rank j, by pairwise exchange (Thakur et al. 2005).
-5. ``fixed_ring_all_reduce(tensor)``: find the bug in a given ring all-reduce and return the sum over ranks, by the
-   ring (reduce-scatter, then all-gather; its bytes are the ring's).
+   all-reduce, as Python ints, chunks equal or not.
+4. ``pairwise_all_to_all(blocks)``: the blocks every rank addressed to this one, in rank order.
+5. ``fixed_ring_all_reduce(tensor)`` (find the bug): the sum over ranks, by the ring.
 
 The launched exercises run the learner's function on ``world_size`` real gloo ranks (``course_lib.runtime.launch``,
-with a time limit, so a deadlock fails the check instead of hanging it). On the ranks, the process group only lets
-point-to-point messages through: every byte sent and received is counted (``ProcessGroup.send``/``recv``, which
-``dist.send``, ``isend``, ``batch_isend_irecv`` and ``course_lib.comm`` all end in), and a collective
-(``dist.all_reduce``, ``dist.reduce_scatter``, ...) raises. Chunking follows ``comm.chunk_numels``: a tensor of
-``numel`` elements is flattened and cut into n chunks, the first ``numel % n`` one element longer.
-
-The result is compared with a single-process computation on the same per-rank inputs (float32 normal data; sums
-within rtol 1e-5, data movement exact), and the bytes with the ring's: a correct answer through another route
-(everyone to rank 0) is rejected with the byte counts.
+with a time limit, so a deadlock fails the check instead of hanging it): 2, 3 and 4 ranks, sizes that the rank count
+does not divide, other shapes and seeds. On the ranks the process group lets point-to-point messages through and
+counts every byte (``ProcessGroup.send``/``recv``, which ``dist.send``, ``isend``, ``batch_isend_irecv`` and
+``course_lib.comm`` all end in); a collective (``dist.all_reduce``, ...) raises. Chunks follow
+``comm.chunk_numels``. Results are compared with one process on the same per-rank inputs (sums within rtol 1e-5,
+data movement exact), inputs must be left unchanged, and the bytes must be the ring's: a right result by another
+route (everyone to rank 0) is rejected with the byte counts.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
-"""Chapter 04 — tensor parallelism. Every exercise runs the learner's code on real gloo ranks.
+"""Chapter 04 — tensor parallelism. Every exercise runs the learner's code on real gloo ranks (2 and 4) and
+compares it with one process; communication is read from ``course_lib.comm``'s log.
 
-1. ``sp_region(x, norm_w, w1, b1, w2, b2)``: a sequence-parallel region (Korthikanti et al. 2022) on real ranks:
-   x is this rank's sequence shard [b, s/t, h]; RMSNorm on the shard (replicated ``norm_w``), g-bar (all-gather
-   along the sequence forward, reduce-scatter backward), the column -> row GELU MLP from this rank's shards, g
-   (reduce-scatter forward, all-gather backward), then the replicated ``b2`` on the shard. The replicated
-   parameters' gradients (``norm_w``, ``b2``) are all-reduced over the ranks in backward (forgetting it leaves
-   each rank with its own tokens' gradient: the copies drift apart). Checked: output shard, every gradient, the
-   comm log (a second backward all-gather, re-gathering a saved shard as the library does, is allowed).
-2. ``vocab_parallel_embedding(ids, weight)``: Megatron-LM's ``VocabParallelEmbedding`` on ranks: ``weight`` holds rows
-   [r V/t, (r+1) V/t) of the table; ids outside the shard look up nothing (masked to zero), one all-reduce (g) of
-   the b*s*h output forward, nothing backward (the output's gradient is the same on every rank). Checked: the
-   output, the shard's gradient vs its rows of one process's, the comm log; the ids include every shard edge.
-3. ``gqa_attention(x, wq, wk, wv, wo, n_head=, n_kv_head=)``: causal grouped-query attention (Ainslie et al.
-   2023) split by heads, f in and g out; the K/V heads placed as Megatron-LM does (``kv_heads_of_rank``: split
-   when t divides n_kv_head, else each head replicated on t / n_kv ranks). A replicated head's gradient is summed
-   over the ranks that hold it (a group of t / n_kv, not all t). Checked: output, input and every shard's
-   gradient vs one process, and the comm log (group sizes included).
-4. ``vocab_parallel_cross_entropy(logits, targets)``: mean cross-entropy from this rank's vocabulary shard
-   [..., V/t] (rank r holds columns [r V/t, (r+1) V/t)); exactly three ``comm.all_reduce`` calls of b*s fp32
-   values forward (max, target logit, sum of exponentials) and no gathered logits; stable for logits x 1000;
-   gradient of each shard = the slice of the single-process gradient.
+1. ``sp_region(x, norm_w, w1, b1, w2, b2)``: a sequence-parallel region (Korthikanti et al. 2022). Checked: each
+   rank's output shard, the gradient of x and of every parameter (the replicated ones included), and the kind and
+   size of each collective forward and backward.
+2. ``vocab_parallel_embedding(ids, weight)``: a vocabulary-parallel embedding (Shoeybi et al. 2019). Checked: the
+   output on every rank, the shard's gradient against its rows of one process's, ids left unchanged, and the
+   collectives forward and backward; the ids include the first and last id of every shard.
+3. ``gqa_attention(x, wq, wk, wv, wo, n_head=, n_kv_head=)``: causal grouped-query attention (Ainslie et al. 2023)
+   split by heads, with t dividing n_kv_head and n_kv_head dividing t. Checked: the output, the gradients of x
+   and of every shard, and each collective's size and group size.
+4. ``vocab_parallel_cross_entropy(logits, targets)``: the mean cross-entropy from this rank's vocabulary shard.
+   Checked: the loss (finite for logits x 1000), each shard's gradient, and the forward's collectives.
 """
 
 from __future__ import annotations

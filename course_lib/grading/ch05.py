@@ -1,24 +1,17 @@
 """Chapter 05 — pipeline parallelism: two schedules, two steps on real ranks, and a bug to find in one of them.
 
-1. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
-   2021), as strings "F3" / "B3", checked against ``course_lib.parallel.schedules.one_f_one_b``.
-2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.parallel.schedules`` data, one list of
-   ``Action`` per rank, backward split in I and W. Any schedule is accepted that ``validate`` accepts, uses
-   I and W (no B), and, simulated with F = I = W = 1, has ZB-H1's bubble (p-1)/(3m+p-1) with at most min(p, m)
-   micro-batches in flight per rank (1F1B's memory): the library's order is one of several.
-3. ``deep_pipeline_step(stage, x, y, m)``: one training step of a p-stage 1F1B pipeline (p = 3 visible, 2 and 4
-   hidden, m < p included) on real ranks with point-to-point messages: the middle ranks receive and send both ways.
-   Checked against the single-process gradients of the batch mean, and on the wire: every message is one float32
-   [b, s, h] activation (forward) or its gradient (backward), and each rank's (send|recv, peer) sequence follows
-   1F1B's actions (``expected_messages``: at F receive from r-1, send to r+1; at B receive from r+1, send to r-1).
-   Collectives are refused: a pipeline only talks to its neighbours.
-4. ``gpipe_step(stage, x, y, m)``: find the bug in a colleague's GPipe step on two ranks (the last stage
-   divides each micro-batch loss by the micro-batch's rows b instead of by m, so the gradients of *both* stages are
-   m/b times too large) and fix it; the same check as 3 on p = 2 with GPipe's order (all forwards, then all
-   backwards).
-5. ``shape_that_hides_the_bug()``: a (batch, m), m >= 2, for which the colleague's step of 4 passes parity: the
-   bug is a factor m/b, invisible exactly when b = batch / m = m, i.e. batch = m^2 (the notebook also runs the
-   colleague's step on the shape, on ranks, to show it).
+1. ``one_f_one_b_order(p, m, rank)``: one rank's compute actions under 1F1B (Narayanan et al. 2021) as "F3" / "B3"
+   strings, exact, for every rank of several (p, m), m < p included.
+2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.parallel.schedules`` data. Any
+   schedule passes that ``validate`` accepts, has no B, and, simulated with F = I = W = 1, has ZB-H1's bubble
+   (p-1)/(3m+p-1) with 1F1B's memory (at most min(p, m) micro-batches in flight per rank).
+3. ``deep_pipeline_step(stage, x, y, m)``: one 1F1B training step on p real ranks (3 visible; 2 and 4 hidden,
+   m < p included). Checked: every stage's gradients against one process's for the full-batch mean loss, the
+   returned losses, and every rank's messages in order (peer, size, dtype; ``expected_messages``). Collectives
+   are refused.
+4. ``gpipe_step(stage, x, y, m)`` (find the bug): the same check on two ranks, in GPipe's order.
+5. ``shape_that_hides_the_bug()``: a (batch, m), m >= 2, on which the colleague's step of 4 passes parity (the
+   notebook then runs the colleague's step on it, ungraded, to show it).
 """
 
 from __future__ import annotations
@@ -226,7 +219,7 @@ def check_gpipe_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: i
 
 
 def check_shape_that_hides_the_bug(fn: Callable[[], tuple[int, int]]) -> CheckResult:
-    """``fn()`` = (batch, m), ints, m >= 2, m divides batch, and the colleague's factor m / b = 1: batch = m^2."""
+    """``fn()`` = (batch, m), ints, m >= 2, m divides batch, on which the colleague's step passes its check."""
     def body() -> str:
         got = fn()
         if not (isinstance(got, tuple) and len(got) == 2 and all(type(v) is int for v in got)):

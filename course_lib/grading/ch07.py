@@ -1,23 +1,17 @@
 """Chapter 07 — mixture of experts and expert parallelism.
 
-1. ``batch_priority_routing(logits, k, capacity_factor)``: top-k experts per token (decreasing score) and which
-   assignments the capacity C = ceil(cf T k / E) keeps when the queues fill by priority, not by position (V-MoE's
-   batch-priority routing, Riquelme et al. 2021): round by round (every first choice, then every second), within
-   a round by decreasing max router probability, ties to the earlier token.
-2. ``dispatch(x, expert, n_expert)`` on real ranks: send each row of ``x`` to the rank holding its expert
-   (E/world contiguous experts per rank) with a count exchange and one uneven ``all_to_all_single``; return the rows
-   received (by source rank, then by expert) and the counts [world, E/world].
-3. ``combine(y, counts, expert, token, weight, n_tokens)`` on real ranks: the way back. The experts' outputs ``y`` (in
-   the order the dispatch received the rows) return to their tokens' ranks by one uneven ``all_to_all_single`` (the
-   dispatch's splits swapped), and each token sums weight x output. Checked against the single-process ``MoE``
-   layer's output (capacity drops included), with every other collective and send/recv refused.
-4. ``load_balancing_loss(probs, chosen, alpha)``: the Switch / GShard loss alpha * E * sum_i f_i P_i, f_i over the
-   T*k assignments (exactly alpha for uniform routing).
-5. Find the bug in ``kept_counts(counts, capacity)``: kept assignments of every (rank, expert) under a global
-   capacity, the queue of each expert filled rank after rank (``course_lib.parallel.ep.kept_counts``).
-6. ``update_expert_bias(bias, chosen, rate)`` on real ranks: DeepSeek-V3's auxiliary-loss-free balancing,
-   b_i + rate * sign(mean load - load_i) with the loads of the *whole* batch (every rank's routed counts), so
-   every rank's bias is the single-process one (``MoE.balance_bias_``) and the replicas stay equal.
+1. ``batch_priority_routing(logits, k, capacity_factor)``: the chosen experts and the kept assignments under
+   batch-priority routing (Riquelme et al. 2021), exact, over several sizes, k and capacity factors.
+2. ``dispatch(x, expert, n_expert)`` on real ranks: the rows each rank receives, in order, and the counts, exact;
+   ranks with no rows and experts with none included.
+3. ``combine(y, counts, expert, token, weight, n_tokens)`` on real ranks: every rank's output against the
+   single-process ``MoE`` layer's for its tokens (capacity drops included, top-1 and top-2), with exactly one
+   ``all_to_all_single`` and every other collective and send/recv refused.
+4. ``load_balancing_loss(probs, chosen, alpha)``: the Switch / GShard auxiliary loss, its value and its gradient.
+5. ``kept_counts(counts, capacity)`` (find the bug): the kept assignments of every (rank, expert), exact, with and
+   without a capacity.
+6. ``update_expert_bias(bias, chosen, rate)`` on real ranks: DeepSeek-V3's auxiliary-loss-free bias update,
+   against the single-process one, identical on every rank, ranks with no tokens included.
 """
 
 from __future__ import annotations

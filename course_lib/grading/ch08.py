@@ -1,26 +1,16 @@
-"""Chapter 08 — composing the axes: coordinates, groups, a mesh's constraints, and a bug on four ranks.
+"""Chapter 08 — composing the axes: coordinates, groups, a mesh's constraints, and steps on four ranks.
 
-1. ``coords_of(rank, degrees, order)``: the dense coordinates (tp, cp, dp, pp) of a rank for an axis order;
-   checked against ``course_lib.runtime.mesh.MeshShape.coords`` for every rank of several meshes and orders.
-2. ``group_of(rank, axes, degrees, order)``: the ranks of ``rank``'s group over ``axes`` (sorted); checked against
-   ``MeshShape.group_ranks``.
-3. ``mesh_problems(cfg, degrees, global_batch, micro_batch)``: the names of the constraints a mesh breaks for a
-   model and a batch (a set of strings); checked on meshes that break none, one and several.
-4. ``predict_mesh(cfg, degrees, gpu, global_batch, seq_len, micro_batch, zero_stage, efficiency)``: a mesh's
-   model-state bytes per GPU and its step time, from the stated formulas (``predict_mesh_spec``); checked against
-   the library's planner (``planner.predict``: ``memory.training_memory``'s exact per-stage count, and its time
-   model on links that cost nothing) within ``MEMORY_RTOL`` and ``TIME_RTOL``, on meshes with pp > 1, cp > 1 and
-   ZeRO-1/2/3.
-5. ``average_dp_gradients(params, mesh)``: find the bug in a colleague's DP x TP step (the data-parallel groups
-   built by hand from rank ids, right only when tp varies fastest) and fix it; run on 4 real ranks (dp=2 x tp=2,
-   both axis orders, visibly too), checked against one process after one SGD step.
-6. ``add_grad_reduce(schedule)``: pipeline x data parallelism as a schedule transform, one ``REDUCE_GRAD`` per
-   stage right after its last weight-gradient action (B, or W under zero bubble); checked as data on 1F1B,
-   interleaved and ZB-H1 schedules (with and without transfers), then on 4 real ranks: ``train_parallel`` on
-   ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with the learner's function as the pipeline's
-   ``place_grad_reduce``, against one process (``train_baseline``).
-7. ``place_parameter(name, shape, n_layer, parallel)``: where a parameter lives on a mesh and what its gradient
-   needs (``ch08_placement``), checked on 4 real ranks against the placements the library's transforms record.
+1. ``coords_of(rank, degrees, order)``: a rank's dense coordinates for an axis order; every rank of several meshes
+   and orders.
+2. ``group_of(rank, axes, degrees, order)``: the sorted ranks of a group over some axes; every rank and axis set.
+3. ``mesh_problems(cfg, degrees, global_batch, micro_batch)``: the names of the constraints a mesh breaks; on
+   meshes that break none, one and several.
+4. ``predict_mesh(...)``: a mesh's model-state bytes per GPU and step time (``ch08_predict``).
+5. ``average_dp_gradients(params, mesh)`` (find the bug): on 4 real ranks (dp=2 x tp=2, both axis orders), every
+   rank's parameters after one SGD step against one process's.
+6. ``add_grad_reduce(schedule)``: the gradient reduction as a schedule action (``ch08_pipeline``).
+7. ``place_parameter(name, shape, n_layer, parallel)``: where a parameter lives and what its gradient needs
+   (``ch08_placement``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Chapter 10 — failures at scale.
 
-1. ``checkpoint(mode, rank, folder, model, optimizer, scheduler, sampler)``, mode "save" or "load": a checkpoint on
-   disk that writes what every data-parallel rank holds alike **once** (rank 0) and what differs per rank on every
-   rank; checked on 2 real ranks: the run stopped and resumed equals the uninterrupted one bit for bit, and rank 1
-   writes no weights.
-2. ``simulated_goodput(interval_s, cost_s, mtbf_s, restart_s, work_s, generator)``: a Monte Carlo of a run with
-   checkpoints, exponential failures and restarts; checked against Daly's expected goodput within its statistical
-   error, without the library's simulation.
-3. ``train_prefetching(rank, world_size, settings, folder, attempt)`` (find the bug): a resumable loop that draws
-   the next batch while it saves; after a restart the curve leaves the uninterrupted one.
+1. ``checkpoint(mode, rank, folder, model, optimizer, scheduler, sampler)``: on 2 real ranks a run stopped, saved,
+   rebuilt and loaded must equal the uninterrupted one bit for bit, within the stated bytes on disk, with the
+   pieces every rank holds alike written once.
+2. ``simulated_goodput(interval_s, cost_s, mtbf_s, restart_s, work_s, generator)``: a simulated run's goodput
+   against Daly's expectation within its statistical error.
+3. ``train_prefetching(rank, world_size, settings, folder, attempt)`` (find the bug): resumed on 2 real ranks, the
+   losses must equal the uninterrupted run's.
 """
 
 from __future__ import annotations
