@@ -61,8 +61,7 @@ class Exercise:
     allowed: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        if not hasattr(self.check, "unguarded"):
-            self.check = self._guarded(self.check)
+        self.check = self._guarded(getattr(self.check, "unguarded", self.check))  # dataclasses.replace re-guards
 
     def refusal(self, answer: Any) -> CheckResult | None:
         """A FAIL saying why, when ``answer``'s code reaches a library object the exercise does not allow; None

@@ -131,10 +131,14 @@ def _describe(frame: types.FrameType) -> str:
 @contextlib.contextmanager
 def guard(allowed: Sequence[str], name: str) -> Iterator[Guard]:
     """Refuse, in this process and in the ranks ``for_ranks`` starts, every call of the library's code that
-    ``allowed`` does not permit and that the learner's code makes; yields the ``Guard`` (its ``refused``)."""
+    ``allowed`` does not permit and that the learner's code makes; yields the ``Guard`` (its ``refused``). Inside
+    another guard (a check that calls another check) the outer one stays in force."""
     global _ACTIVE
+    if _ACTIVE is not None:
+        yield _ACTIVE
+        return
     state = Guard(Allowed(tuple(allowed)), name)
-    previous, before, before_threads = _ACTIVE, sys.getprofile(), threading.getprofile()
+    before, before_threads = sys.getprofile(), threading.getprofile()
     _VERDICTS.clear()
     _ACTIVE = state
     sys.setprofile(_profile)
@@ -144,7 +148,7 @@ def guard(allowed: Sequence[str], name: str) -> Iterator[Guard]:
     finally:
         sys.setprofile(before)
         threading.setprofile(before_threads)
-        _ACTIVE = previous
+        _ACTIVE = None
         _VERDICTS.clear()
 
 
