@@ -83,6 +83,21 @@ import importlib, types
 _lib = importlib.import_module("course_lib.serving." + "".join(reversed("edoced_pt")))
 tp_kv_heads = types.FunctionType(_lib.kv_heads_of.__code__, vars(_lib), "tp_kv_heads")
 """, static=True),
+    Route("09", "tp_kv_heads", "a_table_the_library_filled_at_the_cells_top_level",
+          "course_lib.serving.tp_decode.kv_heads_of", """
+from course_lib.serving.tp_decode import kv_heads_of
+
+_TABLE = {}
+for _t in (1, 2, 4, 8):
+    for _h in (4, 8, 16):
+        for _kv in (1, 2, 4, 8):
+            if _h % _t == 0 and _h % _kv == 0:
+                for _r in range(_t):
+                    _TABLE[_r, _t, _h, _kv] = kv_heads_of(_r, _t, _h, _kv)
+
+def tp_kv_heads(rank, t, n_head, n_kv):
+    return list(_TABLE[rank, t, n_head, n_kv])
+""", static=True),
     Route("09", "tp_kv_heads", "name_built_at_run_time", "course_lib.serving.tp_decode.kv_heads_of", """
 import importlib
 
@@ -399,6 +414,26 @@ def test_every_solution_passes_its_visible_checks_under_the_guard(solution):
 # The mechanism
 
 
+def test_a_refusal_on_a_rank_scores_zero_with_the_rank_named():
+    """The learner's function runs on launched ranks: each rank installs the guard, and the grade reads its
+    refusal."""
+    route = next(r for r in ROUTES if r.name == "sys_modules_at_run_time")
+    result = grader.grade_exercise(_exercise("01", "ring_reduce_scatter"), _cell(route))
+    assert result.message.startswith("the visible check: rank ") and route.refused in result.message, result
+
+
+def test_pytorchs_pipeline_schedules_are_refused_like_the_librarys():
+    namespace = define_in_cell("""
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+def gpipe_step(stage, x, y, m):
+    schedule = Schedule1F1B(PipelineStage(stage, 0, 2, "cpu"), m)
+    return schedule.step(x)
+""", "/tmp/ipykernel_0/pipelining.py")
+    result = _exercise("05", "gpipe_step").refusal(namespace["gpipe_step"])
+    assert "torch.distributed.pipelining.schedules.Schedule1F1B" in result.message, result
+
+
 def test_a_refusal_names_what_the_exercise_allows_instead():
     route = next(r for r in ROUTES if r.name == "imports_inside_method_bodies")
     result = _exercise("04", "sp_region").refusal(_cell(route)["sp_region"])
@@ -439,6 +474,19 @@ def tp_kv_heads(rank, t, n_head, n_kv):
     ex = _exercise("09", "tp_kv_heads")
     result = Exercise(ex.key, ex.title, ex.points, ex.function, _calls_once).check(namespace["tp_kv_heads"])
     assert not result.ok and "sys.setprofile" in result.message, result
+
+
+def test_an_answer_that_switches_the_guard_off_is_refused():
+    namespace = define_in_cell("""
+import sys
+
+def tp_kv_heads(rank, t, n_head, n_kv):
+    sys.modules["course_lib.grading.runtime_guard"]._ACTIVE = None
+    return [rank]
+""", "/tmp/ipykernel_0/switch_off.py")
+    ex = _exercise("09", "tp_kv_heads")
+    result = Exercise(ex.key, ex.title, ex.points, ex.function, _calls_once).check(namespace["tp_kv_heads"])
+    assert not result.ok and "removed the grader's guard" in result.message, result
 
 
 def test_the_guard_is_gone_after_a_check_even_one_that_raises():
@@ -510,3 +558,20 @@ def test_ch01_gives_messages_but_not_the_bytes_answer():
 def test_the_graders_help_says_what_is_refused():
     text = grader.__doc__
     assert "Exercise.allowed" in text and "while the checks run" in text and "off_limits" not in text
+
+
+@pytest.mark.slow
+def test_a_whole_notebook_graded_refuses_the_route_and_scores_the_rest(tmp_path):
+    """Through papermill and a real kernel: notebook cells, ``__main__``, ranks started from the kernel. Chapter
+    09's solution with exercise 4 answered by the library's function reached at run time: 0 for it, with the
+    reason; every other exercise full marks."""
+    nb = nbformat.read(REPO / "solutions" / "09_serving_exercises.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("def tp_kv_heads"))
+    cell.source = next(r for r in ROUTES if r.name == "name_built_at_run_time" and r.chapter == "09").cell
+    path = tmp_path / "09_serving_exercises.ipynb"
+    nbformat.write(nb, path)
+    report = grader.grade_notebook(path)
+    scores = {s.key: s for s in report.scores}
+    assert scores["tp_kv_heads"].points == 0, report.table()
+    assert "course_lib.serving.tp_decode.kv_heads_of" in scores["tp_kv_heads"].reason, report.table()
+    assert all(s.points == s.max_points for k, s in scores.items() if k != "tp_kv_heads"), report.table()

@@ -8,19 +8,22 @@ instantiated and subclassed, but a class's library methods must each be permitte
 
 ``static_refusal`` reads the answer's code without running it: every name it loads, in its functions, methods and
 helpers (imports inside them, aliases, attribute chains, defaults, closures, ``super()``), the bases of its classes
-and the library methods they inherit, and what ``getattr``, ``vars``, ``sys.modules``, ``importlib.import_module``
-and ``__import__`` return for constant strings (concatenated, formatted or joined). What it cannot see (a name
-computed at run time) ``course_lib.grading.runtime_guard`` refuses while the checks run.
+and the library methods they inherit, what ``getattr``, ``vars``, ``sys.modules``, ``importlib.import_module`` and
+``__import__`` return for constant strings (concatenated, formatted or joined), and the top-level statements that
+compute the data it reads (a table filled by the library in a cell). What it cannot see (a name computed at run
+time) ``course_lib.grading.runtime_guard`` refuses while the checks run.
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import dis
 import functools
 import importlib
 import importlib.util
 import inspect
+import linecache
 import os
 import site
 import sys
@@ -275,6 +278,9 @@ class Reader:
 
     def __init__(self) -> None:
         self.escaped: list[Ref] = []
+        self.data: list[tuple[str, dict[str, Any]]] = []
+        """(name, globals) of each global holding data (not code) that the code reads: what computed it is read
+        too (``computed_by``), so a table filled with the library's results at a cell's top level is seen."""
 
     def refs(self, fn: types.FunctionType) -> Iterator[Ref]:
         cells: dict[str, Any] = {}
@@ -283,9 +289,10 @@ class Reader:
                 cells[name] = Ref(name, cell.cell_contents)
             except ValueError:  # an empty cell
                 pass
-        yield from self._code(fn.__code__, fn.__globals__, cells)
+        yield from self.code_refs(fn.__code__, fn.__globals__, cells)
 
-    def _code(self, code: types.CodeType, globals_: dict[str, Any], cells: dict[str, Any]) -> Iterator[Ref]:
+    def code_refs(self, code: types.CodeType, globals_: dict[str, Any], cells: dict[str, Any]) -> Iterator[Ref]:
+        """What ``code`` (and the code nested in it) loads, read with ``globals_`` and closure ``cells``."""
         stack: list[Any] = []
         local: dict[str, Any] = {}
         saved: dict[int, list[Any]] = {}  # the stack a forward jump leaves for its target
@@ -313,6 +320,8 @@ class Reader:
                     stack.append(_NULL)
                 found = globals_.get(val, getattr(builtins, val, _MISSING))
                 new = Ref(val, found) if found is not _MISSING else None
+                if val in globals_ and not callable(found) and not isinstance(found, types.ModuleType):
+                    self.data.append((val, globals_))
             elif op == "LOAD_FAST":
                 new = local.get(val)
             elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
@@ -422,7 +431,7 @@ class Reader:
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 inner = {name: local.get(name, cells.get(name)) for name in const.co_freevars}
-                yield from self._code(const, globals_, {k: v for k, v in inner.items() if v is not None})
+                yield from self.code_refs(const, globals_, {k: v for k, v in inner.items() if v is not None})
 
     def _produced(self, ref: Any) -> Iterator[Ref]:
         if isinstance(ref, Ref) and ref.obj is not _MISSING and not isinstance(ref.obj, types.ModuleType):
@@ -490,6 +499,52 @@ class Reader:
         return None
 
 
+def _cell_files() -> list[str]:
+    """The notebook cells this process ran (IPython keeps their source in ``linecache``; no file on disk)."""
+    return [name for name, entry in list(linecache.cache.items()) if len(entry) == 4 and entry[1] is None]
+
+
+_MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "__setitem__"}
+
+
+def _writes(node: ast.AST, name: str) -> bool:
+    """Whether a statement assigns or fills the global ``name``: as a target (``name = ...``, ``name[k] = ...``,
+    ``for name in ...``, ``with ... as name``) or through a method that fills it (``name.append(...)``)."""
+    def base(target: ast.AST) -> set[str]:
+        while isinstance(target, ast.Subscript | ast.Attribute | ast.Starred):
+            target = target.value
+        if isinstance(target, ast.Tuple | ast.List):
+            return {n for t in target.elts for n in base(t)}
+        return {target.id} if isinstance(target, ast.Name) else set()
+
+    for sub in ast.walk(node):
+        targets: list[ast.AST] = []
+        if isinstance(sub, ast.Assign):
+            targets = sub.targets
+        elif isinstance(sub, ast.AugAssign | ast.AnnAssign | ast.For | ast.AsyncFor | ast.NamedExpr):
+            targets = [sub.target]
+        elif isinstance(sub, ast.With | ast.AsyncWith):
+            targets = [i.optional_vars for i in sub.items if i.optional_vars is not None]
+        elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in _MUTATORS:
+            targets = [sub.func.value]
+        if any(name in base(t) for t in targets):
+            return True
+    return False
+
+
+def computed_by(name: str, files: list[str]) -> Iterator[types.CodeType]:
+    """The code of each top-level statement of ``files`` (source files or notebook cells) that assigns or fills
+    ``name``."""
+    for filename in files:
+        try:
+            tree = ast.parse("".join(linecache.getlines(filename)))
+        except (SyntaxError, ValueError):  # a cell with IPython syntax left in it
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and _writes(node, name):
+                yield compile(ast.Module([node], type_ignores=[]), filename, "exec")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The verdict
 
@@ -529,6 +584,8 @@ def static_refusal(answer: Any, allowed: Allowed, name: str = "the answer") -> s
     seen: set[int] = set()
     todo: deque[Ref] = deque([Ref(name, answer)])
     found: dict[str, str] = {}  # path -> how the answer reaches it
+    computed: set[tuple[str, int]] = set()  # the data globals whose computation was read
+    learner_files: list[str] = []  # the files of the learner's functions met (modules of their own)
 
     def refuse(how: str, path: str, spelled: str = "") -> None:
         alias = "" if spelled in ("", path) or path.endswith("." + spelled) else f" (as {spelled})"
@@ -565,6 +622,7 @@ def static_refusal(answer: Any, allowed: Allowed, name: str = "the answer") -> s
             todo += [Ref(f"{obj.__name__}.{k}", v) for k, v in vars(obj).items() if not k.startswith("__")
                      or isinstance(v, types.FunctionType | staticmethod | classmethod | property)]
         elif _learners_function(obj):
+            learner_files.append(obj.__code__.co_filename)
             todo += [Ref(f"{ref.spelled} default", v) for v in (obj.__defaults__ or ())]
             todo += [Ref(f"{ref.spelled} default", v) for v in (obj.__kwdefaults__ or {}).values()]
             if hasattr(obj, "__wrapped__"):
@@ -577,6 +635,14 @@ def static_refusal(answer: Any, allowed: Allowed, name: str = "the answer") -> s
             if module_path and not allowed.leads_to(module_path):
                 refuse("uses the module", module_path, module.spelled)
         reader.escaped.clear()
+        for data_name, globals_ in reader.data:
+            if (data_name, id(globals_)) not in computed:
+                computed.add((data_name, id(globals_)))
+                files = [*dict.fromkeys([*learner_files, *_cell_files()])]
+                for code in computed_by(data_name, files):
+                    todo += [Ref(f"{r.spelled}, in the statement that computes {data_name}", r.obj, r.owner)
+                             for r in reader.code_refs(code, globals_, {})]
+        reader.data.clear()
     return refusal_message(name, list(found.values()), allowed) if found else None
 
 

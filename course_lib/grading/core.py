@@ -278,7 +278,7 @@ def launch_check(target: Callable[..., Any], world_size: int, *args: Any, timeou
         if err.exc_type == "NotImplementedError":
             raise NotImplementedError(message) from None
         if err.exc_type == runtime_guard.LibraryRefused.__name__:
-            runtime_guard.refused_on_a_rank(message)
+            runtime_guard.refused_on_a_rank(f"rank {err.rank}: {message}")
             raise CheckFailed(f"rank {err.rank}: {message}") from None
         if err.exc_type in guard_errors:
             raise CheckFailed(f"rank {err.rank}: {message}") from None

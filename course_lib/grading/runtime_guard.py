@@ -2,16 +2,18 @@
 
 ``guard(allowed, name)`` installs a profile function (``sys.setprofile``; ``threading.setprofile`` for threads
 started meanwhile) for the duration of a check; ``for_ranks(target)`` wraps a launch target so that every rank
-installs the same guard. On each call of library code (a function whose file lies in ``course_lib/``, or whose code
-object equals one of the library's: a copied ``__code__``) that ``allowed`` does not permit, it finds the nearest
-caller that is not Python's or an installed package's (``functools.partial``, torch's ``Module.__call__``, code
-``exec`` compiled from a string are looked through). When that caller is the learner's, the call raises
-``LibraryRefused`` naming the function and what the exercise allows, before its first line runs; the library's
-own calls (the check's, an allowed helper's) pass. The first refusal is kept: the check scores 0 with it even when
-the answer catches the exception. The learner's ``sys.setprofile`` is refused too.
+installs the same guard. On each call of library code (its file lies in a library's folder, or its code object
+equals one of the library's: a copied ``__code__``) that ``allowed`` does not permit, it finds the nearest caller
+that is not Python's or an installed package's (``functools.partial``, torch's ``Module.__call__``, code ``exec``
+compiled from a string are looked through). When that caller is the learner's, the call raises ``LibraryRefused``
+naming the function and what the exercise allows, before its first line runs. The library's own calls pass (the
+check's, an allowed helper's), and so do autograd's (a backward the engine runs) and the grader's instruments (its
+nested functions and methods). The first refusal is kept: the check scores 0 with it even when the answer catches
+the exception; an answer that removes the guard (``sys.setprofile``) is refused too.
 
-Its limits: code copied as text is the learner's own (reading the library is allowed), and deliberate tampering
-with the grader inside the kernel is ``course_lib.grading.isolation``'s stated limit.
+Its limits: code copied as text is the learner's own (reading the library is allowed); a library function the
+answer hands back for the check to call runs as the check's; deliberate tampering with the grader inside the
+kernel is ``course_lib.grading.isolation``'s stated limit.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ def guard(allowed: Sequence[str], name: str) -> Iterator[Guard]:
     try:
         yield state
     finally:
+        if state.refused is None and (sys.getprofile() is not _profile or _ACTIVE is not state):
+            state.refused = refusal_message(name, ["removed the grader's guard"], state.allowed)
         sys.setprofile(before)
         threading.setprofile(before_threads)
         _ACTIVE = None
