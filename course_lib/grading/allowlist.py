@@ -179,11 +179,8 @@ def _library_codes_of(modules: frozenset[str]) -> dict[types.CodeType, str]:
         seen.add(id(obj))
         path = library_path(obj)
         if isinstance(obj, types.FunctionType) and path:
-            stack = [obj.__code__]
-            while stack:
-                code = stack.pop()
+            for code in _nested_codes(obj.__code__):
                 found.setdefault(code, path)
-                stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
         elif isinstance(obj, type) and path:
             todo += list(vars(obj).values())
     return found
@@ -192,7 +189,6 @@ def _library_codes_of(modules: frozenset[str]) -> dict[types.CodeType, str]:
 def library_codes() -> dict[types.CodeType, str]:
     """Every code object of the loaded library's functions, with the path of the function it belongs to."""
     return _library_codes_of(frozenset(m for m in list(sys.modules) if in_library(m)))
-
 
 
 # ----------------------------------------------------------------------------------------------------------------
