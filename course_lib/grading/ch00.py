@@ -1,14 +1,15 @@
-"""Chapter 00 — memory budgets by hand.
+"""Chapter 00 — memory budgets by hand: formulas and a search, checked against exact values.
 
-1. ``param_state_bytes(precision, optimizer)``: bytes per parameter of weights, gradients and optimizer state.
-2. ``zero_bytes_per_device(psi, n_d, stage, k)``: model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020).
-3. ``kv_cache_bytes(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value)``: the serving KV cache.
-4. ``fewest_gpus(model, gpu, seq_len)``: the smallest cluster whose busiest GPU holds a training step, searched
-   over ZeRO-3 x TP (with SP) x PP layouts with ``course_lib.estimates.memory.training_memory``; returns
-   ``(n_gpus, layout)``. Any layout of the minimal size that fits is accepted (the check recomputes its budget).
-5. ``model_states_per_gpu(psi, tp, pp, dp, zero, k)``: find the bug in a colleague's per-GPU model states of a
-   TP x PP x DP layout (ZeRO sharded over every GPU of the cluster instead of over the data-parallel ranks, which
-   alone hold the same parameters); returns bytes per category.
+1. ``param_state_bytes(precision, optimizer)``: bytes per parameter of weights, gradients and optimizer state,
+   each a Python int; checked for the text's precisions and optimizers.
+2. ``zero_bytes_per_device(psi, n_d, stage, k)``: model-state bytes per GPU under ZeRO stages 0-3; checked against
+   the ZeRO paper's Figure 1 (Rajbhandari et al. 2020) and other sizes, K and N_d.
+3. ``kv_cache_bytes(n_layer, n_kv_head, head_dim, tokens, batch, bytes_per_value)``: the serving KV cache, a Python
+   int; checked on real models' shapes, GQA included.
+4. ``fewest_gpus(model, gpu, seq_len)``: ``(n_gpus, layout)``; the layout must lie in the text's search space, use
+   n_gpus GPUs and fit (the check recomputes its budget with the text's call), and no smaller cluster may fit.
+5. ``model_states_per_gpu(psi, tp, pp, dp, zero, k)`` (find the bug): bytes per GPU by category, within 1e-6 of
+   the expected ones, on layouts with and without tensor and pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -158,28 +159,24 @@ EXERCISES = [
     Exercise("param_state_bytes", "Bytes per parameter by precision and optimizer", 2, "param_state_bytes",
              check_param_state_bytes,
              hidden=[{"cases": tuple((p, o) for p in ("fp32", "bf16", "mixed")
-                                     for o in ("sgd", "sgd_momentum", "adamw"))}],
-             off_limits=("course_lib.estimates.model_states.bytes_per_param",
-                         "course_lib.estimates.model_states.precision_policy")),
+                                     for o in ("sgd", "sgd_momentum", "adamw"))}]),
     Exercise("zero_bytes_per_device", "ZeRO model states per device", 3, "zero_bytes_per_device",
              check_zero_bytes_per_device,
              hidden=[{"cases": tuple((1e9, 8, s, 12) for s in range(4))},
-                     {"cases": tuple((70e9, n, s, k) for n in (1, 3, 1024) for s in range(4) for k in (12, 16))}],
-             off_limits=("course_lib.estimates.model_states.zero_memory_per_device",)),
+                     {"cases": tuple((70e9, n, s, k) for n in (1, 3, 1024) for s in range(4) for k in (12, 16))}]),
     Exercise("kv_cache_bytes", "KV cache of a served model", 2, "kv_cache_bytes", check_kv_cache_bytes,
-             hidden=[{"cases": ((32, 32, 128, 2048, 8, 2), (32, 8, 128, 32768, 3, 1), (1, 1, 1, 1, 1, 4))}],
-             off_limits=("course_lib.estimates.memory.kv_cache_bytes", "course_lib.estimates.memory.inference_memory")),
+             hidden=[{"cases": ((32, 32, 128, 2048, 8, 2), (32, 8, 128, 32768, 3, 1), (1, 1, 1, 1, 1, 4))}]),
     Exercise("fewest_gpus", "The fewest GPUs that train a model", 3, "fewest_gpus", check_fewest_gpus,
              hidden=[{"cases": (("llama2-7b", "RTX 4090 24GB", 4096), ("llama2-70b", "H200 141GB", 4096),
                                 ("llama3-70b", "A100 40GB", 8192))}],
-             off_limits=("course_lib.planner.search.fewest_gpus", "course_lib.planner.search.plan")),
+             allowed=("course_lib.estimates.memory.training_memory", "course_lib.estimates.memory_budget.MemoryBudget",
+                      "course_lib.estimates.memory_budget.GB", "course_lib.estimates.layout.ParallelLayout",
+                      "course_lib.estimates.hardware.GPUS", "course_lib.estimates.hardware.GPU")),
     Exercise("model_states_per_gpu", "Find the bug: model states on a TP x PP x DP layout", 2,
              "model_states_per_gpu", check_model_states_per_gpu,
              hidden=[{"cases": tuple((1e9, 2, 1, 4, z, 12) for z in range(4))},
                      {"cases": tuple((70e9, 1, 8, 8, z, 16) for z in range(4))},
-                     {"cases": ((13e9, 8, 1, 1, 3, 12), (405e9, 8, 16, 1, 0, 12), (175e9, 8, 8, 16, 2, 12))}],
-             off_limits=("course_lib.estimates.model_states.zero_memory_per_device",
-                         "course_lib.estimates.layout.params_per_rank")),
+                     {"cases": ((13e9, 8, 1, 1, 3, 12), (405e9, 8, 16, 1, 0, 12), (175e9, 8, 8, 16, 2, 12))}]),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

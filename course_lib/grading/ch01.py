@@ -1,23 +1,20 @@
 """Chapter 01 — collectives from send/recv, checked on real ranks.
 
-1. ``ring_reduce_scatter(tensor)``: this rank's chunk of the sum over ranks, by the ring (Patarasuk & Yuan 2009).
-2. ``ring_all_gather(chunk, numel)``: every rank's chunk, laid end to end, by the ring.
+1. ``ring_reduce_scatter(tensor)``: this rank's chunk of the sum over ranks.
+2. ``ring_all_gather(chunk, numel)``: every rank's chunk, laid end to end (float32, float64 and int32 chunks).
 3. ``ring_all_reduce_bytes(numel, element_size, n, rank)``: the exact (sent, received) bytes of one rank in a ring
-   all-reduce, chunks not necessarily equal (``comm.ring_bytes``).
-4. ``pairwise_all_to_all(blocks)``: block j to rank j, by pairwise exchange (Thakur et al. 2005).
-5. ``fixed_ring_all_reduce(tensor)``: find the bug in a given ring all-reduce and return the sum over ranks, by the
-   ring (reduce-scatter, then all-gather; its bytes are the ring's).
+   all-reduce, as Python ints, chunks equal or not.
+4. ``pairwise_all_to_all(blocks)``: the blocks every rank addressed to this one, in rank order.
+5. ``fixed_ring_all_reduce(tensor)`` (find the bug): the sum over ranks, by the ring.
 
 The launched exercises run the learner's function on ``world_size`` real gloo ranks (``course_lib.runtime.launch``,
-with a time limit, so a deadlock fails the check instead of hanging it). On the ranks, the process group only lets
-point-to-point messages through: every byte sent and received is counted (``ProcessGroup.send``/``recv``, which
-``dist.send``, ``isend``, ``batch_isend_irecv`` and ``course_lib.comm`` all end in), and a collective
-(``dist.all_reduce``, ``dist.reduce_scatter``, ...) raises. Chunking follows ``comm.chunk_numels``: a tensor of
-``numel`` elements is flattened and cut into n chunks, the first ``numel % n`` one element longer.
-
-The result is compared with a single-process computation on the same per-rank inputs (float32 normal data; sums
-within rtol 1e-5, data movement exact), and the bytes with the ring's: a correct answer through another route
-(everyone to rank 0) is rejected with the byte counts.
+with a time limit, so a deadlock fails the check instead of hanging it): 2, 3 and 4 ranks, sizes that the rank count
+does not divide, other shapes and seeds. On the ranks the process group lets point-to-point messages through and
+counts every byte (``ProcessGroup.send``/``recv``, which ``dist.send``, ``isend``, ``batch_isend_irecv`` and
+``course_lib.comm`` all end in); a collective (``dist.all_reduce``, ...) raises. Chunks follow
+``comm.chunk_numels``. Results are compared with one process on the same per-rank inputs (sums within rtol 1e-5,
+data movement exact), inputs must be left unchanged, and the bytes must be the ring's: a right result by another
+route (everyone to rank 0) is rejected with the byte counts.
 """
 
 from __future__ import annotations
@@ -281,37 +278,37 @@ def check_fixed_ring_all_reduce(fn: Callable[[torch.Tensor], torch.Tensor], worl
     return run_check("fixed_ring_all_reduce", body)
 
 
+POINT_TO_POINT = (*(f"course_lib.comm.{name}" for name in ("send", "recv", "isend", "irecv", "_TimedWork")),
+                  "course_lib.comm.chunk_numels")
+"""The comm layer's messages (and the handles its isend/irecv return) and the chunk rule: what a collective built
+from messages may use."""
+
 EXERCISES = [
     Exercise("ring_reduce_scatter", "Ring reduce-scatter from send/recv", 4, "ring_reduce_scatter",
              check_ring_reduce_scatter,
              hidden=[{"world_size": 2, "shape": (7,), "seed": 1}, {"world_size": 3, "shape": (4, 5), "seed": 2},
                      {"world_size": 4, "shape": (1003,), "seed": 3}],
-             off_limits=("course_lib.runtime.collectives.ring_reduce_scatter",
-                         "course_lib.runtime.collectives.ring_reduce_scatter_chunks")),
+             allowed=POINT_TO_POINT),
     Exercise("ring_all_gather", "Ring all-gather from send/recv", 3, "ring_all_gather", check_ring_all_gather,
              hidden=[{"world_size": 2, "numel": 5, "seed": 1}, {"world_size": 3, "numel": 1000, "seed": 2},
                      {"world_size": 4, "numel": 4, "seed": 3},
                      {"world_size": 3, "numel": 8, "seed": 4, "dtype": "float64"},
                      {"world_size": 2, "numel": 7, "seed": 5, "dtype": "int32"}],
-             off_limits=("course_lib.runtime.collectives.ring_all_gather",
-                         "course_lib.runtime.collectives.ring_all_gather_chunks")),
+             allowed=POINT_TO_POINT),
     Exercise("ring_all_reduce_bytes", "Exact bytes of a ring all-reduce", 2, "ring_all_reduce_bytes",
              check_ring_all_reduce_bytes,
              hidden=[{"cases": ((1, 4, 1), (7, 4, 2), (11, 2, 3), (3, 4, 5), (4096, 4, 4), (1001, 2, 7),
                                 (6_738_415_616, 2, 64))}],
-             off_limits=("course_lib.comm.ring_bytes", "course_lib.estimates.cost.collective_bytes_per_rank")),
+             allowed=("course_lib.comm.chunk_numels",)),
     Exercise("pairwise_all_to_all", "All-to-all by pairwise exchange", 3, "pairwise_all_to_all",
              check_pairwise_all_to_all,
              hidden=[{"world_size": 2, "block": (5,), "seed": 1}, {"world_size": 3, "block": (2, 3), "seed": 2}],
-             off_limits=("course_lib.runtime.collectives.all_to_all",
-                         "course_lib.runtime.collectives.all_to_all_single")),
+             allowed=POINT_TO_POINT),
     Exercise("fixed_ring_all_reduce", "Find the bug: a ring all-reduce", 3, "fixed_ring_all_reduce",
              check_fixed_ring_all_reduce,
              hidden=[{"world_size": 2, "numel": 6, "seed": 1}, {"world_size": 3, "numel": 999, "seed": 2},
                      {"world_size": 4, "numel": 4, "seed": 3}],
-             off_limits=("course_lib.runtime.collectives.ring_all_reduce",
-                         "course_lib.runtime.collectives.ring_reduce_scatter",
-                         "course_lib.runtime.collectives.ring_all_gather")),
+             allowed=POINT_TO_POINT),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

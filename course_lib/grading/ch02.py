@@ -1,27 +1,18 @@
 """Chapter 02 — data parallelism.
 
-1. ``assign_buckets(sizes, cap)``: DDP's bucket assignment. ``sizes``: gradient bytes of each parameter in
-   *definition* order; buckets are filled in *reverse* order (backward produces the last layers' gradients
-   first), a bucket closes as soon as it holds at least ``cap`` bytes (so it may exceed the cap by its last
-   tensor; ``cap = 0`` gives one bucket per tensor). Returns lists of indices into ``sizes``. Checked against
-   ``course_lib.parallel.dp.assign_buckets``.
-2. ``average_gradients(model, group=None)``: after a local backward, all-reduce every ``.grad`` over ``group``
-   and divide by its size (parameters without a gradient are skipped). Checked on real ranks (2 and 4, inside
-   sub-groups, with a frozen parameter) against the gradient of one process on the group's rows.
-3. ``accumulation_step(model, optimizer, micro)``: one optimizer step of a ``dp.DataParallel`` model over the
-   micro-batches ``micro`` — all but the last under ``no_sync()``, each loss divided by their number,
-   ``finish_gradient_sync()``, ``optimizer.step()`` — returning this rank's mean loss. Checked on real ranks
-   against ``train_baseline`` (SGD, which exposes a missing 1/m), and its all-reduces counted: one per bucket,
-   on the last micro-batch only.
-4. ``dp_bytes_per_step(n_params, bytes_per_grad, n, accumulation)``: bytes one rank sends per optimizer step in
-   the ring all-reduce of the gradients, 2 (N-1)/N x V, whatever the number of micro-batches.
-5. ``overlap_buckets(params, buckets)``: the overlapped mode itself. Installs post-accumulate-grad hooks that launch
-   one asynchronous all-reduce per bucket, in bucket order, as soon as the bucket is complete, and returns
-   ``finish()``, which waits, averages and writes the gradients back. Checked on real ranks: the all-reduces are
-   counted and sized where the process group sees them (one per bucket, in order, all during backward, none in
-   ``finish()``), and the gradients compared with one process.
-6. ``fixed_overlap_buckets(params, buckets)``: find the bug in a given version of 5 that is right for one step
-   only; the same check, over several steps.
+1. ``assign_buckets(sizes, cap)``: DDP's bucket assignment, lists of indices; exact, on empty, single, capped and
+   uncapped cases.
+2. ``average_gradients(model, group=None)``: on real ranks (2 and 4, inside sub-groups, with a frozen parameter),
+   every ``.grad`` must be one process's gradient on the group's rows, identical on the group's ranks.
+3. ``accumulation_step(model, optimizer, micro)``: one optimizer step of a ``dp.DataParallel`` model over this
+   rank's micro-batches (1 to 4); losses and parameters against one process with SGD, replicas identical, and the
+   all-reduces counted per step.
+4. ``dp_bytes_per_step(n_params, bytes_per_grad, n, accumulation)``: bytes one rank sends per optimizer step.
+5. ``overlap_buckets(params, buckets)``: gradient hooks and a ``finish()``; on real ranks, each all-reduce is seen
+   where the process group sees it (its size, its bucket, its order, whether backward was still running, whether
+   anything waited) over several steps, buckets completing in and out of order, and every gradient compared with
+   one process's.
+6. ``fixed_overlap_buckets(params, buckets)`` (find the bug): the check of 5, over more steps.
 
 Launched checks run the learner's function (shipped by cloudpickle, as a notebook cell's) on ``world_size`` gloo
 ranks through ``course_lib.runtime.launch`` with a time limit, so a hang fails the check with where each rank waited.
@@ -390,30 +381,30 @@ def check_overlap_buckets(fn: Callable[..., Any], world_size: int = 2, seed: int
 EXERCISES = [
     Exercise("assign_buckets", "DDP's bucket assignment", 3, "assign_buckets", check_assign_buckets,
              hidden=[{"cases": (((10, 20, 30), 1000), ((), 25), ((5, 5, 5, 5, 5), 10), ((1, 2, 3, 4, 5, 6, 7), 6),
-                                ((8, 8, 8), 8), ((100,), 1))}],
-             off_limits=("course_lib.parallel.dp.assign_buckets",)),
+                                ((8, 8, 8), 8), ((100,), 1))}]),
     Exercise("average_gradients", "All-reduce and average the gradients", 3, "average_gradients",
              check_average_gradients,
              hidden=[{"world_size": 2, "seed": 1}, {"world_size": 4, "groups": 2, "seed": 2},
                      {"world_size": 2, "freeze": ("pos_emb.weight",), "seed": 3}],
-             off_limits=("course_lib.parallel.dp.DataParallel",)),
+             allowed=("course_lib.comm",)),
     Exercise("accumulation_step", "A gradient-accumulation step with no_sync", 4, "accumulation_step",
              check_accumulation_step,
              hidden=[{"world_size": 4, "accumulation": 2, "seed": 1}, {"world_size": 2, "accumulation": 4, "seed": 2},
-                     {"world_size": 2, "accumulation": 1, "seed": 3}]),
+                     {"world_size": 2, "accumulation": 1, "seed": 3}],
+             allowed=("course_lib.comm", "course_lib.model.lm_loss", *(f"course_lib.parallel.dp.DataParallel.{name}"
+                                                                     for name in ("forward", "no_sync",
+                                                                                  "finish_gradient_sync")))),
     Exercise("dp_bytes_per_step", "Bytes per rank and optimizer step", 2, "dp_bytes_per_step",
              check_dp_bytes_per_step,
-             hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}],
-             off_limits=("course_lib.estimates.accounting.allreduce_bytes_per_rank",
-                         "course_lib.estimates.cost.collective_bytes_per_rank")),
+             hidden=[{"cases": ((1, 4, 1, 1), (133_760, 4, 2, 2), (123, 2, 3, 8), (70_553_706_496, 2, 1024, 16))}]),
     Exercise("overlap_buckets", "Overlapped, bucketed gradient hooks", 4, "overlap_buckets", check_overlap_buckets,
              hidden=[{"world_size": 4, "seed": 1}, {"world_size": 2, "seed": 2, "steps": 3},
                      {"world_size": 2, "seed": 3, "order": "last_first"}],
-             off_limits=("course_lib.parallel.dp.DataParallel", "course_lib.parallel.dp.assign_buckets")),
+             allowed=("course_lib.comm",)),
     Exercise("fixed_overlap_buckets", "Find the bug: overlap that works for one step", 3, "fixed_overlap_buckets",
              check_overlap_buckets, visible={"steps": 3},
              hidden=[{"world_size": 4, "seed": 1, "steps": 3}, {"world_size": 2, "seed": 2, "steps": 4}],
-             off_limits=("course_lib.parallel.dp.DataParallel",)),
+             allowed=("course_lib.comm",)),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

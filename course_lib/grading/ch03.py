@@ -1,26 +1,18 @@
 """Chapter 03 — ZeRO and FSDP, checked on real ranks.
 
-1. ``shard_range(numel, world_size, rank)``: the owner rule with padding. A unit of ``numel`` elements is padded to
-   a multiple of N; rank r owns the contiguous range [r S, (r+1) S), S = padded / N
-   (``course_lib.parallel.zero.FlatLayout``).
-2. ``zero1_sgd_step(param, grad, state, lr, momentum)``: one ZeRO-1 step of SGD with momentum on one rank. Every
-   rank holds the full flat ``param`` (its numel a multiple of N) and its own local ``grad``; the step must
-   average the gradients over ranks, update only this rank's shard, keep only this shard's momentum in
-   ``state["momentum_buffer"]``, and all-gather so that every rank ends with the full updated ``param``.
-   Checked against single-process SGD (``torch.optim.SGD`` semantics: the first step's buffer is the gradient)
-   over several steps, and on the wire: a reduce-scatter plus an all-gather, 2 (N-1)/N x V bytes per step.
-3. ``gather_unit(shard, numel, shapes)``: rebuild an FSDP unit's parameters from each rank's shard of the
-   padded flat buffer: one all-gather into one buffer, and the parameters as *views* of it (so that one
-   storage resize frees the whole unit), (N-1)/N x V bytes.
-4. ``grad_shard(grad)``: find the bug in a colleague's gradient reduce-scatter (the shard size rounded up with
-   ``numel // N + 1``, one element too many per shard when N divides numel, so every rank's range is off) and fix
-   it: this rank's shard [r S, (r+1) S) of the gradient averaged over ranks, in the input's dtype, with one
-   reduce-scatter of the padded buffer, (N-1)/N x V bytes.
+1. ``shard_range(numel, world_size, rank)``: the (start, end) a rank owns, two ints, for every rank of sizes that
+   the world size divides and does not, up to 6.7e9 elements.
+2. ``zero1_sgd_step(param, grad, state, lr, momentum)``: one ZeRO-1 step of SGD with momentum; over several steps,
+   every rank's ``param`` against single-process SGD (``torch.optim.SGD`` semantics) on the averaged gradient, the
+   momentum kept in ``state["momentum_buffer"]`` against this rank's shard of one process's, and the bytes sent.
+3. ``gather_unit(shard, numel, shapes)``: an FSDP unit's parameters from the ranks' shards; exact values in the
+   shard's dtype, the storage the returned tensors share, the shard left unchanged, and the bytes sent.
+4. ``grad_shard(grad)`` (find the bug): this rank's shard of the gradient averaged over ranks, in the input's
+   dtype and length, on sizes the world size divides and does not, float32 and float64.
 
-On the ranks every collective call is counted (``torch.distributed.ProcessGroup`` methods, which ``dist.*``,
+On the ranks every collective is counted (``torch.distributed.ProcessGroup`` methods, which ``dist.*``,
 ``course_lib.comm`` and point-to-point messages all end in), with the bytes a rank sends under the ring algorithm
-(chapter 01), exactly: the buffers here are multiples of N. All-reduce, broadcast and the other collectives are
-refused with a message: ZeRO moves gradients with a reduce-scatter and parameters with an all-gather.
+(chapter 01), exactly. All-reduce, broadcast and the other collectives are refused with a message.
 """
 
 from __future__ import annotations
@@ -325,24 +317,23 @@ def check_grad_shard(fn: Callable[[torch.Tensor], torch.Tensor], world_size: int
 
 EXERCISES = [
     Exercise("shard_range", "Owner rule with padding", 2, "shard_range", check_shard_range,
-             hidden=[{"cases": ((1, 1), (7, 2), (9, 3), (2, 8), (1000, 7), (43791, 4), (6_738_415_616, 64))}],
-             off_limits=("course_lib.parallel.zero_unit.shard_bounds", "course_lib.parallel.zero_unit.FlatLayout")),
+             hidden=[{"cases": ((1, 1), (7, 2), (9, 3), (2, 8), (1000, 7), (43791, 4), (6_738_415_616, 64))}]),
     Exercise("zero1_sgd_step", "A ZeRO-1 optimizer step on real ranks", 4, "zero1_sgd_step", check_zero1_sgd_step,
              hidden=[{"world_size": 2, "numel": 10, "steps": 3, "seed": 1},
                      {"world_size": 3, "numel": 9, "steps": 2, "lr": 0.05, "momentum": 0.5, "seed": 2},
                      {"world_size": 4, "numel": 1000, "steps": 2, "seed": 3}],
-             off_limits=("course_lib.parallel.zero.ZeroDataParallel",)),
+             allowed=("course_lib.comm",)),
     Exercise("gather_unit", "Gather an FSDP unit as views of one buffer", 3, "gather_unit", check_gather_unit,
              hidden=[{"world_size": 2, "shapes": ((5,), (2, 3)), "seed": 1},
                      {"world_size": 3, "shapes": ((4, 4), (1,), (3,)), "seed": 2},
                      {"world_size": 4, "shapes": ((33, 33), (65,)), "seed": 3},
                      {"world_size": 2, "shapes": ((3, 3), (5,)), "seed": 4, "dtype": "float64"}],
-             off_limits=("course_lib.parallel.zero_unit.FlatParamUnit", "course_lib.parallel.zero_unit.FlatLayout")),
+             allowed=("course_lib.comm",)),
     Exercise("grad_shard", "Find the bug: the gradient reduce-scatter", 3, "grad_shard", check_grad_shard,
              hidden=[{"world_size": 2, "cases": (2, 7, 1), "seed": 1},
                      {"world_size": 3, "cases": (9, 3, 11), "seed": 2},
                      {"world_size": 4, "cases": (8780, 17457), "seed": 3}],
-             off_limits=("course_lib.parallel.zero_unit.FlatParamUnit",)),
+             allowed=("course_lib.comm",)),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -1,25 +1,17 @@
-"""Chapter 04 — tensor parallelism. Every exercise runs the learner's code on real gloo ranks.
+"""Chapter 04 — tensor parallelism. Every exercise runs the learner's code on real gloo ranks (2 and 4) and
+compares it with one process; communication is read from ``course_lib.comm``'s log.
 
-1. ``sp_region(x, norm_w, w1, b1, w2, b2)``: a sequence-parallel region (Korthikanti et al. 2022) on real ranks:
-   x is this rank's sequence shard [b, s/t, h]; RMSNorm on the shard (replicated ``norm_w``), g-bar (all-gather
-   along the sequence forward, reduce-scatter backward), the column -> row GELU MLP from this rank's shards, g
-   (reduce-scatter forward, all-gather backward), then the replicated ``b2`` on the shard. The replicated
-   parameters' gradients (``norm_w``, ``b2``) are all-reduced over the ranks in backward (forgetting it leaves
-   each rank with its own tokens' gradient: the copies drift apart). Checked: output shard, every gradient, the
-   comm log (a second backward all-gather, re-gathering a saved shard as the library does, is allowed).
-2. ``vocab_parallel_embedding(ids, weight)``: Megatron-LM's ``VocabParallelEmbedding`` on ranks: ``weight`` holds rows
-   [r V/t, (r+1) V/t) of the table; ids outside the shard look up nothing (masked to zero), one all-reduce (g) of
-   the b*s*h output forward, nothing backward (the output's gradient is the same on every rank). Checked: the
-   output, the shard's gradient vs its rows of one process's, the comm log; the ids include every shard edge.
-3. ``gqa_attention(x, wq, wk, wv, wo, n_head=, n_kv_head=)``: causal grouped-query attention (Ainslie et al.
-   2023) split by heads, f in and g out; the K/V heads placed as Megatron-LM does (``kv_heads_of_rank``: split
-   when t divides n_kv_head, else each head replicated on t / n_kv ranks). A replicated head's gradient is summed
-   over the ranks that hold it (a group of t / n_kv, not all t). Checked: output, input and every shard's
-   gradient vs one process, and the comm log (group sizes included).
-4. ``vocab_parallel_cross_entropy(logits, targets)``: mean cross-entropy from this rank's vocabulary shard
-   [..., V/t] (rank r holds columns [r V/t, (r+1) V/t)); exactly three ``comm.all_reduce`` calls of b*s fp32
-   values forward (max, target logit, sum of exponentials) and no gathered logits; stable for logits x 1000;
-   gradient of each shard = the slice of the single-process gradient.
+1. ``sp_region(x, norm_w, w1, b1, w2, b2)``: a sequence-parallel region (Korthikanti et al. 2022). Checked: each
+   rank's output shard, the gradient of x and of every parameter (the replicated ones included), and the kind and
+   size of each collective forward and backward.
+2. ``vocab_parallel_embedding(ids, weight)``: a vocabulary-parallel embedding (Shoeybi et al. 2019). Checked: the
+   output on every rank, the shard's gradient against its rows of one process's, ids left unchanged, and the
+   collectives forward and backward; the ids include the first and last id of every shard.
+3. ``gqa_attention(x, wq, wk, wv, wo, n_head=, n_kv_head=)``: causal grouped-query attention (Ainslie et al. 2023)
+   split by heads, with t dividing n_kv_head and n_kv_head dividing t. Checked: the output, the gradients of x
+   and of every shard, and each collective's size and group size.
+4. ``vocab_parallel_cross_entropy(logits, targets)``: the mean cross-entropy from this rank's vocabulary shard.
+   Checked: the loss (finite for logits x 1000), each shard's gradient, and the forward's collectives.
 """
 
 from __future__ import annotations
@@ -393,36 +385,28 @@ def check_vocab_parallel_cross_entropy(fn: Callable, world_size: int = 2, n: int
     return run_check("vocab_parallel_cross_entropy", body)
 
 
-SP_OFF_LIMITS = (
-    *(f"course_lib.parallel.tp_comm.{name}" for name in (
-        "GatherFromSequenceParallelRegion", "ReduceScatterToSequenceParallelRegion",
-        "ScatterToSequenceParallelRegion", "SequenceParallelLinears", "sequence_parallel_linears",
-        "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-        "scatter_to_sequence_parallel_region", "all_gather_along", "reduce_scatter_along")),
-    "course_lib.parallel.tp_layers.enter_tp_region", "course_lib.parallel.tp_layers.leave_tp_region",
-    "course_lib.parallel.tp_layers.TensorParallelMLP")
-"""The library's SP region pieces: the exercise's answer."""
 
 EXERCISES = [
     Exercise("sp_region", "A sequence-parallel region on ranks", 4, "sp_region", check_sp_region,
              hidden=[{"world_size": 4, "shape": (1, 8, 16), "seed": 2},
                      {"world_size": 2, "shape": (3, 4, 8), "seed": 7}],
-             off_limits=SP_OFF_LIMITS),
+             allowed=("course_lib.comm",)),
     Exercise("vocab_parallel_embedding", "A vocabulary-parallel embedding on ranks", 3, "vocab_parallel_embedding",
              check_vocab_parallel_embedding,
              hidden=[{"world_size": 4, "vocab": 32, "h": 4, "ids_shape": (3, 4), "seed": 3},
                      {"world_size": 2, "vocab": 6, "h": 3, "ids_shape": (1, 7), "seed": 8}],
-             off_limits=("course_lib.parallel.tp_layers.VocabParallelEmbedding",)),
+             allowed=("course_lib.comm", "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
     Exercise("gqa_attention", "TP attention with GQA: where the K/V heads go", 4, "gqa_attention",
              check_gqa_attention,
              hidden=[{"world_size": 4, "n_head": 8, "n_kv_head": 1, "shape": (1, 6, 16), "seed": 4},
                      {"world_size": 2, "n_head": 12, "n_kv_head": 6, "shape": (2, 4, 24), "seed": 9}],
-             off_limits=("course_lib.parallel.tp_layers.TensorParallelAttention",)),
+             allowed=("course_lib.comm", "course_lib.parallel.tp_comm.copy_to_tensor_parallel_region",
+                      "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
     Exercise("vocab_parallel_cross_entropy", "Vocab-parallel cross-entropy", 3, "vocab_parallel_cross_entropy",
              check_vocab_parallel_cross_entropy,
              hidden=[{"world_size": 4, "n": 12, "vocab": 32, "scale": 1000.0, "seed": 5},
                      {"world_size": 2, "n": 1, "vocab": 8, "seed": 6}],
-             off_limits=("course_lib.parallel.tp_layers.vocab_parallel_cross_entropy",)),
+             allowed=("course_lib.comm",)),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -1,24 +1,17 @@
 """Chapter 05 — pipeline parallelism: two schedules, two steps on real ranks, and a bug to find in one of them.
 
-1. ``one_f_one_b_order(p, m, rank)``: the compute actions of one rank under 1F1B (PipeDream-flush, Narayanan et al.
-   2021), as strings "F3" / "B3", checked against ``course_lib.parallel.schedules.one_f_one_b``.
-2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.parallel.schedules`` data, one list of
-   ``Action`` per rank, backward split in I and W. Any schedule is accepted that ``validate`` accepts, uses
-   I and W (no B), and, simulated with F = I = W = 1, has ZB-H1's bubble (p-1)/(3m+p-1) with at most min(p, m)
-   micro-batches in flight per rank (1F1B's memory): the library's order is one of several.
-3. ``deep_pipeline_step(stage, x, y, m)``: one training step of a p-stage 1F1B pipeline (p = 3 visible, 2 and 4
-   hidden, m < p included) on real ranks with point-to-point messages: the middle ranks receive and send both ways.
-   Checked against the single-process gradients of the batch mean, and on the wire: every message is one float32
-   [b, s, h] activation (forward) or its gradient (backward), and each rank's (send|recv, peer) sequence follows
-   1F1B's actions (``expected_messages``: at F receive from r-1, send to r+1; at B receive from r+1, send to r-1).
-   Collectives are refused: a pipeline only talks to its neighbours.
-4. ``gpipe_step(stage, x, y, m)``: find the bug in a colleague's GPipe step on two ranks (the last stage
-   divides each micro-batch loss by the micro-batch's rows b instead of by m, so the gradients of *both* stages are
-   m/b times too large) and fix it; the same check as 3 on p = 2 with GPipe's order (all forwards, then all
-   backwards).
-5. ``shape_that_hides_the_bug()``: a (batch, m), m >= 2, for which the colleague's step of 4 passes parity: the
-   bug is a factor m/b, invisible exactly when b = batch / m = m, i.e. batch = m^2 (the notebook also runs the
-   colleague's step on the shape, on ranks, to show it).
+1. ``one_f_one_b_order(p, m, rank)``: one rank's compute actions under 1F1B (Narayanan et al. 2021) as "F3" / "B3"
+   strings, exact, for every rank of several (p, m), m < p included.
+2. ``zb_h1_schedule(p, m)``: a ZB-H1 schedule (Qi et al. 2023) as ``course_lib.parallel.schedules`` data. Any
+   schedule passes that ``validate`` accepts, has no B, and, simulated with F = I = W = 1, has ZB-H1's bubble
+   (p-1)/(3m+p-1) with 1F1B's memory (at most min(p, m) micro-batches in flight per rank).
+3. ``deep_pipeline_step(stage, x, y, m)``: one 1F1B training step on p real ranks (3 visible; 2 and 4 hidden,
+   m < p included). Checked: every stage's gradients against one process's for the full-batch mean loss, the
+   returned losses, and every rank's messages in order (peer, size, dtype; ``expected_messages``). Collectives
+   are refused.
+4. ``gpipe_step(stage, x, y, m)`` (find the bug): the same check on two ranks, in GPipe's order.
+5. ``shape_that_hides_the_bug()``: a (batch, m), m >= 2, on which the colleague's step of 4 passes parity (the
+   notebook then runs the colleague's step on it, ungraded, to show it).
 """
 
 from __future__ import annotations
@@ -226,7 +219,7 @@ def check_gpipe_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: i
 
 
 def check_shape_that_hides_the_bug(fn: Callable[[], tuple[int, int]]) -> CheckResult:
-    """``fn()`` = (batch, m), ints, m >= 2, m divides batch, and the colleague's factor m / b = 1: batch = m^2."""
+    """``fn()`` = (batch, m), ints, m >= 2, m divides batch, on which the colleague's step passes its check."""
     def body() -> str:
         got = fn()
         if not (isinstance(got, tuple) and len(got) == 2 and all(type(v) is int for v in got)):
@@ -255,28 +248,25 @@ def check_colleague_on_shape(colleague: Callable[..., Any], shape_fn: Callable[[
     return run_check("the colleague's step on your shape", body)
 
 
-PIPELINE_OFF_LIMITS = ("course_lib.parallel.pp.PipelineParallel", "course_lib.parallel.oracles.TorchPipeline",
-                       "course_lib.parallel.runs.train_pp", "course_lib.parallel.pp_executor.PipelineExecutor",
-                       "torch.distributed.pipelining.Schedule1F1B", "torch.distributed.pipelining.ScheduleGPipe",
-                       "torch.distributed.pipelining.PipelineStage")
-"""The library's pipeline runners, and PyTorch's: each runs the whole step."""
+SCHEDULE_DATA = ("course_lib.parallel.schedules.Action", "course_lib.parallel.schedules.Kind")
+"""A schedule as the library's data: its actions and their kinds."""
+STAGE_STEP = ("course_lib.comm", "course_lib.model.lm_loss", "course_lib.parallel.pp_stages.Stage", *SCHEDULE_DATA)
+"""What a training step on pipeline stages is given: the comm layer, the loss, the stages, the schedule's data."""
 
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
-             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}],
-             off_limits=("course_lib.parallel.schedules.one_f_one_b",
-                         "course_lib.parallel.schedules.interleaved_one_f_one_b")),
+             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}]),
     Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
              check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}],
-             off_limits=("course_lib.parallel.schedules.zb_h1",)),
+             allowed=SCHEDULE_DATA),
     Exercise("deep_pipeline_step", "One 1F1B step on p real ranks: the middle ranks", 5, "deep_pipeline_step",
              check_deep_pipeline_step,
              hidden=[{"p": 4, "m": 2, "batch": 6, "seed": 1}, {"p": 2, "m": 3, "batch": 6, "seed": 3}],
-             off_limits=PIPELINE_OFF_LIMITS),
+             allowed=(*STAGE_STEP, "course_lib.parallel.schedules.one_f_one_b")),
     Exercise("gpipe_step", "Find the bug: a GPipe step on two real ranks", 4, "gpipe_step", check_gpipe_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
                      {"m": 4, "batch": 12, "seed": 3}, {"m": 3, "batch": 6, "seed": 4}],
-             off_limits=PIPELINE_OFF_LIMITS),
+             allowed=STAGE_STEP),
     Exercise("shape_that_hides_the_bug", "Predict: the shape where the colleague's bug passes", 2,
              "shape_that_hides_the_bug", check_shape_that_hides_the_bug),
 ]

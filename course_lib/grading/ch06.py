@@ -1,20 +1,18 @@
 """Chapter 06 — context parallelism.
 
-1. ``merge_partials(out1, lse1, out2, lse2)``: two partial attention results merged by the log-sum-exp rule
-   (online softmax, Milakov & Gimelshein 2018), stable for large scores, no NaN for fully masked rows.
-2. ``zigzag_positions(seq_len, cp, rank)``: the global positions rank r holds under the zig-zag layout (chunks r
-   and 2cp - 1 - r of 2cp), int64; ValueError when the sequence does not split into 2cp equal chunks.
-3. ``ring_step(q, q_pos, kv, kv_pos, out, lse, group)``: one step of ring attention on real ranks: pass the held
-   K,V block on (isend to the next rank, irecv from the previous), attend to it with the causal mask from global
-   positions, merge, return the received block. Checked by running cp steps against full attention.
-4. Find the bug: a ``BlockAttention`` subclass whose block backward recomputes P with the block's own softmax
-   instead of the whole row's lse (right on one rank, wrong on two); the fix writes ``backward`` itself.
-5. ``ulysses_attention(q, k, v)``: DeepSpeed-Ulysses (Jacobs et al. 2023) on real ranks: q [b, s/cp, H, d], k and
-   v [b, s/cp, H_kv, d] (rank r's contiguous tokens), an all-to-all to head-sharded [b, s, H/cp, d] (rank r keeps
-   heads [r H/cp, (r+1) H/cp) of every token, K/V heads the same way), causal attention over the whole sequence
-   (GQA: query head j reads K/V head j // (H / H_kv)), and an all-to-all back to [b, s/cp, H, d]. Checked: the
-   output shard and q, k, v's gradients against full attention, and only all-to-alls through ``course_lib.comm``
-   moving (2H + 2H_kv) b (s/cp) d fp32 values each way (forward and backward).
+1. ``merge_partials(out1, lse1, out2, lse2)``: two partial attention results merged; checked against full
+   attention and its log-sum-exp for large scores, split points and head counts, and rows fully masked in one
+   block or in both (finite, no NaN).
+2. ``zigzag_positions(seq_len, cp, rank)``: the global positions a rank holds under the zig-zag layout, int64,
+   exact; lengths that do not split must raise ``ValueError``.
+3. ``ring_step(q, q_pos, kv, kv_pos, out, lse, group)``: one ring-attention step on real ranks; cp steps run
+   against full causal attention, in one ring and in two rings of sub-groups, zig-zag and contiguous layouts, and
+   the order of each step's transfers, attention and waits is watched.
+4. ``FixedKernel`` (find the bug): a block-attention kernel whose ``backward`` the ring calls; the gradients of
+   ring attention on 2 and 4 ranks against full attention.
+5. ``ulysses_attention(q, k, v)``: DeepSpeed-Ulysses (Jacobs et al. 2023) on real ranks, GQA included; the output
+   shard and the gradients of q, k and v against full attention, and the collectives (all-to-alls through
+   ``course_lib.comm`` only) and their bytes each way.
 """
 
 from __future__ import annotations
@@ -341,30 +339,23 @@ def check_ulysses_attention(fn: Callable, world_size: int = 2, b: int = 2, seq: 
 
 EXERCISES = [
     Exercise("merge_partials", "Merge two partial attention results by log-sum-exp", 3, "merge_partials",
-             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}],
-             off_limits=("course_lib.parallel.cp_attention.BlockAttention.merge",)),
+             check_merge_partials, hidden=[{"scales": (0.5, 300.0), "seed": 3, "split": 7, "heads": 3}]),
     Exercise("zigzag_positions", "Zig-zag chunk assignment and positions", 2, "zigzag_positions",
-             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}],
-             off_limits=("course_lib.parallel.cp_attention.positions",
-                         "course_lib.parallel.cp_attention.all_positions",
-                         "course_lib.parallel.cp_attention.chunk_ids",
-                         "course_lib.parallel.cp_attention.check_sequence",
-                         "course_lib.parallel.cp_attention.shard_sequence")),
+             check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}]),
     Exercise("ring_step", "One ring-attention step on real ranks", 4, "ring_step", check_ring_step,
              hidden=[{"world_size": 4, "seq": 24, "seed": 2, "layout": "zigzag"},
                      {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"},
                      {"world_size": 4, "seq": 12, "seed": 6, "layout": "contiguous", "rings": 2}],
-             off_limits=("course_lib.parallel.cp_attention.ring_attention",
-                         "course_lib.parallel.cp_attention.RingAttentionFunction")),
+             allowed=("course_lib.comm", "course_lib.parallel.cp_attention.BlockAttention.forward")),
     Exercise("fixed_kernel", "Find the bug: the ring backward's probabilities", 3, "FixedKernel", check_fixed_kernel,
              hidden=[{"world_size": 4, "seq": 24, "seed": 4}],
-             off_limits=("course_lib.parallel.cp_attention.BlockAttention.backward",)),
+             allowed=tuple(f"course_lib.parallel.cp_attention.BlockAttention.{name}" for name in (
+                 "forward", "merge", "mask", "kv_for_backward_step"))),
     Exercise("ulysses_attention", "Ulysses: re-split by heads with all-to-alls", 4, "ulysses_attention",
              check_ulysses_attention,
              hidden=[{"world_size": 4, "b": 1, "seq": 8, "heads": 8, "kv_heads": 4, "seed": 3},
                      {"world_size": 2, "b": 3, "seq": 6, "heads": 4, "kv_heads": 2, "seed": 5}],
-             off_limits=("course_lib.parallel.cp_ulysses", *(f"course_lib.parallel.cp_ulysses.{name}" for name in (
-                 "AllToAll", "UlyssesExchange", "ulysses_attention", "_all_to_all")))),
+             allowed=("course_lib.comm",)),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

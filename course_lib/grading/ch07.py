@@ -1,23 +1,17 @@
 """Chapter 07 — mixture of experts and expert parallelism.
 
-1. ``batch_priority_routing(logits, k, capacity_factor)``: top-k experts per token (decreasing score) and which
-   assignments the capacity C = ceil(cf T k / E) keeps when the queues fill by priority, not by position (V-MoE's
-   batch-priority routing, Riquelme et al. 2021): round by round (every first choice, then every second), within
-   a round by decreasing max router probability, ties to the earlier token.
-2. ``dispatch(x, expert, n_expert)`` on real ranks: send each row of ``x`` to the rank holding its expert
-   (E/world contiguous experts per rank) with a count exchange and one uneven ``all_to_all_single``; return the rows
-   received (by source rank, then by expert) and the counts [world, E/world].
-3. ``combine(y, counts, expert, token, weight, n_tokens)`` on real ranks: the way back. The experts' outputs ``y`` (in
-   the order the dispatch received the rows) return to their tokens' ranks by one uneven ``all_to_all_single`` (the
-   dispatch's splits swapped), and each token sums weight x output. Checked against the single-process ``MoE``
-   layer's output (capacity drops included), with every other collective and send/recv refused.
-4. ``load_balancing_loss(probs, chosen, alpha)``: the Switch / GShard loss alpha * E * sum_i f_i P_i, f_i over the
-   T*k assignments (exactly alpha for uniform routing).
-5. Find the bug in ``kept_counts(counts, capacity)``: kept assignments of every (rank, expert) under a global
-   capacity, the queue of each expert filled rank after rank (``course_lib.parallel.ep.kept_counts``).
-6. ``update_expert_bias(bias, chosen, rate)`` on real ranks: DeepSeek-V3's auxiliary-loss-free balancing,
-   b_i + rate * sign(mean load - load_i) with the loads of the *whole* batch (every rank's routed counts), so
-   every rank's bias is the single-process one (``MoE.balance_bias_``) and the replicas stay equal.
+1. ``batch_priority_routing(logits, k, capacity_factor)``: the chosen experts and the kept assignments under
+   batch-priority routing (Riquelme et al. 2021), exact, over several sizes, k and capacity factors.
+2. ``dispatch(x, expert, n_expert)`` on real ranks: the rows each rank receives, in order, and the counts, exact;
+   ranks with no rows and experts with none included.
+3. ``combine(y, counts, expert, token, weight, n_tokens)`` on real ranks: every rank's output against the
+   single-process ``MoE`` layer's for its tokens (capacity drops included, top-1 and top-2), with exactly one
+   ``all_to_all_single`` and every other collective and send/recv refused.
+4. ``load_balancing_loss(probs, chosen, alpha)``: the Switch / GShard auxiliary loss, its value and its gradient.
+5. ``kept_counts(counts, capacity)`` (find the bug): the kept assignments of every (rank, expert), exact, with and
+   without a capacity.
+6. ``update_expert_bias(bias, chosen, rate)`` on real ranks: DeepSeek-V3's auxiliary-loss-free bias update,
+   against the single-process one, identical on every rank, ranks with no tokens included.
 """
 
 from __future__ import annotations
@@ -395,15 +389,16 @@ EXERCISES = [
     Exercise("batch_priority_routing", "Batch-priority routing under capacity", 3, "batch_priority_routing",
              check_batch_priority_routing,
              hidden=[{"cases": ((32, 8, 2, 1.25), (10, 4, 1, 0.5), (9, 3, 3, 1.0), (7, 5, 2, 0.1)), "seed": 1},
-                     {"cases": ((12, 4, 2, 0.75), (16, 8, 2, 1.0)), "repeat": 3, "seed": 2}],
-             off_limits=("course_lib.moe.expert_positions",)),
+                     {"cases": ((12, 4, 2, 0.75), (16, 8, 2, 1.0)), "repeat": 3, "seed": 2}]),
     Exercise("dispatch", "Count exchange and uneven all-to-all dispatch", 4, "dispatch", check_dispatch,
              hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "seed": 1},
-                     {"world_size": 2, "rows": (0, 4), "n_expert": 2, "seed": 2}]),
+                     {"world_size": 2, "rows": (0, 4), "n_expert": 2, "seed": 2}],
+             allowed=("course_lib.comm",)),
     Exercise("combine", "The combine: the reverse all-to-all and the weighted sum", 4, "combine", check_combine,
              hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "capacity_factor": 0.5, "seed": 1},
                      {"world_size": 2, "rows": (0, 4), "n_expert": 2, "top_k": 1, "capacity_factor": None,
-                      "seed": 2}]),
+                      "seed": 2}],
+             allowed=("course_lib.comm",)),
     Exercise("load_balancing_loss", "The load-balancing loss", 3, "load_balancing_loss", check_load_balancing_loss,
              hidden=[{"cases": ((20, 8, 1), (12, 4, 3)), "alpha": 0.1, "seed": 1}]),
     Exercise("kept_counts", "Find the bug: capacity over ranks", 2, "kept_counts", check_kept_counts,
@@ -411,7 +406,8 @@ EXERCISES = [
     Exercise("update_expert_bias", "Auxiliary-loss-free balancing on ranks", 3, "update_expert_bias",
              check_expert_bias,
              hidden=[{"world_size": 4, "rows": (6, 0, 3, 9), "n_expert": 8, "rate": 1e-2, "seed": 1},
-                     {"world_size": 2, "rows": (0, 5), "n_expert": 2, "top_k": 1, "seed": 2}]),
+                     {"world_size": 2, "rows": (0, 5), "n_expert": 2, "top_k": 1, "seed": 2}],
+             allowed=("course_lib.comm",)),
 ]
 
 

@@ -1,26 +1,16 @@
-"""Chapter 08 — composing the axes: coordinates, groups, a mesh's constraints, and a bug on four ranks.
+"""Chapter 08 — composing the axes: coordinates, groups, a mesh's constraints, and steps on four ranks.
 
-1. ``coords_of(rank, degrees, order)``: the dense coordinates (tp, cp, dp, pp) of a rank for an axis order;
-   checked against ``course_lib.runtime.mesh.MeshShape.coords`` for every rank of several meshes and orders.
-2. ``group_of(rank, axes, degrees, order)``: the ranks of ``rank``'s group over ``axes`` (sorted); checked against
-   ``MeshShape.group_ranks``.
-3. ``mesh_problems(cfg, degrees, global_batch, micro_batch)``: the names of the constraints a mesh breaks for a
-   model and a batch (a set of strings); checked on meshes that break none, one and several.
-4. ``predict_mesh(cfg, degrees, gpu, global_batch, seq_len, micro_batch, zero_stage, efficiency)``: a mesh's
-   model-state bytes per GPU and its step time, from the stated formulas (``predict_mesh_spec``); checked against
-   the library's planner (``planner.predict``: ``memory.training_memory``'s exact per-stage count, and its time
-   model on links that cost nothing) within ``MEMORY_RTOL`` and ``TIME_RTOL``, on meshes with pp > 1, cp > 1 and
-   ZeRO-1/2/3.
-5. ``average_dp_gradients(params, mesh)``: find the bug in a colleague's DP x TP step (the data-parallel groups
-   built by hand from rank ids, right only when tp varies fastest) and fix it; run on 4 real ranks (dp=2 x tp=2,
-   both axis orders, visibly too), checked against one process after one SGD step.
-6. ``add_grad_reduce(schedule)``: pipeline x data parallelism as a schedule transform, one ``REDUCE_GRAD`` per
-   stage right after its last weight-gradient action (B, or W under zero bubble); checked as data on 1F1B,
-   interleaved and ZB-H1 schedules (with and without transfers), then on 4 real ranks: ``train_parallel`` on
-   ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with the learner's function as the pipeline's
-   ``place_grad_reduce``, against one process (``train_baseline``).
-7. ``place_parameter(name, shape, n_layer, parallel)``: where a parameter lives on a mesh and what its gradient
-   needs (``ch08_placement``), checked on 4 real ranks against the placements the library's transforms record.
+1. ``coords_of(rank, degrees, order)``: a rank's dense coordinates for an axis order; every rank of several meshes
+   and orders.
+2. ``group_of(rank, axes, degrees, order)``: the sorted ranks of a group over some axes; every rank and axis set.
+3. ``mesh_problems(cfg, degrees, global_batch, micro_batch)``: the names of the constraints a mesh breaks; on
+   meshes that break none, one and several.
+4. ``predict_mesh(...)``: a mesh's model-state bytes per GPU and step time (``ch08_predict``).
+5. ``average_dp_gradients(params, mesh)`` (find the bug): on 4 real ranks (dp=2 x tp=2, both axis orders), every
+   rank's parameters after one SGD step against one process's.
+6. ``add_grad_reduce(schedule)``: the gradient reduction as a schedule action (``ch08_pipeline``).
+7. ``place_parameter(name, shape, n_layer, parallel)``: where a parameter lives and what its gradient needs
+   (``ch08_placement``).
 """
 
 from __future__ import annotations
@@ -227,37 +217,37 @@ EXERCISES = [
     Exercise("coords_of", "Rank -> coordinates for an axis order", 3, "coords_of", check_coords_of,
              hidden=[{"meshes": (({"tp": 3, "cp": 1, "dp": 2, "pp": 2}, "cp-dp-tp-ep-pp"),
                                  ({"tp": 1, "cp": 4, "dp": 1, "pp": 2}, "tp-cp-ep-dp-pp"),
-                                 ({"tp": 2, "cp": 2, "dp": 2, "ep": 4}, "ep-cp-tp-dp-pp"))}],
-             off_limits=("course_lib.runtime.mesh.MeshShape.coords", "course_lib.runtime.mesh.MeshShape.table")),
+                                 ({"tp": 2, "cp": 2, "dp": 2, "ep": 4}, "ep-cp-tp-dp-pp"))}]),
     Exercise("group_of", "The ranks of a group over some axes", 3, "group_of", check_group_of,
              hidden=[{"meshes": (({"tp": 3, "cp": 2, "dp": 2, "pp": 1}, "dp-cp-tp-ep-pp"),
                                  ({"tp": 2, "cp": 2, "dp": 2, "ep": 4}, "cp-ep-tp-dp-pp")),
-                      "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}],
-             off_limits=("course_lib.runtime.mesh.MeshShape.group_ranks",
-                         "course_lib.runtime.mesh.MeshShape.all_groups")),
+                      "axes_list": (("cp",), ("tp", "cp", "dp"), ("dp", "pp"))}]),
     Exercise("mesh_problems", "Validate a mesh: which constraints break", 3, "mesh_problems", check_mesh_problems,
              hidden=[{"cases": ((GPTConfig(n_head=8, n_kv_head=1, d_model=64, seq_len=30, n_layer=6),
                                  {"tp": 2, "cp": 3, "pp": 4}, 12, 1),
                                 (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"pp": 2, "dp": 4}, 16, 2),
                                 (GPTConfig(n_head=8, d_model=64, seq_len=32, n_layer=6), {"cp": 4, "dp": 2}, 10, 1))}],
-             off_limits=("course_lib.runtime.mesh.MeshShape.validate",)),
+             allowed=("course_lib.model_config.GPTConfig",)),
     Exercise("predict_mesh", "Predict a mesh's memory and step time", 4, "predict_mesh", check_predict_mesh,
              hidden=[{"cases": (("llama3-8b", {"dp": 8, "tp": 2, "pp": 2}, planner.A100, 32, 2048, 1, 1, 0.4),
                                 ("llama2-70b", {"dp": 64, "tp": 8}, planner.A100, 512, 2048, 1, 3, 0.6),
                                 ("llama2-70b", {"dp": 4, "cp": 2, "tp": 8, "pp": 2}, planner.H100, 32, 2048, 1, 2,
                                  0.45))}],
-             off_limits=("course_lib.planner.search.predict", "course_lib.planner.search.plan")),
+             allowed=("course_lib.model_config.GPTConfig", "course_lib.model_config.param_count",
+                      "course_lib.estimates.hardware.GPU")),
     Exercise("average_dp_gradients", "Find the bug: DP x TP on four ranks", 5, "average_dp_gradients",
              check_average_dp_gradients, hidden=[{"orders": ("dp-tp-cp-ep-pp", "tp-dp-cp-ep-pp"), "batch": 8,
-                                                  "seed": 2}]),
+                                                  "seed": 2}],
+             allowed=("course_lib.comm", "course_lib.runtime.mesh.Mesh")),
     Exercise("add_grad_reduce", "Pipeline x data parallelism: the gradient reduction in the schedule", 5,
              "add_grad_reduce", check_add_grad_reduce,
              hidden=[{"cases": (("gpipe", 4, 4, 1), ("zb_h1", 2, 3, 1), ("interleaved", 4, 8, 2), ("zb_h1", 3, 6, 1)),
                       "ranks": (("zb_h1", 4, 1),)}],
-             off_limits=("course_lib.parallel.schedules.add_grad_reduce",)),
+             allowed=("course_lib.parallel.schedules.Action", "course_lib.parallel.schedules.Kind")),
     Exercise("place_parameter", "Where a parameter lives on a mesh, and what its gradient needs", 4,
              "place_parameter", check_place_parameter, hidden=[ch08_placement.HIDDEN],
-             off_limits=ch08_placement.OFF_LIMITS),
+             allowed=("course_lib.parallel.config.ParallelConfig.world_size", "course_lib.runtime.mesh.MeshShape.size",
+                      "course_lib.runtime.mesh.MeshShape.world_size")),
 ]
 
 guard_visible_checks(globals(), EXERCISES)

@@ -1,9 +1,10 @@
 """Chapter 08, exercise 6 — pipeline x data parallelism: the gradient reduction as a schedule action.
 
-``add_grad_reduce(schedule)``: one ``REDUCE_GRAD`` per stage right after its last weight-gradient action (B, or W
-under zero bubble); checked as data on 1F1B, interleaved and ZB-H1 schedules (with and without transfers), then on
-4 real ranks: ``train_parallel`` on ``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with the learner's
-function as the pipeline's ``place_grad_reduce``, against one process (``train_baseline``).
+``add_grad_reduce(schedule)``: checked as data on 1F1B, interleaved and ZB-H1 schedules, with and without
+transfers (the input unchanged, every other action kept in its order, one ``REDUCE_GRAD`` per stage at the place
+the text gives, on its micro-batch), then on 4 real ranks: ``train_parallel`` on
+``ParallelConfig(MeshShape(dp=2, pp=2), schedule="zb_h1")`` with the learner's function placing the reductions,
+against one process (``train_baseline``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Chapter 08, exercise 4 — a mesh's memory and step time, predicted.
 
-``predict_mesh(cfg, degrees, gpu, global_batch, seq_len, micro_batch, zero_stage, efficiency)``: a mesh's
-model-state bytes per GPU and its step time, from the stated formulas (``predict_mesh_spec``); checked against the
-library's planner (``planner.predict``: ``memory.training_memory``'s exact per-stage count, and its time model on
+``predict_mesh(cfg, degrees, gpu, global_batch, seq_len, micro_batch, zero_stage, efficiency)``: the model-state
+bytes per GPU and the step time, checked against the library's planner (``planner.predict``, its time model on
 links that cost nothing) within ``MEMORY_RTOL`` and ``TIME_RTOL``, on meshes with pp > 1, cp > 1 and ZeRO-1/2/3.
 """
 

@@ -1,23 +1,21 @@
 """Chapter 09 — serving.
 
-1. ``attend_over_cache(q, k_cache, v_cache, k_new, v_new)``: append the new K/V to the cache and attend the new
-   queries over it, causally (query i of n new ones sits at position T + i and sees keys 0 .. T + i).
-2. ``reserve_blocks(table, free, n_tokens, block_size)``: grow a paged sequence's block table to hold n_tokens,
-   taking blocks from the end of the free list; all or nothing.
-3. ``request_metrics(arrival_s, token_times)``: TTFT, the inter-token gaps, TPOT and end-to-end latency.
-4. ``tp_kv_heads(rank, t, n_head, n_kv)``: the KV heads a rank of a t-way TP group holds (replicated when t > n_kv),
-   checked by running tensor-parallel decode on real ranks against one rank.
-5. ``paged_decode(q, k_pool, v_pool, block_tables, seq_lens)`` (find the bug): one decode step of a batch over a
-   paged KV cache, vLLM's PagedAttention (Kwon et al. 2023): each sequence's query attends over its first
-   seq_lens[b] positions, gathered from the pool's blocks through its block table (a padded [B, max_blocks]
-   tensor); the colleague's version is right only while every sequence fits in one block.
-6. ``schedule_step(running, waiting, token_budget, max_batch, free_blocks, block_size)``: one step of a
-   continuous-batching scheduler with chunked prefill and preemption: decodes first, then running prefills, then
-   waiting requests (first come first served), all under a token budget, the batch limit and the free KV blocks;
-   when a running sequence's blocks do not fit, the most recently admitted sequence is preempted.
-7. ``verify_sampled(p, q, drafts, generator)``: speculative sampling's verification step, the rejection rule of
-   Leviathan et al. / Chen et al.; checked on fixed cases and by chi-square tests of the emitted tokens against
-   the target's distribution.
+1. ``attend_over_cache(q, k_cache, v_cache, k_new, v_new)``: the grown caches and the new queries' attention;
+   empty caches, several new tokens and GQA included.
+2. ``reserve_blocks(table, free, n_tokens, block_size)``: the block table and free list after a reservation, and
+   the verdict; refusals must change nothing.
+3. ``request_metrics(arrival_s, token_times)``: TTFT, inter-token gaps, TPOT and end-to-end latency as floats; a
+   request without tokens must raise ``ValueError``.
+4. ``tp_kv_heads(rank, t, n_head, n_kv)``: the KV heads a TP rank holds; tensor-parallel decode run on real ranks
+   with them must give one rank's tokens.
+5. ``paged_decode(q, k_pool, v_pool, block_tables, seq_lens)`` (find the bug): batched decode over a paged KV
+   cache (Kwon et al. 2023), each sequence's output against attention over its own positions, on sequences
+   shorter and longer than a block, GQA and MHA.
+6. ``schedule_step(running, waiting, token_budget, max_batch, free_blocks, block_size)``: one continuous-batching
+   scheduler step, the plan and the preempted ids, exact, over cases of decodes, prefills, admissions and
+   preemptions.
+7. ``verify_sampled(p, q, drafts, generator)``: speculative sampling's verification (Leviathan et al. / Chen et
+   al.); fixed cases, then chi-square tests of the emitted tokens against the target's distribution.
 """
 
 from __future__ import annotations
@@ -383,8 +381,7 @@ EXERCISES = [
              check_paged_decode,
              hidden=[{"lens": (9, 16, 2, 17, 1), "n_head": 8, "n_kv": 2, "block_size": 8, "seed": 1},
                      {"lens": (5, 3), "n_head": 4, "n_kv": 1, "block_size": 2, "seed": 2},
-                     {"lens": (33,), "n_head": 6, "n_kv": 6, "block_size": 16, "seed": 3}],
-             off_limits=("course_lib.serving.paged.PagedKVCache.read", "course_lib.serving.paged.PagedKVCache._where")),
+                     {"lens": (33,), "n_head": 6, "n_kv": 6, "block_size": 16, "seed": 3}]),
     Exercise("schedule_step", "A continuous-batching scheduler step: chunked prefill and preemption", 5,
              "schedule_step", check_schedule_step,
              hidden=[{"cases": (

@@ -1,22 +1,19 @@
 """Chapter 10 — failures at scale.
 
-1. ``checkpoint(mode, rank, folder, model, optimizer, scheduler, sampler)``, mode "save" or "load": a checkpoint on
-   disk that writes what every data-parallel rank holds alike **once** (rank 0) and what differs per rank on every
-   rank; checked on 2 real ranks: the run stopped and resumed equals the uninterrupted one bit for bit, and rank 1
-   writes no weights.
-2. ``simulated_goodput(interval_s, cost_s, mtbf_s, restart_s, work_s, generator)``: a Monte Carlo of a run with
-   checkpoints, exponential failures and restarts; checked against Daly's expected goodput within its statistical
-   error, without the library's simulation.
-3. ``train_prefetching(rank, world_size, settings, folder, attempt)`` (find the bug): a resumable loop that draws
-   the next batch while it saves; after a restart the curve leaves the uninterrupted one.
+1. ``checkpoint(mode, rank, folder, model, optimizer, scheduler, sampler)``: on 2 real ranks a run stopped, saved,
+   rebuilt and loaded must equal the uninterrupted one bit for bit, within the stated bytes on disk, with the
+   pieces every rank holds alike written once.
+2. ``simulated_goodput(interval_s, cost_s, mtbf_s, restart_s, work_s, generator)``: a simulated run's goodput
+   against Daly's expectation within its statistical error.
+3. ``train_prefetching(rank, world_size, settings, folder, attempt)`` (find the bug): resumed on 2 real ranks, the
+   losses must equal the uninterrupted run's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +23,15 @@ import torch.distributed as dist
 
 from course_lib.failures import checkpoint_interval
 from course_lib.failures.restart import RunSettings, batch_of, build, train_step
-from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_equal, launch_check, run_check
+from course_lib.grading.core import (
+    CheckFailed,
+    CheckResult,
+    Exercise,
+    expect_equal,
+    guard_visible_checks,
+    launch_check,
+    run_check,
+)
 
 GRADER_PARAMETERS = {"seed": 1}
 SETTINGS = RunSettings(steps=6, every=2, warmup=6)
@@ -89,37 +94,23 @@ def check_checkpoint(fn: Callable, world_size: int = 2, stop_at: int = 2,
     return run_check("checkpoint", body)
 
 
-@contextlib.contextmanager
-def _library_refused() -> Iterator[None]:
-    original = checkpoint_interval.simulate_goodput
-
-    def refused(*args: Any, **kwargs: Any) -> float:
-        raise CheckFailed("simulated_goodput calls the library's simulate_goodput: write the simulation yourself")
-    checkpoint_interval.simulate_goodput = refused
-    try:
-        yield
-    finally:
-        checkpoint_interval.simulate_goodput = original
-
-
 def check_simulated_goodput(fn: Callable, cases: tuple[tuple[float, float, float, float], ...] = (
         (1200.0, 60.0, 11_000.0, 600.0), (300.0, 60.0, 11_000.0, 0.0), (6000.0, 30.0, 4000.0, 300.0)),
         failures: int = 3000, seed: int = 0) -> CheckResult:
     """cases: (interval, cost, MTBF, restart), seconds; each simulated over ``failures`` x MTBF of work."""
     def body() -> str:
-        with _library_refused():
-            for tau, c, m, r in cases:
-                expected = checkpoint_interval.goodput(tau, c, m, r)
-                got = fn(tau, c, m, r, failures * m, torch.Generator().manual_seed(seed))
-                if isinstance(got, bool) or not isinstance(got, float) or not 0 < got <= 1:
-                    raise CheckFailed(f"simulated_goodput must return a float in (0, 1], got {got!r}")
-                # the waste per failure has a standard deviation below (tau + C + R) (a segment, its checkpoint and
-                # a restart at most lost at once): over F failures the goodput's standard error is below
-                # (tau + C + R) / (M sqrt(F)); 5 of those leaves a correct simulation one failure in 10^6
-                bound = 5 * (tau + c + r) / (m * math.sqrt(failures))
-                if abs(got - expected) > bound:
-                    raise CheckFailed(f"interval {tau:g} s, C {c:g} s, MTBF {m:g} s, restart {r:g} s: simulated "
-                                      f"{got:.4f}, Daly's expectation {expected:.4f} (more than {bound:.4f} apart)")
+        for tau, c, m, r in cases:
+            expected = checkpoint_interval.goodput(tau, c, m, r)
+            got = fn(tau, c, m, r, failures * m, torch.Generator().manual_seed(seed))
+            if isinstance(got, bool) or not isinstance(got, float) or not 0 < got <= 1:
+                raise CheckFailed(f"simulated_goodput must return a float in (0, 1], got {got!r}")
+            # the waste per failure has a standard deviation below (tau + C + R) (a segment, its checkpoint and
+            # a restart at most lost at once): over F failures the goodput's standard error is below
+            # (tau + C + R) / (M sqrt(F)); 5 of those leaves a correct simulation one failure in 10^6
+            bound = 5 * (tau + c + r) / (m * math.sqrt(failures))
+            if abs(got - expected) > bound:
+                raise CheckFailed(f"interval {tau:g} s, C {c:g} s, MTBF {m:g} s, restart {r:g} s: simulated "
+                                  f"{got:.4f}, Daly's expectation {expected:.4f} (more than {bound:.4f} apart)")
         return f"{len(cases)} cases within the statistical error of Daly's expected goodput"
     return run_check("simulated_goodput", body)
 
@@ -150,10 +141,15 @@ def check_train_prefetching(fn: Callable, world_size: int = 2, stop_at: int = 4,
 
 EXERCISES = [
     Exercise("checkpoint", "A checkpoint that resumes bit for bit: shared pieces once, per-rank pieces per rank",
-             4, "checkpoint", check_checkpoint, hidden=[{"stop_at": 4}]),
+             4, "checkpoint", check_checkpoint, hidden=[{"stop_at": 4}],
+             allowed=("course_lib.failures.restart.ResumableSampler",)),
     Exercise("simulated_goodput", "The checkpoint interval: simulate failures, compare with Daly's formula", 3,
              "simulated_goodput", check_simulated_goodput,
              hidden=[{"cases": ((60.0, 10.0, 1000.0, 50.0), (20_000.0, 600.0, 36_000.0, 1200.0)), "seed": 1}]),
     Exercise("train_prefetching", "Find the bug: a resume that goes wrong after a restart", 3, "train_prefetching",
-             check_train_prefetching, hidden=[{"stop_at": 2}]),
+             check_train_prefetching, hidden=[{"stop_at": 2}],
+             allowed=(*(f"course_lib.failures.restart.{name}" for name in (
+                 "build", "batch_of", "train_step", "capture_state", "restore_state", "ResumableSampler")),)),
 ]
+
+guard_visible_checks(globals(), EXERCISES)

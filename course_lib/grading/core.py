@@ -4,7 +4,8 @@ A check never just says "wrong": it names the first difference it found (which r
 expected vs got), so a learner can act on it. ``launch_check`` does the same for a learner's function run on ranks:
 a rank's exception or a hang becomes a failure that says which rank, what it raised and where; on the ranks,
 ``patch_process_group`` and ``refusal`` let a check count the learner's communication and refuse what the exercise
-must not use.
+must not use. Every check runs under its exercise's allow-list (``Exercise.allowed``: ``allowlist`` before it runs,
+``runtime_guard`` while it runs, on the ranks too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from course_lib.grading.off_limits import library_answer
+from course_lib.grading import runtime_guard
+from course_lib.grading.allowlist import Allowed, static_refusal
 from course_lib.runtime.launch import RankError, RankTimeout, launch
 
 
@@ -44,9 +46,10 @@ class CheckFailed(AssertionError):  # noqa: N818 - reads as the verdict it carri
 @dataclass
 class Exercise:
     """One graded exercise: the notebook function it grades (``function``), its points, and the checks the grader
-    runs — ``visible`` with the notebook's own settings, ``hidden`` with others. ``off_limits``: dotted paths of the
-    library objects that are this exercise's answer; an answer that calls or inherits them scores 0
-    (``course_lib.grading.off_limits``)."""
+    runs — ``visible`` with the notebook's own settings, ``hidden`` with others. ``allowed``: the ``course_lib``
+    objects (dotted paths of modules, classes, functions, methods) the answer may use; any other object of the
+    library that it reaches scores 0 with the reason (``course_lib.grading.allowlist``). ``check`` is the check run
+    under that allow-list (the chapter's function is kept as ``check.unguarded``)."""
 
     key: str
     title: str
@@ -55,27 +58,47 @@ class Exercise:
     check: Callable[..., CheckResult]
     visible: dict[str, Any] = field(default_factory=dict)
     hidden: Sequence[dict[str, Any]] = ()
-    off_limits: Sequence[str] = ()
+    allowed: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        self.check = self._guarded(getattr(self.check, "unguarded", self.check))  # dataclasses.replace re-guards
 
     def refusal(self, answer: Any) -> CheckResult | None:
-        """A FAIL saying why, when ``answer`` is the library's implementation; None when it is the learner's own."""
-        why = library_answer(answer, self.off_limits, f"`{self.function}`")
+        """A FAIL saying why, when ``answer``'s code reaches a library object the exercise does not allow; None
+        when it reaches none."""
+        why = static_refusal(answer, Allowed(tuple(self.allowed)), f"`{self.function}`")
         return CheckResult(self.key, False, why) if why else None
+
+    def _guarded(self, check: Callable[..., CheckResult]) -> Callable[..., CheckResult]:
+        @functools.wraps(check)
+        def guarded(answer: Any, *args: Any, **kwargs: Any) -> CheckResult:
+            refused = self.refusal(answer)
+            if refused:
+                return refused
+            with runtime_guard.guard(self.allowed, f"`{self.function}`") as state:
+                try:
+                    result = check(answer, *args, **kwargs)
+                except Exception:  # what a refusal broke: the refusal is the reason
+                    if state.refused is None:
+                        raise
+            return CheckResult(self.key, False, state.refused) if state.refused else result
+        guarded.unguarded = check  # type: ignore[attr-defined]
+        return guarded
 
 
 def guard_visible_checks(namespace: dict[str, Any], exercises: Sequence[Exercise]) -> None:
-    """Make each exercise's visible check (the ``check_<name>`` a notebook calls, in the chapter module's
-    ``namespace``) refuse the library's answer the way the grader does, before running anything."""
+    """Bind each ``check_<name>`` a notebook calls (in the chapter module's ``namespace``) to its exercise's
+    guarded check, so the self-check refuses what the grader refuses. Two exercises sharing one check function:
+    the one whose ``function`` is the answer's name."""
+    shared: dict[str, list[Exercise]] = {}
     for ex in exercises:
-        if not ex.off_limits:
-            continue
-        check = ex.check
-
-        @functools.wraps(check)
-        def guarded(answer: Any, *args: Any, _ex: Exercise = ex, _check: Callable[..., CheckResult] = check,
-                    **kwargs: Any) -> CheckResult:
-            return _ex.refusal(answer) or _check(answer, *args, **kwargs)
-        namespace[check.__name__] = ex.check = guarded
+        shared.setdefault(ex.check.__name__, []).append(ex)
+    for name, owners in shared.items():
+        @functools.wraps(owners[0].check)
+        def visible(answer: Any, *args: Any, _owners: list[Exercise] = owners, **kwargs: Any) -> CheckResult:
+            ex = next((e for e in _owners if e.function == getattr(answer, "__name__", None)), _owners[0])
+            return ex.check(answer, *args, **kwargs)
+        namespace[name] = visible
 
 
 def run_check(name: str, body: Callable[[], str | None]) -> CheckResult:
@@ -234,12 +257,14 @@ def launch_check(target: Callable[..., Any], world_size: int, *args: Any, timeou
       ``course_files`` is None, where the first unfinished rank was waiting (``waiting_location``).
     * ``NotImplementedError`` on a rank: re-raised here with its message (``run_check`` says "not implemented
       yet").
+    * ``runtime_guard.LibraryRefused`` on a rank (the learner called the library's code the exercise does not
+      allow): recorded as the check's refusal, and ``CheckFailed`` "rank r: <message>".
     * An exception whose class name is in ``guard_errors`` (the chapter's own guard, e.g. a refused collective,
       whose message already explains): ``CheckFailed`` "rank r: <message>".
     * Any other: ``CheckFailed`` "rank r of N raised <type>: <message> (at fn, line L)".
     """
     try:
-        return launch(target, world_size, *args, timeout=timeout)
+        return launch(runtime_guard.for_ranks(target), world_size, *args, timeout=timeout)
     except RankTimeout as err:
         where = ""
         if course_files is not None:
@@ -252,6 +277,9 @@ def launch_check(target: Callable[..., Any], world_size: int, *args: Any, timeou
         message = str(err.original) if err.original is not None else str(err).split("\n")[0]
         if err.exc_type == "NotImplementedError":
             raise NotImplementedError(message) from None
+        if err.exc_type == runtime_guard.LibraryRefused.__name__:
+            runtime_guard.refused_on_a_rank(f"rank {err.rank}: {message}")
+            raise CheckFailed(f"rank {err.rank}: {message}") from None
         if err.exc_type in guard_errors:
             raise CheckFailed(f"rank {err.rank}: {message}") from None
         raise CheckFailed(f"rank {err.rank} of {world_size} raised {err.exc_type}: {message}"

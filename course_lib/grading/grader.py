@@ -15,8 +15,16 @@ notebook was found, or for a path that does not exist, is not a notebook, or is 
 told (one line on stderr says which); 3 when a folder (a class) was given and the canary failed: the course's own
 solution, graded first through the same sandbox, did not score full marks (``course_lib.grading.canary``).
 The chapter is ``metadata.course.chapter``, else the chapter whose checks a cell imports, else the file name's
-leading ``NN_``. An answer that uses the library's own implementation of its exercise scores 0 for it
-(``course_lib.grading.off_limits``).
+leading ``NN_``.
+
+What an answer may use: each exercise names the ``course_lib`` objects its answer may use (``Exercise.allowed`` in
+``course_lib/grading/chNN.py``: the comm layer, what the exercise hands the learner). Any other object of the library
+(or of ``torch.distributed.pipelining``) scores 0 for that exercise, with a reason that names it and what is allowed:
+before the checks run when the answer's code reaches it (an import anywhere in the cell or inside a function or
+method, an alias, a subclass or an inherited method, an attribute chain, ``getattr``, ``importlib``, ``__import__``
+or ``sys.modules`` with constant strings: ``course_lib.grading.allowlist``), and while the checks run when the
+answer's code calls the library's however it got hold of it (a name built at run time, a copied code object:
+``course_lib.grading.runtime_guard``), on the ranks too. The notebook's self-checks refuse the same.
 
 How a notebook is graded:
 

@@ -1,5 +1,5 @@
 """Answers that are the library's own implementation, called, wrapped or inherited: each must score 0 with a
-reason that says "write it yourself" (``course_lib.grading.off_limits``). Keyed (chapter, exercise)."""
+reason that says "write it yourself" (``course_lib.grading.allowlist``). Keyed (chapter, exercise)."""
 
 import course_lib.parallel.schedules
 from course_lib.debug import desync as desync_lib
@@ -130,7 +130,7 @@ def embedding_by_the_librarys_layer(ids, weight):
 
 
 class AttentionInheritsTheLibrarys(tp_layers.TensorParallelAttention):
-    """An off-limits class subclassed: its forward is the library's."""
+    """A class the exercise does not allow, subclassed: its forward is the library's."""
 def place_parameter_from_the_records(name, shape, n_layer, parallel):
     """Reads the library's placement records of a model built on the mesh instead of deriving them."""
     from course_lib.model import GPT
