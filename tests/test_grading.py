@@ -253,26 +253,6 @@ def test_chapter_05_find_the_bug_fails_as_shipped_on_the_stage_without_the_loss(
     assert ch05.check_gpipe_step(colleague, m=4, batch=16).ok  # b = m rows per micro-batch: the bug is the 1/b
 
 
-def _library_answers():
-    from tests.grading_fixtures.library_answers import CASES
-
-    for (chapter, key), answers in CASES.items():
-        exercise = next(ex for ex in grader.chapter_module(chapter).EXERCISES if ex.key == key)
-        for answer in answers:
-            yield pytest.param(exercise, answer, id=f"{chapter}-{key}-{answer.__name__}")
-
-
-@pytest.mark.parametrize("exercise, answer", list(_library_answers()))
-def test_the_librarys_own_answer_scores_nothing_and_says_why(exercise, answer):
-    """Called by its full path, through an alias or a helper, on an instance, inherited or through super():
-    refused before any check runs, by the grader and by the notebook's visible check alike."""
-    result = grader.grade_exercise(exercise, {exercise.function: answer})
-    assert not result.ok and "write it yourself" in result.message, result
-    assert any(path in result.message for path in exercise.off_limits), result.message
-    visible = exercise.check(answer)
-    assert not visible.ok and "write it yourself" in visible.message, visible
-
-
 def _solution_namespace(notebook: Path) -> dict:
     """The imports, functions and classes every code cell of ``notebook`` defines (nothing else is run)."""
     namespace: dict = {}

@@ -275,22 +275,28 @@ def check_train_clipped(fn: Callable, world_size: int = 4, steps: int = 4, seed:
     return run_check("train_clipped", body)
 
 
+DEBUG_TOOLS = ("watch", "checksums", "nonfinite", "drift", "hang", "desync", "recorder")
+"""The debugging kit a diagnosis may use; of the clinic, only what a case hands out and the fixes' parts."""
+CLINIC_PARTS = ("Case", "Diagnosis", "Sampler", "snapshot_step", "dropout_model", "CFG")
+
 EXERCISES = [
     Exercise("first_desync", "The collective-sequence comparison, for any mesh: the first desync and its culprit", 4,
              "first_desync", check_first_desync,
-             hidden=[{"scenarios": ("uneven", "late", "interleaved")}, {"scenarios": ("two_desyncs", "shape_tie")}],
-             off_limits=("course_lib.debug.desync.first_desync", "course_lib.debug.hang.hang_report",
-                         "course_lib.grading.ch11.expected_desync")),
+             hidden=[{"scenarios": ("uneven", "late", "interleaved")}, {"scenarios": ("two_desyncs", "shape_tie")}]),
     Exercise("diagnose", "Triage hidden broken runs: the bug, its ranks, its step, where, and a fix", 5, "diagnose",
              check_diagnose,
              visible={"case": "no_broadcast", "args": (4, (2,))},
              hidden=[{"case": "accumulation", "args": ("none",)}, {"case": "bf16_noise"},
                      {"case": "hang", "args": (1, 0)}, {"case": "non_finite", "args": (0, 1)},
                      {"case": "dropout_rng"}],
-             off_limits=("course_lib.debug.clinic.CASES", "course_lib.grading.ch11.check_diagnose")),
+             allowed=(*(f"course_lib.debug.{m}" for m in DEBUG_TOOLS),
+                      *(f"course_lib.debug.clinic.{name}" for name in CLINIC_PARTS),
+                      "course_lib.runtime.mesh.MeshShape", "course_lib.parallel.dp.DataParallel",
+                      "course_lib.parallel.pp_executor.PipelineExecutor",
+                      "course_lib.parallel.compose.data_parallel")),
     Exercise("train_clipped", "Find the bug: replicas agree, the loss does not", 3, "train_clipped",
              check_train_clipped, hidden=[{"world_size": 2, "steps": 3, "seed": 1}],
-             off_limits=("course_lib.parallel.placement_ops.clip_grad_norm_", "course_lib.parallel.dp.DataParallel",
-                         "course_lib.parallel.runs.train_dp")),
+             allowed=("course_lib.comm", "course_lib.model", "course_lib.data", "course_lib.debug.clinic.CFG",
+                      "course_lib.grading.ch11.CLIP")),
 ]
 guard_visible_checks(globals(), EXERCISES)
