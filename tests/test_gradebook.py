@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.grading import canary, gradebook, grader
+from course_lib.grading import canary, cli, gradebook, grader
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTION = REPO / "solutions" / "00_budgets_exercises.ipynb"
@@ -231,6 +231,6 @@ def test_the_grader_cli_exits_2_with_one_line_for_a_path_it_cannot_grade(tmp_pat
     for path, why in ((tmp_path / "missing.ipynb", "no such file"), (tmp_path / "notes.md", "not a notebook"),
                       (tmp_path / "broken.ipynb", "not a readable notebook"),
                       (tmp_path / "blank.ipynb", "cannot tell the chapter")):
-        assert grader.main([str(path)]) == 2, path
+        assert cli.main([str(path)]) == 2, path
         err = capsys.readouterr().err
         assert why in err and len(err.strip().splitlines()) == 1, err

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from course_lib.grading import core, grader, notebooks
+from course_lib.grading import cli, core, grader, notebooks
 from tests.conftest import _rank_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,19 +127,19 @@ def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
 
 def test_the_cli_prints_a_partial_score_exits_0_and_writes_json(tmp_path, monkeypatch, capsys):
     out = tmp_path / "report.json"
-    code = grader.main([str(REPO / "exercises" / "00_budgets_exercises.ipynb"), "--out", str(out), "--my-work",
+    code = cli.main([str(REPO / "exercises" / "00_budgets_exercises.ipynb"), "--out", str(out), "--my-work",
                         str(tmp_path / "no_copy")])
     assert code == 0  # a partial score is a result, not a crash
     assert '"points": 0' in out.read_text()
     assert "total: 0/" in capsys.readouterr().out
     reports = []
     monkeypatch.setattr(grader, "grade", lambda *a, **k: reports)  # exit codes without running notebooks
-    assert grader.main(["nothing/"]) == 2  # no notebook found
+    assert cli.main(["nothing/"]) == 2  # no notebook found
     reports.append(grader.NotebookReport("x.ipynb", "00", [grader.ExerciseScore("k", "t", 1, 2, False, "no")]))
-    assert grader.main(["x.ipynb"]) == 0
-    assert grader.main(["x.ipynb", "--strict"]) == 1
+    assert cli.main(["x.ipynb"]) == 0
+    assert cli.main(["x.ipynb", "--strict"]) == 1
     reports[0].scores[0] = grader.ExerciseScore("k", "t", 2, 2, True, "ok")
-    assert grader.main(["x.ipynb", "--strict"]) == 0
+    assert cli.main(["x.ipynb", "--strict"]) == 0
 
 
 def test_the_course_exercise_named_grades_the_learners_copy_and_says_so(tmp_path, monkeypatch, capsys):
@@ -151,20 +151,20 @@ def test_the_course_exercise_named_grades_the_learners_copy_and_says_so(tmp_path
     graded: list[list[Path]] = []
     monkeypatch.setattr(grader, "grade", lambda paths, *a, **k: graded.append(list(paths)) or [
         grader.NotebookReport(str(paths[0]), "00", [grader.ExerciseScore("k", "t", 1, 1, True, "ok")])])
-    assert grader.main([str(course), "--my-work", str(tmp_path)]) == 0
+    assert cli.main([str(course), "--my-work", str(tmp_path)]) == 0
     assert graded.pop() == [course] and "your copy" not in capsys.readouterr().out  # no copy: as named
     mine.parent.mkdir()
     nb = nbformat.read(course, as_version=4)
     nbformat.write(nb, mine)
-    assert grader.main([str(course), "--my-work", str(tmp_path)]) == 0
+    assert cli.main([str(course), "--my-work", str(tmp_path)]) == 0
     assert graded.pop() == [mine]
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "copy" in ln]
     assert lines == [f"grading your copy {mine}: {course} is the course's untouched copy (--as-named grades it)"]
-    assert grader.main([str(course), "--my-work", str(tmp_path), "--as-named"]) == 0
+    assert cli.main([str(course), "--my-work", str(tmp_path), "--as-named"]) == 0
     assert graded.pop() == [course] and "not graded" not in capsys.readouterr().out  # the same cells: nothing lost
     next(c for c in nb.cells if c.cell_type == "code").source += "\nanswer = 42"
     nbformat.write(nb, mine)
-    assert grader.main([str(course), "--my-work", str(tmp_path), "--as-named"]) == 0
+    assert cli.main([str(course), "--my-work", str(tmp_path), "--as-named"]) == 0
     assert graded.pop() == [course]
     assert f"your edited copy {mine} is not graded" in capsys.readouterr().out
     assert grader.learners_copy(tmp_path / "elsewhere.ipynb", tmp_path) == (tmp_path / "elsewhere.ipynb", None)

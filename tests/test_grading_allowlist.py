@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.grading import allowlist, ch01, ch09, grader, runtime_guard
+from course_lib.grading import allowlist, ch01, ch09, cli, grader, runtime_guard
 from course_lib.grading.core import CheckResult, Exercise
 from tests.conftest import define_in_cell
 
@@ -555,8 +555,10 @@ def test_ch01_gives_messages_but_not_the_bytes_answer():
     assert set(ch01.POINT_TO_POINT) >= {"course_lib.comm.isend", "course_lib.comm.irecv"}
 
 
-def test_the_graders_help_says_what_is_refused():
-    text = grader.__doc__
+def test_the_graders_help_says_what_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
     assert "Exercise.allowed" in text and "while the checks run" in text and "off_limits" not in text
 
 

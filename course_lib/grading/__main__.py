@@ -1,7 +1,7 @@
-"""``python -m course_lib.grading``: see ``course_lib.grading.grader``."""
+"""``python -m course_lib.grading``: see ``course_lib.grading.cli``."""
 
 import sys
 
-from course_lib.grading.grader import main
+from course_lib.grading.cli import main
 
 sys.exit(main())

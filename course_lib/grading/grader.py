@@ -533,53 +533,8 @@ def add_isolation_flags(parser: argparse.ArgumentParser, default: str) -> None:
                        help="run the kernels with your own rights (trusted work only)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.grading", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", type=Path, help="notebooks or folders of notebooks")
-    parser.add_argument("--out", type=Path, help="write the reports as JSON here")
-    parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT_S, help="seconds per notebook")
-    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell")
-    parser.add_argument("--strict", action="store_true", help="exit 1 unless every notebook scores full marks")
-    parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
-    parser.add_argument("--my-work", type=Path, default=MY_WORK,
-                        help="the learner's copy of the course (default my_work/ in the course)")
-    parser.add_argument("--as-named", action="store_true",
-                        help="grade the course's own exercise even where the learner has a copy in --my-work")
-    add_isolation_flags(parser, "default: on when a folder is given")
-    args = parser.parse_args(argv)
-    for i, path in enumerate(args.paths):
-        args.paths[i], note = learners_copy(path, args.my_work, args.as_named)
-        if note:
-            print(note, flush=True)
-    try:
-        folders = [p for p in args.paths if p.is_dir()]
-        isolated = isolation_for(args.isolation, [*folders, *([args.out.parent] if args.out else [])], bool(folders))
-        if folders:
-            from course_lib.grading import canary
-
-            stop = canary.check(chapters_of(args.paths).values(), args.timeout, args.cell_timeout, isolated,
-                                args.jobs)
-            if stop:
-                print(f"error: {stop}", file=sys.stderr)
-                return canary.EXIT_STATUS
-        reports = grade(args.paths, args.timeout, args.cell_timeout, jobs=args.jobs, isolated=isolated)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if not reports:
-        print(f"no notebook found in {', '.join(map(str, args.paths))}", file=sys.stderr)
-        return 2
-    total, best = sum(r.points for r in reports), sum(r.max_points for r in reports)
-    print(f"total: {total}/{best} points over {len(reports)} notebook(s)")
-    if args.out:
-        args.out.write_text(json.dumps([{**asdict(r), "points": r.points, "max_points": r.max_points}
-                                        for r in reports], indent=2))
-    return 1 if args.strict and total < best else 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the papermill child that _execute starts; the command line is course_lib.grading.cli
     if len(sys.argv) == 7 and sys.argv[1] == "--execute":
         _papermill_child(*sys.argv[2:])
     else:
-        sys.exit(main())
+        sys.exit("usage: python -m course_lib.grading (see course_lib.grading.cli)")
