@@ -76,7 +76,7 @@ def _references(cfg: GPTConfig, meshes: tuple[ParallelConfig, ...], timeout: flo
 
 
 def _mesh_words(p: ParallelConfig) -> str:
-    axes = " x ".join(f"{a} {getattr(p, a)}" for a in ("dp", "tp", "cp", "pp") if getattr(p, a) > 1)
+    axes = " x ".join(f"{a} {getattr(p.shape, a)}" for a in ("dp", "tp", "cp", "pp") if getattr(p.shape, a) > 1)
     return axes + (f", ZeRO-{p.zero_stage}" if p.zero_stage else "") + (" + SP" if p.sequence_parallel else "")
 
 
