@@ -13,17 +13,18 @@ backward of f then forgets the all-reduce and every rank keeps only its own part
 Functions here say what the backward must do.
 
 Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-arXiv:2205.05198, Sec. 4.2.2) shards the norm/dropout regions along the sequence and replaces f and g by
+arXiv:2205.05198, Sec. 4.2.2) shards the norm/dropout regions along the sequence and replaces f and g by the
+paper's conjugate pair (its Figure 5; the paper writes TP's f and g as f and f-bar):
 
-* **g-bar** ``gather_from_sequence_parallel_region``: all-gather forward along the sequence, reduce-scatter
-  backward (before a column-parallel linear);
-* **g-bar's conjugate** ``reduce_scatter_to_sequence_parallel_region``: reduce-scatter forward, all-gather backward
-  (after a row-parallel linear).
+* **g** ``gather_from_sequence_parallel_region``: all-gather forward along the sequence, reduce-scatter
+  backward (before a column-parallel linear, in f's place);
+* **g-bar** ``reduce_scatter_to_sequence_parallel_region``: reduce-scatter forward, all-gather backward
+  (after a row-parallel linear, in g's place).
 
 An all-reduce is a reduce-scatter followed by an all-gather, so the pair moves the same bytes as f + g:
 per rank (t-1)/t x V for each, against 2(t-1)/t x V for one all-reduce (V = b*s*h elements of the activation).
 
-Under SP the column-parallel linears after g-bar would save the all-gathered [b, s, h] input for their weight
+Under SP the column-parallel linears after SP's g would save the all-gathered [b, s, h] input for their weight
 gradient, so SP would shrink only the norms' activations. Megatron-LM keeps the s/t shard instead and
 all-gathers it again in backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022, Sec. 4.2.2;
 ``LinearWithGradAccumulationAndAsyncCommunication``): ``sequence_parallel_linears`` does the same for one or
@@ -203,7 +204,7 @@ class ScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class SequenceParallelLinears(torch.autograd.Function):
-    """g-bar followed by k column-parallel linears that read the same gathered input, saving only the s/t shard.
+    """SP's g followed by k column-parallel linears that read the same gathered input, saving only the s/t shard.
 
     Forward: X = all-gather(x) along the sequence, ``Y_j = X W_j^T + b_j``; saved: x [b, s/t, h] and the weights.
     Backward: start the all-gather of x again (async), compute ``dX = sum_j dY_j W_j`` meanwhile (the overlap
@@ -267,12 +268,12 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group: comm.Group = None)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
-    """g-bar: all-gather along the sequence forward, reduce-scatter backward."""
+    """SP's g: all-gather along the sequence forward, reduce-scatter backward."""
     return GatherFromSequenceParallelRegion.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
-    """The conjugate of g-bar: reduce-scatter along the sequence forward, all-gather backward."""
+    """SP's g-bar, the conjugate of g: reduce-scatter along the sequence forward, all-gather backward."""
     return ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 

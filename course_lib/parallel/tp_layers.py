@@ -5,7 +5,7 @@ slicing its weights, so parity with that module holds by construction:
 * ``RowParallelLinear``: ``Z = sum_i Y_i B_i``, the input features split, then g (all-reduce);
 * ``TensorParallelMLP``: column then row, one f in and one g out (GELU or SwiGLU);
 * ``TensorParallelAttention``: split by heads (GQA's K/V split by heads when t divides n_kv_head, else
-  replicated, each rank reading the heads its query heads use);
+  replicated in full, each rank reading the heads its query heads use);
 * ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy``: the vocabulary split, the loss from the
   logit shards (3 all-reduces of b*s scalars, never the b*s*V logits);
 * ``SequenceParallelPositionEmbedding``: learned positions under sequence parallelism.
@@ -247,8 +247,11 @@ class TensorParallelAttention(TensorParallelModule):
     Query head j (global) reads K/V head ``kv_head_of(j) = j // (n_head / n_kv_head)`` (GQA, Ainslie et al. 2023;
     MHA when n_kv_head = n_head). When t divides n_kv_head the K/V projections are split by heads too (rank r
     holds K/V heads [r n_kv/t, (r+1) n_kv/t), exactly those its query heads read); otherwise they are replicated
-    in full (vLLM does the same for serving) and each rank picks the heads it needs: their weight gradients are
-    then partial sums (recorded ``Partial()``), summed over tp by data parallelism.
+    in full and each rank picks the heads it needs: their weight gradients are then partial sums (recorded
+    ``Partial()``), summed over all of tp by data parallelism. A simplification: vLLM's ``QKVParallelLinear`` keeps
+    on each rank only the one K/V head its query heads read (t / n_kv ranks hold each head; chapter 04's exercise
+    3 builds that placement, whose gradient is summed over those ranks only), and Megatron-Core requires t to
+    divide n_kv_head.
     """
 
     context: Any = None
