@@ -22,8 +22,11 @@ SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
 CHAPTERS = [p.name[:2] for p in SOLUTIONS]
 
 EXTENDED = {
+    "04": ("sp_region", "vocab_parallel_embedding", "gqa_attention", "vocab_parallel_cross_entropy"),
+    "06": ("zigzag_positions", "ring_step", "fixed_kernel", "ulysses_attention"),
     "09": ("attend_over_cache", "reserve_blocks", "request_metrics", "tp_kv_heads", "paged_decode", "schedule_step",
            "verify_sampled"),
+    "10": ("checkpoint", "simulated_goodput", "train_prefetching"),
 }
 """The exercises whose checks got new cases: each has at least MIN_WRONG wrong answers, all rejected twice."""
 MIN_WRONG = 5
