@@ -23,6 +23,8 @@ CHAPTERS = [p.name[:2] for p in SOLUTIONS]
 
 EXTENDED = {
     "00": ("param_state_bytes", "zero_bytes_per_device", "kv_cache_bytes", "fewest_gpus", "model_states_per_gpu"),
+    "01": ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce_bytes", "pairwise_all_to_all",
+           "fixed_ring_all_reduce"),
     "04": ("sp_region", "vocab_parallel_embedding", "gqa_attention", "vocab_parallel_cross_entropy"),
     "06": ("zigzag_positions", "ring_step", "fixed_kernel", "ulysses_attention"),
     "09": ("attend_over_cache", "reserve_blocks", "request_metrics", "tp_kv_heads", "paged_decode", "schedule_step",
