@@ -93,7 +93,7 @@ NORMS_NOT_PARTIAL = {"blocks.*.norm1": _norm_not_partial, "blocks.*.norm2": _nor
 
 
 class SavesGathered:
-    """SP the short way: all-gather the shard (g-bar), then ordinary linears, which save the gathered input
+    """SP the short way: all-gather the shard (SP's g), then ordinary linears, which save the gathered input
     [b, s, h] instead of the s/t shard, so SP shrinks only the norms' activations."""
 
     def project(self, x: torch.Tensor, linears: list[nn.Module]) -> tuple[torch.Tensor, ...]:

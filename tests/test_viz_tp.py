@@ -65,8 +65,28 @@ def test_rule_of_thumb_against_the_model():
     assert largest(NVLINK) >= 8
     assert largest(PCIE) == 2
     assert vt.rule_of_thumb(NVLINK)[0] == 8 and vt.rule_of_thumb(PCIE)[0] == 2 and vt.rule_of_thumb(IB)[0] == 1
-    decode = [vt.tp_layer_cost(cfg, 1, t, NVLINK, H100) for t in (2, 8)]
-    assert all(c.comm_bound for c in decode)  # one token per device: latency-bound at any t > 1
+    one_token = [vt.tp_layer_cost(cfg, 1, t, NVLINK, H100) for t in (2, 8)]
+    assert all(c.comm_bound for c in one_token)  # a training step of one token a device: latency-bound at t > 1
+
+
+def test_decode_is_priced_as_chapter_09_prices_it():
+    """Decode reads the weights and the KV cache: memory-bound, its per-block terms the whole model's step / L
+    (``serving.budget.predict``), so that L blocks give chapter 09's time per token; with the small-message
+    kernels TP cuts it nearly t-fold up to t = 8, NCCL's ring turns communication-bound past the node."""
+    from course_lib.serving.budget import predict
+
+    cfg = PRESETS["llama3-70b"]
+    best = {t: vt.tp_decode_cost("llama3-70b", t, NVLINK.name, "H100 80GB") for t in (1, 2, 4, 8, 16)}
+    ring = {t: vt.tp_decode_cost("llama3-70b", t, NVLINK.name, "H100 80GB", allreduce="ring") for t in (8, 16)}
+    for t, c in best.items():
+        step = predict("llama3-70b", "H100 80GB", batch=1, context=4096, tp=t, link=NVLINK.name).step_s
+        assert cfg.n_layer * (c.work_s + c.comm_s) == pytest.approx(step)
+        assert c.bound == "memory-bound" and c.memory_s > 100 * c.compute_s
+    assert not best[1].fits and best[2].fits  # 141 GB of bf16 weights on one 80 GB GPU
+    per_token = {t: c.work_s + c.comm_s for t, c in best.items()}
+    assert 3.5 < per_token[2] / per_token[8] < 4  # nearly 4x from t = 2 to 8
+    assert ring[8].bound == "memory-bound" and ring[16].comm_bound
+    assert vt.tp_decode_cost("gpt2-124m", 8, NVLINK.name, "H100 80GB").valid is False  # 12 heads
 
 
 def test_invalid_degrees_are_marked():
@@ -90,6 +110,9 @@ def test_figure_and_widget():
     assert [c.collectives for c in w.costs[1:]] == [10] * (len(vt.DEGREES) - 1)
     w.set(tokens=1)
     assert w.largest_t == 1 and "is stricter: t <= 1" in w.text
+    text = w.set(step="decode", sequence_parallel=False)
+    assert "ms per token" in text and "memory-bound" in text and w.largest_t >= 8
+    assert w.image.value
     with pytest.raises(KeyError):
         w.set(nonsense=1)
     assert set(w.controls) == set(vt.CONTROL_DESCRIPTIONS)

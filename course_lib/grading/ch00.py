@@ -21,6 +21,7 @@ from course_lib.estimates.layout import ParallelLayout
 from course_lib.estimates.memory import training_memory
 from course_lib.estimates.memory_budget import GB, MemoryBudget
 from course_lib.estimates.model_states import bytes_per_param, zero_memory_per_device
+from course_lib.grading.cases import each, several
 from course_lib.grading.core import (
     CheckFailed,
     CheckResult,
@@ -34,8 +35,8 @@ from course_lib.grading.core import (
 GRADER_PARAMETERS = {"seed": 1}
 
 
-def check_param_state_bytes(fn: Callable, cases: tuple[tuple[str, str], ...] = (("mixed", "adamw"),
-                                                                               ("fp32", "sgd"))) -> CheckResult:
+def check_param_state_bytes(fn: Callable, cases: tuple[tuple[str, str], ...] = (
+        ("mixed", "adamw"), ("fp32", "sgd"), ("bf16", "sgd_momentum"))) -> CheckResult:
     def body() -> str:
         for precision, optimizer in cases:
             ref = bytes_per_param(precision, optimizer)
@@ -51,7 +52,8 @@ def check_param_state_bytes(fn: Callable, cases: tuple[tuple[str, str], ...] = (
 
 
 def check_zero_bytes_per_device(fn: Callable, cases: tuple[tuple[float, int, int, float], ...] = (
-        (7.5e9, 64, 0, 12), (7.5e9, 64, 1, 12), (7.5e9, 64, 2, 12), (7.5e9, 64, 3, 12))) -> CheckResult:
+        (7.5e9, 64, 0, 12), (7.5e9, 64, 1, 12), (7.5e9, 64, 2, 12), (7.5e9, 64, 3, 12), (70e9, 1, 2, 16))
+        ) -> CheckResult:
     def body() -> str:
         for psi, n_d, stage, k in cases:
             expect_number(fn(psi, n_d, stage, k), zero_memory_per_device(psi, k, n_d, stage),
@@ -61,7 +63,7 @@ def check_zero_bytes_per_device(fn: Callable, cases: tuple[tuple[float, int, int
 
 
 def check_kv_cache_bytes(fn: Callable, cases: tuple[tuple[int, int, int, int, int, int], ...] = (
-        (80, 8, 128, 4096, 1, 2),)) -> CheckResult:
+        (80, 8, 128, 4096, 1, 2), (16, 4, 64, 1000, 3, 1), (2, 1, 32, 10, 5, 4))) -> CheckResult:
     def body() -> str:
         for n_layer, n_kv, d_head, tokens, batch, nbytes in cases:
             expected = 2 * n_layer * n_kv * d_head * nbytes * tokens * batch
@@ -82,9 +84,9 @@ def fewest_budget(model: str, layout: dict, seq_len: int) -> MemoryBudget:
                                                  zero_stage=3, sp=layout["tp"] > 1))
 
 
-def reference_fewest(model: str, gpu: str, seq_len: int) -> int:
-    """The fewest GPUs over the search space (brute force)."""
-    cap = GPUS[gpu].gb * GB
+def reference_fewest(model: str, gpu: str, seq_len: int, cap: float | None = None) -> int:
+    """The fewest GPUs over the search space (brute force); ``cap``: bytes per GPU (default the card's)."""
+    cap = GPUS[gpu].gb * GB if cap is None else cap
     sizes = [t * p * d for t in TPS for p in PPS for d in DPS
              if fewest_budget(model, {"tp": t, "pp": p, "dp": d}, seq_len).total <= cap]
     if not sizes:
@@ -93,7 +95,8 @@ def reference_fewest(model: str, gpu: str, seq_len: int) -> int:
 
 
 def check_fewest_gpus(fn: Callable, cases: tuple[tuple[str, str, int], ...] = (
-        ("llama3-70b", "H100 80GB", 8192), ("llama3-8b", "A100 40GB", 8192))) -> CheckResult:
+        ("llama3-70b", "H100 80GB", 8192), ("llama3-8b", "A100 40GB", 8192), ("llama3-8b", "H200 141GB", 4096))
+        ) -> CheckResult:
     """``fn(model, gpu, seq_len)`` returns ``(n_gpus, {"tp": t, "pp": p, "dp": d})``: an int, a layout of the
     search space with t x p x d = n_gpus whose budget fits the GPU, and no smaller one fits."""
     def body() -> str:
@@ -138,7 +141,8 @@ def reference_model_states(psi: float, tp: int, pp: int, dp: int, zero: int, k: 
 
 
 def check_model_states_per_gpu(fn: Callable, cases: tuple[tuple[float, int, int, int, int, float], ...] = (
-        (7.5e9, 1, 1, 64, 3, 12), (70e9, 8, 4, 2, 1, 12), (70e9, 4, 2, 8, 3, 12))) -> CheckResult:
+        (7.5e9, 1, 1, 64, 3, 12), (70e9, 8, 4, 2, 1, 12), (70e9, 4, 2, 8, 3, 12), (13e9, 2, 1, 4, 0, 16),
+        (70e9, 8, 8, 1, 2, 12))) -> CheckResult:
     """``fn(psi, tp, pp, dp, zero, k)`` returns ``{"parameters", "gradients", "optimizer_state"}`` in bytes per GPU,
     each a plain number within 1e-6 of :func:`reference_model_states`."""
     def body() -> str:
@@ -168,7 +172,7 @@ EXERCISES = [
              hidden=[{"cases": ((32, 32, 128, 2048, 8, 2), (32, 8, 128, 32768, 3, 1), (1, 1, 1, 1, 1, 4))}]),
     Exercise("fewest_gpus", "The fewest GPUs that train a model", 3, "fewest_gpus", check_fewest_gpus,
              hidden=[{"cases": (("llama2-7b", "RTX 4090 24GB", 4096), ("llama2-70b", "H200 141GB", 4096),
-                                ("llama3-70b", "A100 40GB", 8192))}],
+                                ("llama3-70b", "A100 40GB", 8192), ("llama3-8b", "H200 141GB", 2048))}],
              allowed=("course_lib.estimates.memory.training_memory", "course_lib.estimates.memory_budget.MemoryBudget",
                       "course_lib.estimates.memory_budget.GB", "course_lib.estimates.layout.ParallelLayout",
                       "course_lib.estimates.hardware.GPUS", "course_lib.estimates.hardware.GPU")),
@@ -178,5 +182,35 @@ EXERCISES = [
                      {"cases": tuple((70e9, 1, 8, 8, z, 16) for z in range(4))},
                      {"cases": ((13e9, 8, 1, 1, 3, 12), (405e9, 8, 16, 1, 0, 12), (175e9, 8, 8, 16, 2, 12))}]),
 ]
+
+def _fewest_classes(calls: list[dict]) -> set[str]:
+    out = several((c[2] for c in each(calls)), "sequence lengths") | several((c[1] for c in each(calls)), "GPUs")
+    for model, gpu, seq in each(calls):
+        best = reference_fewest(model, gpu, seq)
+        out.add("one GPU is enough" if best == 1 else "several GPUs")
+        if reference_fewest(model, gpu, seq, cap=GPUS[gpu].nominal_gib * GB) != best:
+            out.add("the card's GiB, not 10^9 bytes, decide")
+        if reference_fewest(model, gpu, 4096 if seq == 8192 else 8192) != best:
+            out.add("the sequence length decides")
+    return out
+
+
+def _stages(calls: list[dict], stage: int, n_d: int, k: int) -> set[str]:
+    """ZeRO's classes: each stage, one data-parallel rank, K other than 12."""
+    cases = each(calls)
+    return {f"ZeRO stage {c[stage]}" for c in cases} | {"one data-parallel rank" for c in cases if c[n_d] == 1} \
+        | {"K other than 12" for c in cases if c[k] != 12}
+
+
+CASE_CLASSES = {
+    "param_state_bytes": lambda calls: {f"{what} {v}" for c in each(calls)
+                                        for what, v in zip(("precision", "optimizer"), c, strict=True)},
+    "zero_bytes_per_device": lambda calls: _stages(calls, 2, 1, 3),
+    "kv_cache_bytes": lambda calls: {f"{c[5]}-byte values" for c in each(calls)}
+    | {"a batch of several sequences" for c in each(calls) if c[4] > 1},
+    "fewest_gpus": _fewest_classes,
+    "model_states_per_gpu": lambda calls: _stages(calls, 4, 3, 5)
+    | {f"{axis} > 1" for c in each(calls) for axis, v in (("tp", c[1]), ("pp", c[2])) if v > 1},
+}
 
 guard_visible_checks(globals(), EXERCISES)

@@ -29,6 +29,7 @@ import torch
 
 from course_lib.comm import chunk_numels, ring_bytes
 from course_lib.grading import core
+from course_lib.grading.cases import each, ranks, several
 from course_lib.grading.core import (
     CheckFailed,
     CheckResult,
@@ -163,76 +164,100 @@ def _expect_unmodified(results: list[dict[str, Any]], what: str) -> None:
                               "copy: the caller may still need it)")
 
 
-def check_ring_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor], world_size: int = 4,
-                              shape: tuple[int, ...] = (10,), seed: int = 0,
+def _check_rs_case(fn: Callable, n: int, shape: tuple[int, ...], seed: int, timeout: float) -> str:
+    numel = math.prod(shape)
+    sizes = chunk_numels(numel, n)
+    total = sum(_inputs("reduce_scatter", r, n, shape, seed)[0] for r in range(n)).reshape(-1)
+    expected = total.split(sizes)
+    results = _launch(_run_on_rank, n, "reduce_scatter", fn, shape, seed, timeout=timeout)
+    for r, res in enumerate(results):
+        expect_close(res["got"], expected[r], f"rank {r}'s chunk ({n} ranks, input shape {shape}, chunk sizes "
+                     f"{sizes}; chunk {r} of the sum, flattened)", rtol=1e-5, atol=1e-5)
+    _expect_unmodified(results, "tensor")
+    sent = _check_bytes(results, "reduce_scatter", numel, "a ring reduce-scatter")
+    return f"{n} ranks, shape {shape}, chunks {sizes}: every chunk right; bytes sent per rank {sent} (the ring's)"
+
+
+RS_CASES = ((4, (10,)), (3, (4, 5)), (2, (7,)))
+"""The visible check's (ranks, input shape): uneven chunks on 4 ranks, a 2-D input on 3, 2 ranks."""
+
+
+def check_ring_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor],
+                              cases: tuple[tuple[int, tuple[int, ...]], ...] = RS_CASES, seed: int = 0,
                               timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """Rank r must return chunk r (``comm.chunk_numels``) of the flattened sum over ranks, as a 1-D float32
-    tensor, leave its input unchanged, and send and receive exactly a ring reduce-scatter's bytes."""
-    def body() -> str:
-        n, numel = world_size, math.prod(shape)
-        sizes = chunk_numels(numel, n)
-        total = sum(_inputs("reduce_scatter", r, n, shape, seed)[0] for r in range(n)).reshape(-1)
-        expected = total.split(sizes)
-        results = _launch(_run_on_rank, n, "reduce_scatter", fn, shape, seed, timeout=timeout)
-        for r, res in enumerate(results):
-            expect_close(res["got"], expected[r], f"rank {r}'s chunk ({n} ranks, input shape {shape}, chunk sizes "
-                         f"{sizes}; chunk {r} of the sum, flattened)", rtol=1e-5, atol=1e-5)
-        _expect_unmodified(results, "tensor")
-        sent = _check_bytes(results, "reduce_scatter", numel, "a ring reduce-scatter")
-        return f"{n} ranks, shape {shape}, chunks {sizes}: every chunk right; bytes sent per rank {sent} (the ring's)"
-    return run_check("ring_reduce_scatter", body)
+    """cases: (ranks, input shape). Rank r must return chunk r (``comm.chunk_numels``) of the flattened sum over
+    ranks, as a 1-D float32 tensor, leave its input unchanged, and send and receive exactly a ring
+    reduce-scatter's bytes."""
+    return run_check("ring_reduce_scatter",
+                     lambda: "; ".join(_check_rs_case(fn, n, tuple(shape), seed, timeout) for n, shape in cases))
 
 
-def check_ring_all_gather(fn: Callable[[torch.Tensor, int], torch.Tensor], world_size: int = 4, numel: int = 10,
-                          seed: int = 0, dtype: str = "float32", timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """Every rank must return the 1-D tensor of ``numel`` elements made of the ranks' chunks in rank order
-    (rank r brings ``chunk_numels(numel, n)[r]`` elements of ``dtype``), exactly, in the chunks' dtype, with a
-    ring all-gather's bytes."""
-    def body() -> str:
-        n = world_size
-        sizes = chunk_numels(numel, n)
-        expected = torch.cat([_inputs("all_gather", r, n, numel, seed, dtype)[0] for r in range(n)])
-        results = _launch(_run_on_rank, n, "all_gather", fn, numel, seed, dtype, timeout=timeout)
-        for r, res in enumerate(results):
-            expect_close(res["got"], expected, f"rank {r}'s gathered tensor ({n} ranks, numel {numel}, chunk sizes "
-                         f"{sizes}, {dtype} chunks: the result keeps their dtype)", rtol=0.0, atol=0.0)
-        _expect_unmodified(results, "chunk")
-        sent = _check_bytes(results, "all_gather", numel, "a ring all-gather", expected.element_size())
-        return f"{n} ranks, numel {numel}, chunks {sizes}: every rank has every chunk; bytes sent per rank {sent}"
-    return run_check("ring_all_gather", body)
+def _check_ag_case(fn: Callable, n: int, numel: int, dtype: str, seed: int, timeout: float) -> str:
+    sizes = chunk_numels(numel, n)
+    expected = torch.cat([_inputs("all_gather", r, n, numel, seed, dtype)[0] for r in range(n)])
+    results = _launch(_run_on_rank, n, "all_gather", fn, numel, seed, dtype, timeout=timeout)
+    for r, res in enumerate(results):
+        expect_close(res["got"], expected, f"rank {r}'s gathered tensor ({n} ranks, numel {numel}, chunk sizes "
+                     f"{sizes}, {dtype} chunks: the result keeps their dtype)", rtol=0.0, atol=0.0)
+    _expect_unmodified(results, "chunk")
+    sent = _check_bytes(results, "all_gather", numel, "a ring all-gather", expected.element_size())
+    return f"{n} ranks, numel {numel}, {dtype}: every rank has every chunk; bytes sent per rank {sent}"
 
 
-def check_pairwise_all_to_all(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], world_size: int = 4,
-                              block: tuple[int, ...] = (3,), seed: int = 0,
+AG_CASES = ((4, 10, "float32"), (3, 8, "float64"), (2, 7, "int32"))
+"""The visible check's (ranks, numel, dtype): uneven chunks, 3 ranks in float64, 2 ranks of integers."""
+
+
+def check_ring_all_gather(fn: Callable[[torch.Tensor, int], torch.Tensor],
+                          cases: tuple[tuple[int, int, str], ...] = AG_CASES, seed: int = 0,
+                          timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """cases: (ranks, numel, dtype). Every rank must return the 1-D tensor of ``numel`` elements made of the ranks'
+    chunks in rank order (rank r brings ``chunk_numels(numel, n)[r]`` elements of ``dtype``), exactly, in the
+    chunks' dtype, with a ring all-gather's bytes."""
+    return run_check("ring_all_gather",
+                     lambda: "; ".join(_check_ag_case(fn, *case, seed, timeout) for case in cases))
+
+
+def _check_a2a_case(fn: Callable, n: int, block: tuple[int, ...], seed: int, timeout: float) -> str:
+    inputs = [_inputs("all_to_all", r, n, block, seed)[0] for r in range(n)]
+    results = _launch(_run_on_rank, n, "all_to_all", fn, block, seed, timeout=timeout)
+    for r, res in enumerate(results):
+        got = res["got"]
+        if not isinstance(got, list | tuple) or len(got) != n:
+            raise CheckFailed(f"rank {r} must return a list of {n} tensors (one per source rank), got "
+                              f"{type(got).__name__}{f' of length {len(got)}' if hasattr(got, '__len__') else ''}")
+        for j in range(n):
+            expect_close(got[j], inputs[j][r], f"rank {r}'s block {j} of {n} (what rank {j} sent to rank {r})",
+                         rtol=0.0, atol=0.0)
+    _expect_unmodified(results, "blocks")
+    v = n * math.prod(block) * 4
+    for r, res in enumerate(results):
+        want = v - math.prod(block) * 4
+        if (res["sent"], res["recv"]) != (want, want):
+            raise CheckFailed(f"rank {r} sent {res['sent']} bytes and received {res['recv']}; an all-to-all of "
+                              f"{n} blocks of {math.prod(block)} float32 sends and receives every block but the "
+                              f"one it keeps: {want} bytes each way")
+    return f"{n} ranks, blocks of shape {block}: every block in its place; {v - v // n} bytes sent per rank"
+
+
+A2A_CASES = ((4, (3,)), (3, (2, 2)), (2, (4,)))
+"""The visible check's (ranks, block shape): 4, 3 and 2 ranks, a 2-D block."""
+
+
+def check_pairwise_all_to_all(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                              cases: tuple[tuple[int, tuple[int, ...]], ...] = A2A_CASES, seed: int = 0,
                               timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """Rank r gets ``blocks`` (one tensor of shape ``block`` per destination rank) and must return a list whose
-    j-th element is the block rank j addressed to rank r, exactly; it sends all but the block it keeps."""
-    def body() -> str:
-        n = world_size
-        inputs = [_inputs("all_to_all", r, n, block, seed)[0] for r in range(n)]
-        results = _launch(_run_on_rank, n, "all_to_all", fn, block, seed, timeout=timeout)
-        for r, res in enumerate(results):
-            got = res["got"]
-            if not isinstance(got, list | tuple) or len(got) != n:
-                raise CheckFailed(f"rank {r} must return a list of {n} tensors (one per source rank), got "
-                                  f"{type(got).__name__}{f' of length {len(got)}' if hasattr(got, '__len__') else ''}")
-            for j in range(n):
-                expect_close(got[j], inputs[j][r], f"rank {r}'s block {j} (what rank {j} sent to rank {r})",
-                             rtol=0.0, atol=0.0)
-        _expect_unmodified(results, "blocks")
-        v = n * math.prod(block) * 4
-        for r, res in enumerate(results):
-            want = v - math.prod(block) * 4
-            if (res["sent"], res["recv"]) != (want, want):
-                raise CheckFailed(f"rank {r} sent {res['sent']} bytes and received {res['recv']}; an all-to-all of "
-                                  f"{n} blocks of {math.prod(block)} float32 sends and receives every block but the "
-                                  f"one it keeps: {want} bytes each way")
-        return f"{n} ranks, blocks of shape {block}: every block in its place; {v - v // n} bytes sent per rank"
-    return run_check("pairwise_all_to_all", body)
+    """cases: (ranks, block shape). Rank r gets ``blocks`` (one tensor of shape ``block`` per destination rank)
+    and must return a list whose j-th element is the block rank j addressed to rank r, exactly; it sends all but the
+    block it keeps."""
+    return run_check("pairwise_all_to_all",
+                     lambda: "; ".join(_check_a2a_case(fn, n, tuple(block), seed, timeout) for n, block in cases))
 
 
 def check_ring_all_reduce_bytes(fn: Callable[[int, int, int, int], tuple[int, int]],
-                                cases: tuple[tuple[int, int, int], ...] = ((10, 4, 4), (1000, 2, 8))) -> CheckResult:
+                                cases: tuple[tuple[int, int, int], ...] = ((10, 4, 4), (1000, 2, 8), (2, 2, 1),
+                                                                           (2, 4, 3), (5_000_000_000, 2, 16))
+                                ) -> CheckResult:
     """``fn(numel, element_size, n, rank)`` must return (sent, received) bytes of that rank in a ring all-reduce,
     for every rank of every (numel, element_size, n) case, exactly as ``comm.ring_bytes("all_reduce", ...)``."""
     def body() -> str:
@@ -253,29 +278,36 @@ def check_ring_all_reduce_bytes(fn: Callable[[int, int, int, int], tuple[int, in
     return run_check("ring_all_reduce_bytes", body)
 
 
-def check_fixed_ring_all_reduce(fn: Callable[[torch.Tensor], torch.Tensor], world_size: int = 4,
-                                numel: int = 12, seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """Every rank must return the sum over ranks of the 1-D float32 inputs (``numel`` divisible by the world
-    size), as a float32 tensor of the same shape, leave its input unchanged, and send and receive exactly a ring
-    all-reduce's bytes: 2(n-1) messages of numel/n elements."""
-    def body() -> str:
-        n = world_size
-        if numel % n:
-            raise ValueError(f"numel {numel} must be divisible by the world size {n}")
-        expected = sum(_inputs("all_reduce", r, n, numel, seed)[0] for r in range(n))
-        results = _launch(_run_on_rank, n, "all_reduce", fn, numel, seed, timeout=timeout)
-        for r, res in enumerate(results):
-            got = res["got"]
-            if not isinstance(got, torch.Tensor) or got.dtype != torch.float32 or got.shape != (numel,):
-                raise CheckFailed(f"rank {r} returned {type(got).__name__}"
-                                  f"{'' if not isinstance(got, torch.Tensor) else f' {got.dtype} {tuple(got.shape)}'}"
-                                  f"; expected a float32 tensor of shape ({numel},), the sum over ranks")
-            expect_close(got, expected, f"rank {r}'s sum ({n} ranks, numel {numel}, chunks of {numel // n})",
-                         rtol=1e-5, atol=1e-5)
-        _expect_unmodified(results, "tensor")
-        sent = _check_bytes(results, "all_reduce", numel, "a ring all-reduce")
-        return f"{n} ranks, numel {numel}: every rank has the sum; bytes sent per rank {sent} (the ring's)"
-    return run_check("fixed_ring_all_reduce", body)
+def _check_ar_case(fn: Callable, n: int, numel: int, seed: int, timeout: float) -> str:
+    if numel % n:
+        raise ValueError(f"numel {numel} must be divisible by the world size {n}")
+    expected = sum(_inputs("all_reduce", r, n, numel, seed)[0] for r in range(n))
+    results = _launch(_run_on_rank, n, "all_reduce", fn, numel, seed, timeout=timeout)
+    for r, res in enumerate(results):
+        got = res["got"]
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.float32 or got.shape != (numel,):
+            raise CheckFailed(f"rank {r} returned {type(got).__name__}"
+                              f"{'' if not isinstance(got, torch.Tensor) else f' {got.dtype} {tuple(got.shape)}'}"
+                              f"; expected a float32 tensor of shape ({numel},), the sum over ranks")
+        expect_close(got, expected, f"rank {r}'s sum ({n} ranks, numel {numel}, chunks of {numel // n})",
+                     rtol=1e-5, atol=1e-5)
+    _expect_unmodified(results, "tensor")
+    sent = _check_bytes(results, "all_reduce", numel, "a ring all-reduce")
+    return f"{n} ranks, numel {numel}: every rank has the sum; bytes sent per rank {sent} (the ring's)"
+
+
+AR_CASES = ((4, 12), (3, 9), (2, 6))
+"""The visible check's (ranks, numel): 4, 3 and 2 ranks."""
+
+
+def check_fixed_ring_all_reduce(fn: Callable[[torch.Tensor], torch.Tensor],
+                                cases: tuple[tuple[int, int], ...] = AR_CASES, seed: int = 0,
+                                timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """cases: (ranks, numel). Every rank must return the sum over ranks of the 1-D float32 inputs (``numel``
+    divisible by the world size), as a float32 tensor of the same shape, leave its input unchanged, and send and
+    receive exactly a ring all-reduce's bytes: 2(n-1) messages of numel/n elements."""
+    return run_check("fixed_ring_all_reduce",
+                     lambda: "; ".join(_check_ar_case(fn, n, numel, seed, timeout) for n, numel in cases))
 
 
 POINT_TO_POINT = (*(f"course_lib.comm.{name}" for name in ("send", "recv", "isend", "irecv", "_TimedWork")),
@@ -286,14 +318,13 @@ from messages may use."""
 EXERCISES = [
     Exercise("ring_reduce_scatter", "Ring reduce-scatter from send/recv", 4, "ring_reduce_scatter",
              check_ring_reduce_scatter,
-             hidden=[{"world_size": 2, "shape": (7,), "seed": 1}, {"world_size": 3, "shape": (4, 5), "seed": 2},
-                     {"world_size": 4, "shape": (1003,), "seed": 3}],
+             hidden=[{"cases": ((2, (9,)),), "seed": 1}, {"cases": ((3, (2, 7)),), "seed": 2},
+                     {"cases": ((4, (1003,)),), "seed": 3}],
              allowed=POINT_TO_POINT),
     Exercise("ring_all_gather", "Ring all-gather from send/recv", 3, "ring_all_gather", check_ring_all_gather,
-             hidden=[{"world_size": 2, "numel": 5, "seed": 1}, {"world_size": 3, "numel": 1000, "seed": 2},
-                     {"world_size": 4, "numel": 4, "seed": 3},
-                     {"world_size": 3, "numel": 8, "seed": 4, "dtype": "float64"},
-                     {"world_size": 2, "numel": 7, "seed": 5, "dtype": "int32"}],
+             hidden=[{"cases": ((2, 5, "float32"),), "seed": 1}, {"cases": ((3, 1000, "float32"),), "seed": 2},
+                     {"cases": ((4, 4, "float32"),), "seed": 3}, {"cases": ((3, 11, "float64"),), "seed": 4},
+                     {"cases": ((2, 9, "int32"),), "seed": 5}],
              allowed=POINT_TO_POINT),
     Exercise("ring_all_reduce_bytes", "Exact bytes of a ring all-reduce", 2, "ring_all_reduce_bytes",
              check_ring_all_reduce_bytes,
@@ -302,13 +333,40 @@ EXERCISES = [
              allowed=("course_lib.comm.chunk_numels",)),
     Exercise("pairwise_all_to_all", "All-to-all by pairwise exchange", 3, "pairwise_all_to_all",
              check_pairwise_all_to_all,
-             hidden=[{"world_size": 2, "block": (5,), "seed": 1}, {"world_size": 3, "block": (2, 3), "seed": 2}],
+             hidden=[{"cases": ((2, (5,)),), "seed": 1}, {"cases": ((3, (2, 3)),), "seed": 2},
+                     {"cases": ((4, (1,)),), "seed": 3}],
              allowed=POINT_TO_POINT),
     Exercise("fixed_ring_all_reduce", "Find the bug: a ring all-reduce", 3, "fixed_ring_all_reduce",
              check_fixed_ring_all_reduce,
-             hidden=[{"world_size": 2, "numel": 6, "seed": 1}, {"world_size": 3, "numel": 999, "seed": 2},
-                     {"world_size": 4, "numel": 4, "seed": 3}],
+             hidden=[{"cases": ((2, 10),), "seed": 1}, {"cases": ((3, 999),), "seed": 2},
+                     {"cases": ((4, 4),), "seed": 3}],
              allowed=POINT_TO_POINT),
 ]
+
+def _ranks_of(calls: list[dict]) -> set[str]:
+    sizes = [case[0] for case in each(calls)]
+    return several(sizes, "world sizes").union(*(ranks(n) for n in sizes))
+
+
+def _bytes_classes(calls: list[dict]) -> set[str]:
+    out = several((es for _, es, _ in each(calls)), "element sizes")
+    for numel, es, n in each(calls):
+        out |= {"one rank" if n == 1 else "uneven chunks" if numel % n else "even chunks"}
+        out |= {"fewer elements than ranks"} if numel < n else set()
+        out |= {"more than 2^32 bytes"} if numel * es > 2**32 else set()
+    return out
+
+
+CASE_CLASSES = {
+    "ring_reduce_scatter": lambda calls: _ranks_of(calls) | {"uneven chunks" for n, shape in each(calls)
+                                                             if math.prod(shape) % n}
+    | {"an input of several dimensions" for _, shape in each(calls) if len(shape) > 1},
+    "ring_all_gather": lambda calls: _ranks_of(calls) | {"uneven chunks" for n, numel, _ in each(calls) if numel % n}
+    | {"float32" if d == "float32" else "float64" if d == "float64" else "an integer dtype" for *_, d in each(calls)},
+    "ring_all_reduce_bytes": _bytes_classes,
+    "pairwise_all_to_all": lambda calls: _ranks_of(calls) | {"a block of several dimensions" for _, block in
+                                                             each(calls) if len(block) > 1},
+    "fixed_ring_all_reduce": _ranks_of,
+}
 
 guard_visible_checks(globals(), EXERCISES)

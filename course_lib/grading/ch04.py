@@ -12,6 +12,9 @@ compares it with one process; communication is read from ``course_lib.comm``'s l
    and of every shard, and each collective's size and group size.
 4. ``vocab_parallel_cross_entropy(logits, targets)``: the mean cross-entropy from this rank's vocabulary shard.
    Checked: the loss (finite for logits x 1000), each shard's gradient, and the forward's collectives.
+
+Each check runs two world sizes at least (and, where a size is the answer's to read, two vocabularies): an answer
+that hard-codes the rank count or the vocabulary fails the notebook's self-check, not only the grader.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from course_lib import comm
 from course_lib.grading import core
+from course_lib.grading.cases import each, ranks, several
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.layers import MLP, Attention
 from course_lib.model_config import GPTConfig
@@ -71,6 +76,31 @@ def sp_reference_forward(x: torch.Tensor, norm_w: torch.Tensor, w1: torch.Tensor
     return F.linear(F.gelu(F.linear(F.rms_norm(x, (x.shape[-1],), norm_w, eps=1e-5), w1, b1)), w2, b2)
 
 
+_PRODUCTS = frozenset({F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+                       torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.einsum})
+"""The products a column-parallel layer may be written with."""
+
+
+class _ProductInputs(TorchFunctionMode):
+    """On a rank, while the learner's forward runs: the activation of every product with ``weight`` (a tensor
+    sharing its storage: the weight, its transpose, a view), flattened to rows of the weight's input width."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.storage, self.width, self.rows = weight.untyped_storage().data_ptr(), weight.shape[-1], []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _PRODUCTS:
+            flat = [x for a in args for x in (a if isinstance(a, list | tuple) else [a])]
+            operands = [a for a in flat if isinstance(a, torch.Tensor)]
+            mine = [a for a in operands if a.untyped_storage().data_ptr() == self.storage]
+            inputs = [a for a in operands if a.untyped_storage().data_ptr() != self.storage and a.dim() >= 2
+                      and a.shape[-1] == self.width]  # a bias is 1-D
+            if mine and len(inputs) == 1:
+                self.rows.append(inputs[0].detach().reshape(-1, self.width).clone())
+        return func(*args, **(kwargs or {}))
+
+
 def _sp_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple[int, int, int],
                 seed: int) -> dict[str, Any]:
     ref = _sp_reference(shape[-1], seed)
@@ -79,7 +109,8 @@ def _sp_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple
     params = [s.clone().requires_grad_(True) for s in shards]
     x = _rand(shape, seed + 1).chunk(world_size, 1)[rank].clone().requires_grad_(True)
     upstream = _rand(shape, seed + 2).chunk(world_size, 1)[rank]
-    with comm.recording() as fwd:
+    seen = _ProductInputs(params[1])
+    with comm.recording() as fwd, seen:
         out = fn(x, *params)
     if not isinstance(out, torch.Tensor):
         return {"type": type(out).__name__}
@@ -88,7 +119,11 @@ def _sp_on_rank(rank: int, world_size: int, fn: Callable[..., Any], shape: tuple
     with comm.recording() as bwd:
         out.backward(upstream)
     return {"type": "Tensor", "out": out.detach().clone(), "x_grad": x.grad, "grads": [p.grad for p in params],
-            "fwd": _ops(fwd), "bwd": _ops(bwd)}
+            "fwd": _ops(fwd), "bwd": _ops(bwd), "w1_rows": torch.cat(seen.rows) if seen.rows else None}
+
+
+SP_CASES = ((2, (2, 8, 16)), (4, (2, 8, 16)))
+"""The visible check's (ranks, shape): two world sizes, two sequences a batch (their order shows)."""
 
 
 def _sp_comm_problem(fwd: list[tuple[str, int]], bwd: list[tuple[str, int]], full: int, h: int) -> str:
@@ -96,7 +131,7 @@ def _sp_comm_problem(fwd: list[tuple[str, int]], bwd: list[tuple[str, int]], ful
     backward one reduce-scatter, one or two all-gathers (the second: re-gathering a saved shard) and all-reduces
     of the two replicated parameters' gradients (2h fp32 values, in one call or two); else what is wrong."""
     if sorted(fwd) != [("all_gather", full), ("reduce_scatter", full)]:
-        return (f"forward: expected one all-gather (g-bar) and one reduce-scatter (g) of the whole [b, s, h] "
+        return (f"forward: expected one all-gather (g) and one reduce-scatter (g-bar) of the whole [b, s, h] "
                 f"activation ({full} B) through course_lib.comm, got {fwd}")
     gathers = [op for op in bwd if op == ("all_gather", full)]
     scatters = [op for op in bwd if op == ("reduce_scatter", full)]
@@ -109,42 +144,68 @@ def _sp_comm_problem(fwd: list[tuple[str, int]], bwd: list[tuple[str, int]], ful
     return ""
 
 
-def check_sp_region(fn: Callable, world_size: int = 2, shape: tuple[int, int, int] = (2, 8, 16), seed: int = 0,
+def _in_order(rows: torch.Tensor | None, normed: torch.Tensor, what: str) -> None:
+    """The rows the column-parallel product saw are the whole sequence's, in order (skipped when the check saw no
+    product with w1)."""
+    if rows is None:
+        return
+    want = normed.reshape(-1, normed.shape[-1])
+    if rows.shape == want.shape and torch.allclose(rows, want, rtol=1e-4, atol=1e-5):
+        return
+    b, s = normed.shape[:2]
+    raise CheckFailed(f"{what}: the product with w1 saw {rows.shape[0]} rows that are not the {b} x {s} tokens of the "
+                      "sequences in order: g joins the shards along the sequence (dim 1), rank r's tokens after "
+                      "rank r-1's, so that the layers of the region see every sequence whole (joined along "
+                      "another dim, the tokens of the sequences mix: token by token the MLP cannot tell, the "
+                      "attention an SP region also wraps can)")
+
+
+def _check_sp_case(fn: Callable, world_size: int, shape: tuple[int, int, int], seed: int, timeout: float) -> str:
+    if shape[1] % world_size:
+        raise ValueError(f"check_sp_region: the sequence length {shape[1]} must divide by {world_size} ranks")
+    where = f"{world_size} ranks, x {tuple(shape)}"
+    results = _launch(_sp_on_rank, world_size, fn, tuple(shape), seed, timeout=timeout)
+    ref = _sp_reference(shape[-1], seed)
+    params = {k: v.clone().requires_grad_(True) for k, v in ref.items()}
+    x = _rand(shape, seed + 1).requires_grad_(True)
+    out = sp_reference_forward(x, **params)
+    out.backward(_rand(shape, seed + 2))
+    normed = F.rms_norm(x.detach(), (shape[-1],), ref["norm_w"], eps=1e-5)
+    names = ["norm_w", "w1", "b1", "w2", "b2"]
+    full_grads = [params[k].grad for k in names]
+    full = x.numel() * 4
+    for r, res in enumerate(results):
+        if res["type"] != "Tensor":
+            raise CheckFailed(f"{where}, rank {r}: sp_region must return a torch.Tensor, got {res['type']}")
+        tol = {"rtol": 1e-4, "atol": 1e-5}
+        expect_close(res["out"], out.detach().chunk(world_size, 1)[r], f"{where}, rank {r}: output vs tokens "
+                     f"[{r} s/t, {r + 1} s/t) of the single-process block", **tol)
+        if res["x_grad"] is None:
+            raise CheckFailed(f"{where}, rank {r}: x.grad is None: the output must depend on x through autograd")
+        expect_close(res["x_grad"], x.grad.chunk(world_size, 1)[r], f"{where}, rank {r}: gradient of this rank's "
+                     "sequence shard x", **tol)
+        for name, g, want in zip(names, res["grads"], full_grads, strict=True):
+            want = want.chunk(world_size, 0)[r] if name in ("w1", "b1") else \
+                want.chunk(world_size, 1)[r] if name == "w2" else want
+            if g is None:
+                raise CheckFailed(f"{where}, rank {r}: {name} got no gradient")
+            replicated = " (replicated: every rank must end with the gradient of all s tokens)" \
+                if name in ("norm_w", "b2") else ""
+            expect_close(g, want, f"{where}, rank {r}: gradient of {name} vs one process's{replicated}", **tol)
+        problem = _sp_comm_problem(res["fwd"], res["bwd"], full, shape[-1])
+        if problem:
+            raise CheckFailed(f"{where}, rank {r}: {problem}")
+        _in_order(res["w1_rows"], normed, f"{where}, rank {r}")
+    return where
+
+
+def check_sp_region(fn: Callable, cases: tuple[tuple[int, tuple[int, int, int]], ...] = SP_CASES, seed: int = 0,
                     timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """cases: (ranks, the whole x's shape [b, s, h]): output shard, every gradient and the comm log against one
+    process, and the rows the product with w1 sees (the whole sequences, in order)."""
     def body() -> str:
-        if shape[1] % world_size:
-            raise ValueError(f"check_sp_region: the sequence length {shape[1]} must divide by {world_size} ranks")
-        results = _launch(_sp_on_rank, world_size, fn, tuple(shape), seed, timeout=timeout)
-        ref = _sp_reference(shape[-1], seed)
-        params = {k: v.clone().requires_grad_(True) for k, v in ref.items()}
-        x = _rand(shape, seed + 1).requires_grad_(True)
-        out = sp_reference_forward(x, **params)
-        out.backward(_rand(shape, seed + 2))
-        names = ["norm_w", "w1", "b1", "w2", "b2"]
-        full_grads = [params[k].grad for k in names]
-        full = x.numel() * 4
-        for r, res in enumerate(results):
-            if res["type"] != "Tensor":
-                raise CheckFailed(f"rank {r}: sp_region must return a torch.Tensor, got {res['type']}")
-            tol = {"rtol": 1e-4, "atol": 1e-5}
-            expect_close(res["out"], out.detach().chunk(world_size, 1)[r], f"rank {r}: output vs tokens "
-                         f"[{r} s/t, {r + 1} s/t) of the single-process block", **tol)
-            if res["x_grad"] is None:
-                raise CheckFailed(f"rank {r}: x.grad is None: the output must depend on x through autograd")
-            expect_close(res["x_grad"], x.grad.chunk(world_size, 1)[r], f"rank {r}: gradient of this rank's "
-                         "sequence shard x", **tol)
-            for name, g, want in zip(names, res["grads"], full_grads, strict=True):
-                want = want.chunk(world_size, 0)[r] if name in ("w1", "b1") else \
-                    want.chunk(world_size, 1)[r] if name == "w2" else want
-                if g is None:
-                    raise CheckFailed(f"rank {r}: {name} got no gradient")
-                replicated = " (replicated: every rank must end with the gradient of all s tokens)" \
-                    if name in ("norm_w", "b2") else ""
-                expect_close(g, want, f"rank {r}: gradient of {name} vs one process's{replicated}", **tol)
-            problem = _sp_comm_problem(res["fwd"], res["bwd"], full, shape[-1])
-            if problem:
-                raise CheckFailed(f"rank {r}: {problem}")
-        return f"{world_size} ranks, x {tuple(shape)}: output, every gradient and the comm log of an SP region"
+        done = [_check_sp_case(fn, t, shape, seed, timeout) for t, shape in cases]
+        return f"{'; '.join(done)}: output, every gradient, the comm log and the sequence order of an SP region"
     return run_check("sp_region", body)
 
 
@@ -182,40 +243,51 @@ def _emb_on_rank(rank: int, world_size: int, fn: Callable[..., Any], vocab: int,
             "fwd": _ops(fwd), "bwd": _ops(bwd)}
 
 
-def check_vocab_parallel_embedding(fn: Callable, world_size: int = 2, vocab: int = 16, h: int = 8,
-                                   ids_shape: tuple[int, ...] = (2, 5), seed: int = 0,
-                                   timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """``fn(ids, weight)`` on ranks, ``weight`` rows [r V/t, (r+1) V/t) of the table: the full embedding on every
-    rank, the shard's gradient = its rows of one process's, one all-reduce of b*s*h fp32 forward, none backward."""
+def _check_embedding_case(fn: Callable, world_size: int, vocab: int, h: int, ids_shape: tuple[int, ...], seed: int,
+                          timeout: float) -> str:
+    if vocab % world_size:
+        raise ValueError(f"check_vocab_parallel_embedding: the vocabulary {vocab} must divide by {world_size}")
+    where = f"{world_size} ranks, vocabulary {vocab}, ids {tuple(ids_shape)}"
+    results = _launch(_emb_on_rank, world_size, fn, vocab, h, tuple(ids_shape), seed, timeout=timeout)
+    table, ids, upstream = _emb_inputs(vocab, h, tuple(ids_shape), world_size, seed)
+    full = table.clone().requires_grad_(True)
+    want = F.embedding(ids, full)
+    want.backward(upstream)
+    nbytes = want.numel() * 4
+    n = vocab // world_size
+    for r, res in enumerate(results):
+        if res["type"] != "Tensor":
+            raise CheckFailed(f"{where}, rank {r}: vocab_parallel_embedding must return a torch.Tensor, got "
+                              f"{res['type']}")
+        if not res["ids_kept"]:
+            raise CheckFailed(f"{where}, rank {r}: the ids were modified in place: shift and mask a copy")
+        expect_close(res["out"], want.detach(), f"{where}, rank {r}: output vs one process's embedding of all ids (ids "
+                     f"outside [{r * n}, {(r + 1) * n}) must contribute nothing on rank {r})")
+        if res["grad"] is None:
+            raise CheckFailed(f"{where}, rank {r}: the weight shard got no gradient: the output must depend on it "
+                              "through autograd")
+        expect_close(res["grad"], full.grad.chunk(world_size)[r], f"{where}, rank {r}: gradient of the shard vs rows "
+                     f"[{r * n}, {(r + 1) * n}) of one process's (the output's gradient is already the same on "
+                     "every rank: nothing to sum in backward)")
+        if res["fwd"] != [("all_reduce", nbytes)] or res["bwd"] != []:
+            raise CheckFailed(f"{where}, rank {r}: expected one all-reduce of the [b, s, h] output ({nbytes} B) "
+                              f"forward and nothing backward, through course_lib.comm (the table is never gathered),"
+                              f" got forward {res['fwd']}, backward {res['bwd']}")
+    return where
+
+
+EMBEDDING_CASES = ((2, 16, 8, (2, 5)), (4, 12, 4, (3, 4)))
+"""The visible check's (ranks, vocabulary, h, ids shape): two world sizes, two vocabularies and shard sizes."""
+
+
+def check_vocab_parallel_embedding(fn: Callable, cases: tuple[tuple[int, int, int, tuple[int, ...]], ...] =
+                                   EMBEDDING_CASES, seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """cases: (ranks, V, h, ids shape); ``fn(ids, weight)`` on ranks, ``weight`` rows [r V/t, (r+1) V/t) of the
+    table: the full embedding on every rank, the shard's gradient = its rows of one process's, one all-reduce of
+    b*s*h fp32 forward, none backward; the ids include every shard edge."""
     def body() -> str:
-        if vocab % world_size:
-            raise ValueError(f"check_vocab_parallel_embedding: the vocabulary {vocab} must divide by {world_size}")
-        results = _launch(_emb_on_rank, world_size, fn, vocab, h, tuple(ids_shape), seed, timeout=timeout)
-        table, ids, upstream = _emb_inputs(vocab, h, tuple(ids_shape), world_size, seed)
-        full = table.clone().requires_grad_(True)
-        want = F.embedding(ids, full)
-        want.backward(upstream)
-        nbytes = want.numel() * 4
-        n = vocab // world_size
-        for r, res in enumerate(results):
-            if res["type"] != "Tensor":
-                raise CheckFailed(f"rank {r}: vocab_parallel_embedding must return a torch.Tensor, got {res['type']}")
-            if not res["ids_kept"]:
-                raise CheckFailed(f"rank {r}: the ids were modified in place: shift and mask a copy")
-            expect_close(res["out"], want.detach(), f"rank {r}: output vs one process's embedding of all ids (ids "
-                         f"outside [{r * n}, {(r + 1) * n}) must contribute nothing on rank {r})")
-            if res["grad"] is None:
-                raise CheckFailed(f"rank {r}: the weight shard got no gradient: the output must depend on it "
-                                  "through autograd")
-            expect_close(res["grad"], full.grad.chunk(world_size)[r], f"rank {r}: gradient of the shard vs rows "
-                         f"[{r * n}, {(r + 1) * n}) of one process's (the output's gradient is already the same on "
-                         "every rank: nothing to sum in backward)")
-            if res["fwd"] != [("all_reduce", nbytes)] or res["bwd"] != []:
-                raise CheckFailed(f"rank {r}: expected one all-reduce of the [b, s, h] output ({nbytes} B) forward "
-                                  f"and nothing backward, through course_lib.comm (the table is never gathered), "
-                                  f"got forward {res['fwd']}, backward {res['bwd']}")
-        return (f"{world_size} ranks, vocabulary {vocab} (shard edges included), ids {tuple(ids_shape)}: output, "
-                f"shard gradients, one all-reduce of {nbytes} B")
+        done = [_check_embedding_case(fn, *case, seed, timeout) for case in cases]
+        return f"{'; '.join(done)} (shard edges included): output, shard gradients, one all-reduce forward"
     return run_check("vocab_parallel_embedding", body)
 
 
@@ -224,8 +296,9 @@ def check_vocab_parallel_embedding(fn: Callable, world_size: int = 2, vocab: int
 
 
 def kv_heads_of_rank(n_kv_head: int, t: int, rank: int) -> range:
-    """The K/V heads rank ``rank`` of ``t`` holds (Megatron-LM's placement): heads [r n_kv/t, (r+1) n_kv/t) when t
-    divides n_kv_head; when n_kv_head divides t, head r // (t / n_kv), each head replicated on t / n_kv ranks."""
+    """The K/V heads rank ``rank`` of ``t`` holds (vLLM's placement, ``QKVParallelLinear``): heads
+    [r n_kv/t, (r+1) n_kv/t) when t divides n_kv_head; when n_kv_head divides t, head r // (t / n_kv), each head
+    replicated on t / n_kv ranks."""
     if n_kv_head % t == 0:
         per = n_kv_head // t
         return range(rank * per, (rank + 1) * per)
@@ -287,49 +360,59 @@ def _gqa_comm_problem(fwd: list[tuple[str, int, int]], bwd: list[tuple[str, int,
     return ""
 
 
-def check_gqa_attention(fn: Callable, world_size: int = 4, n_head: int = 4, n_kv_head: int = 2,
-                        shape: tuple[int, int, int] = (2, 8, 16), seed: int = 0,
-                        timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """``fn(x, wq, wk, wv, wo, n_head=, n_kv_head=)`` on ranks: causal GQA attention, query heads split over the
-    ranks, K/V heads placed by ``kv_heads_of_rank``; output, every gradient and the comm log vs one process."""
-    def body() -> str:
-        if n_head % world_size or n_head % n_kv_head or (n_kv_head % world_size and world_size % n_kv_head):
-            raise ValueError(f"check_gqa_attention: needs t={world_size} dividing n_head={n_head}, n_kv_head="
-                             f"{n_kv_head} dividing n_head, and t and n_kv_head dividing one another")
-        results = _launch(_gqa_on_rank, world_size, fn, tuple(shape), n_head, n_kv_head, seed, timeout=timeout)
-        ref = _gqa_reference(shape[-1], n_head, n_kv_head, shape[1], seed)
-        x = _rand(shape, seed + 1).requires_grad_(True)
-        out = ref(x)
-        out.backward(_rand(shape, seed + 2))
-        replicas = max(1, world_size // n_kv_head)
-        kv_bytes = 2 * ref.head_dim * shape[-1] * 4
-        tol = {"rtol": 1e-4, "atol": 1e-5}
-        for r, res in enumerate(results):
-            if res["type"] != "Tensor":
-                raise CheckFailed(f"rank {r}: gqa_attention must return a torch.Tensor, got {res['type']}")
-            expect_close(res["out"], out.detach(), f"rank {r}: output vs one process's attention", **tol)
-            problem = _gqa_comm_problem(res["fwd"], res["bwd"], world_size, x.numel() * 4, kv_bytes, replicas)
-            if problem:
-                raise CheckFailed(f"rank {r}: {problem}")
-            if res["x_grad"] is None:
-                raise CheckFailed(f"rank {r}: x.grad is None: the output must depend on x through autograd")
-            expect_close(res["x_grad"], x.grad, f"rank {r}: gradient of x (every rank's heads read x)", **tol)
-            heads = kv_heads_of_rank(n_kv_head, world_size, r)
-            holders = [q for q in range(world_size) if kv_heads_of_rank(n_kv_head, world_size, q) == heads]
-            names = ["wq (its query heads of q_proj)", "wk (its K/V heads of k_proj)", "wv (its K/V heads of v_proj)",
-                     "wo (its query heads of o_proj)"]
-            for i, (name, g, want) in enumerate(zip(names, res["grads"], _gqa_shards(ref, world_size, r, True),
-                                                    strict=True)):
-                if g is None:
-                    raise CheckFailed(f"rank {r}: {name} got no gradient")
-                shared = f" (K/V heads {list(heads)} are held by ranks {holders}: each rank's gradient covers only " \
-                    "its own query heads; the head's gradient is their sum)" if i in (1, 2) and replicas > 1 else ""
-                expect_close(g, want, f"rank {r}: gradient of {name} vs one process's{shared}", **tol)
-        how = f"each K/V head on {replicas} ranks" if replicas > 1 else f"{n_kv_head // world_size} K/V heads a rank"
-        return (f"{world_size} ranks, {n_head} query heads, {n_kv_head} K/V heads ({how}), x {tuple(shape)}: output, "
-                "every gradient and the comm log")
-    return run_check("gqa_attention", body)
+def _check_gqa_case(fn: Callable, world_size: int, n_head: int, n_kv_head: int, shape: tuple[int, int, int],
+                    seed: int, timeout: float) -> str:
+    if n_head % world_size or n_head % n_kv_head or (n_kv_head % world_size and world_size % n_kv_head):
+        raise ValueError(f"check_gqa_attention: needs t={world_size} dividing n_head={n_head}, n_kv_head="
+                         f"{n_kv_head} dividing n_head, and t and n_kv_head dividing one another")
+    results = _launch(_gqa_on_rank, world_size, fn, tuple(shape), n_head, n_kv_head, seed, timeout=timeout)
+    ref = _gqa_reference(shape[-1], n_head, n_kv_head, shape[1], seed)
+    x = _rand(shape, seed + 1).requires_grad_(True)
+    out = ref(x)
+    out.backward(_rand(shape, seed + 2))
+    replicas = max(1, world_size // n_kv_head)
+    kv_bytes = 2 * ref.head_dim * shape[-1] * 4
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    how = f"each K/V head on {replicas} ranks" if replicas > 1 else f"{n_kv_head // world_size} K/V heads a rank"
+    where = f"{world_size} ranks, {n_head} query heads, {n_kv_head} K/V heads ({how})"
+    for r, res in enumerate(results):
+        if res["type"] != "Tensor":
+            raise CheckFailed(f"{where}, rank {r}: gqa_attention must return a torch.Tensor, got {res['type']}")
+        expect_close(res["out"], out.detach(), f"{where}, rank {r}: output vs one process's attention", **tol)
+        problem = _gqa_comm_problem(res["fwd"], res["bwd"], world_size, x.numel() * 4, kv_bytes, replicas)
+        if problem:
+            raise CheckFailed(f"{where}, rank {r}: {problem}")
+        if res["x_grad"] is None:
+            raise CheckFailed(f"{where}, rank {r}: x.grad is None: the output must depend on x through autograd")
+        expect_close(res["x_grad"], x.grad, f"{where}, rank {r}: gradient of x (every rank's heads read x)", **tol)
+        heads = kv_heads_of_rank(n_kv_head, world_size, r)
+        holders = [q for q in range(world_size) if kv_heads_of_rank(n_kv_head, world_size, q) == heads]
+        names = ["wq (its query heads of q_proj)", "wk (its K/V heads of k_proj)", "wv (its K/V heads of v_proj)",
+                 "wo (its query heads of o_proj)"]
+        for i, (name, g, want) in enumerate(zip(names, res["grads"], _gqa_shards(ref, world_size, r, True),
+                                                strict=True)):
+            if g is None:
+                raise CheckFailed(f"{where}, rank {r}: {name} got no gradient")
+            shared = f" (K/V heads {list(heads)} are held by ranks {holders}: each rank's gradient covers only " \
+                "its own query heads; the head's gradient is their sum)" if i in (1, 2) and replicas > 1 else ""
+            expect_close(g, want, f"{where}, rank {r}: gradient of {name} vs one process's{shared}", **tol)
+    return where
 
+
+GQA_CASES = ((4, 4, 2, (2, 8, 16)), (2, 8, 4, (2, 8, 16)), (4, 4, 1, (1, 6, 16)))
+"""The visible check's (ranks, n_head, n_kv_head, x shape): each K/V head on 2 of 4 ranks, two K/V heads a rank,
+one K/V head on all 4 ranks (MQA)."""
+
+
+def check_gqa_attention(fn: Callable, cases: tuple[tuple[int, int, int, tuple[int, int, int]], ...] = GQA_CASES,
+                        seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """cases: (ranks, n_head, n_kv_head, x shape); ``fn(x, wq, wk, wv, wo, n_head=, n_kv_head=)`` on ranks:
+    causal GQA attention, query heads split over the ranks, K/V heads placed by ``kv_heads_of_rank``; output,
+    every gradient and the comm log vs one process."""
+    def body() -> str:
+        done = [_check_gqa_case(fn, *case, seed, timeout) for case in cases]
+        return f"{'; '.join(done)}: output, every gradient and the comm log"
+    return run_check("gqa_attention", body)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -356,57 +439,89 @@ def _ce_on_rank(rank: int, world_size: int, fn: Callable[..., Any], n: int, voca
             "fwd": [(r.op, r.tensor_bytes) for r in fwd.records], "bwd": _ops(bwd)}
 
 
-def check_vocab_parallel_cross_entropy(fn: Callable, world_size: int = 2, n: int = 16, vocab: int = 64,
-                                       scale: float = 1.0, seed: int = 0,
-                                       timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+def _check_ce_case(fn: Callable, world_size: int, n: int, vocab: int, scale: float, seed: int,
+                   timeout: float) -> str:
+    results = _launch(_ce_on_rank, world_size, fn, n, vocab, scale, seed, timeout=timeout)
+    logits, targets = _ce_inputs(n, vocab, scale, seed)
+    full = logits.clone().requires_grad_(True)
+    ref = F.cross_entropy(full, targets)
+    ref.backward()
+    where = f"{world_size} ranks, {n} tokens, vocabulary {vocab}, logits x{scale:g}"
+    for r, res in enumerate(results):
+        if res["type"] != "scalar":
+            raise CheckFailed(f"{where}, rank {r}: must return the mean loss as a 0-d tensor, got {res['type']}")
+        if not torch.isfinite(res["loss"]):
+            raise CheckFailed(f"{where}, rank {r}: the loss is not finite: subtract the global max before "
+                              "exponentiating")
+        expect_close(res["loss"], ref.detach(), f"{where}, rank {r}: loss vs F.cross_entropy of the full logits",
+                     rtol=1e-5, atol=1e-5)
+        if res["grad"] is None:
+            raise CheckFailed(f"{where}, rank {r}: the logit shard got no gradient")
+        expect_close(res["grad"], full.grad.chunk(world_size, -1)[r], f"{where}, rank {r}: gradient of the logit "
+                     "shard vs the slice of the single-process gradient", rtol=1e-4, atol=1e-7)
+        expected = [("all_reduce", n * 4)] * 3
+        if res["fwd"] != expected:
+            raise CheckFailed(f"{where}, rank {r}: expected exactly 3 all-reduces of {n} fp32 values ({n * 4} B) "
+                              "through course_lib.comm (max, target logit, sum of exponentials), got "
+                              f"{res['fwd']}")
+    return where
+
+
+CE_CASES = ((2, 16, 64, 1.0), (4, 12, 32, 1000.0))
+"""The visible check's (ranks, tokens, vocabulary, logit scale): two world sizes and vocabularies, logits x 1000."""
+
+
+def check_vocab_parallel_cross_entropy(fn: Callable, cases: tuple[tuple[int, int, int, float], ...] = CE_CASES,
+                                       seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """cases: (ranks, tokens, V, scale): the mean loss and the shard's gradient against one process, three
+    all-reduces of N fp32 values forward."""
     def body() -> str:
-        results = _launch(_ce_on_rank, world_size, fn, n, vocab, scale, seed, timeout=timeout)
-        logits, targets = _ce_inputs(n, vocab, scale, seed)
-        full = logits.clone().requires_grad_(True)
-        ref = F.cross_entropy(full, targets)
-        ref.backward()
-        for r, res in enumerate(results):
-            if res["type"] != "scalar":
-                raise CheckFailed(f"rank {r}: must return the mean loss as a 0-d tensor, got {res['type']}")
-            if not torch.isfinite(res["loss"]):
-                raise CheckFailed(f"rank {r}: the loss is not finite for logits scaled by {scale:g}: subtract the "
-                                  "global max before exponentiating")
-            expect_close(res["loss"], ref.detach(), f"rank {r}: loss vs F.cross_entropy of the full logits "
-                         f"(x{scale:g})", rtol=1e-5, atol=1e-5)
-            if res["grad"] is None:
-                raise CheckFailed(f"rank {r}: the logit shard got no gradient")
-            expect_close(res["grad"], full.grad.chunk(world_size, -1)[r], f"rank {r}: gradient of the logit shard "
-                         "vs the slice of the single-process gradient", rtol=1e-4, atol=1e-7)
-            expected = [("all_reduce", n * 4)] * 3
-            if res["fwd"] != expected:
-                raise CheckFailed(f"rank {r}: expected exactly 3 all-reduces of {n} fp32 values ({n * 4} B) through "
-                                  f"course_lib.comm (max, target logit, sum of exponentials), got {res['fwd']}")
-        return f"{world_size} ranks, {n} tokens, vocabulary {vocab}, logits x{scale:g}: loss, gradients and bytes"
+        done = [_check_ce_case(fn, *case, seed, timeout) for case in cases]
+        return f"{'; '.join(done)}: loss, gradients and bytes"
     return run_check("vocab_parallel_cross_entropy", body)
 
 
 
 EXERCISES = [
     Exercise("sp_region", "A sequence-parallel region on ranks", 4, "sp_region", check_sp_region,
-             hidden=[{"world_size": 4, "shape": (1, 8, 16), "seed": 2},
-                     {"world_size": 2, "shape": (3, 4, 8), "seed": 7}],
+             hidden=[{"cases": ((4, (1, 8, 16)),), "seed": 2}, {"cases": ((2, (3, 4, 8)),), "seed": 7}],
              allowed=("course_lib.comm",)),
     Exercise("vocab_parallel_embedding", "A vocabulary-parallel embedding on ranks", 3, "vocab_parallel_embedding",
              check_vocab_parallel_embedding,
-             hidden=[{"world_size": 4, "vocab": 32, "h": 4, "ids_shape": (3, 4), "seed": 3},
-                     {"world_size": 2, "vocab": 6, "h": 3, "ids_shape": (1, 7), "seed": 8}],
+             hidden=[{"cases": ((4, 32, 4, (3, 4)),), "seed": 3}, {"cases": ((2, 6, 3, (1, 7)),), "seed": 8}],
              allowed=("course_lib.comm", "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
     Exercise("gqa_attention", "TP attention with GQA: where the K/V heads go", 4, "gqa_attention",
              check_gqa_attention,
-             hidden=[{"world_size": 4, "n_head": 8, "n_kv_head": 1, "shape": (1, 6, 16), "seed": 4},
-                     {"world_size": 2, "n_head": 12, "n_kv_head": 6, "shape": (2, 4, 24), "seed": 9}],
+             hidden=[{"cases": ((4, 8, 1, (1, 6, 16)),), "seed": 4}, {"cases": ((2, 12, 6, (2, 4, 24)),), "seed": 9},
+                     {"cases": ((4, 8, 2, (2, 5, 16)),), "seed": 10}],
              allowed=("course_lib.comm", "course_lib.parallel.tp_comm.copy_to_tensor_parallel_region",
                       "course_lib.parallel.tp_comm.reduce_from_tensor_parallel_region")),
     Exercise("vocab_parallel_cross_entropy", "Vocab-parallel cross-entropy", 3, "vocab_parallel_cross_entropy",
              check_vocab_parallel_cross_entropy,
-             hidden=[{"world_size": 4, "n": 12, "vocab": 32, "scale": 1000.0, "seed": 5},
-                     {"world_size": 2, "n": 1, "vocab": 8, "seed": 6}],
+             hidden=[{"cases": ((4, 12, 48, 1000.0),), "seed": 5}, {"cases": ((2, 1, 8, 1.0),), "seed": 6}],
              allowed=("course_lib.comm",)),
 ]
+
+def _ranks_of(calls: list[dict]) -> set[str]:
+    sizes = [case[0] for case in each(calls)]
+    return several(sizes, "world sizes").union(*(ranks(t) for t in sizes))
+
+
+def _kv_placement(t: int, n_kv: int) -> str:
+    return ("MQA: one K/V head on every rank" if n_kv == 1 else "one K/V head a rank" if n_kv == t else
+            "several K/V heads a rank" if n_kv > t else "a K/V head on a sub-group of ranks")
+
+
+CASE_CLASSES = {
+    "sp_region": lambda calls: _ranks_of(calls) | {"several sequences a batch: their order shows"
+                                                   for _, shape in each(calls) if shape[0] > 1},
+    "vocab_parallel_embedding": lambda calls: _ranks_of(calls) | {"the ids at every shard edge"}
+    | several((c[1] for c in each(calls)), "vocabularies") | several((c[1] // c[0] for c in each(calls)), "shards"),
+    "gqa_attention": lambda calls: _ranks_of(calls) | {_kv_placement(c[0], c[2]) for c in each(calls)}
+    | {"a K/V head on more than 2 ranks" for c in each(calls) if c[0] // c[2] > 2},
+    "vocab_parallel_cross_entropy": lambda calls: _ranks_of(calls) | several((c[2] for c in each(calls)),
+                                                                             "vocabularies")
+    | {"logits x 1000" if c[3] >= 1000 else "logits of order 1" for c in each(calls)},
+}
 
 guard_visible_checks(globals(), EXERCISES)

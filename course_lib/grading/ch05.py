@@ -26,6 +26,7 @@ import torch
 from course_lib.data import global_batch
 from course_lib.estimates import cost
 from course_lib.grading import core
+from course_lib.grading.cases import each, several
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, expect_close, guard_visible_checks, run_check
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
@@ -43,24 +44,30 @@ class RefusedCollective(RuntimeError):  # noqa: N818 - reads as what happened
     """Raised on a rank when the learner's pipeline step calls a collective instead of send / recv."""
 
 
-def check_one_f_one_b_order(fn: Callable, p: int = 4, m: int = 8) -> CheckResult:
+def check_one_f_one_b_order(fn: Callable, cases: tuple[tuple[int, int], ...] = ((4, 8), (4, 4), (5, 3), (2, 3))
+                            ) -> CheckResult:
+    """cases: (p, m): every rank's compute actions against ``schedules.one_f_one_b``; more, as many and fewer
+    micro-batches than stages."""
     def body() -> str:
-        for rank in range(p):
-            expected = [f"{a.kind.value}{a.microbatch}" for a in schedules.one_f_one_b(p, m)[rank] if a.is_compute]
-            got = fn(p, m, rank)
-            if not isinstance(got, list) or not all(isinstance(a, str) for a in got):
-                raise CheckFailed(f"one_f_one_b_order({p}, {m}, {rank}) must return a list of strings, got {got!r}")
-            if got != expected:
-                i = next((i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
-                         min(len(got), len(expected)))
-                raise CheckFailed(f"rank {rank} of p={p}, m={m}: first difference at position {i}: expected "
-                                  f"{expected[i:i + 3]}..., got {got[i:i + 3]}... (expected {len(expected)} actions, "
-                                  f"got {len(got)})")
-        return f"all {p} ranks correct for p={p}, m={m}"
+        for p, m in cases:
+            for rank in range(p):
+                expected = [f"{a.kind.value}{a.microbatch}" for a in schedules.one_f_one_b(p, m)[rank] if a.is_compute]
+                got = fn(p, m, rank)
+                if not isinstance(got, list) or not all(isinstance(a, str) for a in got):
+                    raise CheckFailed(f"one_f_one_b_order({p}, {m}, {rank}) must return a list of strings, got "
+                                      f"{got!r}")
+                if got != expected:
+                    i = next((i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
+                             min(len(got), len(expected)))
+                    raise CheckFailed(f"rank {rank} of p={p}, m={m}: first difference at position {i}: expected "
+                                      f"{expected[i:i + 3]}..., got {got[i:i + 3]}... (expected {len(expected)} "
+                                      f"actions, got {len(got)})")
+        return f"every rank correct for (p, m) in {list(cases)}"
     return run_check("one_f_one_b_order", body)
 
 
-def check_zb_h1_schedule(fn: Callable, cases: tuple[tuple[int, int], ...] = ((4, 8), (2, 2))) -> CheckResult:
+def check_zb_h1_schedule(fn: Callable, cases: tuple[tuple[int, int], ...] = ((4, 8), (2, 2), (1, 2), (3, 5))
+                         ) -> CheckResult:
     """For each (p, m) with m >= p: a valid schedule of I/W backwards with ZB-H1's bubble and 1F1B's memory."""
     def body() -> str:
         for p, m in cases:
@@ -152,70 +159,78 @@ def expected_messages(schedule: schedules.Schedule, p: int, rank: int) -> list[t
     return out
 
 
+def _step_case(fn: Callable[..., Any], schedule: Callable[[int, int], schedules.Schedule], label: str, p: int, m: int,
+               batch: int, seed: int, timeout: float) -> str:
+    if batch % m:
+        raise ValueError(f"the check needs batch ({batch}) divisible by m ({m})")
+    results = _launch(_pipeline_on_rank, p, fn, m, batch, seed, timeout=timeout)
+    x, y = global_batch(seed, batch, _CFG.seq_len, seed)
+    ref = GPT(_CFG, seed=seed)
+    lm_loss(ref(x), y).backward()
+    ref_grads = {n: q.grad for n, q in ref.named_parameters()}
+    micro = [lm_loss(ref(xj), yj).item() for xj, yj in zip(x.chunk(m), y.chunk(m), strict=True)]
+    nbytes = (batch // m) * _CFG.seq_len * _CFG.d_model * 4
+    sched = schedule(p, m)
+    for r, res in enumerate(results):
+        expected = expected_messages(sched, p, r)
+        got = [(op, peer) for op, _, _, peer in res["log"]]
+        if got != expected:
+            i = next((i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
+                     min(len(got), len(expected)))
+            order = [str(a) for a in sched[r] if a.is_compute]
+            raise CheckFailed(f"rank {r} of {p}: its messages (op, peer) in order were {got}; {label}'s actions "
+                              f"{order} give {expected}; first difference at message {i}")
+        for op, size, dtype, _ in res["log"]:
+            if size != nbytes or dtype != "float32":
+                raise CheckFailed(f"rank {r}: a {op} of {size:,} bytes ({dtype}); every message is one float32 "
+                                  f"[b, s, h] = [{batch // m}, {_CFG.seq_len}, {_CFG.d_model}] tensor, "
+                                  f"{nbytes:,} bytes")
+        for pname, g in res["grads"].items():
+            if g is None:
+                raise CheckFailed(f"rank {r}: {pname}.grad is None after the step")
+            expect_close(g, ref_grads[pname], f"rank {r}'s gradient of {pname} (p={p}, m={m}, batch={batch}; "
+                         "the gradient of the full-batch mean loss)", rtol=1e-4, atol=1e-6)
+    for r, res in enumerate(results[:-1]):
+        if res["losses"] != []:
+            raise CheckFailed(f"rank {r} must return [] (the losses live on the last stage), got "
+                              f"{res['losses']!r}")
+    last = results[-1]["losses"]
+    if not isinstance(last, list) or not all(type(v) is float for v in last) or len(last) != m:
+        raise CheckFailed(f"rank {p - 1} (the last) must return a list of {m} Python floats (each micro-batch's "
+                          f"unscaled mean loss, loss.item()), got {last!r}")
+    for j, (got_loss, want) in enumerate(zip(last, micro, strict=True)):
+        if abs(got_loss - want) > 1e-5 * max(1.0, abs(want)):
+            raise CheckFailed(f"rank {p - 1}'s loss of micro-batch {j}: expected {want:.6f} (unscaled), got "
+                              f"{got_loss:.6f}")
+    sent = sum(op == "send" for r in range(p) for op, _ in expected_messages(sched, p, r))
+    return (f"p={p}, m={m}, batch={batch}: gradients of every stage right, {sent} messages of {nbytes:,} B in "
+            f"{label} order")
+
+
 def _check_step(name: str, fn: Callable[..., Any], schedule: Callable[[int, int], schedules.Schedule], label: str,
-                p: int, m: int, batch: int, seed: int, timeout: float) -> CheckResult:
-    """p ranks run ``fn(stage, x, y, m)``; the gradients of every stage must be those of ``lm_loss`` on the full
-    batch in one process; the last rank returns the m unscaled micro-batch losses (Python floats), the others [];
-    every message is float32 [b, s, h]; each rank's messages are ``expected_messages(schedule(p, m), p, rank)``."""
-    def body() -> str:
-        if batch % m:
-            raise ValueError(f"the check needs batch ({batch}) divisible by m ({m})")
-        results = _launch(_pipeline_on_rank, p, fn, m, batch, seed, timeout=timeout)
-        x, y = global_batch(seed, batch, _CFG.seq_len, seed)
-        ref = GPT(_CFG, seed=seed)
-        lm_loss(ref(x), y).backward()
-        ref_grads = {n: q.grad for n, q in ref.named_parameters()}
-        micro = [lm_loss(ref(xj), yj).item() for xj, yj in zip(x.chunk(m), y.chunk(m), strict=True)]
-        nbytes = (batch // m) * _CFG.seq_len * _CFG.d_model * 4
-        sched = schedule(p, m)
-        for r, res in enumerate(results):
-            expected = expected_messages(sched, p, r)
-            got = [(op, peer) for op, _, _, peer in res["log"]]
-            if got != expected:
-                i = next((i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e),
-                         min(len(got), len(expected)))
-                order = [str(a) for a in sched[r] if a.is_compute]
-                raise CheckFailed(f"rank {r} of {p}: its messages (op, peer) in order were {got}; {label}'s actions "
-                                  f"{order} give {expected}; first difference at message {i}")
-            for op, size, dtype, _ in res["log"]:
-                if size != nbytes or dtype != "float32":
-                    raise CheckFailed(f"rank {r}: a {op} of {size:,} bytes ({dtype}); every message is one float32 "
-                                      f"[b, s, h] = [{batch // m}, {_CFG.seq_len}, {_CFG.d_model}] tensor, "
-                                      f"{nbytes:,} bytes")
-            for pname, g in res["grads"].items():
-                if g is None:
-                    raise CheckFailed(f"rank {r}: {pname}.grad is None after the step")
-                expect_close(g, ref_grads[pname], f"rank {r}'s gradient of {pname} (p={p}, m={m}, batch={batch}; "
-                             "the gradient of the full-batch mean loss)", rtol=1e-4, atol=1e-6)
-        for r, res in enumerate(results[:-1]):
-            if res["losses"] != []:
-                raise CheckFailed(f"rank {r} must return [] (the losses live on the last stage), got "
-                                  f"{res['losses']!r}")
-        last = results[-1]["losses"]
-        if not isinstance(last, list) or not all(type(v) is float for v in last) or len(last) != m:
-            raise CheckFailed(f"rank {p - 1} (the last) must return a list of {m} Python floats (each micro-batch's "
-                              f"unscaled mean loss, loss.item()), got {last!r}")
-        for j, (got_loss, want) in enumerate(zip(last, micro, strict=True)):
-            if abs(got_loss - want) > 1e-5 * max(1.0, abs(want)):
-                raise CheckFailed(f"rank {p - 1}'s loss of micro-batch {j}: expected {want:.6f} (unscaled), got "
-                                  f"{got_loss:.6f}")
-        sent = sum(op == "send" for r in range(p) for op, _ in expected_messages(sched, p, r))
-        return (f"p={p}, m={m}, batch={batch}: gradients of every stage right, {sent} messages of {nbytes:,} B in "
-                f"{label} order")
-    return run_check(name, body)
+                cases: tuple[tuple[int, int, int], ...], seed: int, timeout: float) -> CheckResult:
+    """For each (p, m, batch) of ``cases``: p ranks run ``fn(stage, x, y, m)``; the gradients of every stage must be
+    those of ``lm_loss`` on the full batch in one process; the last rank returns the m unscaled micro-batch losses
+    (Python floats), the others []; every message is float32 [b, s, h]; each rank's messages are
+    ``expected_messages(schedule(p, m), p, rank)``."""
+    return run_check(name, lambda: "; ".join(_step_case(fn, schedule, label, *case, seed, timeout) for case in cases))
 
 
-def check_deep_pipeline_step(fn: Callable[..., Any], p: int = 3, m: int = 4, batch: int = 8, seed: int = 0,
-                             timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
-    """``fn(stage, x, y, m)`` on p ranks in 1F1B's order: full-batch gradients, float32 [b, s, h] messages to and
-    from both neighbours, unscaled losses on the last rank."""
-    return _check_step("deep_pipeline_step", fn, schedules.one_f_one_b, "1F1B", p, m, batch, seed, timeout)
+DEEP_CASES = ((3, 4, 8), (4, 2, 8), (2, 4, 8))
+"""The visible check's (p, m, batch): a middle rank; fewer micro-batches than stages; two stages."""
+
+
+def check_deep_pipeline_step(fn: Callable[..., Any], cases: tuple[tuple[int, int, int], ...] = DEEP_CASES,
+                             seed: int = 0, timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
+    """cases: (p, m, batch). ``fn(stage, x, y, m)`` on p ranks in 1F1B's order: full-batch gradients, float32
+    [b, s, h] messages to and from both neighbours, unscaled losses on the last rank."""
+    return _check_step("deep_pipeline_step", fn, schedules.one_f_one_b, "1F1B", cases, seed, timeout)
 
 
 def check_gpipe_step(fn: Callable[..., Any], m: int = 4, batch: int = 8, seed: int = 0,
                      timeout: float = LAUNCH_TIMEOUT_S) -> CheckResult:
     """Two ranks in GPipe's order (all m forwards, then all m backwards), checked as ``check_deep_pipeline_step``."""
-    return _check_step("gpipe_step", fn, schedules.gpipe, "GPipe", 2, m, batch, seed, timeout)
+    return _check_step("gpipe_step", fn, schedules.gpipe, "GPipe", ((2, m, batch),), seed, timeout)
 
 
 def check_shape_that_hides_the_bug(fn: Callable[[], tuple[int, int]]) -> CheckResult:
@@ -255,13 +270,14 @@ STAGE_STEP = ("course_lib.comm", "course_lib.model.lm_loss", "course_lib.paralle
 
 EXERCISES = [
     Exercise("one_f_one_b_order", "1F1B action list for one rank", 3, "one_f_one_b_order", check_one_f_one_b_order,
-             hidden=[{"p": 2, "m": 2}, {"p": 3, "m": 7}, {"p": 4, "m": 4}, {"p": 5, "m": 3}]),
+             hidden=[{"cases": ((2, 2), (3, 7), (6, 6), (5, 2))}]),
     Exercise("zb_h1_schedule", "A ZB-H1 schedule, validated by the simulator", 4, "zb_h1_schedule",
              check_zb_h1_schedule, hidden=[{"cases": ((1, 1), (2, 5), (3, 3), (3, 7), (5, 10), (8, 16))}],
              allowed=SCHEDULE_DATA),
     Exercise("deep_pipeline_step", "One 1F1B step on p real ranks: the middle ranks", 5, "deep_pipeline_step",
              check_deep_pipeline_step,
-             hidden=[{"p": 4, "m": 2, "batch": 6, "seed": 1}, {"p": 2, "m": 3, "batch": 6, "seed": 3}],
+             hidden=[{"cases": ((4, 2, 6),), "seed": 1}, {"cases": ((2, 3, 6),), "seed": 3},
+                     {"cases": ((3, 6, 12),), "seed": 4}],
              allowed=(*STAGE_STEP, "course_lib.parallel.schedules.one_f_one_b")),
     Exercise("gpipe_step", "Find the bug: a GPipe step on two real ranks", 4, "gpipe_step", check_gpipe_step,
              hidden=[{"m": 2, "batch": 6, "seed": 1}, {"m": 8, "batch": 16, "seed": 2},
@@ -270,5 +286,23 @@ EXERCISES = [
     Exercise("shape_that_hides_the_bug", "Predict: the shape where the colleague's bug passes", 2,
              "shape_that_hides_the_bug", check_shape_that_hides_the_bug),
 ]
+
+def _micro_batches(p: int, m: int) -> str:
+    return "fewer micro-batches than stages" if m < p else "as many micro-batches as stages" if m == p else \
+        "more micro-batches than stages"
+
+
+CASE_CLASSES = {
+    "one_f_one_b_order": lambda calls: {_micro_batches(p, m) for p, m in each(calls)}
+    | {"two stages" if p == 2 else "more than two stages" for p, _ in each(calls)},
+    "zb_h1_schedule": lambda calls: {"one stage" if p == 1 else _micro_batches(p, m) for p, m in each(calls)}
+    | {"an odd number of stages" for p, _ in each(calls) if p % 2 and p > 1},
+    "deep_pipeline_step": lambda calls: {_micro_batches(p, m) for p, m, _ in each(calls)}
+    | {"two stages" if p == 2 else "a middle stage" for p, _, _ in each(calls)}
+    | several((p for p, _, _ in each(calls)), "pipeline depths"),
+    "gpipe_step": lambda calls: {"several micro-batches, b != m (the bug shows)" for c in calls
+                                 if c["m"] > 1 and c["batch"] != c["m"] ** 2},
+    "shape_that_hides_the_bug": lambda calls: {"a shape predicted"},
+}
 
 guard_visible_checks(globals(), EXERCISES)

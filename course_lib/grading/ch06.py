@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from course_lib.grading import core
+from course_lib.grading.cases import each, ranks, several
 from course_lib.grading.core import (
     CheckFailed,
     CheckResult,
@@ -102,7 +103,8 @@ def check_merge_partials(fn: Callable, scales: tuple[float, ...] = (1.0, 100.0),
 # 2. zigzag_positions
 
 
-def check_zigzag_positions(fn: Callable, cases: tuple[tuple[int, int], ...] = ((24, 4), (8, 2))) -> CheckResult:
+def check_zigzag_positions(fn: Callable, cases: tuple[tuple[int, int], ...] = ((24, 4), (8, 2), (18, 3), (4, 1))
+                           ) -> CheckResult:
     def body() -> str:
         for seq, cp in cases:
             for rank in range(cp):
@@ -218,22 +220,33 @@ def _ring_on_rank(rank: int, world_size: int, fn: Callable, seq: int, seed: int,
     return {"diff": float((out - mine(ref)).abs().max()), "problems": problems}
 
 
-def check_ring_step(fn: Callable, world_size: int = 2, seq: int = 12, seed: int = 0,
-                    layout: str = "contiguous", rings: int = 1) -> CheckResult:
-    """``world_size`` ranks in ``rings`` disjoint rings (each its own process group when ``rings > 1``: peers are
-    the group's members' global ranks) run cp steps; the output must equal full causal attention, and each step
-    must start both transfers, then attend (skipping a block with no visible key), then wait."""
+def _check_ring_case(fn: Callable, world_size: int, seq: int, layout: str, rings: int, seed: int) -> str:
+    results = _launch(_ring_on_rank, world_size, fn, seq, seed, layout, rings, timeout=60)
+    worst = max(res["diff"] for res in results)
+    where = f"{world_size} ranks in {rings} ring(s) of {world_size // rings}, {layout}, {seq} tokens"
+    if not worst < 1e-5:
+        raise CheckFailed(f"{where}: after the ring steps the output differs from full causal attention by "
+                          f"{worst:.3g} (the mask from global positions? the merge?)")
+    for r, res in enumerate(results):
+        if res["problems"]:
+            raise CheckFailed(f"rank {r} ({where}), {res['problems'][0]}")
+    return where
+
+
+RING_CASES = ((2, 12, "contiguous", 1), (3, 18, "zigzag", 1), (4, 16, "contiguous", 2))
+"""The visible check's (ranks, tokens, layout, rings): 2 ranks; 3 (odd) in the zig-zag layout; two rings of 2,
+each its own process group."""
+
+
+def check_ring_step(fn: Callable, cases: tuple[tuple[int, int, str, int], ...] = RING_CASES,
+                    seed: int = 0) -> CheckResult:
+    """cases: (ranks, tokens, layout, rings): the ranks in ``rings`` disjoint rings (each its own process group
+    when ``rings > 1``: peers are the group's members' global ranks) run cp steps; the output must equal full causal
+    attention, and each step must start both transfers, then attend (skipping a block with no visible key), then
+    wait."""
     def body() -> str:
-        results = _launch(_ring_on_rank, world_size, fn, seq, seed, layout, rings, timeout=60)
-        worst = max(res["diff"] for res in results)
-        where = f"{world_size} ranks in {rings} ring(s) of {world_size // rings}"
-        if not worst < 1e-5:
-            raise CheckFailed(f"{where}, {layout}, {seq} tokens: after the ring steps the output differs from full "
-                              f"causal attention by {worst:.3g} (the mask from global positions? the merge?)")
-        for r, res in enumerate(results):
-            if res["problems"]:
-                raise CheckFailed(f"rank {r} ({where}), {res['problems'][0]}")
-        return f"{where}, {layout}, {seq} tokens: equal to full attention (max |diff| < 1e-5), transfers overlapped"
+        done = [_check_ring_case(fn, *case, seed) for case in cases]
+        return f"{'; '.join(done)}: equal to full attention (max |diff| < 1e-5), transfers overlapped"
     return run_check("ring_step", body)
 
 
@@ -241,29 +254,77 @@ def check_ring_step(fn: Callable, world_size: int = 2, seq: int = 12, seed: int 
 # 4. find the bug in the backward
 
 
-def _grads_on_rank(rank: int, world_size: int, kernel_cls: type, seq: int, seed: int) -> float:
+def _grads_on_rank(rank: int, world_size: int, kernel_cls: type, seq: int, batch: int, seed: int) -> float:
+    """The ring's dQ, dK, dV with ``kernel_cls`` against full attention's, for a batch of ``batch`` sequences and
+    an upstream gradient that varies (a real loss's, not a sum's)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, seq, 8, generator=g) for _ in range(3))
+    q, k, v, d_out = (torch.randn(batch, 2, seq, 8, generator=g) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ca.reference_attention(*full).sum().backward()
+    ca.reference_attention(*full).backward(d_out)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
         return ca.shard_sequence(t, rank, world_size, "zigzag", dim=2)
 
     local = [mine(t).requires_grad_() for t in (q, k, v)]
     out = ca.ring_attention(*local, ca.all_positions(seq, world_size, "zigzag"), 2, kernel=kernel_cls())
-    out.sum().backward()
+    out.backward(mine(d_out))
     return max(float((a.grad - mine(b.grad)).abs().max()) for a, b in zip(local, full, strict=True))
 
 
-def check_fixed_kernel(kernel_cls: Any, world_size: int = 2, seq: int = 16, seed: int = 0) -> CheckResult:
+def _block_problem(kernel_cls: type, batch: int, seed: int) -> str | None:
+    """One process, no ring: the queries against two blocks of keys, the backward summed over the blocks against
+    autograd's, (a) with no mask at all (every block ``None``: attention that is not causal), (b) with a row that
+    sees nothing in one block. None when both match."""
+    g = torch.Generator().manual_seed(seed + 1)
+    q, k, v, d_out = (torch.randn(batch, 2, 6, 8, generator=g) for _ in range(4))
+    blocks = (slice(0, 3), slice(3, 6))
+    masks = {"no mask (every key visible)": (None, None),
+             "a row that sees nothing in the second block": (None, torch.ones(6, 3, dtype=torch.bool).index_fill(
+                 0, torch.tensor([1]), False))}
+    kern, scale = kernel_cls(), 8 ** -0.5
+    for what, (m1, m2) in masks.items():
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = torch.cat([torch.ones(6, 3, dtype=torch.bool) if m1 is None else m1,
+                          torch.ones(6, 3, dtype=torch.bool) if m2 is None else m2], 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(*full, attn_mask=mask)
+        ref.backward(d_out)
+        out = ref.detach()
+        lse = torch.logsumexp((scale * q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")), -1)
+        delta = (d_out * out).sum(-1)
+        dq = torch.zeros_like(q)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for ks, m in zip(blocks, (m1, m2), strict=True):
+            got = kern.backward(q, k[:, :, ks], v[:, :, ks], scale, m, d_out, lse, delta)
+            dq += got[0]
+            dk[:, :, ks], dv[:, :, ks] = got[1], got[2]
+        worst = max(float((a - b.grad).abs().max()) for a, b in zip((dq, dk, dv), full, strict=True))
+        if not worst < 1e-5:
+            return f"one process, two blocks of keys, {what}: dQ, dK, dV differ from autograd's by {worst:.3g}"
+    return None
+
+
+FIXED_KERNEL_CASES = ((2, 16), (4, 16))
+"""The visible check's (cp, sequence length) for the ring."""
+
+
+def check_fixed_kernel(kernel_cls: Any, cases: tuple[tuple[int, int], ...] = FIXED_KERNEL_CASES, batch: int = 2,
+                       seed: int = 0) -> CheckResult:
+    """cases: (cp, sequence length): ring attention with ``kernel_cls`` on cp ranks (zig-zag), ``batch`` sequences
+    and a random upstream gradient: dQ, dK, dV against full attention; then the block backward alone, without a mask
+    and with a row that sees nothing in a block, against autograd."""
     def body() -> str:
         if not (isinstance(kernel_cls, type) and issubclass(kernel_cls, ca.BlockAttention)):
             raise CheckFailed("FixedKernel must be a subclass of cp_attention.BlockAttention")
-        worst = max(_launch(_grads_on_rank, world_size, kernel_cls, seq, seed, timeout=60))
-        if not worst < 1e-5:
-            raise CheckFailed(f"dQ, dK, dV differ from full attention by {worst:.3g} at cp={world_size}")
-        return f"gradients equal full attention at cp={world_size} (max |diff| < 1e-5)"
+        for cp, seq in cases:
+            worst = max(_launch(_grads_on_rank, cp, kernel_cls, seq, batch, seed, timeout=60))
+            if not worst < 1e-5:
+                raise CheckFailed(f"dQ, dK, dV differ from full attention by {worst:.3g} at cp={cp} ({seq} tokens, "
+                                  f"{batch} sequences)")
+        problem = _block_problem(kernel_cls, batch, seed)
+        if problem:
+            raise CheckFailed(problem)
+        return (f"gradients equal full attention at cp={', '.join(str(c) for c, _ in cases)} ({batch} sequences, "
+                "max |diff| < 1e-5), and the block backward with no mask and with an empty row")
     return run_check("fixed_kernel", body)
 
 
@@ -301,39 +362,52 @@ def ulysses_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return out.transpose(1, 2)
 
 
-def check_ulysses_attention(fn: Callable, world_size: int = 2, b: int = 2, seq: int = 8, heads: int = 4,
-                            kv_heads: int = 4, seed: int = 0) -> CheckResult:
+def _check_ulysses_case(fn: Callable, world_size: int, b: int, seq: int, heads: int, kv_heads: int,
+                        seed: int) -> str:
+    if heads % world_size or kv_heads % world_size or seq % world_size:
+        raise ValueError(f"check_ulysses_attention: cp={world_size} must divide the heads ({heads}), the K/V "
+                         f"heads ({kv_heads}) and the sequence ({seq})")
+    where = f"cp={world_size}, b={b}, {seq} tokens, {heads} heads ({kv_heads} K/V)"
+    results = _launch(_ulysses_on_rank, world_size, fn, b, seq, heads, kv_heads, seed, timeout=60)
+    full = [t.clone().requires_grad_(True) for t in _ulysses_inputs(b, seq, heads, kv_heads, seed)]
+    ref = ulysses_reference(*full)
+    ref.backward(torch.randn(b, seq, heads, 4, generator=torch.Generator().manual_seed(seed + 1)))
+    n = b * (seq // world_size) * 4 * 4  # bytes of one head of a sequence shard: b (s/cp) d fp32 values
+    want_bytes = (2 * heads + 2 * kv_heads) * n
+    tol = {"rtol": 1e-4, "atol": 1e-5}  # fp32 softmax and products over <= 16 keys, summed in another order
+    for r, res in enumerate(results):
+        if res["type"] != "Tensor":
+            raise CheckFailed(f"{where}, rank {r}: ulysses_attention must return a tensor shaped like q "
+                              f"[b, s/cp, H, d], got {res['type']}")
+        expect_close(res["out"], ref.detach().chunk(world_size, 1)[r], f"{where}, rank {r}: output vs tokens "
+                     f"[{r} s/cp, {r + 1} s/cp) of full causal attention", **tol)
+        for name, got, t in zip("qkv", res["grads"], full, strict=True):
+            if got is None:
+                raise CheckFailed(f"{where}, rank {r}: {name}.grad is None: the exchange must stay inside autograd "
+                                  "(an all-to-all's backward is the inverse all-to-all)")
+            expect_close(got, t.grad.chunk(world_size, 1)[r], f"{where}, rank {r}: gradient of this rank's {name} "
+                         "shard", **tol)
+        for when in ("fwd", "bwd"):
+            ops = res[when]
+            if any(op != "all_to_all" for op, _ in ops) or sum(nb for _, nb in ops) != want_bytes:
+                raise CheckFailed(f"{where}, rank {r}, {'forward' if when == 'fwd' else 'backward'}: expected only "
+                                  f"all-to-alls through course_lib.comm, {want_bytes} B in all (q, k, v and the "
+                                  f"output, {2 * heads + 2 * kv_heads} heads of a shard), got {ops}")
+    return where
+
+
+ULYSSES_CASES = ((2, 2, 8, 4, 4), (2, 1, 8, 8, 4), (4, 2, 8, 8, 4))
+"""The visible check's (cp, b, s, H, H_kv): MHA; GQA with two K/V heads a rank; GQA on 4 ranks, one K/V head
+a rank."""
+
+
+def check_ulysses_attention(fn: Callable, cases: tuple[tuple[int, int, int, int, int], ...] = ULYSSES_CASES,
+                            seed: int = 0) -> CheckResult:
+    """cases: (cp, b, s, H, H_kv): the output shard and q, k, v's gradients against full causal attention, and
+    only all-to-alls through ``course_lib.comm`` of (2H + 2H_kv) b (s/cp) d fp32 values each way."""
     def body() -> str:
-        if heads % world_size or kv_heads % world_size or seq % world_size:
-            raise ValueError(f"check_ulysses_attention: cp={world_size} must divide the heads ({heads}), the K/V "
-                             f"heads ({kv_heads}) and the sequence ({seq})")
-        results = _launch(_ulysses_on_rank, world_size, fn, b, seq, heads, kv_heads, seed, timeout=60)
-        full = [t.clone().requires_grad_(True) for t in _ulysses_inputs(b, seq, heads, kv_heads, seed)]
-        ref = ulysses_reference(*full)
-        ref.backward(torch.randn(b, seq, heads, 4, generator=torch.Generator().manual_seed(seed + 1)))
-        n = b * (seq // world_size) * 4 * 4  # bytes of one head of a sequence shard: b (s/cp) d fp32 values
-        want_bytes = (2 * heads + 2 * kv_heads) * n
-        tol = {"rtol": 1e-4, "atol": 1e-5}  # fp32 softmax and products over <= 16 keys, summed in another order
-        for r, res in enumerate(results):
-            if res["type"] != "Tensor":
-                raise CheckFailed(f"rank {r}: ulysses_attention must return a tensor shaped like q "
-                                  f"[b, s/cp, H, d], got {res['type']}")
-            expect_close(res["out"], ref.detach().chunk(world_size, 1)[r], f"rank {r}: output vs tokens "
-                         f"[{r} s/cp, {r + 1} s/cp) of full causal attention", **tol)
-            for name, got, t in zip("qkv", res["grads"], full, strict=True):
-                if got is None:
-                    raise CheckFailed(f"rank {r}: {name}.grad is None: the exchange must stay inside autograd "
-                                      "(an all-to-all's backward is the inverse all-to-all)")
-                expect_close(got, t.grad.chunk(world_size, 1)[r], f"rank {r}: gradient of this rank's {name} "
-                             "shard", **tol)
-            for when in ("fwd", "bwd"):
-                ops = res[when]
-                if any(op != "all_to_all" for op, _ in ops) or sum(nb for _, nb in ops) != want_bytes:
-                    raise CheckFailed(f"rank {r}, {'forward' if when == 'fwd' else 'backward'}: expected only "
-                                      f"all-to-alls through course_lib.comm, {want_bytes} B in all (q, k, v and the "
-                                      f"output, {2 * heads + 2 * kv_heads} heads of a shard), got {ops}")
-        return (f"cp={world_size}, b={b}, {seq} tokens, {heads} heads ({kv_heads} K/V): output and gradients equal "
-                "full attention, all-to-alls only")
+        done = [_check_ulysses_case(fn, *case, seed) for case in cases]
+        return f"{'; '.join(done)}: output and gradients equal full attention, all-to-alls only"
     return run_check("ulysses_attention", body)
 
 
@@ -343,19 +417,43 @@ EXERCISES = [
     Exercise("zigzag_positions", "Zig-zag chunk assignment and positions", 2, "zigzag_positions",
              check_zigzag_positions, hidden=[{"cases": ((40, 4), (12, 3), (16, 8), (6, 1))}]),
     Exercise("ring_step", "One ring-attention step on real ranks", 4, "ring_step", check_ring_step,
-             hidden=[{"world_size": 4, "seq": 24, "seed": 2, "layout": "zigzag"},
-                     {"world_size": 3, "seq": 18, "seed": 5, "layout": "contiguous"},
-                     {"world_size": 4, "seq": 12, "seed": 6, "layout": "contiguous", "rings": 2}],
+             hidden=[{"cases": ((4, 24, "zigzag", 1),), "seed": 2}, {"cases": ((3, 12, "contiguous", 1),), "seed": 5},
+                     {"cases": ((4, 12, "contiguous", 2),), "seed": 6}],
              allowed=("course_lib.comm", "course_lib.parallel.cp_attention.BlockAttention.forward")),
     Exercise("fixed_kernel", "Find the bug: the ring backward's probabilities", 3, "FixedKernel", check_fixed_kernel,
-             hidden=[{"world_size": 4, "seq": 24, "seed": 4}],
+             hidden=[{"cases": ((4, 24), (2, 12)), "batch": 3, "seed": 4}],
              allowed=tuple(f"course_lib.parallel.cp_attention.BlockAttention.{name}" for name in (
                  "forward", "merge", "mask", "kv_for_backward_step"))),
     Exercise("ulysses_attention", "Ulysses: re-split by heads with all-to-alls", 4, "ulysses_attention",
              check_ulysses_attention,
-             hidden=[{"world_size": 4, "b": 1, "seq": 8, "heads": 8, "kv_heads": 4, "seed": 3},
-                     {"world_size": 2, "b": 3, "seq": 6, "heads": 4, "kv_heads": 2, "seed": 5}],
+             hidden=[{"cases": ((4, 1, 8, 8, 4),), "seed": 3}, {"cases": ((2, 3, 6, 4, 2),), "seed": 5},
+                     {"cases": ((2, 2, 4, 12, 6), (4, 1, 8, 4, 4)), "seed": 6}],
              allowed=("course_lib.comm",)),
 ]
+
+def _ranks_of(sizes: list[int]) -> set[str]:
+    return several(sizes, "world sizes").union(*(ranks(n) for n in sizes))
+
+
+def _ulysses_classes(calls: list[dict]) -> set[str]:
+    out = _ranks_of([c[0] for c in each(calls)])
+    for cp, b, _, heads, kv in each(calls):
+        out.add("MHA" if kv == heads else "GQA, several K/V heads a rank" if kv // cp > 1 else
+                "GQA, one K/V head a rank")
+        out |= {"several sequences a batch"} if b > 1 else set()
+    return out
+
+
+CASE_CLASSES = {
+    "merge_partials": lambda calls: {"a row masked in one block", "both blocks masked"}
+    | {"scores x 100 and more" if s >= 100 else "scores of order 1" for c in calls for s in c["scales"]},
+    "zigzag_positions": lambda calls: _ranks_of([cp for _, cp in each(calls)]) | {"lengths refused"},
+    "ring_step": lambda calls: _ranks_of([c[0] for c in each(calls)]) | {c[2] + " layout" for c in each(calls)}
+    | {"rings on sub-groups" for c in each(calls) if c[3] > 1},
+    "fixed_kernel": lambda calls: _ranks_of([cp for c in calls for cp, _ in c["cases"]])
+    | {"several sequences a batch" for c in calls if c["batch"] > 1}
+    | {"an upstream gradient that varies", "no mask", "a row that sees nothing in a block"},
+    "ulysses_attention": _ulysses_classes,
+}
 
 guard_visible_checks(globals(), EXERCISES)

@@ -7,9 +7,9 @@ conjugate operators mark where the t ranks talk: **f** (identity forward, all-re
 ``dist.all_reduce`` in ``forward`` is unseen by autograd: f's backward would lose it.
 
 Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2) shards the norm/dropout
-regions along the sequence: **g-bar** all-gathers forward and reduce-scatters backward (before a
-column-parallel linear), its conjugate the reverse (after a row-parallel one): (t-1)/t x V bytes per
-rank each, the 2(t-1)/t x V of the all-reduce they replace (V = b*s*h activation elements).
+regions along the sequence with the paper's pair: **g** all-gathers forward and reduce-scatters
+backward (before a column-parallel linear), **g-bar** the reverse (after a row-parallel one):
+(t-1)/t x V bytes per rank each, the 2(t-1)/t x V of the all-reduce they replace (V = b*s*h).
 ``sequence_parallel_linears`` saves the s/t shard and all-gathers it again in backward, overlapped
 with the input-gradient GEMM (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``): a
 TP + SP block's activations are an unsplit block's / t for one more all-gather of V per region.
@@ -192,7 +192,7 @@ class ScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class SequenceParallelLinears(torch.autograd.Function):
-    """g-bar followed by k column-parallel linears that read the same gathered input, saving only
+    """SP's g followed by k column-parallel linears that read the same gathered input, saving only
     the s/t shard.
 
     Forward: X = all-gather(x) along the sequence, ``Y_j = X W_j^T + b_j``; saved: x [b, s/t, h] and
@@ -261,13 +261,13 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group: comm.Group = None)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: comm.Group = None) -> torch.Tensor:
-    """g-bar: all-gather along the sequence forward, reduce-scatter backward."""
+    """SP's g: all-gather along the sequence forward, reduce-scatter backward."""
     return GatherFromSequenceParallelRegion.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
                                                group: comm.Group = None) -> torch.Tensor:
-    """The conjugate of g-bar: reduce-scatter along the sequence forward, all-gather backward."""
+    """SP's g-bar, g's conjugate: reduce-scatter along the sequence forward, all-gather backward."""
     return ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 

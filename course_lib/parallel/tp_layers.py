@@ -266,9 +266,10 @@ class TensorParallelAttention(TensorParallelModule):
     Query head j (global) reads K/V head ``kv_head_of(j) = j // (n_head / n_kv_head)`` (GQA, Ainslie
     et al. 2023; MHA when n_kv_head = n_head). When t divides n_kv_head the K/V projections are
     split by heads too (rank r holds K/V heads [r n_kv/t, (r+1) n_kv/t), exactly those its query
-    heads read); otherwise they are replicated in full (vLLM does the same for serving) and each
-    rank picks the heads it needs: their weight gradients are then partial sums (recorded
-    ``Partial()``), summed over tp by data parallelism.
+    heads read); otherwise they are replicated in full and each rank picks the heads it needs:
+    their weight gradients are then partial sums (recorded ``Partial()``), summed over all of tp by
+    data parallelism. vLLM's ``QKVParallelLinear`` keeps only the K/V head a rank's query heads
+    read instead (chapter 04's exercise 3); Megatron-Core requires t to divide n_kv_head.
     """
 
     context: Any = None

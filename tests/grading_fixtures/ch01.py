@@ -226,14 +226,14 @@ def a2a_calls_dist_all_to_all(blocks):
 # fixed_ring_all_reduce (find the bug)
 
 
-def _ring_all_reduce(x, gather_shift):
+def _ring_all_reduce(x, gather_shift, steps=None, gather=True):
     n, r = dist.get_world_size(), dist.get_rank()
     chunks = x.view(-1).chunk(n)
     incoming = torch.empty_like(chunks[0])
-    for k in range(n - 1):
+    for k in range(n - 1 if steps is None else steps):
         _exchange(chunks[(r - k - 1) % n], (r + 1) % n, incoming, (r - 1) % n)
         chunks[(r - k - 2) % n].add_(incoming)
-    for k in range(n - 1):
+    for k in range((n - 1 if steps is None else steps) if gather else 0):
         _exchange(chunks[(r - k - gather_shift) % n], (r + 1) % n, incoming, (r - 1) % n)
         chunks[(r - k - gather_shift - 1) % n].copy_(incoming)
     return x
@@ -247,6 +247,33 @@ def ar_the_bug_kept(tensor):
 def ar_fixed_in_place(tensor):
     """The right ring, but on the caller's tensor: the input is overwritten."""
     return _ring_all_reduce(tensor, gather_shift=0)
+
+
+def ar_one_step_a_phase(tensor):
+    """The fix, with one step in each phase (n - 1 written as 1): right on 2 ranks only."""
+    return _ring_all_reduce(tensor.clone(), gather_shift=0, steps=1)
+
+
+def ar_reduce_scatter_only(tensor):
+    """The fix without the all-gather phase: only chunk r + 1 is the full sum on rank r."""
+    return _ring_all_reduce(tensor.clone(), gather_shift=0, gather=False)
+
+
+def a2a_neighbours_only(blocks):
+    """Exchanges with the next and the previous rank only (the ring's neighbours): right on 2 ranks."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = [b.clone() for b in blocks]
+    dst, src = (r + 1) % n, (r - 1) % n
+    _exchange(blocks[dst], dst, out[src], src)
+    return out
+
+
+def bytes_equal_chunks(numel, element_size, n, rank):
+    """Every chunk numel // n elements: the remainder never travels."""
+    if n == 1:
+        return 0, 0
+    c = numel // n
+    return 2 * (n - 1) * c * element_size, 2 * (n - 1) * c * element_size
 
 
 def ar_calls_dist_all_reduce(tensor):
@@ -309,8 +336,10 @@ WRONG = {
     "ring_all_gather": [ag_off_by_one_step, ag_stores_at_senders_slot, ag_equal_chunks, ag_own_chunk_to_everyone,
                         ag_float32_output],
     "ring_all_reduce_bytes": [bytes_float_formula, bytes_one_phase, bytes_same_chunk_in_both_phases,
-                              bytes_as_floats],
-    "pairwise_all_to_all": [a2a_no_exchange, a2a_wrong_slot, a2a_forgets_own_block, a2a_calls_dist_all_to_all],
-    "fixed_ring_all_reduce": [ar_the_bug_kept, ar_fixed_in_place, ar_calls_dist_all_reduce],
+                              bytes_as_floats, bytes_equal_chunks],
+    "pairwise_all_to_all": [a2a_no_exchange, a2a_wrong_slot, a2a_forgets_own_block, a2a_calls_dist_all_to_all,
+                            a2a_neighbours_only],
+    "fixed_ring_all_reduce": [ar_the_bug_kept, ar_fixed_in_place, ar_calls_dist_all_reduce, ar_one_step_a_phase,
+                              ar_reduce_scatter_only],
 }
 

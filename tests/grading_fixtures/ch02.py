@@ -64,6 +64,18 @@ def buckets_drop_the_last_partial_one(sizes, cap):
     return buckets
 
 
+def buckets_indices_in_definition_order(sizes, cap):
+    """DDP's buckets, each listing its parameters in definition order instead of the order backward fills it."""
+    buckets, current, total = [], [], 0
+    for i in reversed(range(len(sizes))):
+        current.append(i)
+        total += sizes[i]
+        if total >= cap:
+            buckets.append(sorted(current))
+            current, total = [], 0
+    return buckets + ([sorted(current)] if current else [])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # average_gradients
 
@@ -220,6 +232,16 @@ def bytes_2v(n_params, bytes_per_grad, n, accumulation):
     return 2 * n_params * bytes_per_grad
 
 
+def bytes_divided_by_accumulation(n_params, bytes_per_grad, n, accumulation):
+    """Spreads one step's bytes over the micro-batches: the bytes of one micro-batch, not of the step."""
+    return 2 * (n - 1) / n * n_params * bytes_per_grad / accumulation
+
+
+def bytes_ring_with_n_plus_one(n_params, bytes_per_grad, n, accumulation):
+    """2 n / (n + 1) V: the ring's factor off by one rank."""
+    return 2 * n / (n + 1) * n_params * bytes_per_grad
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # overlap_buckets
 
@@ -298,6 +320,19 @@ def overlap_launches_out_of_order(params, buckets):
     return _overlap(params, buckets, out_of_order=True)
 
 
+def overlap_resets_before_finish_waits(params, buckets):
+    """Resets the counters at the start of finish(), then waits: right, except that the in-flight list is emptied
+    before its all-reduces are waited on and written back."""
+    finish = _overlap(params, buckets, reset=False)
+
+    def early_reset():
+        cells = finish.__closure__
+        state = next(c.cell_contents for c in cells if isinstance(c.cell_contents, dict))
+        state.update(missing=[len(b) for b in buckets], next=0, in_flight=[])
+        finish()
+    return early_reset
+
+
 def overlap_waits_in_the_hook(params, buckets):
     """Waits for each bucket's all-reduce inside the hook that launched it: right values, but backward stalls."""
     return _overlap(params, buckets, wait_in_hook=True)
@@ -305,13 +340,15 @@ def overlap_waits_in_the_hook(params, buckets):
 
 WRONG = {
     "assign_buckets": [buckets_in_forward_order, buckets_never_exceed_the_cap, buckets_close_only_above_the_cap,
-                       buckets_drop_the_last_partial_one],
+                       buckets_drop_the_last_partial_one, buckets_indices_in_definition_order],
     "average_gradients": [average_forgets_to_divide, average_divides_by_the_global_world_size,
                           average_on_rank_zero_only, average_a_copy, average_ignores_frozen_parameters],
     "accumulation_step": [step_loss_not_divided_by_m, step_communicates_on_every_micro_batch, step_without_no_sync,
                           step_zeroes_inside_the_loop, step_forgets_finish_gradient_sync, step_returns_the_loss_tensor],
-    "dp_bytes_per_step": [bytes_one_phase, bytes_every_micro_batch, bytes_2v],
+    "dp_bytes_per_step": [bytes_one_phase, bytes_every_micro_batch, bytes_2v, bytes_divided_by_accumulation,
+                          bytes_ring_with_n_plus_one],
     "overlap_buckets": [overlap_all_in_finish, overlap_forgets_to_divide, overlap_one_all_reduce_per_parameter,
                         overlap_launches_out_of_order, overlap_waits_in_the_hook],
-    "fixed_overlap_buckets": [overlap_never_resets, overlap_forgets_to_divide],
+    "fixed_overlap_buckets": [overlap_never_resets, overlap_forgets_to_divide, overlap_resets_before_finish_waits,
+                              overlap_all_in_finish, overlap_launches_out_of_order],
 }

@@ -36,6 +36,18 @@ def range_owner_offset(numel, world_size, rank):
     return r * s, (r + 1) * s
 
 
+def range_clipped_to_numel(numel, world_size, rank):
+    """ceil(numel / N) a rank, the last shard cut at numel: the padding belongs to nobody."""
+    s = -(-numel // world_size)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+def range_as_floats(numel, world_size, rank):
+    """The padded bounds, as floats (numel / N rounded up with math.ceil on a float division)."""
+    s = float(math.ceil(numel / world_size))
+    return rank * s, (rank + 1) * s
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # zero1_sgd_step
 
@@ -94,6 +106,19 @@ def zero1_gathers_every_gradient(param, grad, state, lr, momentum):
 # gather_unit
 
 
+def zero1_hard_coded_hyperparameters(param, grad, state, lr, momentum):
+    """The right ZeRO-1 step with the chapter's lr = 0.1 and momentum = 0.9 written in."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    s = param.numel() // n
+    g = torch.empty(s)
+    dist.reduce_scatter_single(g, grad)
+    g /= n
+    buf = state.get("momentum_buffer")
+    buf = g.clone() if buf is None else buf.mul_(0.9).add_(g)
+    state["momentum_buffer"] = buf
+    dist.all_gather_single(param, param[r * s:(r + 1) * s] - 0.1 * buf)
+
+
 def _views(flat, shapes):
     out, offset = [], 0
     for shape in shapes:
@@ -136,6 +161,14 @@ def gather_in_reverse_rank_order(shard, numel, shapes):
     return _views(flat, shapes)
 
 
+def gather_views_of_the_unpadded_part(shard, numel, shapes):
+    """Gathers the padded unit, then copies its first numel elements into a buffer of their own: views of a buffer
+    without the padding, not of the gathered one."""
+    flat = torch.empty(dist.get_world_size() * shard.numel(), dtype=shard.dtype)
+    dist.all_gather_single(flat, shard)
+    return _views(flat[:numel].clone(), shapes)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # grad_shard (find the bug)
 
@@ -165,6 +198,17 @@ def shard_in_float32(grad):
     return _reduce_scatter_padded(grad, -(-grad.numel() // dist.get_world_size()), torch.float32)
 
 
+def shard_for_four_ranks(grad):
+    """The fix with N written as 4: right on 4 ranks only."""
+    n = 4
+    s = -(-grad.numel() // n)
+    padded = torch.zeros(dist.get_world_size() * s, dtype=grad.dtype)
+    padded[:min(grad.numel(), padded.numel())] = grad[:padded.numel()]
+    out = torch.empty(s, dtype=grad.dtype)
+    dist.reduce_scatter_single(out, padded)
+    return out / n
+
+
 def shard_by_all_reduce(grad):
     """All-reduce the whole gradient, then slice: refused (ZeRO never holds the whole reduced gradient)."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -176,10 +220,11 @@ def shard_by_all_reduce(grad):
 
 
 WRONG = {
-    "shard_range": [range_without_padding, range_uneven_chunks, range_owner_offset],
+    "shard_range": [range_without_padding, range_uneven_chunks, range_owner_offset, range_clipped_to_numel,
+                    range_as_floats],
     "zero1_sgd_step": [zero1_forgets_to_average, zero1_updates_the_full_tensor, zero1_wrong_shard,
-                       zero1_gathers_every_gradient],
+                       zero1_gathers_every_gradient, zero1_hard_coded_hyperparameters],
     "gather_unit": [gather_then_clone, gather_by_all_reduce, gather_in_reverse_rank_order,
-                    gather_into_a_float32_buffer],
-    "grad_shard": [shard_plus_one, shard_rounded_down, shard_in_float32, shard_by_all_reduce],
+                    gather_into_a_float32_buffer, gather_views_of_the_unpadded_part],
+    "grad_shard": [shard_plus_one, shard_rounded_down, shard_in_float32, shard_by_all_reduce, shard_for_four_ranks],
 }

@@ -77,8 +77,9 @@ def sp_averages_replicated_grads(x, norm_w, w1, b1, w2, b2):
     return _sp(x, norm_w, w1, b1, w2, b2, scale=1.0 / dist.get_world_size())
 
 
-def sp_gbar_backward_slices(x, norm_w, w1, b1, w2, b2):
-    """g-bar's backward keeps this rank's slice of its own gradient instead of reduce-scattering the ranks'."""
+def sp_gather_backward_slices(x, norm_w, w1, b1, w2, b2):
+    """g's backward (the all-gather's) keeps this rank's slice of its own gradient instead of reduce-scattering
+    the ranks'."""
     return _sp(x, norm_w, w1, b1, w2, b2, reduce_back=False)
 
 
@@ -106,8 +107,71 @@ def sp_leave_backward_zero_pads(x, norm_w, w1, b1, w2, b2):
     return _LeaveOwnTokens.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
 
 
+def _dim0(x, gather, world=None):
+    """All-gather (or reduce-scatter) along dim 0 as it comes: the batch, not the sequence."""
+    n = world or dist.get_world_size()
+    out = torch.empty((x.shape[0] * n if gather else x.shape[0] // n, *x.shape[1:]))
+    (comm.all_gather if gather else comm.reduce_scatter)(out, x.contiguous())
+    return out
+
+
+class _EnterBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _dim0(x, True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _dim0(grad, False)
+
+
+class _LeaveBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _dim0(x, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _dim0(grad, True)
+
+
+def sp_gathers_along_the_batch(x, norm_w, w1, b1, w2, b2):
+    """Gathers and scatters along dim 0 as the collectives come: the ranks' shards stacked as extra sequences of
+    s/t tokens. Token by token the MLP gives the same values; the sequences are never whole."""
+    normed = F.rms_norm(x, (x.shape[-1],), _SumGrad.apply(norm_w, 1.0), eps=1e-5)
+    h = F.gelu(F.linear(_EnterBatch.apply(normed), w1, b1))
+    return _LeaveBatch.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
+
+
+class _EnterTwo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.cat(_dim0(x, True, world=2).chunk(2), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _dim0(torch.cat(grad.chunk(2, dim=1)), False, world=2)
+
+
+class _LeaveTwo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _dim0(torch.cat(x.chunk(2, dim=1)), False, world=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.cat(_dim0(grad, True, world=2).chunk(2), dim=1)
+
+
+def sp_assumes_two_ranks(x, norm_w, w1, b1, w2, b2):
+    """Right on 2 ranks: the sequence is cut and joined in 2 chunks whatever the world size."""
+    normed = F.rms_norm(x, (x.shape[-1],), _SumGrad.apply(norm_w, 1.0), eps=1e-5)
+    h = F.gelu(F.linear(_EnterTwo.apply(normed), w1, b1))
+    return _LeaveTwo.apply(F.linear(h, w2)) + _SumGrad.apply(b2, 1.0)
+
+
 class _EnterAndFc1(torch.autograd.Function):
-    """g-bar and fc1 in one, saving only the s/t shard (Megatron-LM's form): the shard is gathered again in
+    """g and fc1 in one, saving only the s/t shard (Megatron-LM's form): the shard is gathered again in
     backward."""
 
     @staticmethod
@@ -157,6 +221,15 @@ def emb_mask_off_by_one(ids, weight):
 def emb_sums_the_gradient_too(ids, weight):
     """g, then f: an all-reduce backward as well, so the shard's gradient is t times one process's."""
     return tp_comm.copy_to_tensor_parallel_region(tp_comm.reduce_from_tensor_parallel_region(_emb_rows(ids, weight)))
+
+
+def emb_hard_coded_vocabulary(ids, weight):
+    """The shard's first id written for a vocabulary of 16: rank * 16 / t."""
+    n = weight.shape[0]
+    local = ids - dist.get_rank() * (16 // dist.get_world_size())
+    outside = (local < 0) | (local >= n)
+    rows = F.embedding(local.clamp(0, n - 1), weight) * ~outside.unsqueeze(-1)
+    return tp_comm.reduce_from_tensor_parallel_region(rows)
 
 
 def emb_gathers_the_table(ids, weight):
@@ -230,12 +303,20 @@ def _holders(n_kv_head):
     return [dist.new_group(list(range(k * per, (k + 1) * per))) for k in range(n_kv_head)][r // per]
 
 
-def _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="holders", interleave=False, f=True):
+def _pairs():
+    r = dist.get_rank()
+    return [dist.new_group([k, k + 1]) for k in range(0, dist.get_world_size(), 2)][r // 2]
+
+
+def _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="holders", interleave=False, f=True, split=False):
     t, r = dist.get_world_size(), dist.get_rank()
     b, s, h = x.shape
     d = h // n_head
     group = _holders(n_kv_head)
-    if group is not None and reduce == "holders":
+    if group is not None and reduce == "pairs":
+        group = _pairs()
+        wk, wv = _SumOver.apply(wk, group), _SumOver.apply(wv, group)
+    elif group is not None and reduce == "holders":
         wk, wv = _SumOver.apply(wk, group), _SumOver.apply(wv, group)
     elif group is not None and reduce == "coalesced":
         wk, wv = _SumBothOver.apply(wk, wv, group)
@@ -248,7 +329,7 @@ def _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="holders", interleave=Fals
     if interleave:
         reads = torch.arange(q.shape[1]) % k.shape[1]
     else:
-        first = r * k.shape[1] if n_kv_head % t == 0 else r // (t // n_kv_head)
+        first = r * k.shape[1] if n_kv_head % t == 0 or split else r // (t // n_kv_head)
         reads = q_heads // (n_head // n_kv_head) - first
     y = F.scaled_dot_product_attention(q, k.index_select(1, reads), v.index_select(1, reads), is_causal=True)
     return tp_comm.reduce_from_tensor_parallel_region(F.linear(y.transpose(1, 2).reshape(b, s, -1), wo))
@@ -272,6 +353,17 @@ def gqa_heads_interleaved(x, wq, wk, wv, wo, n_head, n_kv_head):
 def gqa_without_f(x, wq, wk, wv, wo, n_head, n_kv_head):
     """No f before the projections: x's gradient stays this rank's heads' share."""
     return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, f=False)
+
+
+def gqa_sums_over_pairs_of_ranks(x, wq, wk, wv, wo, n_head, n_kv_head):
+    """Sums a replicated head's gradient over pairs of neighbouring ranks: right while each head has 2 holders."""
+    return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, reduce="pairs")
+
+
+def gqa_assumes_the_heads_split(x, wq, wk, wv, wo, n_head, n_kv_head):
+    """Takes rank r's first K/V head to be r x (its K/V heads), as when t divides n_kv_head, also when the heads
+    are replicated: the query heads read a head this rank does not hold."""
+    return _gqa(x, wq, wk, wv, wo, n_head, n_kv_head, split=True)
 
 
 def gqa_coalesced_kv_reduce(x, wq, wk, wv, wo, n_head, n_kv_head):
@@ -298,16 +390,56 @@ def ce_without_the_global_max(logits, targets):
     return ((s + (sa - s.detach())).log() - (tl + (ta - tl.detach()))).mean()
 
 
+def _ce(logits, targets, *, global_max=True, mask=True, join_sum=True, vocab=None):
+    rank, width = dist.get_rank(), logits.shape[-1]
+    zmax = logits.detach().max(dim=-1).values
+    comm.all_reduce(zmax, op=comm.ReduceOp.MAX if global_max else comm.ReduceOp.SUM)
+    z = logits - (zmax if global_max else logits.detach().max(dim=-1).values).unsqueeze(-1)
+    local = targets - rank * (width if vocab is None else vocab // dist.get_world_size())
+    mine = (local >= 0) & (local < width)
+    target_local = z.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) * (mine if mask else 1)
+    target_all = target_local.detach().clone()
+    comm.all_reduce(target_all)
+    target = target_local + (target_all - target_local.detach())
+    sum_local = z.exp().sum(dim=-1)
+    sum_all = sum_local.detach().clone()
+    comm.all_reduce(sum_all)
+    total = sum_local + (sum_all - sum_local.detach()) if join_sum else sum_all
+    return (total.log() - target).mean()
+
+
+def ce_local_max(logits, targets):
+    """Each rank shifts by its own max (the MAX all-reduce's result unused): the ranks' exponentials are summed on
+    different scales."""
+    return _ce(logits, targets, global_max=False)
+
+
+def ce_target_logit_unmasked(logits, targets):
+    """Every rank contributes the clamped lookup of the target, held or not: the target logit is summed t times."""
+    return _ce(logits, targets, mask=False)
+
+
+def ce_sum_outside_autograd(logits, targets):
+    """The all-reduced sum of exponentials used as a constant: the shard's gradient loses the softmax term."""
+    return _ce(logits, targets, join_sum=False)
+
+
+def ce_hard_coded_vocabulary(logits, targets):
+    """The shard's first column written for a vocabulary of 64: rank * 64 / t."""
+    return _ce(logits, targets, vocab=64)
+
+
 RIGHT = {"sp_region": [sp_regathers_in_backward], "vocab_parallel_embedding": [emb_as_one_function],
          "gqa_attention": [gqa_coalesced_kv_reduce]}
 """Correct answers other than the solution's: each must score full marks."""
 
 WRONG = {
-    "sp_region": [sp_forgets_replicated_grads, sp_averages_replicated_grads, sp_gbar_backward_slices,
-                  sp_bias_before_leave, sp_leave_backward_zero_pads],
+    "sp_region": [sp_forgets_replicated_grads, sp_averages_replicated_grads, sp_gather_backward_slices,
+                  sp_bias_before_leave, sp_leave_backward_zero_pads, sp_gathers_along_the_batch, sp_assumes_two_ranks],
     "vocab_parallel_embedding": [emb_clamps_without_masking, emb_ids_modulo_shard, emb_mask_off_by_one,
-                                 emb_sums_the_gradient_too, emb_gathers_the_table],
+                                 emb_sums_the_gradient_too, emb_gathers_the_table, emb_hard_coded_vocabulary],
     "gqa_attention": [gqa_kv_grads_not_summed, gqa_kv_grads_summed_over_all_ranks, gqa_heads_interleaved,
-                      gqa_without_f],
-    "vocab_parallel_cross_entropy": [ce_gathers_the_logits, ce_without_the_global_max],
+                      gqa_without_f, gqa_sums_over_pairs_of_ranks, gqa_assumes_the_heads_split],
+    "vocab_parallel_cross_entropy": [ce_gathers_the_logits, ce_without_the_global_max, ce_local_max,
+                                     ce_target_logit_unmasked, ce_sum_outside_autograd, ce_hard_coded_vocabulary],
 }

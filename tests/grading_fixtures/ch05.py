@@ -29,6 +29,42 @@ def all_forwards_then_backwards(p, m, rank):
     return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
 
 
+def _one_f_one_b(p, m, rank, warmup, backward_first=False):
+    order = [f"F{i}" for i in range(warmup)]
+    nf, nb = warmup, 0
+    while nf < m:
+        order += [f"B{nb}", f"F{nf}"] if backward_first and nb < nf else [f"F{nf}", f"B{nb}"]
+        nf, nb = nf + 1, nb + 1
+    return order + [f"B{i}" for i in range(nb, m)]
+
+
+def warmup_not_capped_by_m(p, m, rank):
+    """Warm-up of p - r - 1 forwards even when there are fewer micro-batches (forwards of micro-batches that do
+    not exist)."""
+    return _one_f_one_b(p, m, rank, p - rank - 1)
+
+
+def warmup_grows_with_the_rank(p, m, rank):
+    """Warm-up of r forwards: the last stage, not the first, runs ahead."""
+    return _one_f_one_b(p, m, rank, min(rank, m))
+
+
+def steady_state_backward_first(p, m, rank):
+    """In the steady state each B comes before the next F (1B1F): the last stage runs B0 before it has F0's loss."""
+    return _one_f_one_b(p, m, rank, min(p - rank - 1, m), backward_first=True)
+
+
+def one_f_one_b_unsplit(p, m):
+    """Plain 1F1B: backwards left whole (B), no I and W."""
+    return one_f_one_b(p, m)
+
+
+def gpipe_with_split_backwards(p, m):
+    """All forwards, then all I, then all W: every micro-batch in flight at once (GPipe's memory)."""
+    return [[Action(Kind.F, j, r) for j in range(m)] + [Action(Kind.I, j, r) for j in range(m)]
+            + [Action(Kind.W, j, r) for j in range(m)] for r in range(p)]
+
+
 def split_backward_without_delay(p, m):
     """1F1B with each B split into I then W at once: valid, but 1F1B's bubble (the drain is not filled)."""
     return [[b for a in rank for b in ((Action(Kind.I, a.microbatch, a.stage), Action(Kind.W, a.microbatch, a.stage))
@@ -177,6 +213,21 @@ def gpipe_fixed_but_in_1f1b_order(stage, x, y, m):
     return _two_stage_step(stage, x, y, m, one_f_one_b, lambda loss: loss / m)
 
 
+def gpipe_scaled_by_batch(stage, x, y, m):
+    """Each micro-batch loss divided by the batch's rows: gradients b x too small."""
+    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / x.shape[0])
+
+
+def gpipe_scaled_by_stages(stage, x, y, m):
+    """Each micro-batch loss divided by the number of stages (2) instead of m."""
+    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / 2)
+
+
+def hides_as_a_list():
+    """The right shape as a list, not the (batch, m) tuple asked for."""
+    return [9, 3]
+
+
 def hides_with_the_chapter_shape():
     """The notebook's own shape (batch 8, m 4): b = 2, the bug shows."""
     return 8, 4
@@ -201,11 +252,14 @@ RIGHT = {"deep_pipeline_step": [deep_step_scaled_by_rows]}
 """Correct answers other than the solution's: each must score full marks."""
 
 WRONG = {
-    "one_f_one_b_order": [warmup_off_by_one, all_forwards_then_backwards],
-    "zb_h1_schedule": [split_backward_without_delay, all_weight_gradients_at_the_end, weight_before_input],
+    "one_f_one_b_order": [warmup_off_by_one, all_forwards_then_backwards, warmup_not_capped_by_m,
+                          warmup_grows_with_the_rank, steady_state_backward_first],
+    "zb_h1_schedule": [split_backward_without_delay, all_weight_gradients_at_the_end, weight_before_input,
+                       one_f_one_b_unsplit, gpipe_with_split_backwards],
     "deep_pipeline_step": [deep_step_gpipe_order, deep_step_without_loss_scale, deep_step_middle_echoes_the_gradient,
                            deep_step_with_all_reduce, deep_step_blocking_messages],
-    "gpipe_step": [gpipe_divided_by_rows, gpipe_without_loss_scale, gpipe_fixed_but_in_1f1b_order],
+    "gpipe_step": [gpipe_divided_by_rows, gpipe_without_loss_scale, gpipe_fixed_but_in_1f1b_order,
+                   gpipe_scaled_by_batch, gpipe_scaled_by_stages],
     "shape_that_hides_the_bug": [hides_with_the_chapter_shape, hides_with_one_micro_batch, hides_with_floats,
-                                 hides_when_batch_equals_m],
+                                 hides_when_batch_equals_m, hides_as_a_list],
 }

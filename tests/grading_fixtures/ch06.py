@@ -115,6 +115,28 @@ class ForgetsTheScale(ca.BlockAttention):
         return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
 
 
+class FlattensTheBatch(ca.BlockAttention):
+    """The right fix with lse reshaped to [B H, T, 1]: broadcasts right for one sequence only."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).reshape(-1, lse.shape[-1], 1)
+        p = torch.exp(_scores(q, k, scale, mask) - safe)
+        ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
+class SumsTheUpstreamOverQueries(ca.BlockAttention):
+    """dV from the column sums of P times the mean upstream row: right when every query's upstream gradient is
+    the same (a loss that is a plain sum), wrong for a real loss."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
+        dv = p.sum(-2)[..., None] * d_out.mean(-2, keepdim=True)
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, dv
+
+
 class StillStale(ca.BlockAttention):
     """Uses the received block only from step 2 on."""
 
@@ -127,6 +149,14 @@ class ForwardMaskOnly(ca.BlockAttention):
 
     def kv_for_backward_step(self, step, received, own):
         return own
+
+
+def second_chunk_counted_from_the_end(seq_len, cp, rank):
+    """The mirror chunk taken as cp + rank (the next chunk along) instead of 2 cp - 1 - rank: right for cp = 1."""
+    c = seq_len // (2 * cp)
+    if seq_len % (2 * cp) or seq_len == 0:
+        raise ValueError("bad length")
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in (rank, cp + rank)])
 
 
 def divisible_by_cp_only(seq_len, cp, rank):
@@ -230,12 +260,20 @@ class _Resplit(torch.autograd.Function):
         return _exchange(grad.contiguous(), cat_dim, split_dim, fold), None, None, None
 
 
-def _ulysses(q, k, v, causal=True, fold=True, repeat_kv=False):
+def _ulysses(q, k, v, causal=True, fold=True, repeat_kv=False, tile=False):
     if repeat_kv:
         k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
     qh, kh, vh = (_Resplit.apply(t, 2, 1, fold).transpose(1, 2) for t in (q, k, v))
+    if tile:  # the local K/V heads repeated as a block: local query head j reads local K/V head j % H_kv_local
+        kh, vh = (t.repeat(1, qh.shape[1] // t.shape[1], 1, 1) for t in (kh, vh))
     out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True)
     return _Resplit.apply(out.transpose(1, 2), 1, 2, fold)
+
+
+def ulysses_kv_heads_tiled(q, k, v):
+    """Repeats the local K/V heads with repeat instead of repeat_interleave: right while a rank holds one K/V
+    head (or the heads are MHA), wrong once it holds several."""
+    return _ulysses(q, k, v, tile=True)
 
 
 def ulysses_local_only(q, k, v):
@@ -282,10 +320,12 @@ RIGHT = {"ring_step": [ring_step_by_hand], "ulysses_attention": [ulysses_kv_in_o
 
 WRONG = {
     "merge_partials": [merge_without_max_shift, merge_equal_weights, merge_nan_for_masked_rows],
-    "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check, divisible_by_cp_only],
+    "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check, divisible_by_cp_only,
+                         second_chunk_counted_from_the_end],
     "ring_step": [ring_step_local_mask, ring_step_returns_own_block, ring_step_group_ranks_as_peers,
                   ring_step_waits_first, ring_step_attends_masked_blocks],
-    "fixed_kernel": [KeepsTheBlockSoftmax, ForgetsDelta, ForgetsTheScale, StillStale, ForwardMaskOnly],
+    "fixed_kernel": [KeepsTheBlockSoftmax, ForgetsDelta, ForgetsTheScale, StillStale, ForwardMaskOnly,
+                     FlattensTheBatch, SumsTheUpstreamOverQueries],
     "ulysses_attention": [ulysses_local_only, ulysses_not_causal, ulysses_reshape_instead_of_concatenate,
-                          ulysses_exchange_outside_autograd, ulysses_repeats_kv_first],
+                          ulysses_exchange_outside_autograd, ulysses_repeats_kv_first, ulysses_kv_heads_tiled],
 }

@@ -1,0 +1,150 @@
+"""Self-checks test what the grader tests: every case class a hidden check exercises is exercised by the notebook's
+visible check, the notebook's self-check is the grader's visible check, and, for the exercises whose checks were
+extended, the solution scores full, the blank nothing, and every wrong answer fails the visible check and a hidden
+one, with a reason."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import types
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_lib.grading import cases, grader
+from tests.conftest import define_in_cell
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
+CHAPTERS = [p.name[:2] for p in SOLUTIONS]
+
+EXTENDED = {
+    "00": ("param_state_bytes", "zero_bytes_per_device", "kv_cache_bytes", "fewest_gpus", "model_states_per_gpu"),
+    "01": ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce_bytes", "pairwise_all_to_all",
+           "fixed_ring_all_reduce"),
+    "04": ("sp_region", "vocab_parallel_embedding", "gqa_attention", "vocab_parallel_cross_entropy"),
+    "06": ("zigzag_positions", "ring_step", "fixed_kernel", "ulysses_attention"),
+    "09": ("attend_over_cache", "reserve_blocks", "request_metrics", "tp_kv_heads", "paged_decode", "schedule_step",
+           "verify_sampled"),
+    "10": ("checkpoint", "simulated_goodput", "train_prefetching"),
+}
+"""The exercises whose checks got new cases: each has at least MIN_WRONG wrong answers, all rejected twice."""
+MIN_WRONG = 5
+
+
+def _exercise(chapter: str, key: str):
+    return next(ex for ex in grader.chapter_module(chapter).EXERCISES if ex.key == key)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Case classes
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_the_visible_check_exercises_every_case_class_of_the_hidden_ones(chapter):
+    module = grader.chapter_module(chapter)
+    assert set(module.CASE_CLASSES) == {ex.key for ex in module.EXERCISES}, "an exercise without case classes"
+    for ex in module.EXERCISES:
+        assert cases.visible_classes(module, ex), ex.key
+    assert cases.missing(module) == {}, "hidden classes the notebook's self-check never meets"
+
+
+def test_a_hidden_check_of_a_new_kind_is_reported():
+    """The comparison can fail: the TP exercise's visible check cut to one setting misses the others' classes."""
+    module = grader.chapter_module("09")
+    ex = dataclasses.replace(_exercise("09", "tp_kv_heads"), visible={"cases": ((2, 4, 2),)})
+    fake = types.SimpleNamespace(EXERCISES=[ex], CASE_CLASSES=module.CASE_CLASSES)
+    gap = cases.missing(fake)["tp_kv_heads"]
+    assert {"more than 2 ranks", "several world sizes", "MQA: one K/V head on every rank"} <= gap, gap
+
+
+def test_arguments_fill_the_defaults_and_refuse_unknown_names():
+    def check(fn, world_size=2, seed=0):
+        return fn
+
+    assert cases.arguments(check, {"seed": 3}) == {"world_size": 2, "seed": 3}
+    with pytest.raises(TypeError, match="no argument"):
+        cases.arguments(check, {"worldsize": 4})
+    assert cases.ranks(2) == {"2 ranks"} and cases.ranks(3) == {"more than 2 ranks", "an odd number of ranks"}
+    assert cases.several([4, 4], "world sizes") == set() and cases.several([2, 4], "x") == {"several x"}
+
+
+def _self_check_calls(solution: Path, check: str, function: str) -> list[ast.Call]:
+    """The notebook's calls ``chNN.<check>(<function>, ...)``."""
+    calls = []
+    for cell in nbformat.read(solution, as_version=4).cells:
+        if cell.cell_type == "code":
+            calls += [node for node in ast.walk(ast.parse(cell.source)) if isinstance(node, ast.Call)
+                      and isinstance(node.func, ast.Attribute) and node.func.attr == check
+                      and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == function]
+    return calls
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_the_notebooks_self_check_is_the_graders_visible_check(solution):
+    """Each exercise's self-check cell passes the learner's function and at most the seed besides the exercise's
+    ``visible`` arguments, as literals: what the classes above were computed for."""
+    for ex in grader.chapter_module(solution.name[:2]).EXERCISES:
+        calls = _self_check_calls(solution, ex.check.__name__, ex.function)
+        assert calls, f"{solution.name}: no self-check {ex.check.__name__}({ex.function}, ...)"
+        for call in calls:
+            given = {kw.arg: kw.value for kw in call.keywords if kw.arg != "seed"}
+            assert {k: ast.literal_eval(v) for k, v in given.items()} == dict(ex.visible), (ex.key, ast.unparse(call))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The extended exercises: solution, blank, wrong answers
+
+
+def _notebook_namespace(notebook: Path) -> dict:
+    """The imports, functions and classes of every code cell, defined as notebook cells define them (one module
+    ``__main__``, so that a launched check ships them by value)."""
+    keep = [node for cell in nbformat.read(notebook, as_version=4).cells if cell.cell_type == "code"
+            for node in ast.parse(cell.source).body
+            if isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)]
+    return define_in_cell(ast.unparse(ast.Module(keep, type_ignores=[])), f"/tmp/ipykernel_0/{notebook.stem}.py")
+
+
+def _extended():
+    for chapter, keys in EXTENDED.items():
+        for key in keys:
+            yield pytest.param(chapter, key, id=f"{chapter}-{key}")
+
+
+@pytest.mark.parametrize("chapter, key", list(_extended()))
+def test_the_solution_scores_full_and_the_blank_nothing(chapter, key):
+    ex = _exercise(chapter, key)
+    name = next(p.name for p in SOLUTIONS if p.name.startswith(chapter))
+    solved = grader.grade_exercise(ex, _notebook_namespace(REPO / "solutions" / name))
+    assert solved.ok, solved.message
+    blank = grader.grade_exercise(ex, _notebook_namespace(REPO / "exercises" / name))
+    assert not blank.ok and "not implemented" in blank.message, blank.message
+
+
+def _wrong(chapter: str, key: str) -> list:
+    return importlib.import_module(f"tests.grading_fixtures.ch{chapter}").WRONG[key]
+
+
+def test_each_extended_exercise_has_enough_wrong_answers():
+    few = {(ch, key): len(_wrong(ch, key)) for ch, keys in EXTENDED.items() for key in keys
+           if len(_wrong(ch, key)) < MIN_WRONG}
+    assert not few, few
+
+
+def _wrong_answers():
+    for chapter, keys in EXTENDED.items():
+        for key in keys:
+            for wrong in _wrong(chapter, key):
+                yield pytest.param(chapter, key, wrong, id=f"{chapter}-{key}-{wrong.__name__}")
+
+
+@pytest.mark.parametrize("chapter, key, wrong", list(_wrong_answers()))
+def test_a_wrong_answer_fails_the_visible_check_and_a_hidden_one(chapter, key, wrong):
+    ex = _exercise(chapter, key)
+    visible = ex.check(wrong, **ex.visible)
+    assert not visible.ok and visible.message, f"{wrong.__name__} passes the notebook's self-check"
+    hidden = [ex.check(wrong, **kwargs) for kwargs in ex.hidden]
+    assert any(not r.ok and r.message for r in hidden), f"{wrong.__name__} passes every hidden check"
