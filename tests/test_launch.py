@@ -96,6 +96,7 @@ def _raise_on(rank, world_size, bad_rank, delay):
     return t.sum().item()
 
 
+@pytest.mark.serial  # a time bound or a hang report (the serial lane, tests/conftest.py)
 @pytest.mark.parametrize("bad_rank", [0, 2])
 def test_the_rank_that_raised_first_is_reported_not_its_neighbours(bad_rank):
     start = time.monotonic()
@@ -144,6 +145,7 @@ def _skip_collective(rank, world_size):
     return rank
 
 
+@pytest.mark.serial  # a time bound or a hang report (the serial lane, tests/conftest.py)
 def test_a_rank_waiting_in_a_collective_is_reported_with_its_stack():
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
@@ -164,6 +166,7 @@ def _spin(rank, world_size):
     return rank
 
 
+@pytest.mark.serial  # a time bound or a hang report (the serial lane, tests/conftest.py)
 def test_a_busy_rank_is_stopped_at_the_timeout():
     with pytest.raises(RankTimeout) as info:
         launch(_spin, 2, timeout=1.5)
@@ -179,6 +182,7 @@ def _die(rank, world_size, how):
     dist.barrier()
 
 
+@pytest.mark.serial  # a time bound or a hang report (the serial lane, tests/conftest.py)
 @pytest.mark.parametrize("how, text", [("exit", "exited with code 3"), ("kill", "killed by signal SIGKILL")])
 def test_a_rank_that_dies_without_raising_is_named(how, text):
     with pytest.raises(RankError, match=text) as info:
@@ -190,6 +194,7 @@ def _noop(rank, world_size):
     return rank
 
 
+@pytest.mark.slow
 def test_a_hundred_launches_leave_nothing_behind():
     launch(_noop, 2)  # starts the forkserver, which stays (as it should) for fast launches
     me = psutil.Process()
@@ -228,6 +233,7 @@ def work(rank, world_size):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guarded", [True, False])
 def test_a_plain_script_works_with_or_without_the_main_guard(tmp_path, guarded):
     call = "print('results', launch(work, 2))"
@@ -241,6 +247,7 @@ def test_a_plain_script_works_with_or_without_the_main_guard(tmp_path, guarded):
     assert "[rank 1] rank 1 sees 1.0" in out.stdout
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_same_script_runs_in_process(tmp_path):
     script = tmp_path / "learner.py"
     call = ("if __name__ == '__main__':\n    import os\n    results = launch(work, 2)\n"

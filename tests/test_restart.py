@@ -33,15 +33,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return run_launched(tmp_path_factory.mktemp("ref") / "run", SETTINGS)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_killed_rank_restarts_and_continues_bit_for_bit(tmp_path: Path, nproc: int, reference) -> None:
-    ref = reference if nproc == 2 else run_launched(tmp_path / "ref", SETTINGS, nproc)
-    got = run_torchrun(tmp_path / "run", SETTINGS, nproc=nproc, kill_rank=nproc - 1, kill_step=5)
+@pytest.mark.slow
+def test_killed_rank_restarts_and_continues_bit_for_bit(tmp_path: Path, reference) -> None:
+    """On 2 ranks, as chapter 10 runs it: each rank saves and restores its own state, and leaving out any one piece
+    of it differs (test_a_restart_without_each_piece_differs); 4 ranks would repeat the same proof."""
+    got = run_torchrun(tmp_path / "run", SETTINGS, nproc=2, kill_rank=1, kill_step=5)
     assert got.attempts == 2, got.log[-2000:]
     replayed = [r["step"] for r in got.losses if r["attempt"] == 1]
     assert replayed == [4, 5, 6, 7]  # resumed from the checkpoint after step 4, the step the kill interrupted is 5
-    assert got.curve() == ref.curve()  # every loss, exactly
-    assert _differences(got.final, ref.final) == []
+    assert got.curve() == reference.curve()  # every loss, exactly
+    assert _differences(got.final, reference.final) == []
     assert _ours_running() == []
 
 
@@ -61,6 +62,7 @@ def test_a_restart_with_every_piece_is_exact_without_torchrun(tmp_path: Path, re
     assert _differences(got.final, reference.final) == []
 
 
+@pytest.mark.slow
 def test_a_killed_group_without_sampler_state_differs_under_torchrun(tmp_path: Path, reference) -> None:
     got = run_torchrun(tmp_path / "run", RunSettings(**{**SETTINGS.__dict__, "skip": ("sampler",)}),
                        kill_rank=0, kill_step=5)

@@ -262,16 +262,22 @@ def test_assert_parity_raises_with_the_report(reference):
 
 
 def test_make_test_runs_the_parity_tests_again_on_generic_kernels():
-    """Another kernel path rounds differently: ``make test`` reruns the tests marked ``parity`` on PyTorch's generic
-    kernels, so a tolerance that holds only on this CPU's AVX2/AVX-512 kernels fails here too."""
+    """Another kernel path rounds differently: ``make test`` reruns the tests marked ``generic_kernels`` on PyTorch's
+    generic kernels, so a tolerance that holds only on this CPU's AVX2/AVX-512 kernels fails there too. The marked
+    set follows the marker's rule (tests/conftest.py ``GENERIC_KERNELS``, whose every pattern a whole collection
+    checks): every axis, the compositions and the stated tolerances have their entry."""
+    from tests.conftest import GENERIC_KERNELS
+
     repo = Path(__file__).resolve().parents[1]
     make = (repo / "Makefile").read_text()
     test_line = next(line for line in make.splitlines() if line.startswith("test:"))
     assert "test-parity-generic" in test_line.split()
     recipe = make.split("\ntest-parity-generic:")[1].split("\n\n")[0]
-    assert 'ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests -m "parity and not browser"' in recipe
+    assert 'ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests $(XDIST) -m "generic_kernels and not browser"' in recipe
     markers = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
-    assert any(m.startswith("parity:") for m in markers)
+    assert any(m.startswith("parity:") for m in markers) and any(m.startswith("generic_kernels:") for m in markers)
+    axes = {"dp", "zero", "fsdp2", "tp", "cp", "ep", "pp", "contract", "compositions", "tolerances"}
+    assert set(GENERIC_KERNELS) == axes and all(GENERIC_KERNELS.values())
 
 
 def test_report_lists_at_most_ten_problems(reference):

@@ -84,16 +84,26 @@ def grading_text(store: dict[str, Any]) -> str:
     return "\n".join(lines) or "* Not measured yet."
 
 
+def _make_time(record: dict[str, Any]) -> str:
+    """"about 29-32 minutes (1718 s, 1897 s, 1731 s: <source>[, 2 cores, load average (1 min) 3.1-9.8], recorded
+    <date>": a stored time of a make target, with the machine's conditions when they were measured here."""
+    low, high = min(record["seconds"]), max(record["seconds"])
+    span = f"{low / 60:.0f}" if round(low / 60) == round(high / 60) else f"{low / 60:.0f}-{high / 60:.0f}"
+    where = f", {_conditions([record]).rsplit(', ', 1)[0]}" if "load" in record else ""
+    return (f"about {span} minutes ({', '.join(f'{s:.0f} s' for s in record['seconds'])}: {record['source']}{where}, "
+            f"recorded {record['date']}")
+
+
 def make_test_text(store: dict[str, Any]) -> str:
-    """The README's sentence on how long ``make test`` takes, from the stored times and their source."""
-    m = store.get("make_test") or {}
+    """The README's sentences on how long ``make test`` and ``make test-fast`` take, from the stored times."""
+    m, fast = store.get("make_test") or {}, store.get("make_test_fast") or {}
     if not m:
         return "`make test` has not been timed yet (`.venv/bin/python -m course_lib.grading.timings make-test`)."
-    low, high = min(m["seconds"]), max(m["seconds"])
-    span = f"{low / 60:.0f}" if round(low / 60) == round(high / 60) else f"{low / 60:.0f}-{high / 60:.0f}"
-    return textwrap.fill(f"It takes about {span} minutes ({', '.join(f'{s:.0f} s' for s in m['seconds'])}: "
-                         f"{m['source']}, recorded {m['date']} by `.venv/bin/python -m course_lib.grading.timings "
-                         "make-test`).", WIDTH, break_on_hyphens=False)
+    text = f"It takes {_make_time(m)} by `.venv/bin/python -m course_lib.grading.timings make-test`)."
+    if fast:
+        text += (f" `make test-fast` takes {_make_time(fast)} by `.venv/bin/python -m course_lib.grading.timings "
+                 "make-test --target test-fast`).")
+    return textwrap.fill(text, WIDTH, break_on_hyphens=False)
 
 
 BLOCKS: dict[str, tuple[Path, Callable[[dict[str, Any]], str]]] = {
