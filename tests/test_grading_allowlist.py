@@ -9,6 +9,7 @@ test runs each one through its check with the allow-list off: it is a working an
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 import threading
 from dataclasses import dataclass
@@ -587,3 +588,19 @@ def test_a_whole_notebook_graded_refuses_the_route_and_scores_the_rest(tmp_path)
     assert scores["tp_kv_heads"].points == 0, report.table()
     assert "course_lib.serving.tp_decode.kv_heads_of" in scores["tp_kv_heads"].reason, report.table()
     assert all(s.points == s.max_points for k, s in scores.items() if k != "tp_kv_heads"), report.table()
+
+
+def test_an_installed_function_equal_to_a_library_code_is_not_the_librarys():
+    """Code objects compare equal across files (a copied ``__code__`` is caught so): torch's own wrappers, equal to
+    some library function's code (here once ``runtime.device_audit`` is loaded), are never the library's."""
+    importlib.import_module("course_lib.runtime.device_audit")
+    namespace = define_in_cell("""
+import torch
+
+def train_clipped(rank, world_size, steps=4, seed=0):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.zero_grad(set_to_none=True)
+    return [], dict(model.named_parameters())
+""", "/tmp/ipykernel_0/installed_equal.py")
+    assert _exercise("11", "train_clipped").refusal(namespace["train_clipped"]) is None

@@ -599,7 +599,8 @@ def static_refusal(answer: Any, allowed: Allowed, name: str = "the answer") -> s
             continue
         seen.add(id(obj))
         path = library_path(obj)
-        if path is None and isinstance(obj, types.FunctionType):
+        if path is None and isinstance(obj, types.FunctionType) and \
+                code_kind(obj.__code__.co_filename) == LEARNER_CODE:
             path = library_codes().get(obj.__code__)  # the library's code in a function of the learner's
         if path is not None:
             ok = isinstance(obj, types.ModuleType) or (  # a module is judged when it escapes (below)
