@@ -45,7 +45,7 @@ def test_the_colleagues_paged_decode_passes_their_test_and_fails_past_one_block(
 def test_triage_names_the_culprit_not_the_victims_and_calls_bf16_noise_no_bug():
     """The issue's two wrong diagnoses: the ranks that only wait in a hang named as culprits; a bf16 run's distance
     from one process called a bug."""
-    victims = ch11.check_diagnose(fx11.diagnose_names_victims, case="hang", args=(1, 0))
+    victims = ch11.check_diagnose(fx11.diagnose_names_victims, cases=(("hang", (1, 0)),))
     assert not victims.ok and "only wait (victims)" in victims.message, victims.message
-    noise = ch11.check_diagnose(fx11.diagnose_noise_as_bug, case="bf16_noise")
+    noise = ch11.check_diagnose(fx11.diagnose_noise_as_bug, cases=(("bf16_noise", ()),))
     assert not noise.ok and "it is no bug" in noise.message, noise.message

@@ -23,7 +23,8 @@ import torch
 
 from course_lib.data import global_batch, shard
 from course_lib.grading import ch08_placement, core
-from course_lib.grading.ch08_pipeline import check_add_grad_reduce, check_grad_reduce_on_ranks
+from course_lib.grading.cases import each, several
+from course_lib.grading.ch08_pipeline import _build, check_add_grad_reduce, check_grad_reduce_on_ranks
 from course_lib.grading.ch08_placement import LAUNCH_TIMEOUT_S, check_place_parameter
 from course_lib.grading.ch08_predict import (
     MEMORY_RTOL,
@@ -44,6 +45,7 @@ from course_lib.grading.core import (
 )
 from course_lib.model import GPT, lm_loss
 from course_lib.model_config import GPTConfig
+from course_lib.parallel.schedules import Kind
 from course_lib.planner import search as planner
 from course_lib.runtime.mesh import DENSE_AXES, Mesh, MeshShape
 
@@ -89,7 +91,8 @@ def check_coords_of(fn: Callable, meshes: tuple = _MESHES) -> CheckResult:
 
 
 def check_group_of(fn: Callable, meshes: tuple = _MESHES,
-                   axes_list: tuple = (("tp",), ("dp",), ("pp",), ("dp", "cp"), ("tp", "pp"))) -> CheckResult:
+                   axes_list: tuple = (("tp",), ("dp",), ("pp",), ("dp", "cp"), ("tp", "pp"), ("pp", "dp", "tp"))
+                   ) -> CheckResult:
     def body() -> str:
         n = 0
         for degrees, order in meshes:
@@ -249,5 +252,95 @@ EXERCISES = [
              allowed=("course_lib.parallel.config.ParallelConfig.world_size", "course_lib.runtime.mesh.MeshShape.size",
                       "course_lib.runtime.mesh.MeshShape.world_size")),
 ]
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Case classes
+
+
+def _mesh_classes(meshes: tuple) -> set[str]:
+    out = several((order for _, order in meshes), "axis orders")
+    for degrees, order in meshes:
+        dense = {a: degrees.get(a, 1) for a in DENSE_AXES}
+        out |= {"an order whose first axis is not tp"} if not order.startswith("tp") else set()
+        out |= {"an axis of degree more than 2"} if max(dense.values()) > 2 else set()
+        out |= {"an axis of degree 1"} if 1 in dense.values() else set()
+        out |= {"ep with a degree, before a dense axis of the order"} if degrees.get("ep", 1) > 1 and any(
+            dense[a] > 1 for a in order.split("-")[order.split("-").index("ep") + 1:]) else set()
+    return out
+
+
+def _group_classes(calls: list[dict]) -> set[str]:
+    out = set()
+    for call in calls:
+        out |= _mesh_classes(call["meshes"])
+        for axes in call["axes_list"]:
+            out.add(f"a group over {('one axis', 'two axes', 'three axes', 'four axes')[len(axes) - 1]}")
+            for _, order in call["meshes"]:
+                out |= {"axes listed in another order than the mesh's"} if list(axes) != sorted(
+                    axes, key=order.split("-").index) else set()
+    return out
+
+
+def _problem_classes(calls: list[dict]) -> set[str]:
+    out = set()
+    for cfg, degrees, gb, mb in each(calls):
+        broken = reference_problems(cfg, degrees, gb, mb)
+        out |= {f"breaks {name}" for name in broken} | ({"breaks nothing"} if not broken else set())
+        out |= {"breaks several"} if len(broken) > 1 else set()
+        tp = degrees.get("tp", 1)
+        out |= {"kv heads replicated over tp"} if tp > cfg.kv_heads and tp % cfg.kv_heads == 0 else set()
+        out |= {"cp > 1"} if degrees.get("cp", 1) > 1 else set()
+        out |= {"a micro-batch of several sequences"} if mb > 1 else set()
+    return out
+
+
+def _predict_classes(calls: list[dict]) -> set[str]:
+    cases = each(calls)
+    out = several((gpu.name for _, _, gpu, *_ in cases), "GPUs") | several((c[7] for c in cases), "efficiencies")
+    for _, degrees, _, _, _, mb, zero, _ in cases:
+        out |= {"pp > 1" if degrees.get("pp", 1) > 1 else "no pipeline", f"ZeRO-{zero}"}
+        out |= ({"cp > 1"} if degrees.get("cp", 1) > 1 else set()) | ({"a micro-batch > 1"} if mb > 1 else set())
+    return out
+
+
+def _reduce_classes(calls: list[dict]) -> set[str]:
+    out = several((p for _, p, _, _ in each(calls)), "pipeline depths")
+    for name, p, m, v in each(calls):
+        actions = [a for rank in _build(name, p, m, v) for a in rank]
+        split = any(a.kind is Kind.W for a in actions)
+        out |= {"a split backward (the last W)" if split else "a whole backward (the last B)"}
+        out |= {"several stages per rank"} if v > 1 else set()
+    return out | {"trained on ranks" for call in calls if call["ranks"]}
+
+
+def _place_classes(calls: list[dict]) -> set[str]:
+    out = set()
+    for call in calls:
+        for p in call["meshes"]:
+            s, zero3 = p.shape, p.zero_stage == 3
+            out |= {"tp with SP" if p.sequence_parallel else "tp without SP"} if s.tp > 1 else set()
+            out |= {"a pipeline"} if s.pp > 1 else set()
+            if s.dp * s.cp > 1:
+                over = "dp x cp" if s.cp > 1 else "dp"
+                out.add(f"ZeRO-3 over {over}" if zero3 else f"gradients averaged over {over}")
+            out |= {"ZeRO-3 on top of tp"} if zero3 and s.tp > 1 else set()
+            rows = -(-call["cfg"].vocab_size // s.tp)
+            out |= {"a ZeRO-3 shard with padded rows"} if zero3 and rows % (s.dp * s.cp) else set()
+    return out
+
+
+CASE_CLASSES = {
+    "coords_of": lambda calls: set().union(*(_mesh_classes(c["meshes"]) for c in calls)),
+    "group_of": _group_classes,
+    "mesh_problems": _problem_classes,
+    "predict_mesh": _predict_classes,
+    "average_dp_gradients": lambda calls: {
+        "dp before tp in the order" if o.index("dp") < o.index("tp") else "tp before dp in the order"
+        for c in calls for o in c["orders"]},
+    "add_grad_reduce": _reduce_classes,
+    "place_parameter": _place_classes,
+}
 
 guard_visible_checks(globals(), EXERCISES)

@@ -31,9 +31,10 @@ PLACE_CFG = GPTConfig(vocab_size=250, seq_len=16, n_layer=4, n_head=4, d_model=3
 PLACE_MESHES = (ParallelConfig(MeshShape(dp=2, tp=2), sequence_parallel=True),
                 ParallelConfig(MeshShape(dp=2, tp=2), zero_stage=3, sequence_parallel=True),
                 ParallelConfig(MeshShape(tp=2, pp=2), sequence_parallel=True),
-                ParallelConfig(MeshShape(dp=2, cp=2), zero_stage=3))
+                ParallelConfig(MeshShape(dp=2, cp=2), zero_stage=3),
+                ParallelConfig(MeshShape(tp=2, cp=2)))
 """The visible check's meshes (4 ranks each): SP's partial norms, FSDP + TP's padded vocabulary rows (125 over 2),
-a pipeline's stage boundary, ZeRO-3 over dp x cp."""
+a pipeline's stage boundary, ZeRO-3 over dp x cp, TP without SP with the gradient mean over dp x cp."""
 
 
 def _records_on_rank(rank: int, world_size: int, cfg: GPTConfig, meshes: tuple[ParallelConfig, ...]

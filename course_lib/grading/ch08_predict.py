@@ -87,6 +87,7 @@ PREDICT_CASES = (
     ("llama2-7b", {"dp": 16}, planner.H100, 64, 1024, 1, 3, 0.5),                     # ZeRO-3 divides all by 16
     ("llama2-70b", {"dp": 4, "cp": 2, "tp": 8}, planner.H100, 64, 2048, 1, 1, 0.5),   # ZeRO over dp x cp = 8
     ("gpt3-175b", {"dp": 4, "tp": 8, "pp": 8}, planner.H100, 64, 2048, 2, 2, 0.5),    # m = 8, pp = 8: bubble 7/15
+    ("llama3-70b", {"dp": 8, "tp": 8, "pp": 2}, planner.A100, 64, 4096, 1, 1, 0.35),  # another GPU, efficiency
 )
 
 

@@ -30,6 +30,7 @@ from course_lib.data import global_batch
 from course_lib.debug import clinic
 from course_lib.debug.desync import first_desync as library_desync
 from course_lib.debug.recorder import Entry, Trace
+from course_lib.grading.cases import each
 from course_lib.grading.core import CheckFailed, CheckResult, Exercise, guard_visible_checks, launch_check, run_check
 from course_lib.model import GPT, lm_loss
 from course_lib.train import TrainResult, compare, with_fp32_noise
@@ -91,6 +92,32 @@ def _two_desyncs() -> tuple[dict, set]:
     return calls, set()
 
 
+def _finished_and_late() -> tuple[dict, set]:
+    """pp pair (2, 3): rank 3 returned after one call where rank 2 made a second (the culprit: the tie is broken by
+    the rank that finished); tp pair (0, 1): rank 1 is one call behind but still running (late, no desync), from
+    before the pp pair's second call started."""
+    calls = {r: [call(n, "all_reduce", (0, 1), t=float(n)) for n in range(1, 4 - r)] for r in (0, 1)}
+    calls[1][-1]["returned"] = False
+    calls[2] = [call(1, "send_recv", (2, 3), group="pp", t=1.5), call(2, "send_recv", (2, 3), group="pp", t=3.5,
+                                                                         returned=False)]
+    calls[3] = [call(1, "send_recv", (2, 3), group="pp", t=1.5)]
+    return calls, {3}
+
+
+def _shape_tie_first() -> tuple[dict, set]:
+    """dp x tp, ranks 1 and 3 ordering their dp call before their tp call; two desyncs: a shape on the dp pair
+    (0, 2) (broken by the other dp pair) and, started earlier but listed later, a shape tie on an ep pair alone."""
+    calls = {}
+    for r in range(4):
+        tp, dp = (2 * (r // 2), 2 * (r // 2) + 1), (r % 2, r % 2 + 2)
+        mine = [call(1, "all_reduce", tp, t=1.0), call(1, "all_reduce", dp, group="dp", t=2.0)]
+        calls[r] = (mine[::-1] if r % 2 else mine) + [
+            call(2, "all_reduce", dp, group="dp", shape=(8,) if r == 2 else (4,), t=4.0, returned=False)]
+    calls[1].append(call(1, "all_to_all", (1, 3), group="ep", shape=(2, 6), t=3.0, returned=False))
+    calls[3].append(call(1, "all_to_all", (1, 3), group="ep", shape=(6, 2), t=3.0, returned=False))
+    return calls, set()
+
+
 SCENARIOS: dict[str, Callable[[], tuple[dict, set]]] = {
     "agree": lambda: ({r: [call(1, "all_reduce", (0, 1)), call(2, "broadcast", (0, 1))] for r in range(2)}, set()),
     "extra_gather": _extra_gather,
@@ -104,8 +131,29 @@ SCENARIOS: dict[str, Callable[[], tuple[dict, set]]] = {
     "two_desyncs": _two_desyncs,
     "shape_tie": lambda: ({0: [call(1, "all_reduce", (0, 1), shape=(4,))],
                            1: [call(1, "all_reduce", (0, 1), shape=(8,))]}, set()),
+    "finished_and_late": _finished_and_late,
+    "shape_tie_first": _shape_tie_first,
 }
 """Traces the check compares answers on (the chapter's cases and the ones a mesh adds)."""
+
+SCENARIO_CLASSES = {
+    "agree": {"no desync"},
+    "extra_gather": {"an op mismatch", "a tie broken by the other groups of the axis", "several groups of a label"},
+    "call_site": {"a call-site mismatch", "a strict majority"},
+    "uneven": {"a rank that finished without the call", "a tie broken by the rank that finished"},
+    "late": {"a late rank (no desync)"},
+    "interleaved": {"groups called in another order on some ranks", "an op mismatch",
+                    "a tie broken by the other groups of the axis", "several groups of a label"},
+    "two_desyncs": {"two desyncs: the first by start time, not by listing", "an op mismatch",
+                    "a tie left unbroken: every member"},
+    "shape_tie": {"a shape mismatch", "a tie left unbroken: every member"},
+    "finished_and_late": {"a rank that finished without the call", "a tie broken by the rank that finished",
+                          "a late rank (no desync)"},
+    "shape_tie_first": {"groups called in another order on some ranks", "a shape mismatch",
+                        "two desyncs: the first by start time, not by listing", "a tie left unbroken: every member",
+                        "several groups of a label"},
+}
+"""What each scenario exercises: what differs, how the culprits are decided, what must not count as a desync."""
 
 
 def expected_desync(calls: dict[int, list[dict[str, Any]]], finished: set[int]) -> dict[str, Any] | None:
@@ -144,7 +192,8 @@ def _why(name: str, got: Any, want: dict[str, Any] | None) -> str:
     return ""
 
 
-def check_first_desync(fn: Callable, scenarios: Sequence[str] = ("agree", "extra_gather", "call_site")
+def check_first_desync(fn: Callable, scenarios: Sequence[str] = ("agree", "extra_gather", "call_site",
+                                                                 "finished_and_late", "shape_tie_first")
                        ) -> CheckResult:
     def body() -> str:
         for name in scenarios:
@@ -187,36 +236,43 @@ def _diagnosis_problem(got: Any, want: clinic.Diagnosis, world_size: int) -> str
     return ""
 
 
-def check_diagnose(fn: Callable, case: str = "no_broadcast", args: tuple = ()) -> CheckResult:
-    def body() -> str:
-        c = clinic.CASES[case](*args)
-        got = fn(c.suspect())
-        if not isinstance(got, tuple) or len(got) != 2 or not isinstance(got[1], dict):
-            raise CheckFailed(f"diagnose must return (clinic.Diagnosis, dict of parts), got {got!r:.100}")
-        diagnosis, fix = got
-        problem = _diagnosis_problem(diagnosis, c.answer, c.world_size)
-        if problem:
-            raise CheckFailed(f"{case} on {c.world_size} ranks: {problem}")
-        if not c.repair:
-            if fix:
-                raise CheckFailed(f"{case}: nothing is broken, so nothing to replace; you replaced {sorted(fix)}")
-            return f"{case}: no bug, correctly"
-        if not fix or len(fix) > len(c.repair) or set(fix) - set(c.parts):
-            raise CheckFailed(f"{case}: replace the broken part only (one of {sorted(c.parts)}), got "
-                              f"{sorted(fix) or 'nothing'}")
-        fixed = c.with_parts(**fix)
-        w = fixed.run()
-        if w.hang is not None or w.error:
-            raise CheckFailed(f"{case}: with your fix the run still fails: {w.error or 'it hangs'}")
-        alarm = w.checksum_alarm()
-        if alarm or any(r.nonfinite for r in w.reports):
-            raise CheckFailed(f"{case}: with your fix {alarm.describe() if alarm else 'a value is not finite'}")
-        report = compare(c.baseline(), c.result(w))
-        if not report.ok:
-            raise CheckFailed(f"{case}: with your fix (replacing {sorted(fix)}) the run is still not one "
-                              f"process's: {str(report).splitlines()[0]}")
-        return f"{case}: diagnosed, and fixed by replacing {sorted(fix)}"
-    return run_check("diagnose", body)
+DIAGNOSE_CASES = (("no_broadcast", (4, (2,))), ("hang", ()))
+"""The visible check's broken runs (clinic case, its arguments): one that finishes, one that hangs."""
+
+
+def check_diagnose(fn: Callable, cases: tuple[tuple[str, tuple], ...] = DIAGNOSE_CASES) -> CheckResult:
+    """``fn`` on each broken run of ``cases``: the diagnosis the injected bug's, the fix restoring parity."""
+    return run_check("diagnose", lambda: "; ".join(_diagnose_case(fn, case, args) for case, args in cases))
+
+
+def _diagnose_case(fn: Callable, case: str, args: tuple) -> str:
+    c = clinic.CASES[case](*args)
+    got = fn(c.suspect())
+    if not isinstance(got, tuple) or len(got) != 2 or not isinstance(got[1], dict):
+        raise CheckFailed(f"diagnose must return (clinic.Diagnosis, dict of parts), got {got!r:.100}")
+    diagnosis, fix = got
+    problem = _diagnosis_problem(diagnosis, c.answer, c.world_size)
+    if problem:
+        raise CheckFailed(f"{case} on {c.world_size} ranks: {problem}")
+    if not c.repair:
+        if fix:
+            raise CheckFailed(f"{case}: nothing is broken, so nothing to replace; you replaced {sorted(fix)}")
+        return f"{case}: no bug, correctly"
+    if not fix or len(fix) > len(c.repair) or set(fix) - set(c.parts):
+        raise CheckFailed(f"{case}: replace the broken part only (one of {sorted(c.parts)}), got "
+                          f"{sorted(fix) or 'nothing'}")
+    fixed = c.with_parts(**fix)
+    w = fixed.run()
+    if w.hang is not None or w.error:
+        raise CheckFailed(f"{case}: with your fix the run still fails: {w.error or 'it hangs'}")
+    alarm = w.checksum_alarm()
+    if alarm or any(r.nonfinite for r in w.reports):
+        raise CheckFailed(f"{case}: with your fix {alarm.describe() if alarm else 'a value is not finite'}")
+    report = compare(c.baseline(), c.result(w))
+    if not report.ok:
+        raise CheckFailed(f"{case}: with your fix (replacing {sorted(fix)}) the run is still not one "
+                          f"process's: {str(report).splitlines()[0]}")
+    return f"{case}: diagnosed, and fixed by replacing {sorted(fix)}"
 
 
 # ------------------------------------------------------------------------------ 3. find the bug
@@ -285,10 +341,9 @@ EXERCISES = [
              hidden=[{"scenarios": ("uneven", "late", "interleaved")}, {"scenarios": ("two_desyncs", "shape_tie")}]),
     Exercise("diagnose", "Triage hidden broken runs: the bug, its ranks, its step, where, and a fix", 5, "diagnose",
              check_diagnose,
-             visible={"case": "no_broadcast", "args": (4, (2,))},
-             hidden=[{"case": "accumulation", "args": ("none",)}, {"case": "bf16_noise"},
-                     {"case": "hang", "args": (1, 0)}, {"case": "non_finite", "args": (0, 1)},
-                     {"case": "dropout_rng"}],
+             hidden=[{"cases": (("accumulation", ("none",)),)}, {"cases": (("bf16_noise", ()),)},
+                     {"cases": (("hang", (1, 0)),)}, {"cases": (("non_finite", (0, 1)),)},
+                     {"cases": (("dropout_rng", ()),)}],
              allowed=(*(f"course_lib.debug.{m}" for m in DEBUG_TOOLS),
                       *(f"course_lib.debug.clinic.{name}" for name in CLINIC_PARTS),
                       "course_lib.runtime.mesh.MeshShape", "course_lib.parallel.dp.DataParallel",
@@ -299,4 +354,24 @@ EXERCISES = [
              allowed=("course_lib.comm", "course_lib.model", "course_lib.data", "course_lib.debug.clinic.CFG",
                       "course_lib.grading.ch11.CLIP")),
 ]
+
+RUN_OUTCOMES = {"hang": "a run that hangs: the recorder alone, no results",
+                **dict.fromkeys((k for k in clinic.CASES if k != "hang"),
+                                "a run that finishes: its instruments and the drift test")}
+"""The diagnosis's classes: how the broken run ends, which decides what the answer can read at all. A hung run has
+no results and stops every other instrument (they are collectives too), so only its recorder's desync names the
+culprit; a run that finishes is read by its checksums, NaN hooks, batch fingerprints and, when none fires, the
+drift test in its own precision (a bug, or the noise of bf16). Which of those fires is the triage itself, what the
+hidden runs grade: a self-check holding one run per instrument would list the hidden bug kinds, and each is a
+launched run of 5-20 s where the grader allows a check 60 s, so the visible check holds one run of each ending."""
+
+CASE_CLASSES = {
+    "first_desync": lambda calls: set().union(*(SCENARIO_CLASSES[s] for call in calls for s in call["scenarios"])),
+    "diagnose": lambda calls: {RUN_OUTCOMES[case] for case, _ in each(calls)},
+    # the world size is an argument of the loop (no hard-coded one to catch) and no ring is involved: what the bug
+    # needs is replicas whose local gradients, and so local norms, differ, and steps where clipping acts
+    "train_clipped": lambda calls: {"replicas with different local gradients" for c in calls if c["world_size"] > 1}
+    | {"several steps, clipping acting" for c in calls if c["steps"] > 1},
+}
+
 guard_visible_checks(globals(), EXERCISES)

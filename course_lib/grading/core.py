@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 import signal
 import traceback
@@ -190,11 +191,12 @@ def patch_process_group(names: Iterable[str],
                         wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
     """On a rank, for the duration: each ``torch.distributed.ProcessGroup`` method of ``names`` that this torch
     has is replaced by ``wrap(name, original)`` (a wrapper that counts and calls ``original``, or a ``refusal``);
-    the originals are put back on exit. Every ``dist.*`` call, ``course_lib.comm``'s included, ends in them."""
+    the originals are put back on exit (as the class held them: a method, so that a later call binds ``self``).
+    Every ``dist.*`` call, ``course_lib.comm``'s included, ends in them."""
     pg = dist.ProcessGroup
-    saved = {name: getattr(pg, name) for name in names if hasattr(pg, name)}
-    for name, method in saved.items():
-        setattr(pg, name, wrap(name, method))
+    saved = {name: inspect.getattr_static(pg, name) for name in names if hasattr(pg, name)}
+    for name in saved:
+        setattr(pg, name, wrap(name, getattr(pg, name)))
     try:
         yield
     finally:
