@@ -1,7 +1,6 @@
 """Self-checks test what the grader tests: every case class a hidden check exercises is exercised by the notebook's
-visible check, the notebook's self-check is the grader's visible check, and, for the exercises whose checks were
-extended, the solution scores full, the blank nothing, and every wrong answer fails the visible check and a hidden
-one, with a reason."""
+visible check, the notebook's self-check is the grader's visible check, and, for every exercise, the solution scores
+full, the blank nothing, and every wrong answer fails the visible check and a hidden one, with a reason."""
 
 from __future__ import annotations
 
@@ -21,17 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
 CHAPTERS = [p.name[:2] for p in SOLUTIONS]
 
-EXTENDED = {
-    "00": ("param_state_bytes", "zero_bytes_per_device", "kv_cache_bytes", "fewest_gpus", "model_states_per_gpu"),
-    "01": ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce_bytes", "pairwise_all_to_all",
-           "fixed_ring_all_reduce"),
-    "04": ("sp_region", "vocab_parallel_embedding", "gqa_attention", "vocab_parallel_cross_entropy"),
-    "06": ("zigzag_positions", "ring_step", "fixed_kernel", "ulysses_attention"),
-    "09": ("attend_over_cache", "reserve_blocks", "request_metrics", "tp_kv_heads", "paged_decode", "schedule_step",
-           "verify_sampled"),
-    "10": ("checkpoint", "simulated_goodput", "train_prefetching"),
-}
-"""The exercises whose checks got new cases: each has at least MIN_WRONG wrong answers, all rejected twice."""
+EXTENDED = {chapter: tuple(ex.key for ex in grader.chapter_module(chapter).EXERCISES) for chapter in CHAPTERS}
+"""Every exercise of every chapter: each has at least MIN_WRONG wrong answers, all rejected twice."""
 MIN_WRONG = 5
 
 
@@ -96,7 +86,7 @@ def test_the_notebooks_self_check_is_the_graders_visible_check(solution):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The extended exercises: solution, blank, wrong answers
+# Every exercise: solution, blank, wrong answers
 
 
 def _notebook_namespace(notebook: Path) -> dict:
