@@ -27,6 +27,28 @@ def merge_nan_for_masked_rows(out1, lse1, out2, lse2):
     return torch.exp(lse1 - lse)[..., None] * out1 + torch.exp(lse2 - lse)[..., None] * out2, lse
 
 
+def merge_lse_as_max(out1, lse1, out2, lse2):
+    """Weighs the parts right but returns max(lse1, lse2) (the running max of online softmax) as the new lse."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.exp(lse1 - safe)[..., None] * out1 + torch.exp(lse2 - safe)[..., None] * out2
+    return out, torch.maximum(lse1, lse2)
+
+
+def merge_weights_swapped(out1, lse1, out2, lse2):
+    """Gives each part the other part's weight: exp(lse2 - lse) on out1, exp(lse1 - lse) on out2."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(lse2 - safe)[..., None] * out1 + torch.exp(lse1 - safe)[..., None] * out2, lse
+
+
+def merge_masked_lse_zero(out1, lse1, out2, lse2):
+    """Guards -inf by replacing the new lse with 0, and returns that 0: two empty blocks must keep lse = -inf."""
+    lse = torch.logaddexp(lse1, lse2)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(lse1 - lse)[..., None] * out1 + torch.exp(lse2 - lse)[..., None] * out2, lse
+
+
 def contiguous_positions(seq_len, cp, rank):
     """The contiguous layout: one chunk r of cp."""
     c = seq_len // cp
@@ -319,7 +341,8 @@ RIGHT = {"ring_step": [ring_step_by_hand], "ulysses_attention": [ulysses_kv_in_o
 """Correct answers other than the solution's: each must score full marks."""
 
 WRONG = {
-    "merge_partials": [merge_without_max_shift, merge_equal_weights, merge_nan_for_masked_rows],
+    "merge_partials": [merge_without_max_shift, merge_equal_weights, merge_nan_for_masked_rows, merge_lse_as_max,
+                       merge_weights_swapped, merge_masked_lse_zero],
     "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check, divisible_by_cp_only,
                          second_chunk_counted_from_the_end],
     "ring_step": [ring_step_local_mask, ring_step_returns_own_block, ring_step_group_ranks_as_peers,
