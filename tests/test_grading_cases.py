@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import inspect
 import types
 from pathlib import Path
 
@@ -124,17 +125,37 @@ def test_each_extended_exercise_has_enough_wrong_answers():
     assert not few, few
 
 
+_NEW_VISIBLE = "only a new visible case catches it: {}"
+_NEW_HIDDEN = "only a new hidden case catches it: {}"
+AWAITING_A_CASE = {
+    ("11", "first_desync", "desync_in_global_order"): _NEW_VISIBLE.format("scenario 'interleaved'"),
+    ("11", "first_desync", "desync_late_is_missing"): _NEW_VISIBLE.format("scenario 'late'"),
+    ("11", "first_desync", "desync_last"): _NEW_VISIBLE.format("scenario 'two_desyncs'"),
+    ("11", "diagnose", "diagnose_noise_as_bug"): _NEW_VISIBLE.format("case 'bf16_noise'"),
+    **{("11", "diagnose", name): _NEW_HIDDEN.format("a 'no_broadcast' case (another world size, other ranks)")
+       for name in ("diagnose_step_off_by_one", "diagnose_wrong_class", "diagnose_replaces_everything",
+                    "diagnose_fixes_the_wrong_part")},
+}
+"""Wrong answers whose rejection waits for a case the exercise's ``visible`` / ``hidden`` settings lack (settings
+being edited elsewhere): strict, so that the case's arrival turns the entry red until it is removed here."""
+
+
 def _wrong_answers():
     for chapter, keys in EXTENDED.items():
         for key in keys:
             for wrong in _wrong(chapter, key):
-                yield pytest.param(chapter, key, wrong, id=f"{chapter}-{key}-{wrong.__name__}")
+                reason = AWAITING_A_CASE.get((chapter, key, wrong.__name__))
+                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                yield pytest.param(chapter, key, wrong, id=f"{chapter}-{key}-{wrong.__name__}", marks=marks)
 
 
 @pytest.mark.parametrize("chapter, key, wrong", list(_wrong_answers()))
 def test_a_wrong_answer_fails_the_visible_check_and_a_hidden_one(chapter, key, wrong):
+    """A check that takes no settings (a prediction) has no hidden ones: the grader's check is the notebook's."""
     ex = _exercise(chapter, key)
     visible = ex.check(wrong, **ex.visible)
     assert not visible.ok and visible.message, f"{wrong.__name__} passes the notebook's self-check"
+    if not ex.hidden and list(inspect.signature(ex.check).parameters) == ["fn"]:
+        return
     hidden = [ex.check(wrong, **kwargs) for kwargs in ex.hidden]
     assert any(not r.ok and r.message for r in hidden), f"{wrong.__name__} passes every hidden check"
