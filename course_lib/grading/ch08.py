@@ -174,7 +174,7 @@ def check_mesh_problems(fn: Callable, cases: tuple = _CASES) -> CheckResult:
                                   f"n_kv_head={cfg.kv_heads}, d_ff={cfg.ffn_dim}, vocab={cfg.vocab_size}, "
                                   f"n_layer={cfg.n_layer}, seq_len={cfg.seq_len}): expected {sorted(want)}, got "
                                   f"{sorted(got)}: {'; '.join(wrong)}")
-        return f"{len(cases)} meshes and their edges: the broken constraints named exactly"
+        return f"{len(cases)} meshes: the broken constraints named exactly"
     return run_check("mesh_problems", body)
 
 
