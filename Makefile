@@ -47,6 +47,8 @@ PYTEST_TO_THE_END = rm -f $(VENV)/.pytest-done-$(2) && COURSE_PYTEST_DONE=$(VENV
 # The parallel lane: pytest-xdist, a worker per core (2 on the course's machine), a test module per unit of work (its
 # cached launches stay on one worker; tests/conftest.py says which modules are spread test by test).
 XDIST ?= -n 2 --dist loadscope
+# Each lane ends with its slowest tests (where the next minute of CI time is to be found).
+DURATIONS ?= --durations=25
 # The test tools (pytest, nbval, ruff, playwright: ~60 MB) where the tests are: the teacher's copy, with solutions/.
 # A learner's handout (make handout) installs the course without them; `pip install -e ".[test]"` adds them.
 EXTRAS ?= $(if $(wildcard solutions),[test])
@@ -111,10 +113,10 @@ test-lib: $(STAMP)
 
 .PHONY: test-lib-parallel test-lib-serial
 test-lib-parallel: $(STAMP)
-	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests $(XDIST) -m "not browser and not serial",parallel)
+	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests $(XDIST) $(DURATIONS) -m "not browser and not serial",parallel)
 
 test-lib-serial: $(STAMP)
-	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests -p no:xdist -m "serial and not browser",serial)
+	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests -p no:xdist $(DURATIONS) -m "serial and not browser",serial)
 
 ## The widgets in JupyterLab, driven by Debian's chromium through Playwright (screenshots in artifacts/browser/).
 ## Without chromium they are skipped with how to enable them; under CI=... they fail instead.
@@ -127,7 +129,7 @@ test-browser: $(STAMP) browser-deps
 ## machine (course_lib/train.py).
 .PHONY: test-parity-generic
 test-parity-generic: $(STAMP)
-	$(call PYTEST_TO_THE_END,ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests $(XDIST) -m "generic_kernels and not browser",generic)
+	$(call PYTEST_TO_THE_END,ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests $(XDIST) $(DURATIONS) -m "generic_kernels and not browser",generic)
 
 ## Debian's chromium for the browser tests (never `playwright install`): apt-get when root, else how to get it.
 browser-deps:

@@ -32,7 +32,7 @@ class DevicelessBuckets(dp.DataParallel):
     """Bucket buffers allocated without a device: fine on a CPU, wrong on a GPU."""
 
     def build_buckets(self, params=None) -> list[dp.Bucket]:
-        return [dp.Bucket(b.index, b.params, b.key, torch.zeros(b.buffer.numel(), dtype=b.buffer.dtype))
+        return [dp.Bucket(b.params, b.key, torch.zeros(b.buffer.numel(), dtype=b.buffer.dtype))
                 for b in super().build_buckets(params)]
 
 

@@ -168,7 +168,7 @@ def _runs() -> list[dict]:
 
 def _n_buckets() -> int:
     params = [p for p in GPT(CFG).parameters()][::-1]
-    return len(dp.assign_buckets(params, int(BUCKET_MB * dp.MiB)))
+    return len(dp.assign_buckets(params, int(BUCKET_MB * 2**20)))
 
 
 @pytest.mark.usefixtures("no_leftover_ranks")

@@ -106,12 +106,26 @@ class Sandbox:
                 "--init", json.dumps(box), "--", *kernel_cmd]
 
 
+def _link_hops(path: str) -> list[str]:
+    """The folders of every link on the way from ``path`` to its file (a venv's python links to another
+    venv's, which links to the system's: each hop must be visible for the first to run)."""
+    hops = [os.path.dirname(path)]
+    for _ in range(40):
+        if not os.path.islink(path):
+            break
+        path = os.path.join(os.path.dirname(path), os.readlink(path))
+        hops.append(os.path.dirname(os.path.abspath(path)))
+    return hops
+
+
 def kept_paths() -> list[str]:
     """What every kernel needs to see, as this process reaches it: the course, the interpreter (its prefixes and
-    real location) and its packages (site-packages, ``PYTHONPATH``)."""
+    every link to its real location) and its packages (site-packages, the folders a ``.pth`` file added to
+    ``sys.path``, ``PYTHONPATH``)."""
     paths = [str(COURSE), sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
-             os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable)),
-             *site.getsitepackages(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+             *_link_hops(sys.executable), os.path.dirname(os.path.realpath(sys.executable)),
+             *site.getsitepackages(), *(p for p in sys.path if os.path.isdir(p)),
+             *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     return list(dict.fromkeys(os.path.abspath(p) for p in paths if p and os.path.exists(p)))
 
 
