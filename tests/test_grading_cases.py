@@ -16,6 +16,7 @@ import pytest
 
 from course_lib.grading import cases, grader
 from tests.conftest import define_in_cell
+from tests.grading_fixtures import REFUSED
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
@@ -155,7 +156,9 @@ def test_a_wrong_answer_fails_the_visible_check_and_a_hidden_one(chapter, key, w
     ex = _exercise(chapter, key)
     visible = ex.check(wrong, **ex.visible)
     assert not visible.ok and visible.message, f"{wrong.__name__} passes the notebook's self-check"
+    assert REFUSED not in visible.message, f"{wrong.__name__} is refused by the allow-list: {visible.message}"
     if not ex.hidden and list(inspect.signature(ex.check).parameters) == ["fn"]:
         return
-    hidden = [ex.check(wrong, **kwargs) for kwargs in ex.hidden]
-    assert any(not r.ok and r.message for r in hidden), f"{wrong.__name__} passes every hidden check"
+    failed = [r.message for r in (ex.check(wrong, **kwargs) for kwargs in ex.hidden) if not r.ok and r.message]
+    assert failed, f"{wrong.__name__} passes every hidden check"
+    assert any(REFUSED not in m for m in failed), f"{wrong.__name__} is refused by the allow-list: {failed[0]}"

@@ -6,7 +6,7 @@ import math
 import torch.distributed as dist
 
 from course_lib.model_config import param_count
-from course_lib.parallel.schedules import Action, Kind, add_grad_reduce
+from course_lib.parallel.schedules import Action, Kind
 
 
 def coords_slowest_first(rank, degrees, order):
@@ -337,15 +337,24 @@ def reduce_as_tuples(schedule):
     return out
 
 
+def _reduce_after_last_weight_pass(schedule):
+    """The right places: after each stage's last B, or its last W where the stage's backward is split."""
+    def place(actions):
+        split = {a.stage for a in actions if a.kind is Kind.W}
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind is (Kind.W if a.stage in split else Kind.B)}
+        return {i: s for s, i in last.items()}
+    return _insert_after(schedule, place)
+
+
 def reduce_kind_as_a_string(schedule):
     """Action("REDUCE_GRAD", j, s): equal to the Kind as a string, but the executor tests ``kind is Kind.X``."""
     return [[Action("REDUCE_GRAD", a.microbatch, a.stage) if a.kind is Kind.REDUCE_GRAD else a for a in actions]
-            for actions in add_grad_reduce(schedule)]
+            for actions in _reduce_after_last_weight_pass(schedule)]
 
 
 def reduce_in_place(schedule):
     """The right places, but written into the input lists: the caller's schedule changes under it."""
-    for actions, new in zip(schedule, add_grad_reduce(schedule), strict=True):
+    for actions, new in zip(schedule, _reduce_after_last_weight_pass(schedule), strict=True):
         actions[:] = new
     return schedule
 
