@@ -23,8 +23,9 @@ import psutil
 import pytest
 import torch
 
-from course_lib.grading import cli, core, grader, notebooks
+from course_lib.grading import allowlist, cli, core, grader, notebooks
 from tests.conftest import _rank_processes
+from tests.grading_fixtures import REFUSED
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
@@ -76,7 +77,24 @@ def _wrong_answers():
 def test_realistic_wrong_answers_are_rejected(chapter, exercise, wrong):
     result = grader.grade_exercise(exercise, {exercise.function: wrong})
     assert not result.ok, f"{wrong.__name__} ({wrong.__doc__}) was accepted"
-    assert result.message
+    assert result.message and REFUSED not in result.message, \
+        f"{wrong.__name__} is refused by the allow-list, not rejected for being wrong: {result.message}"
+
+
+def test_no_fixture_uses_a_library_object_its_exercise_does_not_allow():
+    """Read without running (a few seconds for every chapter): a wrong answer refused for what it uses would prove
+    nothing about the checks, a right one would not score. What the runtime guard alone sees shows in the graded
+    tests (test_realistic_wrong_answers_are_rejected and the right answers' full marks)."""
+    assert REFUSED in allowlist.refusal_message("`f`", ["uses course_lib.comm"], allowlist.Allowed(()))
+    refused = {}
+    for ch in CHAPTERS:
+        fixtures = importlib.import_module(f"tests.grading_fixtures.ch{ch}")
+        for ex in grader.chapter_module(ch).EXERCISES:
+            for fixture in [*fixtures.WRONG.get(ex.key, []), *getattr(fixtures, "RIGHT", {}).get(ex.key, [])]:
+                why = ex.refusal(fixture)
+                if why is not None:
+                    refused[f"{ch} {ex.key} {fixture.__name__}"] = why.message
+    assert not refused, refused
 
 
 def test_checkers_do_not_accept_a_tensor_or_a_list_for_a_number():

@@ -1,13 +1,13 @@
 """Self-checks test what the grader tests: every case class a hidden check exercises is exercised by the notebook's
-visible check, the notebook's self-check is the grader's visible check, and, for the exercises whose checks were
-extended, the solution scores full, the blank nothing, and every wrong answer fails the visible check and a hidden
-one, with a reason."""
+visible check, the notebook's self-check is the grader's visible check, and, for every exercise, the solution scores
+full, the blank nothing, and every wrong answer fails the visible check and a hidden one, with a reason."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import importlib
+import inspect
 import types
 from pathlib import Path
 
@@ -16,22 +16,14 @@ import pytest
 
 from course_lib.grading import cases, grader
 from tests.conftest import define_in_cell
+from tests.grading_fixtures import REFUSED
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
 CHAPTERS = [p.name[:2] for p in SOLUTIONS]
 
-EXTENDED = {
-    "00": ("param_state_bytes", "zero_bytes_per_device", "kv_cache_bytes", "fewest_gpus", "model_states_per_gpu"),
-    "01": ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce_bytes", "pairwise_all_to_all",
-           "fixed_ring_all_reduce"),
-    "04": ("sp_region", "vocab_parallel_embedding", "gqa_attention", "vocab_parallel_cross_entropy"),
-    "06": ("zigzag_positions", "ring_step", "fixed_kernel", "ulysses_attention"),
-    "09": ("attend_over_cache", "reserve_blocks", "request_metrics", "tp_kv_heads", "paged_decode", "schedule_step",
-           "verify_sampled"),
-    "10": ("checkpoint", "simulated_goodput", "train_prefetching"),
-}
-"""The exercises whose checks got new cases: each has at least MIN_WRONG wrong answers, all rejected twice."""
+EXTENDED = {chapter: tuple(ex.key for ex in grader.chapter_module(chapter).EXERCISES) for chapter in CHAPTERS}
+"""Every exercise of every chapter: each has at least MIN_WRONG wrong answers, all rejected twice."""
 MIN_WRONG = 5
 
 
@@ -96,7 +88,7 @@ def test_the_notebooks_self_check_is_the_graders_visible_check(solution):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The extended exercises: solution, blank, wrong answers
+# Every exercise: solution, blank, wrong answers
 
 
 def _notebook_namespace(notebook: Path) -> dict:
@@ -134,17 +126,42 @@ def test_each_extended_exercise_has_enough_wrong_answers():
     assert not few, few
 
 
+_NEW_VISIBLE = "only a new visible case catches it: {}"
+_NEW_HIDDEN = "only a new hidden case catches it: {}"
+AWAITING_A_CASE = {
+    ("11", "first_desync", "desync_in_global_order"): _NEW_VISIBLE.format("scenario 'interleaved'"),
+    ("11", "first_desync", "desync_late_is_missing"): _NEW_VISIBLE.format("scenario 'late'"),
+    ("11", "first_desync", "desync_last"): _NEW_VISIBLE.format("scenario 'two_desyncs'"),
+    ("11", "diagnose", "diagnose_noise_as_bug"): _NEW_VISIBLE.format("case 'bf16_noise'"),
+    ("08", "predict_mesh", "predict_bubble_fraction_as_ratio"): _NEW_HIDDEN.format(
+        "a mesh whose bubble is large (pp = 2 with m = 1, or a deeper pipeline): at pp = 2 with m = 4 and 8, the "
+        "hidden meshes', the wrong bubble 1 + 1/(m+1) is within 4% of 1 + 1/m, inside the 10% tolerance"),
+    **{("11", "diagnose", name): _NEW_HIDDEN.format("a 'no_broadcast' case (another world size, other ranks)")
+       for name in ("diagnose_step_off_by_one", "diagnose_wrong_class", "diagnose_replaces_everything",
+                    "diagnose_fixes_the_wrong_part")},
+}
+"""Wrong answers whose rejection waits for a case the exercise's ``visible`` / ``hidden`` settings lack (settings
+being edited elsewhere): strict, so that the case's arrival turns the entry red until it is removed here."""
+
+
 def _wrong_answers():
     for chapter, keys in EXTENDED.items():
         for key in keys:
             for wrong in _wrong(chapter, key):
-                yield pytest.param(chapter, key, wrong, id=f"{chapter}-{key}-{wrong.__name__}")
+                reason = AWAITING_A_CASE.get((chapter, key, wrong.__name__))
+                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                yield pytest.param(chapter, key, wrong, id=f"{chapter}-{key}-{wrong.__name__}", marks=marks)
 
 
 @pytest.mark.parametrize("chapter, key, wrong", list(_wrong_answers()))
 def test_a_wrong_answer_fails_the_visible_check_and_a_hidden_one(chapter, key, wrong):
+    """A check that takes no settings (a prediction) has no hidden ones: the grader's check is the notebook's."""
     ex = _exercise(chapter, key)
     visible = ex.check(wrong, **ex.visible)
     assert not visible.ok and visible.message, f"{wrong.__name__} passes the notebook's self-check"
-    hidden = [ex.check(wrong, **kwargs) for kwargs in ex.hidden]
-    assert any(not r.ok and r.message for r in hidden), f"{wrong.__name__} passes every hidden check"
+    assert REFUSED not in visible.message, f"{wrong.__name__} is refused by the allow-list: {visible.message}"
+    if not ex.hidden and list(inspect.signature(ex.check).parameters) == ["fn"]:
+        return
+    failed = [r.message for r in (ex.check(wrong, **kwargs) for kwargs in ex.hidden) if not r.ok and r.message]
+    assert failed, f"{wrong.__name__} passes every hidden check"
+    assert any(REFUSED not in m for m in failed), f"{wrong.__name__} is refused by the allow-list: {failed[0]}"

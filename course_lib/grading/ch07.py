@@ -415,12 +415,13 @@ def check_kept_counts(fn: Callable, cases: tuple[tuple[int, int, int | None], ..
 def _bias_inputs(rank: int, rows: tuple[int, ...], n_expert: int, top_k: int, seed: int,
                  case: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's choices [rows[rank], k]: rank r prefers expert r mod E, so a rank's own loads disagree with the
-    batch's (an expert busy on one rank is idle on another); the starting bias, the same on every rank."""
+    batch's (an expert busy on one rank is idle on another); a token's k experts listed by decreasing id (a load
+    counts every choice, whatever its column); the starting bias, the same on every rank."""
     g = torch.Generator().manual_seed(100 * seed + 1000 * case + rank)
     pref = torch.full((n_expert,), 1.0)
     pref[rank % n_expert] = 4.0 * n_expert
-    chosen = torch.stack([torch.multinomial(pref, top_k, generator=g) for _ in range(rows[rank])]) if rows[rank] \
-        else torch.zeros(0, top_k, dtype=torch.long)
+    chosen = torch.stack([torch.multinomial(pref, top_k, generator=g).sort(descending=True).values
+                          for _ in range(rows[rank])]) if rows[rank] else torch.zeros(0, top_k, dtype=torch.long)
     bias = torch.randn(n_expert, generator=torch.Generator().manual_seed(seed)) * 1e-2
     return bias, chosen
 

@@ -4,7 +4,7 @@
    and orders.
 2. ``group_of(rank, axes, degrees, order)``: the sorted ranks of a group over some axes; every rank and axis set.
 3. ``mesh_problems(cfg, degrees, global_batch, micro_batch)``: the names of the constraints a mesh breaks; on
-   meshes that break none, one and several.
+   meshes that break none, one and several, each also at the edge of the sequence and batch rules.
 4. ``predict_mesh(...)``: a mesh's model-state bytes per GPU and step time (``ch08_predict``).
 5. ``average_dp_gradients(params, mesh)`` (find the bug): on 4 real ranks (dp=2 x tp=2, both axis orders), every
    rank's parameters after one SGD step against one process's.
@@ -145,9 +145,23 @@ _CASES = (
 )
 
 
+def _with_boundaries(cases: tuple) -> list[tuple]:
+    """Each case, then beside it the same mesh at the edge of the two rules that count in units: a sequence that cp
+    divides but 2 cp does not (cp > 1), and a global batch that dp divides but dp x micro-batch does not (mb > 1)."""
+    out = []
+    for cfg, degrees, gb, mb in cases:
+        cp, dp = degrees.get("cp", 1), degrees.get("dp", 1)
+        edges = [(cfg.with_(seq_len=cp * (2 * (cfg.seq_len // (2 * cp)) + 1)), degrees, gb, mb)] if cp > 1 else []
+        edges += [(cfg, degrees, dp * (mb * (gb // (dp * mb)) + 1), mb)] if mb > 1 else []
+        for case in [(cfg, degrees, gb, mb), *edges]:
+            if case not in out:
+                out.append(case)
+    return out
+
+
 def check_mesh_problems(fn: Callable, cases: tuple = _CASES) -> CheckResult:
     def body() -> str:
-        for cfg, degrees, gb, mb in cases:
+        for cfg, degrees, gb, mb in _with_boundaries(cases):
             want = reference_problems(cfg, degrees, gb, mb)
             got = fn(cfg, dict(degrees), gb, mb)
             if not isinstance(got, set) or not all(isinstance(v, str) for v in got):

@@ -23,6 +23,8 @@ def _seq(x, gather):
 
 
 class _Enter(torch.autograd.Function):
+    """All-gather along dim 1 forward; backward reduce-scatters (``reduce_back``) or keeps this rank's slice."""
+
     @staticmethod
     def forward(ctx, x, reduce_back):
         ctx.reduce_back = reduce_back
@@ -220,7 +222,7 @@ def emb_mask_off_by_one(ids, weight):
 
 def emb_sums_the_gradient_too(ids, weight):
     """g, then f: an all-reduce backward as well, so the shard's gradient is t times one process's."""
-    return tp_comm.copy_to_tensor_parallel_region(tp_comm.reduce_from_tensor_parallel_region(_emb_rows(ids, weight)))
+    return _SumOver.apply(tp_comm.reduce_from_tensor_parallel_region(_emb_rows(ids, weight)), None)
 
 
 def emb_hard_coded_vocabulary(ids, weight):
@@ -268,6 +270,8 @@ def emb_as_one_function(ids, weight):
 
 
 class _SumOver(torch.autograd.Function):
+    """Megatron's f over ``group`` (None: every rank): identity forward, the gradient summed backward."""
+
     @staticmethod
     def forward(ctx, w, group):
         ctx.group = group
@@ -373,7 +377,7 @@ def gqa_coalesced_kv_reduce(x, wq, wk, wv, wo, n_head, n_kv_head):
 
 def ce_gathers_the_logits(logits, targets):
     """Right loss, but all-gathers the b*s*V logits."""
-    return F.cross_entropy(tp_comm.gather_from_tensor_parallel_region(logits), targets)
+    return F.cross_entropy(_Enter.apply(logits, False), targets)  # dim 1 of [N, V/t]: gathered, sliced backward
 
 
 def ce_without_the_global_max(logits, targets):

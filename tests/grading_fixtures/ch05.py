@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.model import lm_loss
-from course_lib.parallel.schedules import Action, Kind, gpipe, one_f_one_b
+from course_lib.parallel.schedules import Action, Kind
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -38,6 +38,21 @@ def _one_f_one_b(p, m, rank, warmup, backward_first=False):
     return order + [f"B{i}" for i in range(nb, m)]
 
 
+def _schedule(p, order):
+    """Every rank's ``order(rank)`` ("F3", "B3") as schedule data."""
+    return [[Action(Kind(a[0]), int(a[1:]), r) for a in order(r)] for r in range(p)]
+
+
+def _gpipe_schedule(p, m):
+    """GPipe's schedule, written out: every rank runs all m forwards, then all m backwards."""
+    return _schedule(p, lambda r: all_forwards_then_backwards(p, m, r))
+
+
+def _one_f_one_b_schedule(p, m):
+    """1F1B's schedule, written out: min(p - r - 1, m) warm-up forwards on rank r, then F and B alternate."""
+    return _schedule(p, lambda r: _one_f_one_b(p, m, r, min(p - r - 1, m)))
+
+
 def warmup_not_capped_by_m(p, m, rank):
     """Warm-up of p - r - 1 forwards even when there are fewer micro-batches (forwards of micro-batches that do
     not exist)."""
@@ -56,7 +71,7 @@ def steady_state_backward_first(p, m, rank):
 
 def one_f_one_b_unsplit(p, m):
     """Plain 1F1B: backwards left whole (B), no I and W."""
-    return one_f_one_b(p, m)
+    return _one_f_one_b_schedule(p, m)
 
 
 def gpipe_with_split_backwards(p, m):
@@ -68,13 +83,13 @@ def gpipe_with_split_backwards(p, m):
 def split_backward_without_delay(p, m):
     """1F1B with each B split into I then W at once: valid, but 1F1B's bubble (the drain is not filled)."""
     return [[b for a in rank for b in ((Action(Kind.I, a.microbatch, a.stage), Action(Kind.W, a.microbatch, a.stage))
-                                      if a.kind is Kind.B else (a,))] for rank in one_f_one_b(p, m)]
+                                      if a.kind is Kind.B else (a,))] for rank in _one_f_one_b_schedule(p, m)]
 
 
 def all_weight_gradients_at_the_end(p, m):
     """Every W deferred to the end: a smaller bubble, but each rank holds all m micro-batches (GPipe's memory)."""
     out = []
-    for r, rank in enumerate(one_f_one_b(p, m)):
+    for r, rank in enumerate(_one_f_one_b_schedule(p, m)):
         out.append([Action(Kind.I, a.microbatch, r) if a.kind is Kind.B else a for a in rank]
                    + [Action(Kind.W, j, r) for j in range(m)])
     return out
@@ -83,7 +98,7 @@ def all_weight_gradients_at_the_end(p, m):
 def weight_before_input(p, m):
     """W of a micro-batch before its I: the dependency is broken."""
     return [[b for a in rank for b in ((Action(Kind.W, a.microbatch, a.stage), Action(Kind.I, a.microbatch, a.stage))
-                                      if a.kind is Kind.B else (a,))] for rank in one_f_one_b(p, m)]
+                                      if a.kind is Kind.B else (a,))] for rank in _one_f_one_b_schedule(p, m)]
 
 
 def _h_shape(stage, x, m):
@@ -120,7 +135,7 @@ def _two_stage_step(stage, x, y, m, schedule, loss_scale):
     return losses
 
 
-def _deep_step(stage, x, y, m, schedule=one_f_one_b, scale=True, echo=False, blocking=False, by_rows=False):
+def _deep_step(stage, x, y, m, schedule=_one_f_one_b_schedule, scale=True, echo=False, blocking=False, by_rows=False):
     """A p-stage step running ``schedule(p, m)``'s compute actions."""
     rank, p = dist.get_rank(), dist.get_world_size()
     xs, ys, shape = x.chunk(m), y.chunk(m), _h_shape(stage, x, m)
@@ -165,7 +180,7 @@ def _deep_step(stage, x, y, m, schedule=one_f_one_b, scale=True, echo=False, blo
 
 def deep_step_gpipe_order(stage, x, y, m):
     """All forwards, then all backwards: right gradients, but GPipe's order (m activations held), not 1F1B's."""
-    return _deep_step(stage, x, y, m, schedule=gpipe)
+    return _deep_step(stage, x, y, m, schedule=_gpipe_schedule)
 
 
 def deep_step_without_loss_scale(stage, x, y, m):
@@ -200,27 +215,27 @@ def deep_step_scaled_by_rows(stage, x, y, m):
 
 def gpipe_divided_by_rows(stage, x, y, m):
     """The colleague's bug, left in: each micro-batch loss divided by its rows b instead of m."""
-    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / (x.shape[0] // m))
+    return _two_stage_step(stage, x, y, m, _gpipe_schedule, lambda loss: loss / (x.shape[0] // m))
 
 
 def gpipe_without_loss_scale(stage, x, y, m):
     """GPipe's order, no loss scale at all: gradients m x too large."""
-    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss)
+    return _two_stage_step(stage, x, y, m, _gpipe_schedule, lambda loss: loss)
 
 
 def gpipe_fixed_but_in_1f1b_order(stage, x, y, m):
     """Right gradients, but the step of exercise 3 (1F1B) instead of the colleague's GPipe schedule."""
-    return _two_stage_step(stage, x, y, m, one_f_one_b, lambda loss: loss / m)
+    return _two_stage_step(stage, x, y, m, _one_f_one_b_schedule, lambda loss: loss / m)
 
 
 def gpipe_scaled_by_batch(stage, x, y, m):
     """Each micro-batch loss divided by the batch's rows: gradients b x too small."""
-    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / x.shape[0])
+    return _two_stage_step(stage, x, y, m, _gpipe_schedule, lambda loss: loss / x.shape[0])
 
 
 def gpipe_scaled_by_stages(stage, x, y, m):
     """Each micro-batch loss divided by the number of stages (2) instead of m."""
-    return _two_stage_step(stage, x, y, m, gpipe, lambda loss: loss / 2)
+    return _two_stage_step(stage, x, y, m, _gpipe_schedule, lambda loss: loss / 2)
 
 
 def hides_as_a_list():

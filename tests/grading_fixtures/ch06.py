@@ -27,6 +27,28 @@ def merge_nan_for_masked_rows(out1, lse1, out2, lse2):
     return torch.exp(lse1 - lse)[..., None] * out1 + torch.exp(lse2 - lse)[..., None] * out2, lse
 
 
+def merge_lse_as_max(out1, lse1, out2, lse2):
+    """Weighs the parts right but returns max(lse1, lse2) (the running max of online softmax) as the new lse."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.exp(lse1 - safe)[..., None] * out1 + torch.exp(lse2 - safe)[..., None] * out2
+    return out, torch.maximum(lse1, lse2)
+
+
+def merge_weights_swapped(out1, lse1, out2, lse2):
+    """Gives each part the other part's weight: exp(lse2 - lse) on out1, exp(lse1 - lse) on out2."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(lse2 - safe)[..., None] * out1 + torch.exp(lse1 - safe)[..., None] * out2, lse
+
+
+def merge_masked_lse_zero(out1, lse1, out2, lse2):
+    """Guards -inf by replacing the new lse with 0, and returns that 0: two empty blocks must keep lse = -inf."""
+    lse = torch.logaddexp(lse1, lse2)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(lse1 - lse)[..., None] * out1 + torch.exp(lse2 - lse)[..., None] * out2, lse
+
+
 def contiguous_positions(seq_len, cp, rank):
     """The contiguous layout: one chunk r of cp."""
     c = seq_len // cp
@@ -86,6 +108,21 @@ def _scores(q, k, scale, mask):
     return s.masked_fill(~mask, float("-inf")) if mask is not None else s
 
 
+def _final_probabilities(q, k, scale, mask, lse):
+    """The block's P from the whole row's lse (a row that saw no key has lse -inf: taken as 0, its P is 0)."""
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+
+
+class _FinalLseBackward(ca.BlockAttention):
+    """The block backward written out with the final lse (the fix): its subclasses' mistakes lie elsewhere."""
+
+    def backward(self, q, k, v, scale, mask, d_out, lse, delta):
+        p = _final_probabilities(q, k, scale, mask, lse)
+        ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
 class KeepsTheBlockSoftmax(ca.BlockAttention):
     """The colleague's kernel as given: P from this block's own softmax (right only when one block is all)."""
 
@@ -99,8 +136,7 @@ class ForgetsDelta(ca.BlockAttention):
     """dS = P * dP, without subtracting rowsum(dO * O): the softmax's Jacobian is half written."""
 
     def backward(self, q, k, v, scale, mask, d_out, lse, delta):
-        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        p = _final_probabilities(q, k, scale, mask, lse)
         ds = p * (d_out @ v.transpose(-1, -2))
         return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
 
@@ -109,8 +145,7 @@ class ForgetsTheScale(ca.BlockAttention):
     """Drops the 1/sqrt(d) of the scores from dQ and dK (the chain rule through s = scale q k^T)."""
 
     def backward(self, q, k, v, scale, mask, d_out, lse, delta):
-        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        p = _final_probabilities(q, k, scale, mask, lse)
         ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
         return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
 
@@ -130,22 +165,23 @@ class SumsTheUpstreamOverQueries(ca.BlockAttention):
     the same (a loss that is a plain sum), wrong for a real loss."""
 
     def backward(self, q, k, v, scale, mask, d_out, lse, delta):
-        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        p = torch.exp(_scores(q, k, scale, mask) - safe[..., None])
+        p = _final_probabilities(q, k, scale, mask, lse)
         ds = p * (d_out @ v.transpose(-1, -2) - delta[..., None])
         dv = p.sum(-2)[..., None] * d_out.mean(-2, keepdim=True)
         return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, dv
 
 
-class StillStale(ca.BlockAttention):
-    """Uses the received block only from step 2 on."""
+class StillStale(_FinalLseBackward):
+    """The right block backward, but it recomputes with the ring's received K,V block only from step 2 on: step 1
+    uses this rank's own block under the received block's mask."""
 
     def kv_for_backward_step(self, step, received, own):
         return received if step >= 2 else own
 
 
-class ForwardMaskOnly(ca.BlockAttention):
-    """Fixes nothing: the original bug kept."""
+class ForwardMaskOnly(_FinalLseBackward):
+    """The right block backward, but every step recomputes with this rank's own K,V block: only the mask follows
+    the ring, so from step 1 on the keys under it are the wrong ones."""
 
     def kv_for_backward_step(self, step, received, own):
         return own
@@ -319,7 +355,8 @@ RIGHT = {"ring_step": [ring_step_by_hand], "ulysses_attention": [ulysses_kv_in_o
 """Correct answers other than the solution's: each must score full marks."""
 
 WRONG = {
-    "merge_partials": [merge_without_max_shift, merge_equal_weights, merge_nan_for_masked_rows],
+    "merge_partials": [merge_without_max_shift, merge_equal_weights, merge_nan_for_masked_rows, merge_lse_as_max,
+                       merge_weights_swapped, merge_masked_lse_zero],
     "zigzag_positions": [contiguous_positions, mirror_off_by_one, no_length_check, divisible_by_cp_only,
                          second_chunk_counted_from_the_end],
     "ring_step": [ring_step_local_mask, ring_step_returns_own_block, ring_step_group_ranks_as_peers,

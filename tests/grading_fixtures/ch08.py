@@ -1,11 +1,12 @@
 """Wrong answers for chapter 08 (composing the axes)."""
 
+import itertools
 import math
 
 import torch.distributed as dist
 
 from course_lib.model_config import param_count
-from course_lib.parallel.schedules import Action, Kind, add_grad_reduce
+from course_lib.parallel.schedules import Action, Kind
 
 
 def coords_slowest_first(rank, degrees, order):
@@ -41,6 +42,58 @@ def _coords(rank, degrees, order):
         if axis != "ep":
             rank, coords[axis] = divmod(rank, degrees.get(axis, 1))
     return coords
+
+
+def coords_degrees_listed_only(rank, degrees, order):
+    """Gives coordinates only for the axes named in ``degrees``: an axis left out (degree 1) is missing."""
+    coords = {}
+    for axis in order.split("-"):
+        if axis != "ep" and axis in degrees:
+            rank, coords[axis] = divmod(rank, degrees[axis])
+    return coords
+
+
+def coords_rank_not_shifted(rank, degrees, order):
+    """Takes rank % degree for every axis without dividing the rank by the faster axes' sizes."""
+    return {axis: rank % degrees.get(axis, 1) for axis in order.split("-") if axis != "ep"}
+
+
+def _rank_of(coords, degrees, order):
+    rank, stride = 0, 1
+    for axis in order.split("-"):
+        if axis != "ep":
+            rank, stride = rank + coords[axis] * stride, stride * degrees.get(axis, 1)
+    return rank
+
+
+def group_in_axes_order(rank, axes, degrees, order):
+    """Lists the group by counting over ``axes`` with the first named axis fastest: the right ranks, unsorted."""
+    mine = _coords(rank, degrees, order)
+    out = []
+    for values in itertools.product(*(range(degrees.get(a, 1)) for a in reversed(axes))):
+        out.append(_rank_of(mine | dict(zip(reversed(axes), values, strict=True)), degrees, order))
+    return out
+
+
+def group_without_self(rank, axes, degrees, order):
+    """Returns the rank's peers: the group without the rank itself."""
+    world = math.prod(degrees.get(a, 1) for a in ("tp", "cp", "dp", "pp"))
+    mine = _coords(rank, degrees, order)
+    fixed = [a for a in mine if a not in axes]
+    return [r for r in range(world) if r != rank and all(_coords(r, degrees, order)[a] == mine[a] for a in fixed)]
+
+
+def group_counts_ep(rank, axes, degrees, order):
+    """Reads ep as a digit of the rank and counts it in the world size: ranks beyond the dense mesh appear."""
+    world = math.prod(degrees.get(a, 1) for a in ("tp", "cp", "dp", "pp", "ep"))
+
+    def coords(r):
+        out = {}
+        for axis in order.split("-"):
+            r, out[axis] = divmod(r, degrees.get(axis, 1))
+        return out
+    mine = coords(rank)
+    return [r for r in range(world) if all(coords(r)[a] == mine[a] for a in mine if a not in axes)]
 
 
 def group_fixes_the_wrong_axes(rank, axes, degrees, order):
@@ -99,6 +152,23 @@ def problems_batch_over_dp_cp(cfg, degrees, global_batch, micro_batch):
     return {k for k, v in rules.items() if v}
 
 
+def problems_kv_one_sided(cfg, degrees, global_batch, micro_batch):
+    """Requires tp to be a multiple of the K/V heads (forgets the split case, n_kv a multiple of tp)."""
+    tp, cp, _dp, _pp, rules = _rules(cfg, degrees, global_batch, micro_batch)
+    rules["kv_heads"] = tp % cfg.kv_heads != 0
+    rules["sequence"] = cp > 1 and cfg.seq_len % (2 * cp) != 0
+    return {k for k, v in rules.items() if v}
+
+
+def problems_layers_backwards(cfg, degrees, global_batch, micro_batch):
+    """Reads the layer rule backwards: n_layer must divide pp, instead of pp dividing n_layer."""
+    tp, cp, _dp, pp, rules = _rules(cfg, degrees, global_batch, micro_batch)
+    rules["kv_heads"] = cfg.kv_heads % tp != 0 and tp % cfg.kv_heads != 0
+    rules["sequence"] = cp > 1 and cfg.seq_len % (2 * cp) != 0
+    rules["layers"] = pp % cfg.n_layer != 0
+    return {k for k, v in rules.items() if v}
+
+
 _HARD_CODED = {}
 
 
@@ -130,6 +200,22 @@ def sum_without_dividing(params, mesh):
     """Sums the replicas' gradients without dividing by dp: gradients 2x too large."""
     for p in params:
         dist.all_reduce(p.grad, group=mesh.group("dp"))
+
+
+def average_dividing_by_world(params, mesh):
+    """Sums over the right (dp) group but divides by the world size, 4, instead of dp = 2."""
+    for p in params:
+        dist.all_reduce(p.grad, group=mesh.group("dp"))
+        p.grad /= dist.get_world_size()
+
+
+def average_reduced_to_one_rank(params, mesh):
+    """dist.reduce to the group's first rank instead of all_reduce: only that rank holds the average."""
+    group = mesh.group("dp")
+    first = dist.get_process_group_ranks(group)[0]
+    for p in params:
+        dist.reduce(p.grad, dst=first, group=group)
+        p.grad /= mesh.size("dp")
 
 
 def _predict(cfg, degrees, gpu, global_batch, seq_len, micro_batch, zero_stage, efficiency, *, split_over=None,
@@ -251,15 +337,24 @@ def reduce_as_tuples(schedule):
     return out
 
 
+def _reduce_after_last_weight_pass(schedule):
+    """The right places: after each stage's last B, or its last W where the stage's backward is split."""
+    def place(actions):
+        split = {a.stage for a in actions if a.kind is Kind.W}
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind is (Kind.W if a.stage in split else Kind.B)}
+        return {i: s for s, i in last.items()}
+    return _insert_after(schedule, place)
+
+
 def reduce_kind_as_a_string(schedule):
     """Action("REDUCE_GRAD", j, s): equal to the Kind as a string, but the executor tests ``kind is Kind.X``."""
     return [[Action("REDUCE_GRAD", a.microbatch, a.stage) if a.kind is Kind.REDUCE_GRAD else a for a in actions]
-            for actions in add_grad_reduce(schedule)]
+            for actions in _reduce_after_last_weight_pass(schedule)]
 
 
 def reduce_in_place(schedule):
     """The right places, but written into the input lists: the caller's schedule changes under it."""
-    for actions, new in zip(schedule, add_grad_reduce(schedule), strict=True):
+    for actions, new in zip(schedule, _reduce_after_last_weight_pass(schedule), strict=True):
         actions[:] = new
     return schedule
 
@@ -317,15 +412,17 @@ def place_zero3_gradient_all_reduced(name, shape, n_layer, parallel):
     return _place(name, shape, n_layer, parallel, zero3_grad="all_reduce_mean")
 
 WRONG = {
-    "coords_of": [coords_slowest_first, coords_default_order, coords_counts_ep],
-    "group_of": [group_fixes_the_wrong_axes, group_by_stride],
+    "coords_of": [coords_slowest_first, coords_default_order, coords_counts_ep, coords_degrees_listed_only,
+                  coords_rank_not_shifted],
+    "group_of": [group_fixes_the_wrong_axes, group_by_stride, group_in_axes_order, group_without_self,
+                 group_counts_ep],
     "mesh_problems": [problems_kv_never_replicated, problems_sequence_by_cp, problems_batch_without_micro_batch,
-                      problems_batch_over_dp_cp],
+                      problems_batch_over_dp_cp, problems_kv_one_sided, problems_layers_backwards],
     "predict_mesh": [predict_ignores_pp_in_memory, predict_without_bubble, predict_bubble_fraction_as_ratio,
                      predict_microbatches_ignore_dp, predict_zero_over_dp_only, predict_zero3_like_zero2,
                      predict_ignores_zero_stage, predict_fp32_gradients],
     "average_dp_gradients": [average_over_tp, average_over_world, sum_without_dividing,
-                             average_over_hard_coded_groups],
+                             average_over_hard_coded_groups, average_dividing_by_world, average_reduced_to_one_rank],
     "add_grad_reduce": [reduce_after_last_i, reduce_once_per_rank, reduce_after_every_weight_pass,
                         reduce_at_the_end, reduce_as_tuples, reduce_kind_as_a_string, reduce_in_place],
     "place_parameter": [place_sp_norms_replicated, place_zero3_over_dp_only, place_stages_round_robin,
