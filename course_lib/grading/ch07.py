@@ -128,9 +128,10 @@ def _router_logits(T: int, E: int, repeat: int, seed: int) -> torch.Tensor:
     return base[torch.arange(T) % base.shape[0]].contiguous()
 
 
-ROUTING_CASES = ((16, 4, 2, 0.75), (11, 4, 1, 0.5), (6, 4, 2, 2.0))
+ROUTING_CASES = ((16, 4, 2, 0.75), (11, 4, 1, 0.5), (6, 4, 2, 2.0), (8, 4, 2, 0.75))
 """The visible check's (T, E, k, capacity factor): top-2 that drops, top-1 under a fractional capacity (C = ceil
-1.375 = 2), top-2 where every assignment fits; each distinct router row twice (equal priorities)."""
+1.375 = 2), top-2 where every assignment fits, top-2 where two tokens of equal priority fall either side of the
+capacity; each distinct router row twice (equal priorities)."""
 
 
 def check_batch_priority_routing(fn: Callable, cases: tuple[tuple[int, int, int, float], ...] = ROUTING_CASES,
@@ -512,11 +513,14 @@ def _routing_classes(calls: list[dict]) -> set[str]:
     out = set()
     for call in calls:
         for T, E, k, cf in call["cases"]:
-            _, keep = reference_batch_priority_routing(_router_logits(T, E, call["repeat"], call["seed"]), k, cf)
+            logits = _router_logits(T, E, call["repeat"], call["seed"])
+            _, keep = reference_batch_priority_routing(logits, k, cf)
             out |= {"top-1" if k == 1 else "top-k, k > 1",
                     "every assignment kept" if bool(keep.all()) else "assignments dropped at capacity"}
             out |= {"a fractional capacity cf T k / E (rounded up)"} if (cf * T * k / E) % 1 else set()
-            out |= {"equal priorities (the earlier token first)"} if call["repeat"] > 1 else set()
+            twins = [(a, b) for a in range(T) for b in range(a + 1, T) if torch.equal(logits[a], logits[b])]
+            if any(not torch.equal(keep[a], keep[b]) for a, b in twins):  # the tie decides who is dropped
+                out.add("equal priorities at the capacity's edge (the earlier token first)")
     return out
 
 

@@ -343,7 +343,7 @@ EXERCISES = [
              check_diagnose,
              hidden=[{"cases": (("accumulation", ("none",)),)}, {"cases": (("bf16_noise", ()),)},
                      {"cases": (("hang", (1, 0)),)}, {"cases": (("non_finite", (0, 1)),)},
-                     {"cases": (("dropout_rng", ()),)}],
+                     {"cases": (("dropout_rng", ()),)}, {"cases": (("no_broadcast", (2, (1,))),)}],
              allowed=(*(f"course_lib.debug.{m}" for m in DEBUG_TOOLS),
                       *(f"course_lib.debug.clinic.{name}" for name in CLINIC_PARTS),
                       "course_lib.runtime.mesh.MeshShape", "course_lib.parallel.dp.DataParallel",
