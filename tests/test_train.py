@@ -273,7 +273,8 @@ def test_make_test_runs_the_parity_tests_again_on_generic_kernels():
     test_line = next(line for line in make.splitlines() if line.startswith("test:"))
     assert "test-parity-generic" in test_line.split()
     recipe = make.split("\ntest-parity-generic:")[1].split("\n\n")[0]
-    assert 'ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests $(XDIST) -m "generic_kernels and not browser"' in recipe
+    assert ('ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests $(XDIST) $(DURATIONS) '
+            '-m "generic_kernels and not browser"') in recipe
     markers = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("parity:") for m in markers) and any(m.startswith("generic_kernels:") for m in markers)
     axes = {"dp", "zero", "fsdp2", "tp", "cp", "ep", "pp", "contract", "compositions", "tolerances"}

@@ -165,8 +165,9 @@ def expected_desync(calls: dict[int, list[dict[str, Any]]], finished: set[int]) 
 def _why(name: str, got: Any, want: dict[str, Any] | None) -> str:
     if want is None and got is None:
         return ""
+    late = "a rank that has not reached a call and has not finished is late, not wrong"
     if want is None:
-        hint = {"late": "a rank that has not reached a call and has not finished is late, not wrong",
+        hint = {"late": late,
                 "interleaved": "compare each group on its own: ranks may order calls on different groups differently",
                 }.get(name, "every group's calls agree")
         return f"scenario {name!r}: expected None (no desync), got {got!r}: {hint}"
@@ -177,8 +178,10 @@ def _why(name: str, got: Any, want: dict[str, Any] | None) -> str:
         return (f"scenario {name!r}: return None or a dict with keys group, ranks, n, culprits; got {got!r:.120}")
     for key in ("group", "ranks", "n"):
         if got[key] != want[key]:
+            hint = late if "a late rank (no desync)" in SCENARIO_CLASSES.get(name, ()) else \
+                "the first by start time, each group on its own"
             return (f"scenario {name!r}: the first desync is call #{want['n']} of group {want['group']} "
-                    f"{want['ranks']}; you found {key} = {got[key]!r} (the first by start time, each group on its own)")
+                    f"{want['ranks']}; you found {key} = {got[key]!r} ({hint})")
     culprits = sorted(got["culprits"]) if isinstance(got["culprits"], list | tuple) else got["culprits"]
     if culprits != want["culprits"]:
         members = set(want["ranks"])
