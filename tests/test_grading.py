@@ -59,32 +59,10 @@ def test_exercise_notebooks_contain_no_solution_and_no_outputs():
                 assert not cell.outputs
 
 
-WAITS_FOR_A_TIMEOUT = {"deep_step_blocking_messages"}
-"""Wrong answers that deadlock: rejected when the check's launch times out (tens of seconds), so ``slow``."""
-
-
-def _wrong_answers():
-    for ch in CHAPTERS:
-        fixtures = importlib.import_module(f"tests.grading_fixtures.ch{ch}").WRONG
-        for ex in grader.chapter_module(ch).EXERCISES:
-            assert len(fixtures.get(ex.key, [])) >= 2, f"chapter {ch}, {ex.key}: needs two wrong answers"
-            for wrong in fixtures[ex.key]:
-                slow = [pytest.mark.slow] if wrong.__name__ in WAITS_FOR_A_TIMEOUT else []
-                yield pytest.param(ch, ex, wrong, id=f"{ch}-{ex.key}-{wrong.__name__}", marks=slow)
-
-
-@pytest.mark.parametrize("chapter, exercise, wrong", list(_wrong_answers()))
-def test_realistic_wrong_answers_are_rejected(chapter, exercise, wrong):
-    result = grader.grade_exercise(exercise, {exercise.function: wrong})
-    assert not result.ok, f"{wrong.__name__} ({wrong.__doc__}) was accepted"
-    assert result.message and REFUSED not in result.message, \
-        f"{wrong.__name__} is refused by the allow-list, not rejected for being wrong: {result.message}"
-
-
 def test_no_fixture_uses_a_library_object_its_exercise_does_not_allow():
     """Read without running (a few seconds for every chapter): a wrong answer refused for what it uses would prove
-    nothing about the checks, a right one would not score. What the runtime guard alone sees shows in the graded
-    tests (test_realistic_wrong_answers_are_rejected and the right answers' full marks)."""
+    nothing about the checks, a right one would not score. What the runtime guard alone sees shows in the checked
+    runs (test_grading_cases.py's wrong answers, the right answers' full marks)."""
     assert REFUSED in allowlist.refusal_message("`f`", ["uses course_lib.comm"], allowlist.Allowed(()))
     refused = {}
     for ch in CHAPTERS:

@@ -106,6 +106,7 @@ def _extended():
             yield pytest.param(chapter, key, id=f"{chapter}-{key}")
 
 
+@pytest.mark.slow  # every exercise's checks run twice, ranks launched: make test, not make test-fast
 @pytest.mark.parametrize("chapter, key", list(_extended()))
 def test_the_solution_scores_full_and_the_blank_nothing(chapter, key):
     ex = _exercise(chapter, key)
@@ -144,9 +145,11 @@ def _wrong_answers():
                 yield pytest.param(chapter, key, wrong, id=f"{chapter}-{key}-{wrong.__name__}", marks=marks)
 
 
+@pytest.mark.slow  # 341 answers through their checks, ranks launched: make test, not make test-fast
 @pytest.mark.parametrize("chapter, key, wrong", list(_wrong_answers()))
 def test_a_wrong_answer_fails_the_visible_check_and_a_hidden_one(chapter, key, wrong):
-    """A check that takes no settings (a prediction) has no hidden ones: the grader's check is the notebook's."""
+    """Every wrong answer of every exercise (the grader runs these same checks). A check that takes no settings
+    (a prediction) has no hidden ones: the grader's check is the notebook's."""
     ex = _exercise(chapter, key)
     visible = ex.check(wrong, **ex.visible)
     assert not visible.ok and visible.message, f"{wrong.__name__} passes the notebook's self-check"
