@@ -30,6 +30,10 @@ NOTIFICATION = "@jupyterlab/apputils-extension:notification"
 @pytest.fixture
 def make_lab(chromium_executable, tmp_path):
     """(server, course repository, start page): JupyterLab started as `make lab` starts it, on a fresh copy."""
+    stamp = REPO / ".venv" / ".installed"
+    if not stamp.exists() or stamp.stat().st_mtime < (REPO / "pyproject.toml").stat().st_mtime:
+        # `make grade` in the lab's terminal would reinstall this .venv from the small copy made below
+        pytest.fail(f"{stamp} is older than pyproject.toml: run `make setup` first (as `make test` does)")
     repo = _course(tmp_path)
     lab = _lab_command(repo)
     root = Path(re.search(r'--ServerApp.root_dir="([^"]+)"', lab).group(1))
@@ -50,6 +54,26 @@ def make_lab(chromium_executable, tmp_path):
     finally:
         left = _stop_server(server)
         assert not left, f"processes started by JupyterLab outlived it: {left}"
+
+
+def _saved_run(cells: list[dict], hello: int, last: int) -> bool:
+    """The saved notebook holds the run: the launch cell's output, and no output in the last cell."""
+    return not cells[last]["outputs"] and "before all_reduce" in json.dumps(cells[hello]["outputs"])
+
+
+def _wait_workspace_holds(server, workspace: str, path: str, timeout_s: float = 60) -> None:
+    """JupyterLab saves a workspace's layout a moment after it changes: wait until ``path`` is in it (opening
+    another document by URL in that workspace before then restores a layout without it)."""
+    deadline, data = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        try:
+            data = server.api("GET", f"lab/api/workspaces/{workspace}")
+        except OSError:  # not saved yet (404) or the server is busy
+            data = {}
+        if path in json.dumps(data):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"workspace {workspace!r} never recorded {path} in {timeout_s:.0f} s: {data}")
 
 
 def _dirty_tabs(lab: Lab) -> int:
@@ -82,15 +106,17 @@ def test_make_lab_as_a_learner_sees_it(make_lab, browser):
         notebook.locator(".jp-Cell").nth(hello).click()
         lab.page.keyboard.press("Escape")
         lab.page.keyboard.press("Control+s")  # what a learner presses (autosave does the same later)
-        deadline, cells = time.monotonic() + 60, course
-        while cells[last]["outputs"] and time.monotonic() < deadline:
+        # an autosave may have written the cleared notebook before the run's outputs came: wait for the save
+        # that has them (both conditions), not for the first file without the last cell's outputs
+        deadline, cells = time.monotonic() + 90, course
+        while not _saved_run(cells, hello, last) and time.monotonic() < deadline:
             time.sleep(0.5)
             try:
                 cells = json.loads(saved.read_text())["cells"]
             except ValueError:  # read while the server writes it
                 pass
-        assert not cells[last]["outputs"], "the run was not saved to the learner's copy"
-        assert "before all_reduce" in json.dumps(cells[hello]["outputs"])
+        assert not cells[last]["outputs"], "the cleared outputs were not saved to the learner's copy"
+        assert "before all_reduce" in json.dumps(cells[hello]["outputs"]), "the run was not saved"
         assert _git_status(repo) == "", "running and saving a chapter changed the repository"
         expect(lab.page.get_by_text(NEWS)).to_have_count(0)  # long after start-up: the prompt never came
 
@@ -123,6 +149,7 @@ def test_the_learners_terminal_grades_the_learners_copy(make_lab, browser):
     lab = Lab(browser.new_page(), server)
     try:
         lab.open_notebook(CHAPTER, workspace="both")
+        _wait_workspace_holds(server, "both", CHAPTER)
         lab.page.goto(f"{server.url}lab/workspaces/both/tree/{EXERCISE}?token={server.token}")
         expect(lab.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab")).to_have_count(2, timeout=120_000)
         labels = _tab_labels(lab)
