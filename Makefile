@@ -101,13 +101,21 @@ my-copy: $(STAMP)
 	$(PY) -m course_lib.course.my_copy --dest "$(MY_WORK)"
 
 ## Every test: lint, the library (pytest), the parity tests on generic kernels, the widgets in a real browser, every
-## notebook (nbval). This is what CI runs; `make test-fast` is the quick loop.
-test: $(STAMP) lint test-lib test-parity-generic test-browser test-notebooks
+## notebook (nbval). This is what CI runs; `make test-fast` is the quick loop. Two lanes side by side: the parallel
+## one (two pytest-xdist workers: the library and the grader), and the other lane's targets one after the other:
+## the tests marked `serial` first (timing-sensitive: hang reports, stragglers, grading time limits, launcher kills
+## and faults, under the load the parallel lane makes), then the generic-kernel lane, the notebooks and the browser.
+## Each lane's output is printed whole when it ends; every target of the second lane runs even if one before failed.
+test: $(STAMP) lint
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside
 
-## The library in two lanes side by side (tests/conftest.py): the parallel one (two pytest-xdist workers), and the
-## tests marked `serial` (timing-sensitive: hang reports, stragglers, grading time limits, launcher kills and faults
-## under load) in one process beside it, under the load it makes. Each lane's output is printed whole when it ends.
-## The browser tests run once, in test-browser.
+.PHONY: test-lane-beside
+test-lane-beside: $(STAMP)
+	@failed=""; for t in test-lib-serial test-parity-generic test-notebooks test-browser; do \
+		$(MAKE) --no-print-directory $$t || failed="$$failed $$t"; done; \
+	test -z "$$failed" || { echo "failed:$$failed"; exit 1; }
+
+## The library alone, in the two lanes of `make test` (the parallel one, and the serial tests beside it).
 test-lib: $(STAMP)
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lib-serial
 

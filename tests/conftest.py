@@ -95,9 +95,10 @@ SERIAL = ("test_launch_under_load.py", "test_launch_faults.py", "test_stragglers
 """Modules whose every test is timing-sensitive (``serial``): kills and faults of the launcher, under load too;
 straggler detection; isolated grading with its time and memory limits (one class graded for the module); chapter
 11's hang reports."""
-SPREAD = ("test_grading.py",)
+SPREAD = ("test_grading.py", "test_grading_cases.py")
 """Modules whose tests the parallel lane spreads over its workers one by one, first: no module-scoped state, and
-tests long enough (a graded notebook each) that one worker holding them all would hold up the run."""
+tests long enough (a graded notebook, an exercise's checks on ranks) that one worker holding them all would hold up
+the run."""
 
 
 GENERIC_KERNELS = {

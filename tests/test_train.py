@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -269,12 +270,11 @@ def test_make_test_runs_the_parity_tests_again_on_generic_kernels():
     from tests.conftest import GENERIC_KERNELS
 
     repo = Path(__file__).resolve().parents[1]
-    make = (repo / "Makefile").read_text()
-    test_line = next(line for line in make.splitlines() if line.startswith("test:"))
-    assert "test-parity-generic" in test_line.split()
-    recipe = make.split("\ntest-parity-generic:")[1].split("\n\n")[0]
-    assert ('ATEN_CPU_CAPABILITY=default $(PY) -m pytest tests $(XDIST) $(DURATIONS) '
-            '-m "generic_kernels and not browser"') in recipe
+    plan = subprocess.run(["make", "-n", "-s", "--no-print-directory", "test", "VENV=.venv",
+                           "PIP_TORCH=2.13.0+cpu"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr  # what `make test` would run, lanes and all (nothing is run)
+    assert ('ATEN_CPU_CAPABILITY=default .venv/bin/python -m pytest tests -n 2 --dist loadscope --durations=25 '
+            '-m "generic_kernels and not browser"') in plan.stdout, plan.stdout
     markers = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("parity:") for m in markers) and any(m.startswith("generic_kernels:") for m in markers)
     axes = {"dp", "zero", "fsdp2", "tp", "cp", "ep", "pp", "contract", "compositions", "tolerances"}
