@@ -12,8 +12,10 @@ lanes `make test` runs the tests in (the Makefile's test targets):
 from __future__ import annotations
 
 import fnmatch
+import functools
 import linecache
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -178,14 +180,19 @@ FAST = [
 grading tests mark their own (chapter 00's graded solution)."""
 
 
+@functools.cache
+def _regex(*patterns: str) -> re.Pattern:
+    """``patterns``' ``*`` and ``?`` are wildcards, their brackets a test's parameters (not fnmatch's sets)."""
+    literals = ("tests/" + "".join({"[": "[[]", "]": "[]]"}.get(c, c) for c in p) for p in patterns)
+    return re.compile("|".join(fnmatch.translate(literal) for literal in literals))
+
+
 def _matches(nodeid: str, pattern: str) -> bool:
-    """``pattern``'s ``*`` and ``?`` are wildcards, its brackets a test's parameters (not fnmatch's sets)."""
-    literal = "".join({"[": "[[]", "]": "[]]"}.get(c, c) for c in pattern)
-    return fnmatch.fnmatchcase(nodeid, "tests/" + literal)
+    return _regex(pattern).match(nodeid) is not None
 
 
 def _selected(nodeid: str, patterns: list[str]) -> bool:
-    return any(_matches(nodeid, pattern) for pattern in patterns)
+    return _regex(*patterns).match(nodeid) is not None
 
 
 def _check_patterns(config, items, tables: dict[str, list[str]]) -> None:
@@ -193,11 +200,13 @@ def _check_patterns(config, items, tables: dict[str, list[str]]) -> None:
     test: refused, so that the lanes never lose a test silently."""
     if config.option.keyword or any("::" in arg for arg in config.args):
         return  # part of a module collected: nothing to tell
-    modules = {item.nodeid.split("::")[0] for item in items}
+    modules: dict[str, list[str]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item.nodeid)
     for table, patterns in tables.items():
         for pattern in patterns:
             module = "tests/" + pattern.split("::")[0]
-            if module in modules and not any(_matches(item.nodeid, pattern) for item in items):
+            if module in modules and not any(_matches(nodeid, pattern) for nodeid in modules[module]):
                 raise pytest.UsageError(f"tests/conftest.py {table}: {pattern!r} selects no test of {module}")
 
 

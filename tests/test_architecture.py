@@ -12,6 +12,7 @@ which layer may import which, where gradients are reduced, and how many class-va
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from course_lib.course import reading
@@ -57,7 +58,8 @@ MODULES = {_module(p): p for p in LIB.rglob("*.py")}
 TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
 
 
-def _imports(mod: str) -> set[str]:
+@functools.cache
+def _imports(mod: str) -> frozenset[str]:
     """Every course_lib module ``mod`` imports (module level and inside functions)."""
     pkg = mod if MODULES[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
     out = set()
@@ -70,7 +72,7 @@ def _imports(mod: str) -> set[str]:
                 parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             out |= {base, *(f"{base}.{a.name}" for a in node.names)}
-    return {m for m in out if m in MODULES}
+    return frozenset(m for m in out if m in MODULES)
 
 
 def _closure(mod: str) -> set[str]:

@@ -47,16 +47,18 @@ def _course_in_temp(root: Path, kernel_python: str | None = None) -> Path:
     return course
 
 
-def _class(course: Path) -> Path:
-    """blank (the exercise), half (the solution with kv_cache_bytes wrong), full (the solution)."""
+def _class(course: Path, whole: bool = True) -> Path:
+    """blank (the exercise), half (the solution with kv_cache_bytes wrong), full (the solution); ``whole=False``:
+    full alone."""
     folder = course / "submissions"
     folder.mkdir()
-    shutil.copy(EXERCISE, folder / "blank.ipynb")
     shutil.copy(SOLUTION, folder / "full.ipynb")
-    nb = nbformat.read(SOLUTION, as_version=4)
-    (cell,) = [c for c in nb.cells if KV_RIGHT in c.source]
-    cell.source = cell.source.replace(KV_RIGHT, KV_WRONG)
-    nbformat.write(nb, folder / "half.ipynb")
+    if whole:
+        shutil.copy(EXERCISE, folder / "blank.ipynb")
+        nb = nbformat.read(SOLUTION, as_version=4)
+        (cell,) = [c for c in nb.cells if KV_RIGHT in c.source]
+        cell.source = cell.source.replace(KV_RIGHT, KV_WRONG)
+        nbformat.write(nb, folder / "half.ipynb")
     return folder
 
 
@@ -73,19 +75,25 @@ def _gradebook(course: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize("reached", ["directly", "through a symbolic link"])
 def test_a_course_in_the_temp_folder_grades_a_class_isolated(tmp_path, reached):
-    """0 / partial / full with their reasons, isolated, from a course (and its interpreter) under /tmp."""
+    """0 / partial / full with their reasons, isolated, from a course (and its interpreter) under /tmp. Reached
+    through a symbolic link, the canary and one submission (what the link changes is where the interpreter is
+    found: the scores' reasons are the direct run's)."""
     assert isolation._under(str(tmp_path), isolation.PRIVATE), "the test wants a course under the private /tmp"
     course = _course_in_temp(tmp_path)
     if reached != "directly":
         (tmp_path / "link").symlink_to(course)
         course = tmp_path / "link"
-    _class(course)
+    _class(course, whole=reached == "directly")
     done = _gradebook(course)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "canary: chapter 00's solution graded 12/12 isolated" in done.stdout
     with (course / "gradebook.csv").open() as f:
         rows = list(csv.DictReader(f))
     points = {who: sum(int(r["points"]) for r in rows if r["learner"] == who) for who in ("blank", "half", "full")}
+    if reached != "directly":
+        assert points == {"blank": 0, "half": 0, "full": 12} and len({r["learner"] for r in rows}) == 1, rows
+        assert "died" not in done.stdout + done.stderr
+        return
     assert points == {"blank": 0, "half": 10, "full": 12}, rows
     reasons = {(r["learner"], r["exercise"]): r["reason"] for r in rows}
     assert all("not implemented" in why for (who, _), why in reasons.items() if who == "blank"), reasons
