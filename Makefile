@@ -104,14 +104,16 @@ my-copy: $(STAMP)
 ## notebook (nbval). This is what CI runs; `make test-fast` is the quick loop. Two lanes side by side: the parallel
 ## one (two pytest-xdist workers: the library and the grader), and the other lane's targets one after the other:
 ## the tests marked `serial` first (timing-sensitive: hang reports, stragglers, grading time limits, launcher kills
-## and faults, under the load the parallel lane makes), then the generic-kernel lane, the notebooks and the browser.
-## Each lane's output is printed whole when it ends; every target of the second lane runs even if one before failed.
+## and faults, under the load the parallel lane makes), then the generic-kernel lane and the browser. Each lane's
+## output is printed whole when it ends; every target of the second lane runs even if one before failed. Then the
+## notebooks, alone (a notebook's kernel once died at its start beside the parallel lane).
 test: $(STAMP) lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside
+	@$(MAKE) --no-print-directory test-notebooks
 
 .PHONY: test-lane-beside
 test-lane-beside: $(STAMP)
-	@failed=""; for t in test-lib-serial test-parity-generic test-notebooks test-browser; do \
+	@failed=""; for t in test-lib-serial test-parity-generic test-browser; do \
 		$(MAKE) --no-print-directory $$t || failed="$$failed $$t"; done; \
 	test -z "$$failed" || { echo "failed:$$failed"; exit 1; }
 
