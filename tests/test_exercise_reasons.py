@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.grading import ch07, ch09, ch11, grader
+from course_lib.grading import ch07, ch09, ch11, in_kernel
 from tests.grading_fixtures import ch07 as fx07
 from tests.grading_fixtures import ch09 as fx09
 from tests.grading_fixtures import ch11 as fx11
@@ -32,7 +32,7 @@ REASONS = [
 @pytest.mark.parametrize("module, key, wrong, reason", REASONS, ids=[r[2].__name__ for r in REASONS])
 def test_the_refusal_names_the_mistake(module, key, wrong, reason):
     exercise = next(e for e in module.EXERCISES if e.key == key)
-    result = grader.grade_exercise(exercise, {exercise.function: wrong})
+    result = in_kernel.grade_exercise(exercise, {exercise.function: wrong})
     assert not result.ok and reason in result.message, result.message
 
 

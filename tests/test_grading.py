@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from course_lib.grading import allowlist, cli, core, grader, notebooks
+from course_lib.grading import allowlist, cli, core, grader, in_kernel, notebooks
 from tests.conftest import _rank_processes
 from tests.grading_fixtures import REFUSED
 
@@ -236,8 +236,8 @@ def test_chapter_00_find_the_bug_fails_as_shipped_and_passes_once_fixed():
     assert colleague(7.5e9, 1, 1, 64, 3) == ch00.reference_model_states(7.5e9, 1, 1, 64, 3)  # right for pure DP
     fixed = _notebook_function(notebook, "model_states_per_gpu", {})
     exercise = next(ex for ex in ch00.EXERCISES if ex.key == "model_states_per_gpu")
-    assert grader.grade_exercise(exercise, {"model_states_per_gpu": fixed}).ok
-    assert not grader.grade_exercise(exercise, {"model_states_per_gpu": colleague}).ok
+    assert in_kernel.grade_exercise(exercise, {"model_states_per_gpu": fixed}).ok
+    assert not in_kernel.grade_exercise(exercise, {"model_states_per_gpu": colleague}).ok
 
 
 def test_ch08_stated_formulas_sit_well_inside_the_tolerance_on_every_mesh_the_grader_tries():
@@ -297,7 +297,7 @@ def _other_right_answers():
 @pytest.mark.parametrize("exercise, right", list(_other_right_answers()))
 def test_correct_answers_other_than_the_solutions_score_full_marks(exercise, right):
     """The specification allows them (a ring run the other way round, ...): the grader must too."""
-    result = grader.grade_exercise(exercise, {exercise.function: right})
+    result = in_kernel.grade_exercise(exercise, {exercise.function: right})
     assert result.ok, f"{right.__name__} ({right.__doc__}) was rejected: {result.message}"
 
 

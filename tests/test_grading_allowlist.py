@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.grading import allowlist, ch01, ch09, cli, grader, runtime_guard
+from course_lib.grading import allowlist, ch01, ch09, cli, grader, in_kernel, runtime_guard
 from course_lib.grading.core import CheckResult, Exercise, guard_visible_checks
 from tests.conftest import define_in_cell
 
@@ -330,7 +330,7 @@ def _ids(routes: list[Route]) -> list[str]:
 def test_each_route_to_the_librarys_answer_scores_zero_naming_the_object(route):
     ex = _exercise(route.chapter, route.exercise)
     namespace = _cell(route)
-    result = grader.grade_exercise(ex, namespace)
+    result = in_kernel.grade_exercise(ex, namespace)
     assert not result.ok, result
     assert "write it yourself" in result.message and route.refused in result.message, result.message
     assert ("the visible check" not in result.message) == route.static, result.message  # when it was refused
@@ -403,7 +403,7 @@ def test_a_refusal_on_a_rank_scores_zero_with_the_rank_named():
     """The learner's function runs on launched ranks: each rank installs the guard, and the grade reads its
     refusal."""
     route = next(r for r in ROUTES if r.name == "sys_modules_at_run_time")
-    result = grader.grade_exercise(_exercise("01", "ring_reduce_scatter"), _cell(route))
+    result = in_kernel.grade_exercise(_exercise("01", "ring_reduce_scatter"), _cell(route))
     assert result.message.startswith("the visible check: rank ") and route.refused in result.message, result
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.grading import canary, grader, isolation
+from course_lib.grading import canary, grader, isolation, papermill_child
 from tests.conftest import venv_of_this_environment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +129,8 @@ def test_never_started_and_died_are_different_reasons():
     sandboxed = f"{isolation.MARK} {isolation.NO_START} [Errno 2] nope\nRuntimeError: Kernel died before replying\n"
     assert grader._why(sandboxed) == (grader.NEVER_STARTED, f"the kernel never started ({isolation.NO_START} "
                                       "[Errno 2] nope): the grader's set-up, not the notebook")
-    died = f"{grader.STARTED}\n{grader.RUNNING} 3 of 9\n{grader.RUNNING} 4 of 9\nDeadKernelError: Kernel died\n"
+    child = papermill_child
+    died = f"{child.STARTED}\n{child.RUNNING} 3 of 9\n{child.RUNNING} 4 of 9\nDeadKernelError: Kernel died\n"
     assert grader._why(died) == (grader.DIED, "the kernel died while running cell 4 of 9")
 
 
@@ -137,7 +138,7 @@ def test_the_kernels_own_shutdown_after_the_last_cell_is_not_a_death():
     """The cause of chapter 09's false "the kernel died" (4 of 21 gradings that then scored every exercise): the
     watcher saw the kernel as a zombie while jupyter_client shut it down after the last cell, because papermill's
     synchronous set-up never called the hook that marked the notebook done. It now watches only while a cell runs."""
-    watch = grader.KernelWatch(cells=9)
+    watch = papermill_child.KernelWatch(cells=9)
     assert watch.died(zombie_child=True) is None  # before the first cell
     watch.running = 3
     assert watch.died(zombie_child=False) is None

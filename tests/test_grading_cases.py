@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.grading import cases, grader
+from course_lib.grading import cases, grader, in_kernel
 from tests.conftest import define_in_cell
 from tests.grading_fixtures import REFUSED
 
@@ -114,7 +114,7 @@ def test_the_blank_scores_nothing_as_not_implemented(chapter, key):
     hidden, is test_grading.py::test_solution_scores_full_marks (the grader's whole run, the same checks)."""
     ex = _exercise(chapter, key)
     name = next(p.name for p in SOLUTIONS if p.name.startswith(chapter))
-    blank = grader.grade_exercise(ex, _notebook_namespace(REPO / "exercises" / name))
+    blank = in_kernel.grade_exercise(ex, _notebook_namespace(REPO / "exercises" / name))
     assert not blank.ok and "not implemented" in blank.message, blank.message
 
 

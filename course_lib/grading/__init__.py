@@ -7,5 +7,6 @@
   the grader runs.
 * ``notebooks``: exercise notebooks generated from solution notebooks (``### BEGIN SOLUTION`` blocks stripped).
 * ``grader`` and ``python -m course_lib.grading``: run a learner's notebook with papermill in a child process with a
-  time limit, then the hidden checks, and print a score report.
+  time limit, then the hidden checks, and print a score report; ``papermill_child`` is that child, ``in_kernel`` the
+  grading cell it runs last in the learner's kernel.
 """

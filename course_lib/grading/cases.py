@@ -70,7 +70,7 @@ def each(calls: Sequence[Mapping[str, Any]], key: str = "cases") -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from course_lib.grading.grader import chapter_module
+    from course_lib.grading.in_kernel import chapter_module
 
     chapters = argv or sorted(p.stem[2:] for p in Path(__file__).parent.glob("ch[0-9][0-9].py"))
     gaps = 0

@@ -30,10 +30,12 @@ How a notebook is graded:
 
 1. It is copied into a temporary folder (the learner's file is never modified). Every code cell gets the
    ``raises-exception`` tag, so one broken cell costs only the exercises that need it, and a last cell is appended
-   that runs the hidden checks in the notebook's own namespace and writes their results, one exercise at a time.
-2. papermill executes the copy in a child process, with the chapter's parameters injected (another seed, other
-   sizes: a hard-coded answer does not pass), a time limit per cell (the kernel is interrupted and execution goes
-   on) and one for the whole notebook (the child, its kernel and any ranks it started are killed).
+   that runs the hidden checks in the notebook's own namespace and writes their results, one exercise at a time
+   (``course_lib.grading.in_kernel``).
+2. papermill executes the copy in a child process (``course_lib.grading.papermill_child``), with the chapter's
+   parameters injected (another seed, other sizes: a hard-coded answer does not pass), a time limit per cell (the
+   kernel is interrupted and execution goes on) and one for the whole notebook (the child, its kernel and any ranks
+   it started are killed).
 3. Each exercise scores its points only if its visible check *and* all hidden checks pass. A missing result scores 0
    with the reason, which tells the grader's failures from the notebook's: the kernel never started (an
    installation or sandbox problem, not the learner's), the kernel died while running cell N, the notebook timed
@@ -52,45 +54,32 @@ the kernel when the grader dies (``prctl(PR_SET_PDEATHSIG)``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import hmac
-import importlib
 import json
 import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import nbformat
 import psutil
 
 from course_lib.grading import isolation
-from course_lib.grading.core import CheckResult, Exercise, time_limit
+from course_lib.grading.in_kernel import chapter_module, sign
 from course_lib.grading.notebooks import fingerprint
-from course_lib.runtime._parent_death import arm_parent_death_signal
+from course_lib.grading.papermill_child import KEY_SLOT, RUNNING, STARTED
 
 CELL_TIMEOUT_S = 120
 NOTEBOOK_TIMEOUT_S = 600
-CHECK_TIMEOUT_S = 60
-KEY_SLOT = "__GRADER_KEY__"
-"""In the grading cell as written to disk; the papermill child puts the run's key there as the cell starts."""
-STARTED = "course-grader: the kernel started"
-RUNNING = "course-grader: running cell"
-"""The papermill child's progress lines (its output comes back to the grader): what tells "never started" from
-"died while running cell N"."""
 NEVER_STARTED, DIED, TIMED_OUT, NOT_EXECUTED, FORGED = "never started", "died", "timed out", "not executed", "forged"
 """``NotebookReport.failure``: why results are missing (empty when the grading cell wrote them all)."""
 
@@ -131,53 +120,6 @@ class NotebookReport:
         lines.append(f"  {'exercise'.ljust(w[0])}  {'points'.ljust(w[1])}  {'result'.ljust(w[2])}  reason")
         lines += [f"  {k.ljust(w[0])}  {p.ljust(w[1])}  {r.ljust(w[2])}  {why}" for k, p, r, why in rows]
         return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Inside the learner's kernel
-
-
-def chapter_module(chapter: str) -> ModuleType:
-    return importlib.import_module(f"course_lib.grading.ch{chapter}")
-
-
-def grade_exercise(ex: Exercise, namespace: dict[str, Any]) -> CheckResult:
-    """Run the visible and hidden checks of ``ex`` against the function the notebook defined."""
-    fn = namespace.get(ex.function)
-    if fn is None:
-        return CheckResult(ex.key, False, f"the notebook defines no `{ex.function}`")
-    refused = ex.refusal(fn)
-    if refused:
-        return refused
-    settings = [ex.visible, *ex.hidden]
-    for i, kwargs in enumerate(settings):
-        with time_limit(CHECK_TIMEOUT_S, f"check {i + 1} of {ex.key}"):
-            try:
-                result = ex.check(fn, **kwargs)
-            except AssertionError as exc:  # CheckFailed from the time limit
-                result = CheckResult(ex.key, False, str(exc))
-        if not result.ok:
-            where = "the visible check" if i == 0 else f"hidden check {i} ({_describe(kwargs)})"
-            return CheckResult(ex.key, False, f"{where}: {result.message}")
-    return CheckResult(ex.key, True, f"all {len(settings)} checks passed")
-
-
-def _describe(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "defaults"
-
-
-def sign(results: dict[str, Any], key: str) -> str:
-    """HMAC-SHA256 (RFC 2104) of the results' canonical JSON under the run's key."""
-    return hmac.new(bytes.fromhex(key), json.dumps(results, sort_keys=True).encode(), hashlib.sha256).hexdigest()
-
-
-def run_hidden_checks(chapter: str, namespace: dict[str, Any], results_path: str, key: str) -> None:
-    """Appended to the notebook by the grader: grade every exercise, writing signed results as they come."""
-    results: dict[str, dict[str, Any]] = {}
-    for ex in chapter_module(chapter).EXERCISES:
-        res = grade_exercise(ex, namespace)
-        results[ex.key] = {"ok": res.ok, "message": res.message}
-        Path(results_path).write_text(json.dumps({"results": results, "mac": sign(results, key)}))
 
 
 def read_results(path: Path, key: str) -> tuple[dict[str, dict[str, Any]], str | None]:
@@ -232,7 +174,7 @@ def _prepare(nb: nbformat.NotebookNode, chapter: str, results_path: Path) -> nbf
             if "raises-exception" not in tags:
                 tags.append("raises-exception")
     nb.cells.append(nbformat.v4.new_code_cell(
-        "from course_lib.grading.grader import run_hidden_checks\n"
+        "from course_lib.grading.in_kernel import run_hidden_checks\n"
         f"run_hidden_checks({chapter!r}, globals(), {str(results_path)!r}, key={KEY_SLOT})"))
     return nb
 
@@ -256,8 +198,8 @@ def _execute(src: Path, dst: Path, parameters: dict[str, Any], cwd: Path, timeou
              key: str, sandbox: isolation.Sandbox | None) -> tuple[str, str] | None:
     """Run papermill on ``src`` in a child process (the key on its stdin); return (failure kind, the problem in
     words) or None."""
-    cmd = [sys.executable, "-m", "course_lib.grading.grader", "--execute", str(src), str(dst), json.dumps(parameters),
-           str(cell_timeout), json.dumps(sandbox and asdict(sandbox))]
+    cmd = [sys.executable, "-m", "course_lib.grading.papermill_child", "--execute", str(src), str(dst),
+           json.dumps(parameters), str(cell_timeout), json.dumps(sandbox and asdict(sandbox))]
     env = {**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_RUNTIME_DIR": str(cwd)}
     env.pop("PYTEST_CURRENT_TEST", None)
     proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -439,102 +381,9 @@ def grade(paths: list[Path], timeout: float = NOTEBOOK_TIMEOUT_S, cell_timeout: 
         return list(pool.map(one, enumerate(notebooks, 1)))
 
 
-def _kernel_manager(sandbox: isolation.Sandbox | None) -> type:
-    """A ``KernelManager`` whose kernel dies with this process, in ``sandbox`` when given (then over Unix sockets
-    in the submission's folder: the sandbox has its own loopback)."""
-    from jupyter_client.manager import AsyncKernelManager
-    from traitlets import default
-
-    class GradedKernelManager(AsyncKernelManager):
-        @default("transport")
-        def _transport_default(self) -> str:
-            return "ipc" if sandbox else "tcp"
-
-        @default("connection_file")
-        def _connection_file_default(self) -> str:
-            return str(Path(sandbox.work) / "kernel.json") if sandbox else ""
-
-        def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
-            cmd = super().format_kernel_cmd(extra_arguments)
-            return sandbox.wrap(cmd) if sandbox else [*isolation.parent_death(), *cmd]
-
-    return GradedKernelManager
-
-
-@dataclass
-class KernelWatch:
-    """Which cell the kernel is running (None between cells and after the last one), for the papermill child.
-
-    nbclient may wait for a dead kernel's reply until the cell's time limit, so a thread ends the child as soon as
-    the kernel's process has exited -- but only while a cell runs. After the last cell the kernel is shut down on
-    purpose and is a zombie until it is reaped (jupyter_client polls every 0.1 s); papermill's synchronous
-    ``setup_kernel`` calls no ``on_notebook_complete`` hook, so "after the last cell" must come from the cells."""
-
-    cells: int = 0
-    running: int | None = None
-
-    def died(self, zombie_child: bool) -> str | None:
-        """The line that ends the child when a zombie child means the kernel died in a cell, else None."""
-        if zombie_child and self.running is not None:
-            return f"DeadKernelError: Kernel died while running cell {self.running + 1} of {self.cells}"
-        return None
-
-
-def _end_with_the_kernel(watch: KernelWatch) -> None:
-    me = psutil.Process()
-    while True:
-        time.sleep(0.5)
-        zombie = False
-        with contextlib.suppress(psutil.Error):
-            zombie = any(p.status() == psutil.STATUS_ZOMBIE for p in me.children())
-        line = watch.died(zombie)
-        if line:
-            print(line, flush=True)
-            os._exit(3)
-
-
-def _papermill_child(src: str, dst: str, parameters_json: str, cell_timeout: str, sandbox_json: str) -> None:
-    arm_parent_death_signal(signal.SIGKILL)  # the grader died: so do we (and our kernel, armed the same way)
-    key = sys.stdin.readline().strip()
-    import papermill
-
-    limit = int(float(cell_timeout))
-    sandbox = json.loads(sandbox_json)
-    watch = KernelWatch()
-
-    def started(notebook: nbformat.NotebookNode) -> None:  # the kernel answered; cells as executed (+ parameters)
-        watch.cells = len(notebook.cells)
-        print(STARTED, flush=True)
-
-    def cell_starts(cell: nbformat.NotebookNode, cell_index: int) -> None:
-        if cell_index == watch.cells - 1:  # the grading cell, only now: once every cell of the notebook has run
-            cell.source = cell.source.replace(KEY_SLOT, repr(key))
-        print(f"{RUNNING} {cell_index + 1} of {watch.cells}", flush=True)
-        watch.running = cell_index
-
-    def cell_done(cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict) -> None:
-        watch.running = None
-
-    threading.Thread(target=_end_with_the_kernel, args=(watch,), daemon=True).start()
-    papermill.execute_notebook(
-        src, dst, parameters=json.loads(parameters_json), kernel_name="python3", progress_bar=False,
-        execution_timeout=limit, interrupt_on_timeout=True, raise_on_iopub_timeout=False,
-        error_on_timeout={"ename": "CellTimeout", "evalue": f"cell exceeded {limit} s", "traceback": []},
-        kernel_manager_class=_kernel_manager(sandbox and isolation.Sandbox(**sandbox)),
-        on_notebook_start=started, on_cell_execute=cell_starts, on_cell_executed=cell_done,
-    )
-
-
 def add_isolation_flags(parser: argparse.ArgumentParser, default: str) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--isolation", dest="isolation", action="store_true", default=None,
                        help=f"run each kernel in its own namespaces (no network, read-only files, limits; {default})")
     group.add_argument("--no-isolation", dest="isolation", action="store_false",
                        help="run the kernels with your own rights (trusted work only)")
-
-
-if __name__ == "__main__":  # the papermill child that _execute starts; the command line is course_lib.grading.cli
-    if len(sys.argv) == 7 and sys.argv[1] == "--execute":
-        _papermill_child(*sys.argv[2:])
-    else:
-        sys.exit("usage: python -m course_lib.grading (see course_lib.grading.cli)")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from course_lib.grading import timings
-from course_lib.grading.grader import chapter_module
+from course_lib.grading.in_kernel import chapter_module
 from course_lib.grading.notebooks import exercise_name
 
 REPO = Path(__file__).resolve().parents[2]

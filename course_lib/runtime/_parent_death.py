@@ -17,6 +17,8 @@ import sys
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 CALLER_PID_ENV = "COURSE_LAUNCH_CALLER_PID"
 """Set by the caller for its forkserver: whose death to watch for (``course_lib.runtime._forkserver``)."""
+CALLER_MODULES_ENV = "COURSE_LAUNCH_CALLER_MODULES"
+"""Set by the caller for its forkserver: the library modules to import for the ranks (comma-separated)."""
 
 
 def arm_parent_death_signal(sig: signal.Signals) -> bool:

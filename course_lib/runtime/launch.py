@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.runtime import _worker
-from course_lib.runtime._parent_death import CALLER_PID_ENV
+from course_lib.runtime._parent_death import CALLER_MODULES_ENV, CALLER_PID_ENV
 
 DEFAULT_TIMEOUT = float(os.environ.get("COURSE_LAUNCH_TIMEOUT", 30))
 """Seconds a launch may take before its unfinished ranks are reported as hung (env COURSE_LAUNCH_TIMEOUT)."""
@@ -264,10 +264,18 @@ def _serve_forkserver_starts(requests: queue.SimpleQueue) -> None:
         done = requests.get()
         try:
             os.environ[CALLER_PID_ENV] = str(os.getpid())  # whose death the forkserver watches
+            os.environ[CALLER_MODULES_ENV] = ",".join(_rank_modules())  # what it imports for the ranks
             multiprocessing.forkserver.ensure_running()
             done.set_result(None)
         except BaseException as exc:
             done.set_exception(exc)
+
+
+def _rank_modules() -> list[str]:
+    """The library's modules this process has imported (not the widgets and plots): what its ranks most likely
+    import too (the checks, the parallel code), imported once in the forkserver rather than in every rank."""
+    return sorted(m for m in list(sys.modules) if m.startswith("course_lib.")
+                  and not m.startswith(("course_lib.viz", "course_lib.course", "course_lib.runtime._forkserver")))
 
 
 @contextlib.contextmanager
