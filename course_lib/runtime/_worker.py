@@ -130,8 +130,10 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport/" in str(exc))
 
 
-def run_rank(rank: int, world_size: int, port: int, prefix: str, tmpdir: str, pg_timeout_s: float) -> None:
-    """Entry point of one rank (target of the multiprocessing Process)."""
+def run_rank(rank: int, world_size: int, port: int, prefix: str, tmpdir: str, pg_timeout_s: float,
+             wake: mp.connection.Connection) -> None:
+    """Entry point of one rank (target of the multiprocessing Process); ``wake``: where it tells the parent that
+    its result is written."""
     _die_with_the_caller()
     _capture_output(tmpdir, rank)
     code = 0
@@ -145,6 +147,8 @@ def run_rank(rank: int, world_size: int, port: int, prefix: str, tmpdir: str, pg
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = payload["fn"](rank, world_size, *payload["args"], **payload["kwargs"])
         _write_atomic(rank_file(tmpdir, rank, "result"), cloudpickle.dumps(result))
+        with contextlib.suppress(OSError):  # the parent also looks at the files now and then
+            wake.send_bytes(b"")
         # Stay in the group until every rank is done: a rank that left early would turn a peer's wait in a
         # collective it never joined into a confusing "connection closed"; this way the parent reports a hang.
         store.wait([DONE_KEY], timedelta(days=1))

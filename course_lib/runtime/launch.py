@@ -76,7 +76,8 @@ DEFAULT_TIMEOUT = float(os.environ.get("COURSE_LAUNCH_TIMEOUT", 30))
 
 # The forkserver imports this module only: it arms the forkserver's death with ours, then imports torch & co.
 _PRELOAD = ["course_lib.runtime._forkserver"]
-_POLL_S = 0.005  # how often the parent looks for finished ranks
+_POLL_S = 0.5  # how often the parent looks at the ranks' files unwoken (a rank's word or exit wakes it at once)
+_CAUSE_POLL_S = 0.005  # how often it looks for a failure's cause, in the moment after a rank failed
 _EXIT_GRACE_S = 5.0  # how long a released rank may take to leave before it is killed
 _CAUSE_WAIT_S = 1.0  # how long to wait for the cause when only "a peer went away" errors are in
 MAX_OUTPUT_BYTES = 200_000
@@ -339,6 +340,7 @@ def _launch_processes(fn: Callable[..., Any], world_size: int, args: tuple, kwar
     tmpdir = tempfile.mkdtemp(prefix=os.path.basename(_worker.launch_dir_prefix(os.getpid())))
     procs: list[mp.process.BaseProcess] = []
     released = False
+    woken, wake = ctx.Pipe(duplex=False)  # each rank that has written its result says so: the parent wakes at once
     try:
         _write_payload(os.path.join(tmpdir, "payload.pkl"), fn, args, kwargs)
         # The process group's own timeout is longer than ours: our watchdog reports a hang with stacks first.
@@ -348,14 +350,17 @@ def _launch_processes(fn: Callable[..., Any], world_size: int, args: tuple, kwar
             with _no_main_reimport():
                 _ensure_forkserver()
                 for rank in range(world_size):
-                    rank_args = (rank, world_size, store.port, prefix, tmpdir, pg_timeout)
+                    rank_args = (rank, world_size, store.port, prefix, tmpdir, pg_timeout, wake)
                     p = ctx.Process(target=_worker.run_rank, args=rank_args, name=f"course-rank-{rank}", daemon=True)
                     p.start()
                     procs.append(p)
-        results = _supervise(procs, world_size, tmpdir, timeout, dist.PrefixStore(prefix, store))
+        wake.close()  # the ranks hold their copies
+        results = _supervise(procs, world_size, tmpdir, timeout, dist.PrefixStore(prefix, store), woken)
         released = True
         return results
     finally:
+        wake.close()
+        woken.close()
         for p in procs:  # released ranks leave by themselves within a moment; anything else is killed now
             p.join(timeout=_EXIT_GRACE_S if released else 0)
             if p.is_alive():
@@ -367,15 +372,20 @@ def _launch_processes(fn: Callable[..., Any], world_size: int, args: tuple, kwar
 
 
 def _supervise(procs: list[mp.process.BaseProcess], world_size: int, tmpdir: str, timeout: float,
-               store: dist.TCPStore) -> list[Any]:
-    """Wait until every rank has written its result (then release them all), or one failed, or time is up."""
+               store: dist.TCPStore, woken: multiprocessing.connection.Connection) -> list[Any]:
+    """Wait until every rank has written its result (then release them all), or one failed, or time is up: woken
+    by a rank's word that its result is written, or by a rank's exit (the files say which)."""
     deadline = time.monotonic() + timeout
     pending = set(range(world_size))
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _hang_report(procs, sorted(pending), world_size, tmpdir, timeout)
-        multiprocessing.connection.wait([procs[r].sentinel for r in pending], timeout=min(remaining, _POLL_S))
+        ready = multiprocessing.connection.wait([woken, *(procs[r].sentinel for r in pending)],
+                                                timeout=min(remaining, _POLL_S))
+        with contextlib.suppress(EOFError, OSError):  # EOF: every rank has gone (their exits tell the rest)
+            while woken in ready and woken.poll():
+                woken.recv_bytes()
         for rank in sorted(pending):
             if _worker.rank_file(tmpdir, rank, "result").exists():
                 pending.discard(rank)
@@ -414,7 +424,7 @@ def _first_failure(procs: list[mp.process.BaseProcess], world_size: int, tmpdir:
         running = [r for r in range(world_size) if r not in gone and r not in done and r not in reports]
         if own or silent or not running or time.monotonic() > give_up:
             break
-        multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=_POLL_S)
+        multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=_CAUSE_POLL_S)
     if own or not silent:
         rank = min(own or reports, key=lambda r: reports[r]["time"])
         rep = reports[rank]
