@@ -14,7 +14,8 @@ version, an exception that only happens in the browser. These fixtures start wha
 * ``browser`` (session): chromium with a fresh user-data dir.
 * ``lab`` (function): a fresh page: ``open_notebook`` (waits for the status bar's kernel "Idle": the toolbar's
   circle says idle before a kernel exists), ``run_all`` (Edit > Clear Outputs, Run > Run All Cells, fails fast
-  on a traceback), ``widget(css_class)``. After the test: console log (and a page screenshot on failure) in
+  on a traceback), ``run_cells`` (the same for the cells a widget needs, :func:`widget_cells`: the whole chapter
+  runs in nbval, and chapter 00's test keeps Run All), ``widget(css_class)``. After the test: console log (and a page screenshot on failure) in
   ``artifacts/browser/``, no uncaught page exception, kernels shut down.
 * :class:`WidgetUI` (from ``lab.widget``): controls by their label (``CONTROL_DESCRIPTIONS``):
   ``select_by_mouse``, ``choose_by_keyboard``, ``press`` (type-ahead), ``type_into``, ``set_slider_by_keyboard``,
@@ -26,14 +27,16 @@ Keyboard in JupyterLab: keys that are notebook command-mode shortcuts (ArrowUp/D
 the notebook, not to a closed dropdown (jupyter-widgets/ipywidgets#3912): open the list first
 (``choose_by_keyboard``: Alt+ArrowDown, arrows, Enter); sliders take ArrowLeft/Right.
 
-A new widget needs only a test function: open its notebook, run all, ``lab.widget("course-...")``, move its
-controls, compare with what ``course_lib`` computes in the test process (see ``test_widgets_browser.py``).
+A new widget needs only a test function: open its notebook, ``lab.run_cells(widget_cells(notebook, factory))``,
+``lab.widget("course-...")``, move its controls, compare with what ``course_lib`` computes in the test process
+(see ``test_widgets_browser.py``).
 """
 
 from __future__ import annotations
 
 import ast
 import base64
+import builtins
 import json
 import math
 import os
@@ -539,15 +542,34 @@ class Lab:
         """Edit > Clear Outputs of All Cells, Run > Run All Cells; wait until every code cell has run and the kernel
         is idle. Fails early with the traceback if a cell raises (except cells tagged ``raises-exception``, which
         JupyterLab, like papermill and nbval, runs past)."""
-        nb = json.loads((self.server.root / self.notebook).read_text())
-        expected_errors = [i for i, c in enumerate(nb["cells"])
-                           if "raises-exception" in c.get("metadata", {}).get("tags", [])]
+        self._clear_outputs()
+        self.menu("Run", "Run All Cells")
+        self._wait_run(None, timeout_ms)
+
+    def run_cells(self, cells: list[int], timeout_ms: float = RUN_ALL_MS) -> None:
+        """Edit > Clear Outputs of All Cells, then each of ``cells`` (indices into the notebook's cells, e.g.
+        :func:`widget_cells`) as a learner runs one: a click on its prompt, Ctrl+Enter (JupyterLab queues them);
+        wait as :meth:`run_all` does, for these cells."""
+        self._clear_outputs()
+        panel = self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell")
+        for index in cells:
+            panel.nth(index).locator(".jp-InputPrompt").click()
+            self.page.keyboard.press("Control+Enter")
+        self._wait_run(cells, timeout_ms)
+
+    def _clear_outputs(self) -> None:
         self.menu("Edit", "Clear Outputs of All Cells")
         self.page.wait_for_function("""() => [...document.querySelectorAll(
             '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputArea-prompt')]
             .every(p => !/\\d/.test(p.textContent))""")
-        self.menu("Run", "Run All Cells")
-        state = self.page.wait_for_function("""(expectedErrors) => {
+
+    def _wait_run(self, cells: list[int] | None, timeout_ms: float) -> None:
+        """Until the code cells among ``cells`` (every one if None) show an execution count, then the kernel idle;
+        a traceback in any cell fails at once."""
+        nb = json.loads((self.server.root / self.notebook).read_text())
+        expected_errors = [i for i, c in enumerate(nb["cells"])
+                           if "raises-exception" in c.get("metadata", {}).get("tags", [])]
+        state = self.page.wait_for_function("""([expectedErrors, only]) => {
             const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
             const cells = [...panel.querySelectorAll('.jp-Cell')];
             for (const [i, cell] of cells.entries()) {
@@ -556,10 +578,11 @@ class Lab:
                     if (/Traceback \\(most recent call last\\)|Error\\s*Traceback/.test(o.textContent))
                         return `error in cell ${i}: ` + o.textContent.slice(-3000);
             }
-            const ps = [...panel.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(p => p.textContent);
+            const ps = cells.filter((c, i) => c.classList.contains('jp-CodeCell') && (!only || only.includes(i)))
+                .map(c => c.querySelector('.jp-InputArea-prompt').textContent);
             return ps.length > 0 && ps.every(p => /\\[\\d+\\]/.test(p)) ? 'done' : false;
-        }""", arg=expected_errors, timeout=timeout_ms, polling=500).json_value()
-        assert state == "done", f"a cell raised while running all cells of {self.notebook}:\n{state}"
+        }""", arg=[expected_errors, cells], timeout=timeout_ms, polling=500).json_value()
+        assert state == "done", f"a cell raised while running cells of {self.notebook}:\n{state}"
         self.wait_kernel_idle(timeout_ms)
 
     def widget(self, css_class: str, name: str | None = None) -> WidgetUI:
@@ -633,3 +656,52 @@ def mirror_from_notebook(notebook: str | Path, factory: Callable[..., Any], **ov
                                      "pass them to mirror_from_notebook as keyword arguments")
                 return factory(*args, **kwargs, **overrides)
     raise LookupError(f"no call to {name}(...) in notebooks/{notebook}")
+
+
+def _cell_tree(source: str) -> ast.Module:
+    return ast.parse("\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))))
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(n.name)
+    return names
+
+
+def _free(tree: ast.AST) -> set[str]:
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return used - _defined(tree) - set(dir(builtins))
+
+
+def widget_cells(notebook: str, factory: str) -> list[int]:
+    """The cells of ``notebook`` (indices) that show its ``var = factory(...)`` widget as the notebook leaves it:
+    every code cell up to the one importing ``factory`` (parameters, imports, seeds), the cell that makes the widget,
+    each later cell using ``var`` (until one rebinds it), and, transitively, the last earlier cell defining each
+    name those cells read. The rest of the chapter runs in nbval; a name missed here fails the run with its
+    NameError, never a silent pass."""
+    cells = json.loads((REPO / "notebooks" / notebook).read_text())["cells"]
+    code = {i: _cell_tree("".join(c["source"])) for i, c in enumerate(cells) if c["cell_type"] == "code"}
+    setup = next(i for i, tree in code.items() if factory in _defined(tree))
+    made = next(i for i, tree in code.items() if i > setup and factory in _free(tree))
+    var = next(node.targets[0].id for node in code[made].body if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == factory)
+    targets = [made]
+    for i, tree in code.items():
+        if i > made:
+            if var in _defined(tree):
+                break
+            if var in _free(tree):
+                targets.append(i)
+    need, todo = {i for i in code if i <= setup} | set(targets), list(targets)
+    while todo:
+        cell = todo.pop()
+        for name in _free(code[cell]):
+            sources = [i for i in code if i < cell and name in _defined(code[i])]
+            if sources and sources[-1] not in need:
+                need.add(sources[-1])
+                todo.append(sources[-1])
+    return sorted(need)

@@ -8,14 +8,14 @@ from __future__ import annotations
 from course_lib.debug import clinic
 from course_lib.viz.debug import CONTROL_DESCRIPTIONS as TIMELINES
 from course_lib.viz.debug import timeline_widget
-from tests.browser.conftest import mirror_from_notebook, require_playwright
+from tests.browser.conftest import mirror_from_notebook, require_playwright, widget_cells
 
 expect = require_playwright()
 
 
 def test_timeline_widget(lab):
     lab.open_notebook("11_debugging.ipynb")
-    lab.run_all()
+    lab.run_cells(widget_cells("11_debugging.ipynb", "timeline_widget"))
     ui = lab.widget("course-timelines", name="timelines")
     hung = clinic.hang().run()
     mirror = mirror_from_notebook("11_debugging.ipynb", timeline_widget, traces=hung.traces, desync=hung.desync)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from course_lib.viz.moe import CONTROL_DESCRIPTIONS as MOE
 from course_lib.viz.moe import moe_dispatch_widget
-from tests.browser.conftest import mirror_from_notebook, require_playwright
+from tests.browser.conftest import mirror_from_notebook, require_playwright, widget_cells
 
 expect = require_playwright()
 
 
 def test_moe_dispatch_widget(lab):
     lab.open_notebook("07_expert_parallel.ipynb")
-    lab.run_all()
+    lab.run_cells(widget_cells("07_expert_parallel.ipynb", "moe_dispatch_widget"))
     ui = lab.widget("course-moe-dispatch", name="moe_dispatch")
     mirror = mirror_from_notebook("07_expert_parallel.ipynb", moe_dispatch_widget)
 

@@ -9,7 +9,7 @@ import ast
 import json
 
 from course_lib.viz.mesh import PlannerWidget
-from tests.browser.conftest import REPO, WidgetUI, mirror_from_notebook, require_playwright
+from tests.browser.conftest import REPO, WidgetUI, mirror_from_notebook, require_playwright, widget_cells
 
 expect = require_playwright()
 
@@ -41,7 +41,7 @@ def _expect_planner(ui: WidgetUI, mirror: PlannerWidget, step: str) -> None:
 
 def test_planner_widget(lab):
     lab.open_notebook(NOTEBOOK)
-    lab.run_all()
+    lab.run_cells(widget_cells(NOTEBOOK, "PlannerWidget"))
     ui = lab.widget("course-planner", name="planner")
     mirror = mirror_from_notebook(NOTEBOOK, PlannerWidget)
     for change in _notebook_sets(NOTEBOOK, "widget"):

@@ -20,7 +20,7 @@ from course_lib.viz.memory import CONTROL_DESCRIPTIONS as MEMORY
 from course_lib.viz.memory import MemoryBudgetWidget, memory_budget_widget
 from course_lib.viz.schedule import CONTROL_DESCRIPTIONS as BUBBLE
 from course_lib.viz.schedule import BubbleWidget, bubble_widget
-from tests.browser.conftest import EXPECT_MS, WidgetUI, mirror_from_notebook, require_playwright
+from tests.browser.conftest import EXPECT_MS, WidgetUI, mirror_from_notebook, require_playwright, widget_cells
 
 expect = require_playwright()
 
@@ -173,7 +173,7 @@ def _expect_collective_cost_fitted(ui: WidgetUI, mirror: CollectiveCostWidget, s
 
 def test_collective_cost_widget(lab):
     lab.open_notebook("01_collectives.ipynb")
-    lab.run_all()
+    lab.run_cells(widget_cells("01_collectives.ipynb", "collective_cost_widget"))
     ui = lab.widget("course-collective-cost", name="collective_cost")
 
     # the same widget, built here from the notebook's own call, less what the notebook measures (the fitted link,
@@ -260,7 +260,7 @@ def _expect_bubble(ui: WidgetUI, mirror: BubbleWidget, shown: list[bytes], step:
 
 def test_bubble_widget(lab):
     lab.open_notebook("05_pipeline_parallel.ipynb")
-    lab.run_all()
+    lab.run_cells(widget_cells("05_pipeline_parallel.ipynb", "bubble_widget"))
     ui = lab.widget("course-bubble", name="bubble")
 
     # the same widget, built here from the notebook's own call: the text and the chart to expect
