@@ -107,6 +107,14 @@ my-copy: $(STAMP)
 ## and faults, under the load the parallel lane makes), then the generic-kernel lane and the browser. Each lane's
 ## output is printed whole when it ends; every target of the second lane runs even if one before failed. Then the
 ## notebooks, alone (a notebook's kernel once died at its start beside the parallel lane).
+# One OpenMP thread in every test process and what it starts (ranks, kernels, graders): the lanes run 3-4 pytest
+# processes and their ranks on 2 cores, where OpenMP's spinning threads burn the cores the others wait for (the
+# grader's wrong answers: 260 -> 232 core-s). Ranks and many tests set one thread already. Not for `make lab`.
+TEST_THREADS ?= 1
+TEST_TARGETS := test test-fast test-lib test-lib-parallel test-lib-serial test-lane-beside test-parity-generic \
+	test-browser test-notebooks
+$(TEST_TARGETS): export OMP_NUM_THREADS := $(TEST_THREADS)
+
 test: $(STAMP) lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside
 	@$(MAKE) --no-print-directory test-notebooks

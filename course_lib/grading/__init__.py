@@ -10,3 +10,11 @@
   time limit, then the hidden checks, and print a score report; ``papermill_child`` is that child, ``in_kernel`` the
   grading cell it runs last in the learner's kernel.
 """
+
+import sys
+
+# The grading processes (the grader, its papermill child, the gradebook, the timings) read notebooks with nbformat,
+# which imports jsonschema's format checkers; the IRI one (rfc3987-syntax, installed with JupyterLab) builds a
+# grammar as it is imported: 1.2-1.6 s per process, for a format no notebook schema uses. jsonschema leaves that
+# format unchecked when the module is missing; nothing else in these processes needs it.
+sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[assignment]

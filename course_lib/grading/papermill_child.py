@@ -30,11 +30,6 @@ from course_lib.runtime._parent_death import arm_parent_death_signal
 if TYPE_CHECKING:
     import nbformat
 
-# papermill reads notebooks with nbformat, which imports jsonschema's format checkers; the IRI one
-# (rfc3987-syntax, installed with JupyterLab) builds a grammar as it is imported, 1.6 s per graded notebook, for a
-# format no notebook schema uses. This process imports nothing else that needs it.
-sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[assignment]
-
 KEY_SLOT = "__GRADER_KEY__"
 """In the grading cell as written to disk; the papermill child puts the run's key there as the cell starts."""
 STARTED = "course-grader: the kernel started"
