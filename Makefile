@@ -114,6 +114,10 @@ TEST_THREADS ?= 1
 TEST_TARGETS := test test-fast test-lib test-lib-parallel test-lib-serial test-lane-beside test-parity-generic \
 	test-browser test-notebooks
 $(TEST_TARGETS): export OMP_NUM_THREADS := $(TEST_THREADS)
+# Compiled modules and pytest's rewritten test modules are cached in __pycache__ (git ignores it) even where the
+# environment sets PYTHONDONTWRITEBYTECODE: else every pytest process, kernel and grader compiles them again (test
+# collection: 20 -> 12 s per pytest process).
+$(TEST_TARGETS): export PYTHONDONTWRITEBYTECODE :=
 
 test: $(STAMP) lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside

@@ -15,8 +15,8 @@ version, an exception that only happens in the browser. These fixtures start wha
 * ``lab`` (function): a fresh page: ``open_notebook`` (waits for the status bar's kernel "Idle": the toolbar's
   circle says idle before a kernel exists), ``run_all`` (Edit > Clear Outputs, Run > Run All Cells, fails fast
   on a traceback), ``run_cells`` (the same for the cells a widget needs, :func:`widget_cells`: the whole chapter
-  runs in nbval, and chapter 00's test keeps Run All), ``widget(css_class)``. After the test: console log (and a page screenshot on failure) in
-  ``artifacts/browser/``, no uncaught page exception, kernels shut down.
+  runs in nbval, and chapter 00's test keeps Run All), ``widget(css_class)``. After the test: console log (and a
+  page screenshot on failure) in ``artifacts/browser/``, no uncaught page exception, kernels shut down.
 * :class:`WidgetUI` (from ``lab.widget``): controls by their label (``CONTROL_DESCRIPTIONS``):
   ``select_by_mouse``, ``choose_by_keyboard``, ``press`` (type-ahead), ``type_into``, ``set_slider_by_keyboard``,
   ``press_slider``, ``type_into_readout``, ``click``; ``html(n)``, ``text``, ``image_bytes``/``expect_image``
