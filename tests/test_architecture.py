@@ -55,7 +55,12 @@ def _module(path: Path) -> str:
 
 
 MODULES = {_module(p): p for p in LIB.rglob("*.py")}
-TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
+
+
+@functools.cache
+def _trees() -> dict[str, ast.Module]:
+    """Every module's syntax tree, parsed when a test first asks (not at collection, in every pytest process)."""
+    return {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
 
 
 @functools.cache
@@ -63,7 +68,7 @@ def _imports(mod: str) -> frozenset[str]:
     """Every course_lib module ``mod`` imports (module level and inside functions)."""
     pkg = mod if MODULES[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
     out = set()
-    for node in ast.walk(TREES[mod]):
+    for node in ast.walk(_trees()[mod]):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -122,7 +127,7 @@ def test_no_import_runs_up_a_layer_and_no_module_cycle():
 def _reductions() -> list[tuple[str, str, str]]:
     """(module, enclosing function, callee) for every reducing collective called in course_lib.parallel."""
     out = []
-    for mod, tree in TREES.items():
+    for mod, tree in _trees().items():
         if not mod.startswith("course_lib.parallel."):
             continue
         for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
@@ -144,9 +149,9 @@ def test_only_data_parallelism_reduces_gradients():
 
 
 def _class_valued() -> list[str]:
-    classes = {n.name for t in TREES.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    classes = {n.name for t in _trees().values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
     out = []
-    for mod, tree in TREES.items():
+    for mod, tree in _trees().items():
         for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
             args = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
             defaults = [None] * (len(fn.args.posonlyargs) + len(fn.args.args) - len(fn.args.defaults))

@@ -217,11 +217,13 @@ def test_an_expert_state_under_the_wrong_index_does_not_resume_the_run() -> None
     assert not report.ok, "the experts' states under shifted indices still resume the run"
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_expert_states_not_gathered_over_edp_are_named_on_resume() -> None:
     message = _results()["not_partitioned"]
     assert "the checkpoint has no optimizer state for" in message and ".experts." in message, message
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_an_optimizer_with_unknown_state_keys_is_refused() -> None:
     for message in _results()["refused"]:
         assert "save_whole takes AdamW or SGD" in message and "Adam in Optimizers" in message, message

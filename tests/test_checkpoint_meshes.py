@@ -189,6 +189,7 @@ def test_a_broken_checkpoint_does_not_resume_the_run(mutation: str, name: str) -
     assert not report.ok, f"{mutation}: the broken checkpoint still resumes the run"
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_experts_saved_by_local_index_are_missing_on_resume() -> None:
     """Mutation: experts named by their local index collide (ep rank 1's expert 0 overwrites rank 0's), so the
     checkpoint lacks experts 2 and 3 and the resume says which."""

@@ -309,6 +309,7 @@ def test_checkpoint_without_optimizer_state_does_not_resume_the_run() -> None:
     assert not compare(ref.from_step(2), resumed).ok
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 @pytest.mark.parametrize("name", sorted(LIFECYCLE))
 def test_the_composed_wrapper_follows_the_contract(name: str) -> None:
     ranks = [r[name] for r in _results(4)["lifecycle"]]

@@ -261,6 +261,7 @@ def test_mutation_fails(name: str) -> None:
 # -- FSDP2's contract and the traffic ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_each_module_parameter_is_its_shard_after_the_step() -> None:
     """After training, every parameter the rank's stages register is its dp rank's dim-0 chunk of the whole
     parameter (``torch.chunk``'s rule), recorded ``Shard(0, d0)`` on "dp", and exactly what the optimizer steps;
@@ -275,6 +276,7 @@ def test_each_module_parameter_is_its_shard_after_the_step() -> None:
         assert rank["restored"]  # remove_hooks: whole parameters again
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_one_all_gather_and_one_reduce_scatter_per_unit_and_step() -> None:
     """Kept gathered from the stage's first action to its REDUCE_GRAD (torchtitan's choice under a pipeline):
     each unit is all-gathered once and reduce-scattered once per step, whatever m; freeing after every F
@@ -293,6 +295,7 @@ def test_one_all_gather_and_one_reduce_scatter_per_unit_and_step() -> None:
             assert rank["events"][("reduce_scatter", unit)] == rank["micro"] * TC.steps
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_a_second_data_parallel_reduction_is_refused() -> None:
     for rank in _results()["inspect"]:
         assert "already connected to a data-parallel step" in rank["again"], rank["again"]

@@ -203,6 +203,7 @@ def test_mutation_fails(name: str) -> None:
     assert _outcome(_results()[name]) != "PASS", f"the broken variant {name} still matches one process"
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_fsdp2_shards_the_tp_shard_again_on_dim_0() -> None:
     """FSDP2 + TP: a column-parallel weight is S(0) on tp then S(0) on dp (this rank's rows of its TP rows), a
     row-parallel one S(1) on tp then S(0) on dp -- the local shard cut again on its dim 0, as ``fully_shard``
@@ -225,6 +226,7 @@ def test_zero_2_with_a_pipeline_is_refused_with_the_reason() -> None:
         ParallelConfig(MeshShape(dp=2, pp=2), zero_stage=2).validate(CFG, global_batch=8)
 
 
+@pytest.mark.slow  # reads the module's 4-rank launch: make test, not make test-fast
 def test_a_config_for_another_mesh_is_refused_with_the_fix() -> None:
     for rank, message in enumerate(_results()["mismatch"]):
         assert message.startswith(f"rank {rank}: parallelize got a ParallelConfig for "), message

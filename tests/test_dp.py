@@ -320,6 +320,7 @@ def test_global_batch_arithmetic():
 # Communication: counts and bytes
 
 
+@pytest.mark.slow  # the 4-rank launch: make test, not make test-fast
 def test_naive_reduces_each_parameter_once_and_sends_2_n_minus_1_over_n(special_runs):
     n = len(special_runs)
     sizes = _grad_sizes(GPT(CFG))
@@ -333,6 +334,7 @@ def test_naive_reduces_each_parameter_once_and_sends_2_n_minus_1_over_n(special_
             assert res.step_comm[step] == records  # nothing else communicates during a step
 
 
+@pytest.mark.slow  # the 4-rank launch: make test, not make test-fast
 @pytest.mark.parametrize("bucket_mb", [0.0, 0.05, BUCKET_MB, 1000.0])
 def test_bucketed_sends_one_all_reduce_per_bucket(special_runs, bucket_mb):
     n = len(special_runs)
@@ -351,6 +353,7 @@ def test_bucketed_sends_one_all_reduce_per_bucket(special_runs, bucket_mb):
     print(f"bucket_mb={bucket_mb}: {len(expected)} buckets of {expected} bytes")
 
 
+@pytest.mark.slow  # the 4-rank launch: make test, not make test-fast
 def test_overlapped_launches_the_same_buckets_in_order(special_runs):
     expected = _expected_buckets(_grad_sizes(GPT(CFG)), BUCKET_MB)
     assert len(expected) == 4
@@ -361,6 +364,7 @@ def test_overlapped_launches_the_same_buckets_in_order(special_runs):
             assert res.timeline[step].micro_comm_calls == [len(expected)]
 
 
+@pytest.mark.slow  # the 4-rank launch: make test, not make test-fast
 def test_broadcast_gives_every_rank_the_weights_of_rank_0(special_runs):
     rank0 = copy_parameters(GPT(CFG, seed=100))
     for params, calls in (suite["broadcast"] for suite in special_runs):

@@ -42,6 +42,7 @@ def test_the_colleagues_paged_decode_passes_their_test_and_fails_past_one_block(
     assert not ch09.check_paged_decode(fx09.paged_blocks_reshaped_as_heads).ok
 
 
+@pytest.mark.slow  # a hang waited for: make test, not make test-fast
 def test_triage_names_the_culprit_not_the_victims_and_calls_bf16_noise_no_bug():
     """The issue's two wrong diagnoses: the ranks that only wait in a hang named as culprits; a bf16 run's distance
     from one process called a bug."""

@@ -449,7 +449,7 @@ def layers(request) -> tuple[int, list[dict]]:
     return request.param, _suite("layers", request.param)
 
 
-@pytest.fixture(params=[2, 4], ids=lambda n: f"tp{n}")
+@pytest.fixture(params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"tp{n}")  # tp4: not test-fast
 def models(request) -> tuple[int, list[dict]]:
     return request.param, _suite("models", request.param)
 
