@@ -169,8 +169,9 @@ browser-deps:
 test-notebooks: $(STAMP)
 	$(PY) -m pytest $(NBVAL) -n 2 --dist loadfile notebooks
 
-## The quick loop for every change (3-4 minutes on 2 cores, README): each module's unit tests and one parity test per
-## axis (marker `fast`); no slow multi-launch tests, no timing-sensitive lane, no browser, no notebooks.
+## The quick loop for every change (about 2.5 minutes on 2 cores, README): each module's unit tests and one parity
+## test per axis (marker `fast`); no slow multi-launch or 4-rank tests, no timing-sensitive lane, no browser, no
+## notebooks.
 test-fast: $(STAMP)
 	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests $(XDIST) -q -m "fast or not (slow or parity or serial or browser)",fast)
 
