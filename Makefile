@@ -7,7 +7,6 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 8888
-NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
 # More options for `jupyter lab` (e.g. LAB_ARGS=--no-browser); root gets --allow-root (Docker, WSL, cloud VMs).
 LAB_ARGS ?=
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
@@ -104,9 +103,9 @@ my-copy: $(STAMP)
 ## notebook (nbval). This is what CI runs; `make test-fast` is the quick loop. Two lanes side by side: the parallel
 ## one (two pytest-xdist workers: the library and the grader), and the other lane's targets one after the other:
 ## the tests marked `serial` first (timing-sensitive: hang reports, stragglers, grading time limits, launcher kills
-## and faults, under the load the parallel lane makes), then the generic-kernel lane and the browser. Each lane's
-## output is printed whole when it ends; every target of the second lane runs even if one before failed. Then the
-## notebooks, alone (a notebook's kernel once died at its start beside the parallel lane).
+## and faults, under the load the parallel lane makes), then the generic-kernel lane, the browser and the notebooks
+## (nbval). Each lane's output is printed whole when it ends; every target of the second lane runs even if one before
+## failed.
 # One OpenMP thread in every test process and what it starts (ranks, kernels, graders): the lanes run 3-4 pytest
 # processes and their ranks on 2 cores, where OpenMP's spinning threads burn the cores the others wait for (the
 # grader's wrong answers: 260 -> 232 core-s). Ranks and many tests set one thread already. Not for `make lab`.
@@ -121,11 +120,10 @@ $(TEST_TARGETS): export PYTHONDONTWRITEBYTECODE :=
 
 test: $(STAMP) lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside
-	@$(MAKE) --no-print-directory test-notebooks
 
 .PHONY: test-lane-beside
 test-lane-beside: $(STAMP)
-	@failed=""; for t in test-lib-serial test-parity-generic test-browser; do \
+	@failed=""; for t in test-lib-serial test-parity-generic test-browser test-notebooks; do \
 		$(MAKE) --no-print-directory $$t || failed="$$failed $$t"; done; \
 	test -z "$$failed" || { echo "failed:$$failed"; exit 1; }
 
@@ -166,6 +164,9 @@ browser-deps:
 	fi
 
 ## Every chapter under nbval, two notebooks at a time (each notebook whole on one worker: its cells share a kernel).
+## The kernels talk over Unix sockets, not TCP ports that gloo's connections could take first (tests/nbval_ipc.py).
+NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider \
+	-p tests.nbval_ipc
 test-notebooks: $(STAMP)
 	$(PY) -m pytest $(NBVAL) -n 2 --dist loadfile notebooks
 
