@@ -104,8 +104,8 @@ my-copy: $(STAMP)
 ## one (two pytest-xdist workers: the library and the grader), and the other lane's targets one after the other:
 ## the tests marked `serial` first (timing-sensitive: hang reports, stragglers, grading time limits, launcher kills
 ## and faults, under the load the parallel lane makes), then the generic-kernel lane, the browser and the notebooks
-## (nbval). Each lane's output is printed whole when it ends; every target of the second lane runs even if one before
-## failed.
+## (nbval; a few notebooks run in the parallel lane's tail instead: NB_PARALLEL). Each lane's output is printed whole
+## when it ends; every target of the second lane runs even if one before failed.
 # One OpenMP thread in every test process and what it starts (ranks, kernels, graders): the lanes run 3-4 pytest
 # processes and their ranks on 2 cores, where OpenMP's spinning threads burn the cores the others wait for (the
 # grader's wrong answers: 260 -> 232 core-s). Ranks and many tests set one thread already. Not for `make lab`.
@@ -118,8 +118,13 @@ $(TEST_TARGETS): export OMP_NUM_THREADS := $(TEST_THREADS)
 # collection: 20 -> 12 s per pytest process).
 $(TEST_TARGETS): export PYTHONDONTWRITEBYTECODE :=
 
+# make test balances its lanes with the notebooks: nbval runs these in the parallel lane's tail (its pytest-xdist
+# workers take them as they come free), the others at the end of the lane beside it (CI on 2 cores: the lanes took
+# 990 s and 1116 s with every notebook beside).
+NB_PARALLEL := notebooks/08_composing_4d.ipynb notebooks/09_serving.ipynb notebooks/11_debugging.ipynb
+
 test: $(STAMP) lint
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside NB_SPLIT=yes
 
 .PHONY: test-lane-beside
 test-lane-beside: $(STAMP)
@@ -133,7 +138,8 @@ test-lib: $(STAMP)
 
 .PHONY: test-lib-parallel test-lib-serial
 test-lib-parallel: $(STAMP)
-	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests $(XDIST) $(DURATIONS) -m "not browser and not serial",parallel)
+	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests $(if $(NB_SPLIT),$(NBVAL) $(NB_PARALLEL)) $(XDIST) $(DURATIONS) \
+		-m "not browser and not serial",parallel)
 
 test-lib-serial: $(STAMP)
 	$(call PYTEST_TO_THE_END,$(PY) -m pytest tests -p no:xdist $(DURATIONS) -m "serial and not browser",serial)
@@ -168,7 +174,8 @@ browser-deps:
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider \
 	-p tests.nbval_ipc
 test-notebooks: $(STAMP)
-	$(PY) -m pytest $(NBVAL) -n 2 --dist loadfile notebooks
+	$(PY) -m pytest $(NBVAL) -n 2 --dist loadfile \
+		$(if $(NB_SPLIT),$(filter-out $(NB_PARALLEL),$(sort $(wildcard notebooks/*.ipynb))),notebooks)
 
 ## The quick loop for every change (about 2.5 minutes on 2 cores, README): each module's unit tests and one parity
 ## test per axis (marker `fast`); no slow multi-launch or 4-rank tests, no timing-sensitive lane, no browser, no
