@@ -45,8 +45,12 @@ def _noop(rank: int, world_size: int) -> int:
 #    burning CPU, because each rank held the forkserver's "alive" pipe).
 
 CALLER = """
-import os, sys
+import os, signal, sys
 from course_lib.runtime.launch import launch
+
+# Ctrl-C's KeyboardInterrupt, as in a terminal: a shell's background job (a CI script's `&`) starts with SIGINT
+# ignored, and Python then keeps ignoring it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def spin(rank, world_size, where):
     open(os.path.join(where, f"rank{rank}.pid"), "w").write(str(os.getpid()))
