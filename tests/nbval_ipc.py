@@ -1,10 +1,10 @@
-"""A pytest plugin for nbval (``make test-notebooks`` loads it): each notebook's kernel talks to pytest over Unix
-sockets in Jupyter's runtime folder instead of five TCP ports of 127.0.0.1.
+"""A pytest plugin for nbval (``make test-notebooks`` and ``make test``'s parallel lane load it): each notebook's
+kernel talks to pytest over Unix sockets in Jupyter's runtime folder instead of five TCP ports of 127.0.0.1.
 
 Why: jupyter_client picks a kernel's ports by binding port 0 and closing the socket; the kernel binds them a second
 or more later. Beside the library's tests, thousands of gloo connections take ephemeral ports of the same range in
-that moment, and a kernel that finds its port taken dies before replying to ``kernel_info`` (seen once in CI). A
-socket file named after a fresh UUID cannot be taken by anyone else."""
+that moment: a kernel that finds its port taken dies before replying to ``kernel_info`` (the likely cause of the
+one such death seen in CI; not reproduced). A socket file named after a fresh UUID cannot be taken by anyone else."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ class IpcKernelManager(KernelManager):
 
     @default("connection_file")
     def _connection_file_default(self) -> str:
-        os.makedirs(jupyter_runtime_dir(), exist_ok=True)
-        return os.path.join(jupyter_runtime_dir(), f"kernel-nbval-{uuid.uuid4()}.json")
+        folder = jupyter_runtime_dir()
+        os.makedirs(folder, exist_ok=True)
+        return os.path.join(folder, f"kernel-nbval-{uuid.uuid4()}.json")
 
 
 nbval.kernel.KernelManager = IpcKernelManager
