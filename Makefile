@@ -122,8 +122,13 @@ $(TEST_TARGETS): export PYTHONDONTWRITEBYTECODE :=
 # workers take them as they come free), the others at the end of the lane beside it (CI on 2 cores: the lanes took
 # 990 s and 1116 s with every notebook beside).
 NB_PARALLEL := notebooks/08_composing_4d.ipynb notebooks/09_serving.ipynb notebooks/11_debugging.ipynb
-
-test: $(STAMP) lint
+# Set-up and Debian's chromium (apt-get, as root on a fresh machine: ~35 s of download and unpacking) side by side,
+# before the lanes: neither then holds up a lane. Chromium's install failing stops nothing here (test-browser tries
+# again and fails with its error); set-up failing stops `make test`.
+test:
+	@$(MAKE) --no-print-directory -k -j2 --output-sync=target $(STAMP) browser-deps || \
+		$(MAKE) --no-print-directory $(STAMP)
+	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-lib-parallel test-lane-beside NB_SPLIT=yes
 
 .PHONY: test-lane-beside

@@ -301,6 +301,6 @@ def test_an_isolated_cell_past_its_time_limit_is_interrupted_and_grading_goes_on
     group): the loop costs its cell only."""
     path = tmp_path / "00_loop.ipynb"
     nbformat.write(_with_cell(SOLUTION, "while True:\n    pass"), path)
-    report = grader.grade_notebook(path, timeout=200, cell_timeout=15,
+    report = grader.grade_notebook(path, timeout=200, cell_timeout=10,  # 10 s: as test_grading.py's loop
                                    isolated=grader.isolation_for(True, [tmp_path], default=True))
     assert report.points == report.max_points == 12, report.table()

@@ -139,6 +139,8 @@ def test_the_makefile_has_the_learners_targets_only(out):
     for target in ("test", "handout", "site", "lint", "test-notebooks"):
         proc = _make(out, "-n", target)
         assert proc.returncode != 0 and "No rule to make target" in proc.stderr, target
+    makefile = (out / "Makefile").read_text()
+    assert "NB_PARALLEL" not in makefile and "NBVAL" not in makefile, "a test lane's setting left behind"
     proc = _make(out, "exercises")  # not the course's (it needs solutions/), and not silent
     assert proc.returncode == 0 and "make my-copy" in proc.stdout
     assert _make(out, "torch-plan", "PIP_TORCH=2.13.0+cpu").stdout.strip() == "pip-default"
